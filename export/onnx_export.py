@@ -1,0 +1,106 @@
+"""torch -> ONNX of the reference decoder with its fixed-capacity KV cache.
+
+The graph's decode-step contract (one graph serves prefill and decode):
+
+    inputs   input_ids   int64 [batch, seq]          tokens to run
+             position    int64 [batch]               cache slot of each sequence's first token
+             key_{i}     float [batch, H, S_max, D]  layer i key cache   (i = 0 .. n_layer-1)
+             value_{i}   float [batch, H, S_max, D]  layer i value cache
+    outputs  logits      float [batch, seq, vocab]
+             present_key_{i}, present_value_{i}      the caches with the new tokens written
+
+The cache write is one opset-24 TensorScatter per cache (axis -2, linear mode):
+bind one buffer as both key_i and present_key_i and ONNX Runtime / TensorRT
+update it in place. torch's own exporter would lower the write to
+Transpose + ScatterND + Transpose (a full copy per step), hence the custom op
+(models/kv_cache.py) and its translation below (shared/design/METHOD.md s. 4).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+from onnxscript.onnx_opset import opset24 as op
+
+from models.decoder import Decoder
+
+OPSET = 24
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+# model-level metadata that graph passes and runtimes read back (all values are strings)
+META_PREFIX = "tapernorm."
+
+
+def cache_write_onnx(cache, update, pos):
+    return op.TensorScatter(cache, update, pos, axis=-2)
+
+
+def io_names(n_layer: int) -> tuple[list[str], list[str]]:
+    caches = [n for i in range(n_layer) for n in (f"key_{i}", f"value_{i}")]
+    return ["input_ids", "position", *caches], ["logits", *(f"present_{n}" for n in caches)]
+
+
+class _DecodeStep(torch.nn.Module):
+    """Flat-argument wrapper: (input_ids, position, caches) -> (logits, caches)."""
+
+    def __init__(self, model: Decoder):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position, cache):
+        logits, new_cache = self.model(input_ids, position, list(cache))
+        return logits, tuple(new_cache)
+
+
+def example_inputs(model: Decoder, batch: int = 2, seq: int = 3, dtype=torch.float32):
+    # sizes other than 0 and 1, or torch.export specializes those dimensions
+    cfg = model.cfg
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    position = torch.zeros(batch, dtype=torch.long)
+    cache = tuple(cfg.cache_layout().allocate(batch, dtype=dtype))
+    return ids, position, cache
+
+
+def model_metadata(model: Decoder, dtype: str) -> dict[str, str]:
+    cfg = model.cfg
+    meta = {"norm": cfg.norm, "taper_scope": str(cfg.taper_scope), "dtype": dtype,
+            "n_layer": str(cfg.n_layer), "n_head": str(cfg.n_head), "head_dim": str(cfg.head_dim),
+            "capacity": str(cfg.max_seq_len), "vocab_size": str(cfg.vocab_size),
+            "tie_embeddings": str(cfg.tie_embeddings).lower()}
+    if cfg.norm == "taper":
+        meta["gate"] = repr(model.gate.value)
+        meta["taper_layers"] = ",".join(model.taper_layers())
+    return {META_PREFIX + k: v for k, v in meta.items()}
+
+
+def export_onnx(model: Decoder, path: str | Path, dtype: str = "fp32", verbose: bool = False) -> onnx.ModelProto:
+    """Export `model` (not modified) to `path` and return the ONNX model."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; expected one of {', '.join(DTYPES)}")
+    model = model.eval()
+    torch_dtype = DTYPES[dtype]
+    if torch_dtype != torch.float32:
+        import copy
+        model = copy.deepcopy(model).to(torch_dtype)
+    inputs = example_inputs(model, dtype=torch_dtype)
+    batch, seq = torch.export.Dim("batch", min=1), torch.export.Dim("seq", min=1, max=model.cfg.max_seq_len)
+    dynamic_shapes = {"input_ids": {0: batch, 1: seq}, "position": {0: batch},
+                      "cache": tuple(({0: batch}, {0: batch}) for _ in range(model.cfg.n_layer))}
+    in_names, out_names = io_names(model.cfg.n_layer)
+    # the exporter prints its own progress lines; keep them unless asked
+    quiet = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())
+    with warnings.catch_warnings(), quiet:
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            _DecodeStep(model), inputs, dynamo=True, opset_version=OPSET,
+            dynamic_shapes=dynamic_shapes, input_names=in_names, output_names=out_names,
+            custom_translation_table={torch.ops.tapernorm.cache_write.default: cache_write_onnx},
+            verbose=verbose)
+    proto = program.model_proto
+    for k, v in model_metadata(model, dtype).items():
+        proto.metadata_props.add(key=k, value=v)
+    onnx.save(proto, str(path))
+    return proto
