@@ -126,10 +126,10 @@ class TaperNorm(nn.Module):
     # --- calibration --------------------------------------------------------
 
     def _normalized_without_bias(self, h: torch.Tensor) -> torch.Tensor:
-        d = (h.shape[-1],)
+        d, w = (h.shape[-1],), self.weight.detach().to(h.dtype)
         if self.base == "rms":
-            return F.rms_norm(h, d, self.weight, self.eps)
-        return F.layer_norm(h, d, self.weight, None, self.eps)
+            return F.rms_norm(h, d, w, self.eps)
+        return F.layer_norm(h, d, w, None, self.eps)
 
     @torch.no_grad()
     def calibration_terms(self, h: torch.Tensor) -> tuple[float, float]:
@@ -140,8 +140,8 @@ class TaperNorm(nn.Module):
         which for the RMS base is E[||gamma h||^2 / r(h)] / E[||gamma h||^2].
         Accumulate over calibration batches, then call `set_calibration`.
         """
-        h = h.detach().double()
-        target = self._normalized_without_bias(h.to(self.weight.dtype)).double()
+        h = h.detach().double()  # float64 sums: calibration sets c once, make it exact
+        target = self._normalized_without_bias(h)
         lin = h * self.weight.detach().double()
         return float((target * lin).sum()), float((lin * lin).sum())
 

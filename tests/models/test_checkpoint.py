@@ -1,0 +1,114 @@
+"""Checkpoint round trip is exact; every kind of bad checkpoint gives one clear line and a non-zero exit."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from models.checkpoint import CheckpointError, load_checkpoint, main
+from tests.helpers import random_model, write_checkpoint
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(norm="taper", taper_scope="internal", gate=0.0),
+    dict(norm="taper", taper_scope="all", taper_base="ln", taper_affine=True, gate=0.4, tie_embeddings=False),
+    dict(norm="dyt"),
+    dict(norm="layernorm", mlp="swiglu"),
+])
+def test_round_trip_is_exact(tmp_path, overrides):
+    model = random_model(**overrides)
+    write_checkpoint(tmp_path / "ckpt", model)
+    loaded = load_checkpoint(tmp_path / "ckpt")
+    assert loaded.cfg == model.cfg
+    assert loaded.gate.value == model.gate.value
+    assert loaded.taper_c() == model.taper_c()
+    a, b = model.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    if model.cfg.tie_embeddings:
+        assert loaded.lm_head.weight is loaded.wte.weight
+    ids = torch.randint(0, 320, (2, 6))
+    with torch.no_grad():
+        assert torch.equal(model(ids), loaded(ids))
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    return write_checkpoint(tmp_path / "ckpt", random_model(norm="taper", taper_scope="internal", gate=0.0))
+
+
+def edit_config(ckpt, **changes):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.update(changes)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+
+
+def edit_weight(ckpt, name, fn):
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    tensors[name] = fn(tensors[name])
+    save_file(tensors, str(ckpt / "model.safetensors"))
+
+
+def nan_first(t):
+    t = t.clone()
+    t.view(-1)[0] = float("nan")
+    return t
+
+
+def inf_last(t):
+    t = t.clone()
+    t.view(-1)[-1] = float("inf")
+    return t
+
+
+BAD = {
+    "missing config": (lambda c: (c / "config.json").unlink(), r"config\.json: missing"),
+    "missing weights": (lambda c: (c / "model.safetensors").unlink(), r"model\.safetensors: missing"),
+    "missing tokenizer": (lambda c: (c / "tokenizer.json").unlink(), r"tokenizer\.json: missing"),
+    "invalid json": (lambda c: (c / "config.json").write_text('{"norm": "taper",'), r"config\.json: not valid JSON"),
+    "unknown norm": (lambda c: edit_config(c, norm="batchnorm"), r"config\.json: field norm = 'batchnorm'; expected one of"),
+    "gate above 1": (lambda c: edit_config(c, gate=1.5), r"config\.json: field 'gate' is 1\.5; expected a number in \[0, 1\]"),
+    "gate below 0": (lambda c: edit_config(c, gate=-0.1), r"field 'gate' is -0\.1"),
+    "shape mismatch": (lambda c: edit_config(c, d_model=64), r"tensor '.*' has shape \[.*\]; config\.json implies"),
+    "nan weight": (lambda c: edit_weight(c, "blocks.0.attn.q_proj.weight", nan_first), r"'blocks\.0\.attn\.q_proj\.weight' contains NaN or Inf"),
+    "inf weight": (lambda c: edit_weight(c, "wte.weight", inf_last), r"'wte\.weight' contains NaN or Inf"),
+    "corrupt safetensors": (lambda c: (c / "model.safetensors").write_bytes(b"\x00garbage"), r"not a readable safetensors file"),
+    "missing taper c": (lambda c: edit_config(c, taper_c={}), r"field 'taper_c' has layers"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_checkpoint_one_clear_line(ckpt, case, capsys):
+    damage, pattern = BAD[case]
+    damage(ckpt)
+    with pytest.raises(CheckpointError, match=pattern):
+        load_checkpoint(ckpt)
+    assert main([str(ckpt)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+
+
+def test_cli_exit_codes(ckpt):
+    ok = subprocess.run([sys.executable, "-m", "models.checkpoint", str(ckpt)], capture_output=True, text=True)
+    assert ok.returncode == 0 and "ok: taper (internal), gate 0.0" in ok.stdout
+    (ckpt / "config.json").write_text("not json")
+    bad = subprocess.run([sys.executable, "-m", "models.checkpoint", str(ckpt)], capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+def test_failed_save_leaves_previous_checkpoint_intact(ckpt, monkeypatch):
+    import models.checkpoint as mc
+    before = (ckpt / "model.safetensors").read_bytes()
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+    monkeypatch.setattr(mc.shutil, "copyfile", boom)
+    with pytest.raises(OSError):
+        mc.save_checkpoint(random_model(seed=5), ckpt, ckpt / "tokenizer.json")
+    assert (ckpt / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in ckpt.parent.iterdir() if p.name.startswith(".ckpt.") and p.is_dir()) == []
+    load_checkpoint(ckpt)
