@@ -1,0 +1,245 @@
+"""Token generation over any DecoderSession, in named steps over the session's preallocated cache.
+
+    prefill          prompts of different lengths, RIGHT-padded to T = max length, all at
+                     position 0; the next-token logits of prompt b are at index len_b - 1
+    decode_one_token tokens [B] at position[b] = len_b + step -> logits [B, V]
+    decode_n_tokens  the loop: sample, stop tokens, per-step timing
+    generate         capacity check, reset, prefill, decode_n_tokens
+
+Why right padding works without an attention-mask input: the graph lets query t of
+sequence b see cache slots j <= position[b] + t. During prefill prompt b's real
+tokens (t < len_b) never see the padded slots j >= len_b; the padding written there
+is overwritten by decode step k (slot len_b + k) before any query can see it.
+
+    python -m runtime.generate --model build/dyt --prompt "Once upon a time" --max-new-tokens 64
+    python -m runtime.generate --model models/zoo/dyt --backend torch --batch-file prompts.txt
+
+prints the generated text on stdout (one line per prompt, newlines escaped as \\n in
+batch mode) and TTFT, TPOT (p50/p90) and tokens/s on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runtime.sampling import SamplingConfig, sample
+from runtime.session import CapacityError, DecoderSession, RuntimeUserError
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 32
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    seed: int = 0
+    stop_tokens: tuple[int, ...] = ()
+    keep_logits: bool = False      # keep a copy of each step's logits [B, V] (tests, debugging)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]        # new tokens per prompt, a stop token included, nothing after it
+    prompt_lengths: list[int]
+    ttft_s: float                  # prefill + first token selection
+    step_s: list[float]            # each decode step (decode_one_token + sampling)
+    total_s: float
+    logits: list[np.ndarray] = field(default_factory=list)   # [B, V] per new token, with keep_logits
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    def tpot_s(self, q: float = 50) -> float:
+        return float(np.percentile(self.step_s, q)) if self.step_s else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else float("nan")
+
+    def metrics_line(self) -> str:
+        b = len(self.tokens)
+        return (f"batch {b}, prompt {max(self.prompt_lengths)} tokens (max), {self.new_tokens} new tokens: "
+                f"TTFT {self.ttft_s * 1e3:.2f} ms, TPOT p50 {self.tpot_s(50) * 1e3:.3f} ms "
+                f"p90 {self.tpot_s(90) * 1e3:.3f} ms, {self.tokens_per_s:.1f} tokens/s")
+
+
+def check_capacity(capacity: int, prompt_lengths: list[int], max_new_tokens: int) -> None:
+    """Prompt plus new tokens must fit the cache: len_b + max_new_tokens <= capacity."""
+    if not prompt_lengths or min(prompt_lengths) < 1:
+        raise CapacityError("prompt: expected at least one token, found an empty prompt; give some text")
+    longest = max(prompt_lengths)
+    if longest > capacity:
+        raise CapacityError(f"prompt: expected at most {capacity} tokens (the cache capacity), found {longest}; "
+                            "shorten the prompt or export with a larger max_seq_len")
+    if max_new_tokens < 1:
+        raise CapacityError(f"max-new-tokens: expected >= 1, found {max_new_tokens}; ask for at least one token")
+    if longest + max_new_tokens > capacity:
+        raise CapacityError(f"max-new-tokens: expected prompt + new tokens <= {capacity} (the cache capacity), "
+                            f"found {longest} + {max_new_tokens}; use --max-new-tokens {capacity - longest} or less")
+
+
+def pad_right(prompts: list[list[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """input_ids int64 [B, T_max] right-padded with pad_id, and lengths int64 [B]."""
+    lengths = np.array([len(p) for p in prompts], np.int64)
+    ids = np.full((len(prompts), int(lengths.max())), pad_id, np.int64)                      # [B, T]
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)] = p
+    return ids, lengths
+
+
+def prefill(session: DecoderSession, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Run all prompts at position 0; next-token logits [B, V] and prompt lengths [B]."""
+    ids, lengths = pad_right(prompts)
+    logits = session.prefill(ids, np.zeros(len(prompts), np.int64))                          # [B, T, V]
+    return logits[np.arange(len(prompts)), lengths - 1], lengths
+
+
+def decode_one_token(session: DecoderSession, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
+    """Write tokens [B] at position [B]; logits [B, V] for the token after each."""
+    return session.decode_step(tokens, position)
+
+
+def decode_n_tokens(session: DecoderSession, first: np.ndarray, lengths: np.ndarray, n: int,
+                    config: GenerationConfig, rng: np.random.Generator, result: GenerationResult) -> None:
+    """Feed `first` and n - 1 more tokens; appends to result.tokens / step_s / logits."""
+    stop = np.array(config.stop_tokens, np.int64)
+    done = np.isin(first, stop)
+    tokens = first
+    for step in range(n - 1):
+        if done.all():
+            break
+        t0 = time.perf_counter()
+        logits = decode_one_token(session, tokens, lengths + step)
+        tokens = sample(logits, config.sampling, rng)
+        result.step_s.append(time.perf_counter() - t0)
+        if config.keep_logits:
+            result.logits.append(logits.copy())
+        for b in np.flatnonzero(~done):
+            result.tokens[b].append(int(tokens[b]))
+        done |= np.isin(tokens, stop)
+
+
+def generate(session: DecoderSession, prompts: list[list[int]], config: GenerationConfig) -> GenerationResult:
+    """New tokens for each prompt; the session must be active. Seeded: reproducible."""
+    config.sampling.validate()
+    lengths = [len(p) for p in prompts]
+    check_capacity(session.spec.capacity, lengths, config.max_new_tokens)
+    rng = np.random.default_rng(config.seed)
+    session.reset(len(prompts))
+    t0 = time.perf_counter()
+    logits, lens = prefill(session, prompts)
+    first = sample(logits, config.sampling, rng)
+    ttft = time.perf_counter() - t0
+    result = GenerationResult(tokens=[[int(t)] for t in first], prompt_lengths=lengths, ttft_s=ttft, step_s=[], total_s=0.0)
+    if config.keep_logits:
+        result.logits.append(logits.copy())
+    decode_n_tokens(session, first, lens, config.max_new_tokens, config, rng, result)
+    result.total_s = time.perf_counter() - t0
+    return result
+
+
+# --- CLI ----------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    from runtime.backends import BACKENDS
+    p = argparse.ArgumentParser(prog="python -m runtime.generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="build directory or .onnx file (ort, trt); checkpoint directory (torch)")
+    p.add_argument("--prompt", help="prompt text")
+    p.add_argument("--batch-file", help="file with one prompt per line, run as one batch")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--backend", choices=sorted(BACKENDS), default="ort")
+    p.add_argument("--device", help="cpu | cuda (ort also: tensorrt); default: the backend's")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=None,
+                   help="stop token (text of one token, or id:N); repeatable; default: <|endoftext|> if the tokenizer has it")
+    p.add_argument("--ignore-eos", action="store_true", help="no stop tokens: always generate --max-new-tokens")
+    p.add_argument("--compile", action="store_true", help="torch: torch.compile the forward")
+    return p
+
+
+def _load_tokenizer(backend: str, model: str):
+    if backend == "torch":
+        from models.checkpoint import CheckpointError, load_tokenizer
+        from pathlib import Path
+        if not (Path(model) / "tokenizer.json").is_file():
+            raise RuntimeUserError(f"{Path(model) / 'tokenizer.json'}: expected the checkpoint's tokenizer, found no file; "
+                                   "--backend torch needs a checkpoint directory")
+        try:
+            return load_tokenizer(model)
+        except CheckpointError as e:
+            raise RuntimeUserError(str(e)) from None
+    from runtime.model_files import load_tokenizer
+    return load_tokenizer(model)
+
+
+def _stop_tokens(tok, args) -> tuple[int, ...]:
+    if args.ignore_eos:
+        return ()
+    if args.stop is None:
+        eos = tok.token_to_id("<|endoftext|>")
+        return () if eos is None else (eos,)
+    ids = []
+    for s in args.stop:
+        i = int(s[3:]) if s.startswith("id:") else tok.token_to_id(s)
+        if i is None:
+            raise RuntimeUserError(f"--stop {s!r}: expected one token of the tokenizer (or id:N), found none; pick another")
+        ids.append(i)
+    return tuple(ids)
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from runtime.backends import open_session
+    if (args.prompt is None) == (args.batch_file is None):
+        raise RuntimeUserError("prompt: expected exactly one of --prompt TEXT or --batch-file F, found "
+                               + ("both" if args.prompt is not None else "neither") + "; pass one")
+    if args.batch_file is not None:
+        try:
+            with open(args.batch_file, encoding="utf-8") as f:
+                texts = [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            raise RuntimeUserError(f"{args.batch_file}: expected a readable file of prompts, found {e.strerror}; check the path") from None
+        if not texts:
+            raise RuntimeUserError(f"{args.batch_file}: expected one prompt per line, found no prompts; add some")
+    else:
+        texts = [args.prompt]
+    options = {"compile": True} if args.compile and args.backend == "torch" else {}
+    session = open_session(args.backend, args.model, device=args.device, **options)
+    with session:                      # activate first: a bad model file is reported before anything else
+        tok = _load_tokenizer(args.backend, args.model)
+        prompts = [tok.encode(t).ids for t in texts]
+        config = GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed,
+                                  sampling=SamplingConfig(args.temperature, args.top_k, args.top_p),
+                                  stop_tokens=_stop_tokens(tok, args))
+        try:
+            config.sampling.validate()
+        except ValueError as e:
+            raise RuntimeUserError(f"sampling: {e}; fix the option") from None
+        check_capacity(session.spec.capacity, [len(p) for p in prompts], args.max_new_tokens)
+        result = generate(session, prompts, config)
+    stop = set(config.stop_tokens)
+    for new in result.tokens:
+        text = tok.decode([t for t in new if t not in stop])
+        print(text.replace("\\", "\\\\").replace("\n", "\\n") if len(texts) > 1 else text)
+    print(f"{args.backend}: {result.metrics_line()}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(argv)
+    except RuntimeUserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

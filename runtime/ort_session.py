@@ -1,0 +1,158 @@
+"""ONNX Runtime backend: the KV cache bound once with IO binding and updated in place.
+
+Each cache is one OrtValue bound as both key_i (input) and present_key_i (output).
+The graph writes it with TensorScatter, which ONNX Runtime runs in place exactly
+when input and output are the same OrtValue (otherwise it logs "in-place
+optimization not activated, copying past_cache to present_cache" and copies the
+whole cache every step). A decode step then only writes the B tokens and B
+positions into preallocated buffers and calls run_with_iobinding: no cache copy,
+no allocation that grows with the sequence.
+
+    CPU:  input_ids [B, 1], position [B] and logits [B, 1, V] are numpy arrays that
+          their OrtValues wrap without a copy; the returned logits are a view.
+    CUDA: the same buffers live on the device; tokens and positions are copied in
+          with update_inplace, the logits [B, V] copied out.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from runtime.model_files import resolve_onnx, spec_from_io
+from runtime.session import DecoderSession, MissingExtraError, ModelFileError
+
+# provider name per --device; the CUDA and TensorRT providers come with onnxruntime-gpu
+PROVIDERS = {"cpu": ["CPUExecutionProvider"],
+             "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+             "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]}
+ORT_WARNING = 2  # session log severity: 0 verbose, 1 info, 2 warning (shows the in-place warning), 3 error
+
+
+class OrtSession(DecoderSession):
+    backend = "ort"
+
+    def __init__(self, model: str | Path, device: str = "cpu", intra_op_threads: int = 0,
+                 log_severity: int = ORT_WARNING, graph_optimization: str = "all"):
+        super().__init__()
+        if device not in PROVIDERS:
+            raise ValueError(f"device {device!r}; expected one of {', '.join(PROVIDERS)}")
+        self.path = resolve_onnx(model)
+        self.device = device
+        self.intra_op_threads = intra_op_threads
+        self.log_severity = log_severity
+        self.graph_optimization = graph_optimization
+        self.session = None
+        self.caches: dict[str, object] = {}   # key_i / value_i -> OrtValue [B, H, S_max, D]
+
+    # --- lifecycle ---------------------------------------------------------------
+
+    def _activate(self) -> None:
+        import onnxruntime as ort
+        providers = PROVIDERS[self.device]
+        if providers[0] not in ort.get_available_providers():
+            raise MissingExtraError(f"ort --device {self.device}", "gpu", f"onnxruntime {providers[0]}")
+        so = ort.SessionOptions()
+        so.log_severity_level = self.log_severity
+        so.intra_op_num_threads = self.intra_op_threads
+        so.graph_optimization_level = {
+            "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[self.graph_optimization]
+        try:
+            self.session = ort.InferenceSession(str(self.path), so, providers=providers)
+        except Exception as e:  # InvalidProtobuf, Fail, NotImplemented...: all mean an unusable file
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ModelFileError(f"{self.path}: expected a loadable ONNX model, found an error ({first}); "
+                                 "re-run python -m export.build") from None
+        self.spec = spec_from_io(self.path,
+                                 {i.name: (i.shape, i.type) for i in self.session.get_inputs()},
+                                 {o.name: (o.shape, o.type) for o in self.session.get_outputs()})
+        self._ort = ort
+        self._ort_device = "cpu" if self.device == "cpu" else "cuda"
+
+    def _deactivate(self) -> None:
+        self.binding = None
+        self.caches = {}
+        self.session = None
+
+    def _allocate(self, batch: int) -> None:
+        ort, dev, spec = self._ort, self._ort_device, self.spec
+        self.binding = self.session.io_binding()
+        self.caches = {}
+        zeros = np.zeros(spec.cache_shape(batch), spec.np_dtype)                              # [B, H, S_max, D]
+        for name in spec.cache_names():
+            if dev == "cpu":
+                value = ort.OrtValue.ortvalue_from_numpy(zeros.copy())   # wraps the array, no copy
+            else:
+                value = ort.OrtValue.ortvalue_from_shape_and_type(zeros.shape, spec.np_dtype, dev, 0)
+                value.update_inplace(zeros)
+            self.caches[name] = value
+            self.binding.bind_ortvalue_input(name, value)
+            self.binding.bind_ortvalue_output(f"present_{name}", value)      # same OrtValue: in place
+        # decode-step buffers, bound once
+        self._ids = np.zeros((batch, 1), np.int64)                                             # [B, 1]
+        self._pos = np.zeros(batch, np.int64)                                                  # [B]
+        self._logits = np.zeros((batch, 1, spec.vocab_size), spec.np_dtype)                    # [B, 1, V]
+        if dev == "cpu":
+            self._ids_ov = ort.OrtValue.ortvalue_from_numpy(self._ids)
+            self._pos_ov = ort.OrtValue.ortvalue_from_numpy(self._pos)
+            self._logits_ov = ort.OrtValue.ortvalue_from_numpy(self._logits)
+        else:
+            self._ids_ov = ort.OrtValue.ortvalue_from_shape_and_type(self._ids.shape, np.int64, dev, 0)
+            self._pos_ov = ort.OrtValue.ortvalue_from_shape_and_type(self._pos.shape, np.int64, dev, 0)
+            self._logits_ov = ort.OrtValue.ortvalue_from_shape_and_type(self._logits.shape, spec.np_dtype, dev, 0)
+        self._decode_bound = False
+
+    # --- steps -------------------------------------------------------------------
+
+    def _bind_decode(self) -> None:
+        self.binding.bind_ortvalue_input("input_ids", self._ids_ov)
+        self.binding.bind_ortvalue_input("position", self._pos_ov)
+        self.binding.bind_ortvalue_output("logits", self._logits_ov)
+        self._decode_bound = True
+
+    def _run_prefill(self, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
+        b, t = input_ids.shape
+        ort = self._ort
+        logits = np.empty((b, t, self.spec.vocab_size), self.spec.np_dtype)                    # [B, T, V]
+        if self._ort_device == "cpu":
+            self.binding.bind_ortvalue_input("input_ids", ort.OrtValue.ortvalue_from_numpy(input_ids))
+            self.binding.bind_ortvalue_input("position", ort.OrtValue.ortvalue_from_numpy(position))
+            self.binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
+            self.session.run_with_iobinding(self.binding)
+        else:
+            dev = self._ort_device
+            self.binding.bind_ortvalue_input("input_ids", ort.OrtValue.ortvalue_from_numpy(input_ids, dev, 0))
+            self.binding.bind_ortvalue_input("position", ort.OrtValue.ortvalue_from_numpy(position, dev, 0))
+            out = ort.OrtValue.ortvalue_from_shape_and_type(logits.shape, self.spec.np_dtype, dev, 0)
+            self.binding.bind_ortvalue_output("logits", out)
+            self.session.run_with_iobinding(self.binding)
+            logits = out.numpy()
+        self._decode_bound = False
+        return logits
+
+    def _run_decode(self, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
+        if not self._decode_bound:
+            self._bind_decode()
+        if self._ort_device == "cpu":
+            self._ids[:, 0] = tokens          # the bound OrtValues wrap these arrays
+            self._pos[:] = position
+            self.session.run_with_iobinding(self.binding)
+            return self._logits[:, 0]
+        self._ids[:, 0] = tokens
+        self._pos[:] = position
+        self._ids_ov.update_inplace(self._ids)
+        self._pos_ov.update_inplace(self._pos)
+        self.session.run_with_iobinding(self.binding)
+        return self._logits_ov.numpy()[:, 0]
+
+    # --- inspection (tests, docs) ---------------------------------------------------
+
+    def cache_ptrs(self) -> dict[str, int]:
+        """Device address of each bound cache; unchanged across steps when updated in place."""
+        return {n: v.data_ptr() for n, v in self.caches.items()}
+
+    def cache_array(self, name: str) -> np.ndarray:
+        """The cache's contents (a view of the bound buffer on CPU, a copy on CUDA)."""
+        return self.caches[name].numpy()

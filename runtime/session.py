@@ -1,0 +1,171 @@
+"""The decode-step contract every backend implements, its errors, and the model's shapes.
+
+A session runs one graph (ONNX Runtime, TensorRT) or module (PyTorch) that maps
+
+    (input_ids [B, T], position [B], cache) -> logits [B, T, V]   (cache written in place)
+
+where position[b] is the cache slot of sequence b's first new token and query t of
+sequence b attends to cache slots j <= position[b] + t. The cache is owned by the
+session, allocated once per batch size by `reset`, and never copied by a step.
+
+Lifecycle (Polygraphy's runner interface):
+
+    with OrtSession("build/dyt") as s:        # activate(): load, compile, read the spec
+        s.reset(batch=4)                      # allocate (or reuse) the [B, H, S_max, D] caches
+        logits = s.prefill(ids)               # ids [4, T] at position 0 -> [4, T, V]
+        logits = s.decode_step(tok, pos)      # tok [4], pos [4]          -> [4, V]
+                                              # deactivate() on exit: free the caches and session
+
+Returned logits arrays may be reused: they stay valid until the next call on the
+same session (copy them to keep them). All arrays are numpy on the host.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import numpy as np
+
+INSTALL_EXTRA = "pip install 'tapernorm-deploy[{extra}]'"
+
+
+class RuntimeUserError(Exception):
+    """A problem the user can fix; str(e) is one line: `<object>: <expected>, <found>; <fix>`."""
+
+
+class ModelFileError(RuntimeUserError):
+    """The model, engine or tokenizer file is missing, unreadable or not the decode-step contract."""
+
+
+class CapacityError(RuntimeUserError):
+    """A request does not fit the fixed-capacity KV cache."""
+
+
+class MissingExtraError(RuntimeUserError):
+    """A backend needs an optional dependency (an extra of tapernorm-deploy) that is not installed."""
+
+    def __init__(self, backend: str, extra: str, module: str):
+        self.backend, self.extra, self.module = backend, extra, module
+        super().__init__(f"backend {backend!r} needs the {extra} extra ({module} is not importable); "
+                         + INSTALL_EXTRA.format(extra=extra))
+
+
+class DeviceError(RuntimeUserError):
+    """A backend needs a device (CUDA) this machine does not have."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shapes of the decode-step contract: caches are [batch, n_head, capacity, head_dim]."""
+    n_layer: int
+    n_head: int
+    head_dim: int
+    capacity: int
+    vocab_size: int
+    dtype: str = "fp32"   # cache and logits dtype: fp32 | fp16
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype({"fp32": np.float32, "fp16": np.float16}[self.dtype])
+
+    def cache_shape(self, batch: int) -> tuple[int, int, int, int]:
+        return (batch, self.n_head, self.capacity, self.head_dim)
+
+    def cache_names(self) -> list[str]:
+        """key_0, value_0, key_1, ... in graph input order."""
+        return [n for i in range(self.n_layer) for n in (f"key_{i}", f"value_{i}")]
+
+    def cache_bytes(self, batch: int) -> int:
+        return 2 * self.n_layer * int(np.prod(self.cache_shape(batch))) * self.np_dtype.itemsize
+
+    @classmethod
+    def from_config(cls, cfg, dtype: str = "fp32") -> "ModelSpec":
+        """From a models.decoder.DecoderConfig."""
+        return cls(cfg.n_layer, cfg.n_head, cfg.head_dim, cfg.max_seq_len, cfg.vocab_size, dtype)
+
+
+class DecoderSession(abc.ABC):
+    """One decode-step contract over a backend; see the module docstring.
+
+    Subclasses implement `_activate`, `_deactivate`, `_allocate(batch)`, `_run_prefill`
+    and `_run_decode`; the checks that need no backend live here.
+    """
+
+    backend: str = "?"
+
+    def __init__(self) -> None:
+        self.spec: ModelSpec | None = None
+        self.batch: int = 0
+        self.is_active = False
+
+    # --- lifecycle ---------------------------------------------------------------
+
+    def activate(self) -> "DecoderSession":
+        if not self.is_active:
+            self._activate()
+            self.is_active = True
+        return self
+
+    def deactivate(self) -> None:
+        if self.is_active:
+            self._deactivate()
+            self.batch = 0
+            self.is_active = False
+
+    def __enter__(self) -> "DecoderSession":
+        return self.activate()
+
+    def __exit__(self, *exc) -> None:
+        self.deactivate()
+
+    def reset(self, batch: int) -> None:
+        """Prepare the caches for `batch` sequences. Buffers are reallocated only when the
+        batch size changes; old contents need no clearing (a slot is always written
+        before any query can see it)."""
+        if not self.is_active:
+            raise RuntimeError(f"{type(self).__name__}.reset: call activate() (or use `with`) first")
+        if batch < 1:
+            raise ValueError(f"batch is {batch}; expected >= 1")
+        if batch != self.batch:
+            self._allocate(batch)
+            self.batch = batch
+
+    # --- steps -------------------------------------------------------------------
+
+    def prefill(self, input_ids: np.ndarray, position: np.ndarray | None = None) -> np.ndarray:
+        """input_ids int64 [B, T] written at position (default 0) -> logits [B, T, V] (may be reused)."""
+        input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+        b, t = input_ids.shape
+        position = np.zeros(b, np.int64) if position is None else np.ascontiguousarray(position, dtype=np.int64)
+        self._check(b, t, position)
+        return self._run_prefill(input_ids, position)
+
+    def decode_step(self, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
+        """tokens int64 [B] written at position [B] -> next-token logits [B, V] (may be reused)."""
+        self._check(len(tokens), 1, position)
+        return self._run_decode(tokens, position)
+
+    def _check(self, b: int, t: int, position: np.ndarray) -> None:
+        if b != self.batch:
+            raise ValueError(f"{self.backend} session: batch {b} given, the cache holds {self.batch}; call reset({b}) first")
+        last = int(position.max()) + t
+        if int(position.min()) < 0 or last > self.spec.capacity:
+            raise CapacityError(f"{self.backend} session: positions + {t} tokens must lie in [0, {self.spec.capacity}] "
+                                f"(the cache capacity), found up to {last}; start a new sequence with reset()")
+
+    # --- backend hooks -----------------------------------------------------------
+
+    @abc.abstractmethod
+    def _activate(self) -> None: ...
+
+    @abc.abstractmethod
+    def _deactivate(self) -> None: ...
+
+    @abc.abstractmethod
+    def _allocate(self, batch: int) -> None: ...
+
+    @abc.abstractmethod
+    def _run_prefill(self, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray: ...
+
+    @abc.abstractmethod
+    def _run_decode(self, tokens: np.ndarray, position: np.ndarray) -> np.ndarray: ...
