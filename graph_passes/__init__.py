@@ -1,0 +1,10 @@
+"""ONNX graph passes: fold TaperNorm / norm / DyT scales into linear weights; TensorRT lint.
+
+    python -m graph_passes IN.onnx -o OUT.onnx [--passes a,b,...] [--strict]
+
+graph_passes depends on onnx, onnx-graphsurgeon and numpy only (never torch).
+"""
+from graph_passes.base import GraphPass, PassError, PassResult
+from graph_passes.registry import DEFAULT_PASSES, PASSES, run_passes
+
+__all__ = ["GraphPass", "PassError", "PassResult", "PASSES", "DEFAULT_PASSES", "run_passes"]

@@ -1,0 +1,265 @@
+"""Export validation: run torch and ONNX Runtime (or two ONNX graphs) on the same
+decode session and compare every output.
+
+A session is a prefill of a few tokens followed by several one-token decode
+steps, the present caches of each step fed back as the next step's past (the
+runtime's contract, export/onnx_export.py). Every output of every step is
+compared (logits and each present_key_i / present_value_i); each failure is
+collected and one VerificationError lists them all:
+
+    export verification failed (fused vs torch, random tokens):
+    - logits: max abs diff 3e-3 > atol 1e-4
+    - present_key_1: max abs diff ...
+
+    python -m export.verify A.onnx B.onnx   # exit 0: same outputs; 1: not; 2: error
+
+ONNX Runtime runs with graph optimizations off (ORT_DISABLE_ALL), so what is
+compared is the graph as written, not what ORT's own fusions make of it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+# Per-dtype absolute tolerances. fp32: the fold only reorders a per-channel
+# product (x*s)@W vs x@(sW), a few ulp per MatMul; 1e-4 on logits leaves room for
+# depth while catching any real error (a wrong scale moves logits by >1e-2).
+# fp16 has a 2^-11 relative step; logits of O(1..10) pass through 10-20 fp16
+# MatMuls with different accumulation order in torch and ORT.
+ATOL_FP32 = 1e-4
+ATOL_FP16 = 5e-2
+ATOL = {"fp32": ATOL_FP32, "fp16": ATOL_FP16}
+NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+ONNX_DTYPES = {onnx.TensorProto.FLOAT: "fp32", onnx.TensorProto.FLOAT16: "fp16"}
+
+
+class VerificationError(AssertionError):
+    """Outputs that disagree beyond tolerance; `mismatches` holds one line per output."""
+
+    def __init__(self, what: str, mismatches: list[str]):
+        self.what, self.mismatches = what, mismatches
+        super().__init__(f"export verification failed ({what}):\n" + "\n".join(f"- {m}" for m in mismatches))
+
+
+@dataclass(frozen=True)
+class Interface:
+    """The decode-step contract of one graph, read from the graph itself."""
+    inputs: tuple[tuple[str, str, tuple], ...]    # (name, elem type, shape with symbolic dims as str)
+    outputs: tuple[tuple[str, str, tuple], ...]
+    n_layer: int
+    n_head: int
+    capacity: int
+    head_dim: int
+    vocab_size: int
+    dtype: str
+
+    @property
+    def cache_names(self) -> list[str]:
+        return [n for n, _, _ in self.inputs if n.startswith(("key_", "value_"))]
+
+
+def _vi(v) -> tuple[str, str, tuple]:
+    tt = v.type.tensor_type
+    dims = tuple(d.dim_param or d.dim_value if d.HasField("dim_value") or d.dim_param else "?"
+                 for d in tt.shape.dim)
+    dims = tuple("dyn" if isinstance(d, str) else d for d in dims)  # symbolic names differ between exporters
+    return v.name, onnx.TensorProto.DataType.Name(tt.elem_type), dims
+
+
+def read_interface(model: onnx.ModelProto) -> Interface:
+    ins, outs = tuple(_vi(v) for v in model.graph.input), tuple(_vi(v) for v in model.graph.output)
+    names = [n for n, _, _ in ins]
+    if names[:2] != ["input_ids", "position"] or "key_0" not in names:
+        raise ValueError(f"inputs {names[:4]}...; expected input_ids, position, key_0, value_0, ... "
+                         "(the decode-step contract of export/onnx_export.py)")
+    key = next(v for v in model.graph.input if v.name == "key_0")
+    _, h, s, d = (x.dim_value for x in key.type.tensor_type.shape.dim)
+    n_layer = sum(1 for n in names if n.startswith("key_"))
+    meta = {p.key: p.value for p in model.metadata_props}
+    logits = next(v for v in model.graph.output if v.name == "logits")
+    vocab = int(meta.get("tapernorm.vocab_size") or logits.type.tensor_type.shape.dim[-1].dim_value or 2)
+    dtype = ONNX_DTYPES.get(key.type.tensor_type.elem_type)
+    if dtype is None:
+        raise ValueError(f"cache dtype {onnx.TensorProto.DataType.Name(key.type.tensor_type.elem_type)} is not fp32/fp16")
+    return Interface(ins, outs, n_layer, h, s, d, vocab, dtype)
+
+
+@dataclass
+class Step:
+    input_ids: np.ndarray    # int64 [B, T]
+    position: np.ndarray     # int64 [B]
+
+
+def session_steps(iface: Interface, seed: int = 0, batch: int = 2, prompt: int = 5, decode: int = 3,
+                  tokens: list[int] | None = None) -> list[Step]:
+    """Prefill `prompt` tokens then `decode` one-token steps.
+
+    Random tokens: the sequences of the batch start at different cache slots
+    (0 and 2), so per-sequence positions are exercised. Real tokens (`tokens`,
+    e.g. a tokenized sentence): every sequence reads the same text from slot 0,
+    teacher-forced, so all steps are independent of the outputs compared.
+    """
+    prompt = max(1, min(prompt, iface.capacity - decode - 2))
+    total = prompt + decode
+    if tokens is not None:
+        toks = np.resize(np.asarray(tokens, dtype=np.int64) % iface.vocab_size, total)
+        ids = np.tile(toks, (batch, 1))
+        start = np.zeros(batch, dtype=np.int64)
+    else:
+        rng = np.random.default_rng(seed)
+        ids = rng.integers(0, iface.vocab_size, size=(batch, total), dtype=np.int64)
+        start = np.minimum(np.arange(batch, dtype=np.int64) * 2, iface.capacity - total)
+    steps = [Step(ids[:, :prompt], start.copy())]
+    for t in range(prompt, total):
+        steps.append(Step(ids[:, t:t + 1], start + t))
+    return steps
+
+
+def ort_session(path_or_proto, optimize: bool = False) -> ort.InferenceSession:
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
+                                     else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    opts.intra_op_num_threads = 1
+    opts.log_severity_level = 3
+    src = path_or_proto.SerializeToString() if isinstance(path_or_proto, onnx.ModelProto) else str(path_or_proto)
+    return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
+
+
+def run_onnx(sess: ort.InferenceSession, iface: Interface, steps: list[Step]) -> list[dict[str, np.ndarray]]:
+    """Outputs of every step; the present caches of one step are the next step's past."""
+    batch = steps[0].input_ids.shape[0]
+    shape = (batch, iface.n_head, iface.capacity, iface.head_dim)
+    caches = {n: np.zeros(shape, NP_DTYPES[iface.dtype]) for n in iface.cache_names}
+    out_names = [o.name for o in sess.get_outputs()]
+    results = []
+    for step in steps:
+        feeds = {"input_ids": step.input_ids, "position": step.position, **caches}
+        outs = dict(zip(out_names, sess.run(out_names, feeds)))
+        caches = {n: outs[f"present_{n}"] for n in iface.cache_names}
+        results.append(outs)
+    return results
+
+
+def run_torch(model, iface: Interface, steps: list[Step]) -> list[dict[str, np.ndarray]]:
+    """The reference: the torch Decoder on the same session (cache written in place)."""
+    import torch
+    dtype = {"fp32": torch.float32, "fp16": torch.float16}[iface.dtype]
+    batch = steps[0].input_ids.shape[0]
+    cache = model.cfg.cache_layout().allocate(batch, dtype=dtype)
+    results = []
+    with torch.no_grad():
+        for step in steps:
+            logits, cache = model(torch.from_numpy(step.input_ids), torch.from_numpy(step.position), cache)
+            outs = {"logits": logits.float().numpy().astype(NP_DTYPES[iface.dtype])}
+            for i, (k, v) in enumerate(cache):
+                outs[f"present_key_{i}"] = k.numpy().copy()
+                outs[f"present_value_{i}"] = v.numpy().copy()
+            results.append(outs)
+    return results
+
+
+@dataclass
+class Comparison:
+    what: str
+    max_abs_diff: dict[str, float] = field(default_factory=dict)   # per output, max over steps
+    atol: float = ATOL_FP32
+
+    @property
+    def worst(self) -> float:
+        return max(self.max_abs_diff.values(), default=0.0)
+
+
+def compare(ref: list[dict], got: list[dict], dtype: str, what: str, atol: float | None = None) -> Comparison:
+    """Per-output max |ref - got| over all steps; raises one VerificationError listing every mismatch."""
+    atol = ATOL[dtype] if atol is None else atol
+    cmp, problems = Comparison(what, atol=atol), []
+    if len(ref) != len(got):
+        raise VerificationError(what, [f"{len(ref)} steps vs {len(got)} steps"])
+    for s, (r, g) in enumerate(zip(ref, got)):
+        for name in r:
+            if name not in g:
+                problems.append(f"{name}: missing from the second run's outputs (step {s})")
+                continue
+            a, b = np.asarray(r[name]), np.asarray(g[name])
+            if a.shape != b.shape:
+                problems.append(f"{name}: shape {list(b.shape)}, expected {list(a.shape)} (step {s})")
+                continue
+            d = np.abs(a.astype(np.float64) - b.astype(np.float64))
+            diff = float(np.nanmax(d)) if d.size else 0.0
+            if not np.all(np.isfinite(b)) and np.all(np.isfinite(a)):
+                diff = float("inf")
+            cmp.max_abs_diff[name] = max(cmp.max_abs_diff.get(name, 0.0), diff)
+        for name in g:
+            if name not in r:
+                problems.append(f"{name}: unexpected extra output (step {s})")
+    for name, diff in cmp.max_abs_diff.items():
+        if not diff <= atol:
+            problems.append(f"{name}: max abs diff {diff:.3g} > atol {atol:g}")
+    if problems:
+        raise VerificationError(what, sorted(set(problems), key=problems.index))
+    return cmp
+
+
+def interface_mismatches(a: Interface, b: Interface) -> list[str]:
+    out = []
+    for kind, xa, xb in (("input", a.inputs, b.inputs), ("output", a.outputs, b.outputs)):
+        if [x[0] for x in xa] != [x[0] for x in xb]:
+            out.append(f"{kind} names differ: {[x[0] for x in xa]} vs {[x[0] for x in xb]}")
+            continue
+        for ta, tb in zip(xa, xb):
+            if ta != tb:
+                out.append(f"{kind} {ta[0]}: {ta[1]}{list(ta[2])} vs {tb[1]}{list(tb[2])}")
+    return out
+
+
+def verify_pair(a, b, atol: float | None = None, seeds=(0, 1), tokens=None) -> list[Comparison]:
+    """Compare two graphs (paths or ModelProtos) of the same interface on the same sessions."""
+    pa = a if isinstance(a, onnx.ModelProto) else onnx.load(str(a))
+    pb = b if isinstance(b, onnx.ModelProto) else onnx.load(str(b))
+    ia, ib = read_interface(pa), read_interface(pb)
+    bad = interface_mismatches(ia, ib)
+    if bad:
+        raise VerificationError("interfaces", bad)
+    sa, sb = ort_session(pa), ort_session(pb)
+    sessions = [(f"random tokens, seed {s}", session_steps(ia, seed=s)) for s in seeds]
+    if tokens is not None:
+        sessions.append(("real tokens", session_steps(ia, tokens=tokens)))
+    return [compare(run_onnx(sa, ia, st), run_onnx(sb, ib, st), ia.dtype, what, atol) for what, st in sessions]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m export.verify",
+                                 description="Compare two exported decoder graphs of the same interface "
+                                             "on prefill + decode sessions (exit 0 equal, 1 not, 2 error).")
+    ap.add_argument("a")
+    ap.add_argument("b")
+    ap.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: per dtype, fp32 1e-4)")
+    args = ap.parse_args(argv)
+    try:
+        pa, pb = onnx.load(args.a), onnx.load(args.b)
+        read_interface(pa), read_interface(pb)
+    except FileNotFoundError as e:
+        print(f"error: {e.filename}: no such file", file=sys.stderr)
+        return 2
+    except Exception as e:
+        print(f"error: not a decoder graph of the export contract ({str(e).splitlines()[0]})", file=sys.stderr)
+        return 2
+    try:
+        results = verify_pair(pa, pb, args.atol)
+    except VerificationError as e:
+        print(str(e))
+        print(f"NOT EQUAL: {args.a} vs {args.b}")
+        return 1
+    for c in results:
+        print(f"{c.what}: max abs diff {c.worst:.3g} <= atol {c.atol:g}  (logits {c.max_abs_diff.get('logits', 0):.3g})")
+    print(f"EQUAL: {args.a} vs {args.b}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
