@@ -1,0 +1,97 @@
+"""python -m train --preset P --size S --out DIR [--steps N] [--d-model D --n-layer L --n-head H] [--seed K]
+
+Trains a pre-norm decoder with the TaperNorm schedule and saves a checkpoint
+directory (config.json with the gate and each layer's c, model.safetensors,
+tokenizer.json, train_log.json) into DIR, atomically, at every evaluation.
+
+Schedule (taper presets): W warmup steps at g = 1; before step W every
+TaperNorm's c is calibrated by least squares on held-out batches and gamma_tilde
+starts from gamma; the global gate follows a cosine from 1 to exactly 0 over T
+taper steps; training continues at g = 0. Defaults: W = 35%, T = 35% of --steps.
+
+Scale loss (all-taper, from calibration on):
+    L_aux = lambda * mean_tokens (log r(h) - log s_tgt)^2,  r(h) = sqrt(mean_d h^2 + 1e-12)
+on the pre-logit hidden state h; zero gradient at r(h) = s_tgt. --s-tgt calib
+(default) fixes s_tgt to the mean pre-logit r measured at calibration.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from train.corpus import CorpusError
+from train.loop import TrainConfig, TrainError, train
+from train.presets import PRESETS, SIZES
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        print(f"error: {self.prog}: {message}; see --help", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", required=True, help=f"one of: {', '.join(PRESETS)}")
+    p.add_argument("--size", default="tiny", help=f"one of: {', '.join(SIZES)} (default tiny)")
+    p.add_argument("--out", required=True, help="checkpoint directory to write (replaced atomically at every eval)")
+    p.add_argument("--steps", type=int, help="optimizer steps (default: the size's, tiny 1200)")
+    p.add_argument("--warmup-steps", type=int, help="steps at g = 1 before calibration (default 35%% of --steps)")
+    p.add_argument("--taper-steps", type=int, help="cosine steps from g = 1 to 0 (default 35%% of --steps)")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--seq-len", type=int, help="training context (default tiny 128)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default tiny 2e-3)")
+    p.add_argument("--eval-every", type=int)
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--calib-batches", type=int, default=4, help="held-out batches for the least-squares c")
+    p.add_argument("--aux-lambda", type=float, help="weight of the scale loss (default 0.1 for all-taper, else 0)")
+    p.add_argument("--s-tgt", default="calib", help="target pre-logit scale: 'calib' or a positive number")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--corpus", default="generated",
+                   help="'generated' (the shipped generator), a .txt/.jsonl file, or hf:roneneldan/TinyStories")
+    p.add_argument("--corpus-stories", type=int, default=6000, help="stories to generate for --corpus generated")
+    p.add_argument("--corpus-limit", type=int, help="use at most this many stories of a file or dataset")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default train/data/tokenizer.json) or 'train'")
+    g = p.add_argument_group("architecture (overrides the size)")
+    g.add_argument("--d-model", type=int)
+    g.add_argument("--n-layer", type=int)
+    g.add_argument("--n-head", type=int)
+    g.add_argument("--vocab-size", type=int)
+    g.add_argument("--max-seq-len", type=int, help="position table / KV-cache capacity (default 256)")
+    g.add_argument("--mlp", help="gelu | swiglu")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    a = build_parser().parse_args(argv)
+    kw = dict(preset=a.preset, size=a.size, out=a.out, steps=a.steps, warmup_steps=a.warmup_steps,
+              taper_steps=a.taper_steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, eval_every=a.eval_every,
+              eval_batches=a.eval_batches, calib_batches=a.calib_batches, aux_lambda=a.aux_lambda, s_tgt=a.s_tgt,
+              seed=a.seed, corpus=a.corpus, corpus_stories=a.corpus_stories, corpus_limit=a.corpus_limit,
+              model=dict(d_model=a.d_model, n_layer=a.n_layer, n_head=a.n_head, vocab_size=a.vocab_size,
+                         max_seq_len=a.max_seq_len, mlp=a.mlp),
+              threads=a.threads, progress=not a.quiet)
+    if a.tokenizer is not None:
+        kw["tokenizer"] = a.tokenizer
+    run = TrainConfig(**kw)
+    try:
+        log = train(run, command="python -m train " + shlex.join(argv))
+    except (TrainError, CorpusError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"error: training interrupted; {run.out} holds the last complete checkpoint", file=sys.stderr)
+        return 130
+    last = log["evals"][-1]
+    gate = "" if last["gate"] is None else f", gate {last['gate']}"
+    print(f"{run.out}: {run.preset}/{run.size}, {log['params']:,} params, {last['step']} steps, "
+          f"val loss {last['val_loss']:.4f}, pre-logit rms {last['prelogit_rms']:.3f}{gate}, {log['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Calibration of every TaperNorm's c at the end of warmup (METHOD.md section 1, step 2).
+
+For each tapered layer, c is the least-squares scalar that makes the linear
+branch c * gamma * h match the normalized branch N(h) * gamma on real
+activations h (captured with forward pre-hooks at g = 1 on held-out batches):
+
+    c = sum_tokens <N(h) gamma, gamma h> / sum_tokens ||gamma h||^2
+
+and gamma_tilde starts as a copy of gamma, so the switch causes no shift.
+"""
+from __future__ import annotations
+
+import torch
+
+from models.decoder import Decoder
+
+
+@torch.no_grad()
+def calibrate(model: Decoder, batches) -> dict[str, float]:
+    """Fix c of every TaperNorm from `batches` (iterable of input_ids [B, T]); returns {layer: c}.
+
+    Runs the model at g = 1 (its real normalized branch), whatever the gate was,
+    and restores the gate afterwards.
+    """
+    layers = model.taper_layers()
+    if not layers:
+        return {}
+    sums = {name: [0.0, 0.0] for name in layers}
+    hooks = []
+    for name, layer in layers.items():
+        def hook(module, args, name=name):
+            num, den = module.calibration_terms(args[0])
+            sums[name][0] += num
+            sums[name][1] += den
+        hooks.append(layer.register_forward_pre_hook(hook))
+    gate, was_training = model.gate.value, model.training
+    model.set_gate(1.0)
+    model.eval()
+    try:
+        n = 0
+        for ids in batches:
+            model(ids)
+            n += 1
+        if n == 0:
+            raise ValueError("calibration needs at least one batch")
+    finally:
+        for h in hooks:
+            h.remove()
+        model.set_gate(gate)
+        model.train(was_training)
+    return {name: layers[name].set_calibration(num, den) for name, (num, den) in sums.items()}
+
+
+@torch.no_grad()
+def branch_mismatch(model: Decoder, batches) -> dict[str, float]:
+    """Per layer: sum over tokens of ||linear(h) - normalized(h)||^2 at g = 1 inputs (diagnostic)."""
+    layers = model.taper_layers()
+    out = {name: 0.0 for name in layers}
+    hooks = []
+    for name, layer in layers.items():
+        def hook(module, args, name=name):
+            h = args[0]
+            out[name] += float((module.linear(h) - module.normalized(h)).double().pow(2).sum())
+        hooks.append(layer.register_forward_pre_hook(hook))
+    gate = model.gate.value
+    model.set_gate(1.0)
+    try:
+        for ids in batches:
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.set_gate(gate)
+    return out

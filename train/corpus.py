@@ -1,0 +1,223 @@
+"""Training text: a deterministic TinyStories-like corpus, local files, and TinyStories itself.
+
+    generate_stories(n, seed)        # the corpus that ships with the project (made on the fly)
+    load_text_file(path)             # .txt (stories separated by blank lines or <|endoftext|>) or .jsonl ({"text": ...})
+    load_tinystories(split, limit)   # roneneldan/TinyStories through `datasets` (extra "hf"); cached files only
+    load_corpus(spec, ...)           # "generated" | "hf:<dataset name>" | a file path
+
+The generator is a seeded `random.Random` over templates, characters, objects,
+places and small plots (a lost thing found, a new friend, a fear overcome,
+sharing, a trip, the weather). `random.Random` with `choice` / `randrange` gives
+the same stream on every Python 3 version, so the corpus, the split and the
+tokenizer trained on it are reproducible bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+EOS = "<|endoftext|>"
+
+
+class CorpusError(ValueError):
+    """A corpus that cannot be read; the message is one line meant for the user."""
+
+
+# --- the generator -------------------------------------------------------------
+
+_GIRLS = ["Lily", "Mia", "Sue", "Anna", "Emma", "Lucy", "Zoe", "Ella", "Rosa", "Kim", "Amy", "Nora", "Ivy", "Maya", "Jane"]
+_BOYS = ["Tom", "Ben", "Max", "Sam", "Leo", "Jack", "Tim", "Finn", "Noah", "Joe", "Dan", "Eli", "Omar", "Raj", "Luke"]
+_ANIMALS = [("cat", "she"), ("dog", "he"), ("bunny", "she"), ("bird", "he"), ("frog", "he"), ("duck", "she"),
+            ("bear", "he"), ("fox", "she"), ("mouse", "he"), ("turtle", "she"), ("puppy", "he"), ("kitten", "she")]
+_ANIMAL_NAMES = ["Spot", "Fluffy", "Pip", "Coco", "Bubbles", "Sunny", "Patch", "Buddy", "Daisy", "Nibbles", "Ziggy", "Muffin"]
+_OBJECTS = ["ball", "kite", "doll", "toy car", "hat", "book", "blanket", "drum", "boat", "teddy bear", "red cup",
+            "box of crayons", "shiny stone", "little bell", "yellow scarf", "puzzle", "balloon", "wooden train"]
+_PLACES = ["park", "garden", "forest", "beach", "farm", "lake", "hill", "backyard", "school", "market", "river",
+           "meadow", "zoo", "playground", "town"]
+_ADJ = ["big", "small", "happy", "kind", "shy", "brave", "silly", "curious", "tired", "funny", "gentle", "proud"]
+_COLORS = ["red", "blue", "green", "yellow", "pink", "purple", "orange", "white", "brown", "gold"]
+_FOODS = ["apple", "cookie", "cake", "sandwich", "banana", "carrot", "pie", "muffin", "bowl of soup", "piece of bread"]
+_FEELINGS_GOOD = ["happy", "glad", "proud", "excited", "calm", "thankful"]
+_FEELINGS_BAD = ["sad", "scared", "worried", "upset", "lonely", "angry"]
+_WEATHER = ["sunny", "rainy", "windy", "cold", "warm", "snowy", "cloudy"]
+_HELPERS = ["mom", "dad", "grandma", "grandpa", "big sister", "big brother", "teacher", "friend"]
+_TIME = ["Once upon a time", "One day", "Long ago", "One morning", "One sunny day", "Last summer", "One evening"]
+_ENDINGS = ["From that day on, {n} always {lesson}.", "{N} learned that it is good to {lesson2}.",
+            "And they all lived happily ever after.", "That night, {n} went to bed with a big smile.",
+            "It was the best day ever.", "{N} hugged {o} and said thank you."]
+_LESSONS = [("shared {p} toys", "share"), ("looked carefully", "be careful"), ("was kind to others", "be kind"),
+            ("said sorry", "say sorry"), ("asked for help", "ask for help"), ("told the truth", "tell the truth"),
+            ("tried again", "never give up")]
+
+
+class _Char:
+    def __init__(self, rng: random.Random):
+        kind = rng.randrange(3)
+        if kind == 0:
+            self.name, self.sub, self.obj, self.pos, self.desc = rng.choice(_GIRLS), "she", "her", "her", "girl"
+        elif kind == 1:
+            self.name, self.sub, self.obj, self.pos, self.desc = rng.choice(_BOYS), "he", "him", "his", "boy"
+        else:
+            animal, sub = rng.choice(_ANIMALS)
+            self.name, self.sub, self.desc = rng.choice(_ANIMAL_NAMES), sub, animal
+            self.obj, self.pos = ("her", "her") if sub == "she" else ("him", "his")
+
+
+def _cap(s: str) -> str:
+    return s[:1].upper() + s[1:]
+
+
+def _story(rng: random.Random) -> str:
+    a, b = _Char(rng), _Char(rng)
+    while b.name == a.name:
+        b = _Char(rng)
+    place, thing, adj = rng.choice(_PLACES), rng.choice(_OBJECTS), rng.choice(_ADJ)
+    color, food, helper = rng.choice(_COLORS), rng.choice(_FOODS), rng.choice(_HELPERS)
+    good, bad, weather = rng.choice(_FEELINGS_GOOD), rng.choice(_FEELINGS_BAD), rng.choice(_WEATHER)
+    s = [f"{rng.choice(_TIME)}, there was a {adj} {a.desc} named {a.name}."]
+    s.append(rng.choice([
+        f"{a.name} lived near a {place} with {a.pos} {helper}.",
+        f"{_cap(a.sub)} loved to play in the {place}.",
+        f"{_cap(a.sub)} had a {color} {thing} that {a.sub} loved very much.",
+        f"Every day, {a.name} went to the {place} to play.",
+    ]))
+    plot = rng.randrange(6)
+    if plot == 0:  # a lost thing found
+        s += [f"One day, {a.name} could not find {a.pos} {color} {thing}.",
+              f"{_cap(a.sub)} looked under the bed and behind the door, but it was not there.",
+              f"{a.name} felt {bad}. {_cap(a.sub)} asked {a.pos} {helper} for help.",
+              rng.choice([f"They looked in the {place} together.", f"They walked to the {place} and looked everywhere."]),
+              f"Then {b.name} the {b.desc} came and said, \"I saw your {thing} near the big tree!\"",
+              f"{a.name} ran to the tree and found the {thing}. {_cap(a.sub)} was so {good}."]
+    elif plot == 1:  # a new friend
+        s += [f"At the {place}, {a.name} saw a {b.desc} named {b.name} sitting alone.",
+              f"{b.name} looked {bad}. \"Why are you {bad}?\" asked {a.name}.",
+              f"\"I have no one to play with,\" said {b.name}.",
+              f"{a.name} smiled and said, \"You can play with me and my {thing}!\"",
+              rng.choice([f"They played all day and laughed a lot.", f"They ran, jumped and played until the sun went down."]),
+              f"{b.name} was {good} to have a new friend."]
+    elif plot == 2:  # a fear overcome
+        s += [f"It was a {weather} day. {a.name} wanted to go to the {place}, but {a.sub} was {bad}.",
+              f"\"What if something bad happens?\" {a.sub} said.",
+              f"{a.pos.capitalize()} {helper} held {a.pos} hand and said, \"Be brave. I am here with you.\"",
+              f"{a.name} took a deep breath and walked to the {place}.",
+              rng.choice([f"There {a.sub} met {b.name} the {b.desc}, who was very friendly.",
+                          f"There {a.sub} saw many {color} flowers and a {adj} {b.desc}."]),
+              f"{a.name} was not {bad} anymore. {_cap(a.sub)} felt {good}."]
+    elif plot == 3:  # sharing
+        s += [f"{a.name} had a {food}. {b.name} the {b.desc} came by and looked hungry.",
+              f"\"Can I have some?\" asked {b.name}.",
+              rng.choice([f"{a.name} wanted to keep the {food}, but then {a.sub} thought about how {b.name} felt.",
+                          f"At first {a.name} said no, and {b.name} walked away {bad}."]),
+              f"{a.name} broke the {food} in two and gave half to {b.name}.",
+              f"\"Thank you!\" said {b.name}. They ate together in the {place}.",
+              f"Sharing made them both feel {good}."]
+    elif plot == 4:  # a trip
+        s += [f"One {weather} morning, {a.name} and {a.pos} {helper} went on a trip to the {place}.",
+              f"{_cap(a.sub)} took {a.pos} {color} {thing} with {a.obj}.",
+              f"On the way, they saw a {adj} {b.desc} named {b.name}.",
+              rng.choice([f"{b.name} showed them a secret path.", f"{b.name} wanted to come along, so they all went together."]),
+              f"At the {place}, they ate a {food} and played with the {thing}.",
+              f"When they came home, {a.name} was tired but {good}."]
+    else:  # the weather changes plans
+        s += [f"{a.name} wanted to play outside with {a.pos} {thing}, but the day was {weather}.",
+              f"{_cap(a.sub)} felt {bad} and sat by the window.",
+              f"Then {b.name} the {b.desc} knocked on the door.",
+              f"\"Let us make a game inside!\" said {b.name}.",
+              rng.choice([f"They built a {color} fort with a blanket and pillows.",
+                          f"They drew pictures of the {place} with {color} crayons."]),
+              f"{a.name} forgot that {a.sub} was {bad}. {_cap(a.sub)} was {good} again."]
+    lesson, lesson2 = rng.choice(_LESSONS)
+    ending = rng.choice(_ENDINGS).format(n=a.name, N=a.name, o=b.name, lesson=lesson.format(p=a.pos), lesson2=lesson2)
+    s.append(ending)
+    return " ".join(s)
+
+
+def generate_stories(n: int, seed: int = 1234) -> list[str]:
+    """n stories from the deterministic generator (about 650 characters each)."""
+    rng = random.Random(seed)
+    return [_story(rng) for _ in range(n)]
+
+
+# --- files and datasets ----------------------------------------------------------
+
+def load_text_file(path: str | Path) -> list[str]:
+    """Stories from a local file.
+
+    .jsonl: one JSON object per line with a "text" field (the TinyStories json
+    layout); any other suffix is read as text, stories separated by
+    <|endoftext|> or by blank lines.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CorpusError(f"corpus file {path}: not found; pass an existing .txt or .jsonl file, or --corpus generated")
+    if path.suffix == ".jsonl":
+        stories = []
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise CorpusError(f"corpus file {path}: line {lineno} is not JSON ({e.msg}); expected one {{\"text\": ...}} object per line") from None
+                if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                    raise CorpusError(f"corpus file {path}: line {lineno} has no string field 'text'; expected one {{\"text\": ...}} object per line")
+                stories.append(obj["text"].strip())
+    else:
+        text = path.read_text(encoding="utf-8")
+        parts = text.split(EOS) if EOS in text else text.split("\n\n")
+        stories = [p.strip() for p in parts]
+    stories = [s for s in stories if s]
+    if not stories:
+        raise CorpusError(f"corpus file {path}: holds no text; expected stories separated by blank lines or {EOS}")
+    return stories
+
+
+def load_tinystories(split: str = "train", limit: int | None = None,
+                     name: str = "roneneldan/TinyStories") -> list[str]:
+    """TinyStories through `datasets` (pip install 'tapernorm-deploy[hf]').
+
+    Reads what is already in the Hugging Face cache: the project never downloads
+    at training time (set HF_DATASETS_OFFLINE=0 yourself to allow it).
+    """
+    try:
+        import datasets
+    except ImportError:
+        raise CorpusError(f"corpus hf:{name}: needs the 'datasets' package, not installed; "
+                          f"pip install 'tapernorm-deploy[hf]', or pass a local .txt/.jsonl file") from None
+    try:
+        ds = datasets.load_dataset(name, split=split)
+    except Exception as e:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
+        raise CorpusError(f"corpus hf:{name}: could not load split {split!r} ({str(e).splitlines()[0][:200]}); "
+                          f"download it once, or pass a local .txt/.jsonl file") from None
+    if limit is not None:
+        ds = ds.select(range(min(limit, len(ds))))
+    return [t.strip() for t in ds["text"] if t and t.strip()]
+
+
+DEFAULT_GENERATED_STORIES = 6000
+
+
+def load_corpus(spec: str = "generated", n_stories: int = DEFAULT_GENERATED_STORIES, seed: int = 1234,
+                limit: int | None = None) -> list[str]:
+    """Stories for `spec`: "generated", "hf:<dataset>" (e.g. hf:roneneldan/TinyStories) or a file path."""
+    if spec == "generated":
+        return generate_stories(n_stories, seed)
+    if spec.startswith("hf:"):
+        return load_tinystories("train", limit, spec[3:])
+    stories = load_text_file(spec)
+    return stories[:limit] if limit is not None else stories
+
+
+def split_stories(stories: list[str], every: int = 20) -> dict[str, list[str]]:
+    """Deterministic split by index: i % every == 0 -> val, == 1 -> calib, else train."""
+    if len(stories) < 3:
+        raise CorpusError(f"corpus: {len(stories)} stories; expected at least 3 (train, val and calibration each need one)")
+    every = min(every, len(stories))
+    out = {"train": [], "val": [], "calib": []}
+    for i, s in enumerate(stories):
+        r = i % every
+        out["val" if r == 0 else "calib" if r == 1 else "train"].append(s)
+    return out

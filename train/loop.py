@@ -1,0 +1,332 @@
+"""The training loop: warmup at g = 1, calibration, cosine taper to g = 0, training on at g = 0.
+
+    run = TrainConfig(preset="internal-taper", size="tiny", out="runs/it")
+    summary = train(run)
+
+Every `eval_every` steps (and at step 0 and at the end) the loop evaluates on the
+held-out split (val loss, pre-logit RMS, max |logit|), appends the numbers to
+the JSON log and saves the checkpoint atomically into `out` (config.json with the
+current gate and each layer's c, model.safetensors, tokenizer.json,
+train_log.json): killing the process leaves the last complete checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from models.checkpoint import CONFIG, save_checkpoint
+from models.decoder import Decoder, DecoderConfig
+from train.calibration import branch_mismatch, calibrate
+from train.corpus import load_corpus, split_stories
+from train.presets import PRESETS, SIZES, TAPER_FRAC, WARMUP_FRAC
+from train.scale_loss import scale_loss, token_rms
+from train.schedule import GateSchedule, lr_at
+from train.tokenizer import DEFAULT_TOKENIZER, encode_stories, load_tokenizer, train_tokenizer
+
+LOG_NAME = "train_log.json"
+
+
+class TrainError(ValueError):
+    """Bad training input; the message is one line `<object>: <expected>, <found>; <fix>`."""
+
+
+@dataclass
+class TrainConfig:
+    preset: str
+    size: str = "tiny"
+    out: str = "runs/model"
+    steps: int | None = None            # None: the size's default
+    warmup_steps: int | None = None     # None: WARMUP_FRAC * steps (taper presets)
+    taper_steps: int | None = None      # None: TAPER_FRAC * steps
+    batch_size: int | None = None
+    seq_len: int | None = None
+    lr: float | None = None
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    lr_warmup: int = 50
+    eval_every: int | None = None
+    eval_batches: int = 8
+    calib_batches: int = 4
+    aux_lambda: float | None = None     # None: 0.1 for all-taper, 0 otherwise
+    s_tgt: str = "calib"                # "calib" or a positive number (as text)
+    seed: int = 0
+    corpus: str = "generated"
+    corpus_stories: int = 6000
+    corpus_limit: int | None = None
+    tokenizer: str = str(DEFAULT_TOKENIZER)   # a tokenizer.json, or "train" to fit one on the corpus
+    model: dict = field(default_factory=dict)  # DecoderConfig overrides (d_model, n_layer, n_head, ...)
+    threads: int = 0                    # 0: torch's default
+    progress: bool = True
+
+    def resolve(self) -> "TrainConfig":
+        """Fill the size's defaults and check everything; raises TrainError with one line."""
+        if self.preset not in PRESETS:
+            raise TrainError(f"preset {self.preset!r}: expected one of {', '.join(PRESETS)}; pick one of those")
+        if self.size not in SIZES:
+            raise TrainError(f"size {self.size!r}: expected one of {', '.join(SIZES)}; pick one of those")
+        size = SIZES[self.size]
+        for name in ("steps", "batch_size", "seq_len", "lr", "eval_every"):
+            if getattr(self, name) is None:
+                setattr(self, name, size[name])
+        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "calib_batches"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise TrainError(f"--{name.replace('_', '-')} {v}: expected a positive integer; pass a value > 0")
+        if not self.lr > 0:
+            raise TrainError(f"--lr {self.lr}: expected a positive number; pass a value > 0")
+        taper = self.preset_model()["norm"] == "taper"
+        if self.taper_steps is not None and self.taper_steps <= 0:
+            raise TrainError(f"--taper-steps {self.taper_steps}: expected a positive number of steps (the cosine needs at least one); pass a value > 0")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise TrainError(f"--warmup-steps {self.warmup_steps}: expected >= 0; pass 0 or more")
+        if taper:
+            if self.warmup_steps is None:
+                self.warmup_steps = round(WARMUP_FRAC * self.steps)
+            if self.taper_steps is None:
+                self.taper_steps = max(1, round(TAPER_FRAC * self.steps))
+        if self.aux_lambda is None:
+            self.aux_lambda = 0.1 if PRESETS[self.preset]["aux"] else 0.0
+        if not (isinstance(self.aux_lambda, (int, float)) and math.isfinite(self.aux_lambda) and self.aux_lambda >= 0):
+            raise TrainError(f"--aux-lambda {self.aux_lambda}: expected a number >= 0; pass 0 to switch the scale loss off")
+        if self.aux_lambda > 0 and not taper:
+            raise TrainError(f"--aux-lambda {self.aux_lambda}: the scale loss applies to taper models, preset {self.preset!r} is {self.preset_model()['norm']}; drop --aux-lambda")
+        if self.s_tgt != "calib":
+            try:
+                s = float(self.s_tgt)
+            except ValueError:
+                s = float("nan")
+            if not (math.isfinite(s) and s > 0):
+                raise TrainError(f"--s-tgt {self.s_tgt!r}: expected 'calib' or a positive number; pass e.g. --s-tgt 1.0")
+        try:
+            self.decoder_config().validate()
+        except ValueError as e:
+            raise TrainError(f"model config: {e}; change --d-model / --n-layer / --n-head") from None
+        if self.seq_len > self.decoder_config().max_seq_len:
+            raise TrainError(f"--seq-len {self.seq_len}: expected <= max_seq_len {self.decoder_config().max_seq_len}; shorten it or raise --max-seq-len")
+        return self
+
+    def preset_model(self) -> dict:
+        return PRESETS[self.preset]["model"]
+
+    def decoder_config(self) -> DecoderConfig:
+        d = dict(SIZES[self.size]["model"])
+        d.update(self.preset_model())
+        d.update({k: v for k, v in self.model.items() if v is not None})
+        return DecoderConfig(**d)
+
+    def gate_schedule(self) -> GateSchedule | None:
+        if self.preset_model()["norm"] != "taper":
+            return None
+        return GateSchedule(self.warmup_steps, self.taper_steps)
+
+
+# --- data ----------------------------------------------------------------------------
+
+@dataclass
+class Data:
+    train: torch.Tensor           # [N] token stream
+    val: torch.Tensor             # [n_val, seq_len + 1] fixed windows
+    calib: torch.Tensor           # [n_calib, seq_len + 1] fixed windows
+    tokenizer_json: Path
+    stats: dict
+
+
+def _windows(stream: torch.Tensor, seq_len: int, n: int, what: str) -> torch.Tensor:
+    w = seq_len + 1
+    avail = len(stream) // w
+    if avail == 0:
+        raise TrainError(f"corpus {what} split: {len(stream)} tokens; expected at least {w} (one window of --seq-len + 1); use a larger corpus or a shorter --seq-len")
+    return stream[: min(n, avail) * w].view(-1, w)
+
+
+def prepare_data(run: TrainConfig, workdir: Path) -> Data:
+    stories = load_corpus(run.corpus, n_stories=run.corpus_stories, limit=run.corpus_limit)
+    split = split_stories(stories)
+    if run.tokenizer == "train":
+        tok = train_tokenizer(split["train"], run.decoder_config().vocab_size)
+        tok_path = workdir / "tokenizer.json"
+        tok.save(str(tok_path))
+    else:
+        tok_path = Path(run.tokenizer)
+        if not tok_path.is_file():
+            raise TrainError(f"tokenizer {tok_path}: not found; pass an existing tokenizer.json, or --tokenizer train")
+        tok = load_tokenizer(tok_path)
+    vocab = run.decoder_config().vocab_size
+    if tok.get_vocab_size() > vocab:
+        raise TrainError(f"tokenizer {tok_path}: vocab {tok.get_vocab_size()} exceeds the model's vocab_size {vocab}; raise --vocab-size")
+    ids = {k: torch.tensor(encode_stories(tok, v), dtype=torch.long) for k, v in split.items()}
+    if len(ids["train"]) <= run.seq_len + 1:
+        raise TrainError(f"corpus {run.corpus}: train split has {len(ids['train'])} tokens; expected more than --seq-len + 1 = {run.seq_len + 1}; use a larger corpus")
+    n_eval = run.eval_batches * run.batch_size
+    n_cal = run.calib_batches * run.batch_size
+    data = Data(ids["train"], _windows(ids["val"], run.seq_len, n_eval, "val"),
+                _windows(ids["calib"], run.seq_len, n_cal, "calibration"), tok_path,
+                {"stories": {k: len(v) for k, v in split.items()}, "tokens": {k: len(v) for k, v in ids.items()},
+                 "tokenizer_vocab": tok.get_vocab_size()})
+    return data
+
+
+def _batches(windows: torch.Tensor, batch_size: int):
+    for i in range(0, len(windows), batch_size):
+        yield windows[i:i + batch_size]
+
+
+def _sample(stream: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
+    starts = torch.randint(0, len(stream) - seq_len - 1, (batch_size,), generator=gen)
+    return torch.stack([stream[s:s + seq_len + 1] for s in starts.tolist()])  # [B, T + 1]
+
+
+# --- evaluation -----------------------------------------------------------------------
+
+@torch.no_grad()
+def evaluate(model: Decoder, windows: torch.Tensor, batch_size: int) -> dict:
+    """Val loss, mean pre-logit RMS (per-token r of the head's input) and max |logit|."""
+    was = model.training
+    model.eval()
+    loss_sum, n_tok, rms_sum, max_logit = 0.0, 0, 0.0, 0.0
+    for w in _batches(windows, batch_size):
+        logits, h = model(w[:, :-1], return_hidden=True)
+        loss_sum += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1), reduction="sum"))
+        n_tok += w[:, 1:].numel()
+        rms_sum += float(token_rms(h).sum())
+        max_logit = max(max_logit, float(logits.abs().max()))
+    model.train(was)
+    return {"val_loss": loss_sum / n_tok, "prelogit_rms": rms_sum / n_tok, "max_abs_logit": max_logit}
+
+
+@torch.no_grad()
+def mean_prelogit_rms(model: Decoder, windows: torch.Tensor, batch_size: int) -> float:
+    return evaluate(model, windows, batch_size)["prelogit_rms"]
+
+
+# --- the loop ---------------------------------------------------------------------------
+
+def _optimizer(model: Decoder, lr: float, wd: float) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]  # norm gains, biases, DyT alpha
+    return torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95))
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / CONFIG).is_file())):
+        raise TrainError(f"--out {out}: exists and is not a checkpoint directory; pick a new --out (training replaces the directory)")
+
+
+def _write_json_atomic(obj: dict, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def train(run: TrainConfig, command: str | None = None) -> dict:
+    """Train `run` (resolved here); returns the log dict (also saved as train_log.json in run.out)."""
+    run.resolve()
+    out = Path(run.out)
+    _check_out(out)
+    if run.threads:
+        torch.set_num_threads(run.threads)
+    t0 = time.time()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.work.", dir=out.parent))
+    try:
+        return _train(run, out, work, t0, command)
+    finally:
+        for p in work.iterdir():
+            p.unlink()
+        work.rmdir()
+
+
+def _train(run: TrainConfig, out: Path, work: Path, t0: float, command: str | None) -> dict:
+    data = prepare_data(run, work)
+    torch.manual_seed(run.seed)
+    model = Decoder(run.decoder_config())
+    model.train()
+    sched = run.gate_schedule()
+    opt = _optimizer(model, run.lr, run.weight_decay)
+    gen = torch.Generator().manual_seed(run.seed)  # same data order for every preset
+    log = {"preset": run.preset, "size": run.size, "command": command, "run": asdict(run),
+           "model_config": model.cfg.to_dict(), "params": model.num_params(), "data": data.stats,
+           "schedule": None if sched is None else {"warmup_steps": sched.warmup_steps, "taper_steps": sched.taper_steps,
+                                                    "calibration_step": sched.calibration_step, "gate_zero_from": sched.end},
+           "aux": {"lambda": run.aux_lambda, "s_tgt": run.s_tgt, "form": "lambda * mean_tokens (log rms(h) - log s_tgt)^2"},
+           "calibration": None, "evals": []}
+    log_path = work / LOG_NAME
+    aux_on, s_tgt = False, None
+    if run.aux_lambda > 0 and run.s_tgt != "calib":
+        s_tgt = float(run.s_tgt)
+
+    def checkpoint(step: int, train_loss: float | None) -> dict:
+        gate = sched.gate_at(step) if sched else None
+        if sched:
+            model.set_gate(gate)
+        ev = evaluate(model, data.val, run.batch_size)
+        ev = {"step": step, "train_loss": train_loss, **ev, "gate": gate, "lr": lr_at(step, run.steps, run.lr, run.lr_warmup),
+              "phase": sched.phase(step) if sched else "train", "elapsed_s": round(time.time() - t0, 1)}
+        log["evals"].append(ev)
+        log["wall_s"] = round(time.time() - t0, 1)
+        _write_json_atomic(log, log_path)
+        save_checkpoint(model, out, data.tokenizer_json, extra_files={LOG_NAME: log_path})
+        return ev
+
+    ev = checkpoint(0, None)
+    bar = _progress(run)
+    loss_acc, n_acc = 0.0, 0
+    for step in range(run.steps):
+        if sched and step == sched.calibration_step:
+            before = branch_mismatch(model, _batches(data.calib, run.batch_size))
+            c = calibrate(model, _batches(data.calib, run.batch_size))
+            after = branch_mismatch(model, _batches(data.calib, run.batch_size))
+            if run.aux_lambda > 0:
+                if s_tgt is None:  # "calib": the pre-logit scale the real final norm gave
+                    model.set_gate(1.0)
+                    s_tgt = mean_prelogit_rms(model, data.calib, run.batch_size)
+                aux_on = True
+            log["calibration"] = {"step": step, "c": c, "mismatch_before": before, "mismatch_after": after,
+                                  "s_tgt": s_tgt}
+        g = sched.gate_at(step) if sched else None
+        if sched:
+            model.set_gate(g)
+        lr = lr_at(step, run.steps, run.lr, run.lr_warmup)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        batch = _sample(data.train, run.batch_size, run.seq_len, gen)
+        logits, h = model(batch[:, :-1], return_hidden=True)
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        loss = ce + scale_loss(h, s_tgt, run.aux_lambda) if aux_on else ce
+        if not torch.isfinite(loss):
+            raise TrainError(f"training {run.preset}: loss is {float(loss)} at step {step} (gate {g}); lower --lr or check the schedule")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), run.grad_clip)
+        opt.step()
+        loss_acc, n_acc = loss_acc + ce.item(), n_acc + 1
+        done = step + 1
+        if done % run.eval_every == 0 or done == run.steps:
+            ev = checkpoint(done, loss_acc / n_acc)
+            loss_acc, n_acc = 0.0, 0
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(f"loss {ce.item():.3f} val {ev['val_loss']:.3f} gate {'-' if g is None else f'{g:.3f}'} "
+                                f"rms {ev['prelogit_rms']:.2f}", refresh=False)
+    if bar is not None:
+        bar.close()
+    return log
+
+
+def _progress(run: TrainConfig):
+    if not run.progress:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=run.steps, desc=f"{run.preset}/{run.size}", mininterval=2.0, file=sys.stderr, dynamic_ncols=True)

@@ -1,0 +1,31 @@
+"""Presets (what is trained) and sizes (how big, and the default schedule for that size).
+
+| preset             | norms in blocks | final norm        | scale anchor                  |
+|--------------------|-----------------|-------------------|-------------------------------|
+| baseline           | RMSNorm         | RMSNorm           | the final norm                |
+| internal-taper     | TaperNorm       | RMSNorm (real)    | the final norm (implicit)     |
+| all-taper          | TaperNorm       | TaperNorm         | fixed-target scale loss L_aux |
+| all-taper-noanchor | TaperNorm       | none              | none (shows logit chasing)    |
+| dyt                | DyT             | DyT               | none needed (tanh saturates)  |
+"""
+from __future__ import annotations
+
+PRESETS: dict[str, dict] = {
+    "baseline": dict(model=dict(norm="rmsnorm"), aux=False),
+    "internal-taper": dict(model=dict(norm="taper", taper_scope="internal"), aux=False),
+    "all-taper": dict(model=dict(norm="taper", taper_scope="all"), aux=True),
+    "all-taper-noanchor": dict(model=dict(norm="taper", taper_scope="all", final_norm=False), aux=False),
+    "dyt": dict(model=dict(norm="dyt"), aux=False),
+}
+
+# Defaults per size. tiny: ~1.1M parameters; one run is ~7 min on one core of the
+# project's 2-core CPU machine (0.35 s per step at batch 16 x 128, single thread).
+SIZES: dict[str, dict] = {
+    "tiny": dict(model=dict(d_model=128, n_layer=4, n_head=4, vocab_size=2048, max_seq_len=256),
+                 steps=1200, batch_size=16, seq_len=128, lr=2e-3, eval_every=100),
+    "small": dict(model=dict(d_model=256, n_layer=8, n_head=8, vocab_size=2048, max_seq_len=256),
+                  steps=4000, batch_size=32, seq_len=256, lr=1e-3, eval_every=200),
+}
+
+WARMUP_FRAC = 0.35  # default warmup steps = 35% of the run
+TAPER_FRAC = 0.35   # default taper steps = 35%; the last 30% train at g = 0

@@ -1,0 +1,67 @@
+"""The byte-level BPE tokenizer (vocab 2048) trained on the shipped corpus.
+
+train/data/tokenizer.json is committed; it was produced by
+
+    python -m train.tokenizer --out train/data/tokenizer.json
+
+(deterministic: the generated corpus with its default seed, `tokenizers` BPE).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from train.corpus import DEFAULT_GENERATED_STORIES, EOS, generate_stories
+
+DEFAULT_TOKENIZER = Path(__file__).resolve().parent / "data" / "tokenizer.json"
+DEFAULT_VOCAB = 2048
+
+
+def train_tokenizer(stories, vocab_size: int = DEFAULT_VOCAB):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=[EOS], show_progress=False)
+    tok.train_from_iterator(stories, trainer)
+    return tok
+
+
+def load_tokenizer(path: str | Path = DEFAULT_TOKENIZER):
+    from tokenizers import Tokenizer
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer {path}: not found; build it with python -m train.tokenizer --out {path}")
+    return Tokenizer.from_file(str(path))
+
+
+def encode_stories(tok, stories: list[str]) -> list[int]:
+    """One token stream: each story followed by <|endoftext|>."""
+    eos = tok.token_to_id(EOS)
+    if eos is None:
+        raise ValueError(f"tokenizer has no {EOS} token; train it with train.tokenizer")
+    out: list[int] = []
+    for enc in tok.encode_batch(stories):
+        out.extend(enc.ids)
+        out.append(eos)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m train.tokenizer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(DEFAULT_TOKENIZER))
+    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB)
+    p.add_argument("--stories", type=int, default=DEFAULT_GENERATED_STORIES)
+    a = p.parse_args(argv)
+    tok = train_tokenizer(generate_stories(a.stories), a.vocab_size)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    tok.save(a.out)
+    print(f"wrote {a.out} (vocab {tok.get_vocab_size()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
