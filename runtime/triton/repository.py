@@ -1,0 +1,394 @@
+"""A Triton model repository from a build directory (export.build), written atomically.
+
+    REPO/
+      decoder_onnx/config.pbtxt     platform onnxruntime_onnx: one decode step, KV cache as
+      decoder_onnx/1/model.onnx     sequence_batching implicit state; the build's fused graph
+                                    plus two unused control inputs START, READY (bool [batch, 1])
+      decoder_trt/config.pbtxt      platform tensorrt_plan (only where an engine was built):
+      decoder_trt/1/model.plan      the same contract; no controls (the engine has no such inputs)
+      generate/config.pbtxt         backend python: prompt -> text + tokens, the decode loop of
+      generate/1/model.py           runtime.generate over the project's ORT session
+      generate/1/model.fused.onnx   (or model.onnx where the build has no fused graph)
+      generate/1/tokenizer.json
+
+The decoder configs map the ONNX decode-step contract onto Triton (max_batch_size > 0,
+so Triton owns the batch axis and every dims below leaves it out):
+
+    input_ids  int64 [batch, seq]        input  dims [-1]
+    position   int64 [batch]             input  dims [1], reshape { shape: [] }
+                                         (the client sends the number of tokens it has
+                                         already sent in this sequence: 0 with START)
+    key_i      float [batch, H, S, D]    state  input_name key_i  output_name present_key_i
+    value_i    float [batch, H, S, D]    state  dims [H, S, D], zero initial state
+    START      bool  [batch, 1]          control CONTROL_SEQUENCE_START (resets the state)
+    READY      bool  [batch, 1]          control CONTROL_SEQUENCE_READY
+    logits     float [batch, seq, V]     output dims [-1, V]
+
+`verify_config` checks a config against the I/O of the ONNX it serves, name by name.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runtime.session import RuntimeUserError
+
+DECODER_ONNX, DECODER_TRT, GENERATE = "decoder_onnx", "decoder_trt", "generate"
+FUSED, UNFUSED, TOKENIZER = "model.fused.onnx", "model.onnx", "tokenizer.json"
+CONTROLS = {"START": "CONTROL_SEQUENCE_START", "READY": "CONTROL_SEQUENCE_READY"}
+# ONNX TensorProto element type -> Triton data type
+ONNX_TO_TRITON = {1: "TYPE_FP32", 10: "TYPE_FP16", 16: "TYPE_BF16", 6: "TYPE_INT32", 7: "TYPE_INT64", 9: "TYPE_BOOL"}
+KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
+IDLE_US = 60_000_000          # a sequence with no request for 60 s releases its state slot
+DEFAULT_MAX_NEW_TOKENS = 32   # runtime.generate's default
+
+
+class RepositoryError(RuntimeUserError):
+    """The build cannot be turned into a repository, or a config disagrees with its model."""
+
+
+# --- the ONNX side ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class OnnxTensor:
+    name: str
+    elem_type: int
+    dims: tuple[int, ...]       # -1 for a dynamic axis
+
+
+@dataclass
+class OnnxIO:
+    inputs: dict[str, OnnxTensor] = field(default_factory=dict)
+    outputs: dict[str, OnnxTensor] = field(default_factory=dict)
+
+    def n_layer(self) -> int:
+        return sum(1 for n in self.inputs if n.startswith("key_"))
+
+
+def onnx_io(path: str | Path) -> OnnxIO:
+    """Graph inputs and outputs (weights not loaded)."""
+    import onnx
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # DecodeError, OSError
+        raise RepositoryError(f"{path}: expected an ONNX model, found an unreadable file "
+                              f"({(str(e).splitlines() or [type(e).__name__])[0]}); re-run python -m export.build") from None
+    return _io_of(proto)
+
+
+def _io_of(proto) -> OnnxIO:
+    def tensors(values):
+        out = {}
+        for v in values:
+            t = v.type.tensor_type
+            dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim)
+            out[v.name] = OnnxTensor(v.name, t.elem_type, dims)
+        return out
+    return OnnxIO(tensors(proto.graph.input), tensors(proto.graph.output))
+
+
+def _check_contract(where: Path, io: OnnxIO) -> None:
+    need = ["input_ids", "position"] + [n for i in range(io.n_layer()) for n in (f"key_{i}", f"value_{i}")]
+    missing = [n for n in need if n not in io.inputs] + [n for n in ["logits"] + [f"present_{n}" for n in need[2:]]
+                                                       if n not in io.outputs]
+    if io.n_layer() == 0 or missing:
+        raise RepositoryError(f"{where}: expected the decode-step contract (input_ids, position, key_i/value_i -> logits, "
+                              f"present_*), found it missing {missing or ['key_0']}; re-export with python -m export.build")
+    for t in list(io.inputs.values()) + list(io.outputs.values()):
+        if t.elem_type not in ONNX_TO_TRITON:
+            raise RepositoryError(f"{where}: tensor {t.name} has ONNX element type {t.elem_type}; expected one of "
+                                  f"{sorted(ONNX_TO_TRITON)} (fp32/fp16/bf16/int32/int64/bool)")
+        if not t.dims or t.dims[0] != -1:
+            raise RepositoryError(f"{where}: tensor {t.name} has dims {list(t.dims)}; expected a dynamic batch axis first")
+
+
+def add_control_inputs(src: Path, dst: Path) -> OnnxIO:
+    """Copy the graph with START and READY (bool [batch, 1]) appended as graph inputs.
+
+    The ONNX Runtime backend requires every configured sequence control to be a model
+    input of dims [1] after the batch axis. The graph never reads them: the implicit
+    state is reset to its zero initial state by Triton on START, and a request only
+    reaches the model for a ready sequence.
+    """
+    import onnx
+    from onnx import TensorProto, helper
+    proto = onnx.load(str(src))
+    batch = proto.graph.input[0].type.tensor_type.shape.dim[0]
+    for name in CONTROLS:
+        if any(i.name == name for i in proto.graph.input):
+            continue
+        vi = helper.make_tensor_value_info(name, TensorProto.BOOL, [batch.dim_param or None, 1])
+        proto.graph.input.append(vi)
+    big = proto.ByteSize() > 1_900_000_000       # protobuf's 2 GB limit: weights go beside the graph
+    onnx.save(proto, str(dst), save_as_external_data=big, location=dst.name + ".data" if big else None)
+    return _io_of(proto)
+
+
+# --- config.pbtxt text --------------------------------------------------------------------
+
+def _dims(d) -> str:
+    return "[ " + ", ".join(str(x) for x in d) + " ]"
+
+
+def _tensor(name: str, data_type: str, dims, reshape=None, optional: bool = False) -> str:
+    s = f'  {{\n    name: "{name}"\n    data_type: {data_type}\n    dims: {_dims(dims)}\n'
+    if reshape is not None:
+        s += f"    reshape: {{ shape: {_dims(reshape)} }}\n"
+    if optional:
+        s += "    optional: true\n"
+    return s + "  }"
+
+
+def decoder_config(name: str, platform: str, io: OnnxIO, max_batch_size: int, instances: int, kind: str,
+                   same_buffer: bool = False) -> str:
+    """config.pbtxt of one decode step with the KV cache as implicit state (see the module docstring)."""
+    ids, pos, logits = io.inputs["input_ids"], io.inputs["position"], io.outputs["logits"]
+    controls = [c for c in CONTROLS if c in io.inputs]
+    lines = [f'name: "{name}"', f'platform: "{platform}"', f"max_batch_size: {max_batch_size}",
+             "input [",
+             ",\n".join([_tensor("input_ids", ONNX_TO_TRITON[ids.elem_type], ids.dims[1:]),
+                         _tensor("position", ONNX_TO_TRITON[pos.elem_type], [1], reshape=pos.dims[1:])]),
+             "]", "output [", _tensor("logits", ONNX_TO_TRITON[logits.elem_type], logits.dims[1:]), "]",
+             "instance_group [", f"  {{ count: {instances} kind: {KINDS[kind]} }}", "]",
+             "sequence_batching {",
+             f"  max_sequence_idle_microseconds: {IDLE_US}",
+             # oldest: batch steps of up to max_batch_size sequences; only same-shape requests batch
+             f"  oldest {{ max_candidate_sequences: {max_batch_size} max_queue_delay_microseconds: 0 }}"]
+    for c in controls:
+        lines += ["  control_input [", "    {", f'      name: "{c}"',
+                  f"      control [ {{ kind: {CONTROLS[c]} bool_false_true: [ false, true ] }} ]", "    }", "  ]"]
+    for i in range(io.n_layer()):
+        for cache in (f"key_{i}", f"value_{i}"):
+            t = io.inputs[cache]
+            dt, dims = ONNX_TO_TRITON[t.elem_type], _dims(t.dims[1:])
+            lines += ["  state [", "    {", f'      input_name: "{cache}"', f'      output_name: "present_{cache}"',
+                      f"      data_type: {dt}", f"      dims: {dims}"]
+            if same_buffer:
+                lines.append("      use_same_buffer_for_input_output: true")
+            lines += [f'      initial_state {{ name: "zeros" data_type: {dt} dims: {dims} zero_data: true }}',
+                      "    }", "  ]"]
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def generate_config(name: str, instances: int, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                    intra_op_threads: int = 0) -> str:
+    """config.pbtxt of the Python-backend generation model: one request = one prompt."""
+    inputs = ",\n".join([
+        _tensor("prompt", "TYPE_STRING", [1]),
+        _tensor("max_new_tokens", "TYPE_INT32", [1], optional=True),
+        _tensor("temperature", "TYPE_FP32", [1], optional=True),
+        _tensor("top_k", "TYPE_INT32", [1], optional=True),
+        _tensor("top_p", "TYPE_FP32", [1], optional=True),
+        _tensor("seed", "TYPE_INT64", [1], optional=True),
+        _tensor("ignore_eos", "TYPE_BOOL", [1], optional=True)])
+    outputs = ",\n".join([_tensor("text", "TYPE_STRING", [1]), _tensor("tokens", "TYPE_INT64", [-1])])
+    params = {"max_new_tokens": str(max_new_tokens), "intra_op_threads": str(intra_op_threads)}
+    lines = [f'name: "{name}"', 'backend: "python"', "max_batch_size: 0", "input [", inputs, "]",
+             "output [", outputs, "]",
+             "instance_group [", f"  {{ count: {instances} kind: KIND_CPU }}", "]"]
+    for k, v in params.items():
+        lines.append(f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}')
+    return "\n".join(lines) + "\n"
+
+
+GENERATE_MODEL_PY = '''"""Triton Python-backend model: prompt -> text + tokens with tapernorm-deploy's ORT runtime.
+
+The code lives in runtime/triton/python_model.py; the server's Python must import
+tapernorm-deploy (python -m runtime.triton serve sets PYTHONPATH to do so).
+"""
+from runtime.triton.python_model import TritonPythonModel  # noqa: F401
+'''
+
+
+# --- checking a config --------------------------------------------------------------------
+
+def have_tritonclient() -> bool:
+    try:
+        import tritonclient.grpc.model_config_pb2  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def parse_config(text: str):
+    """ModelConfig protobuf from config.pbtxt text (needs tritonclient); raises RepositoryError."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+    try:
+        return text_format.Parse(text, model_config_pb2.ModelConfig())
+    except text_format.ParseError as e:
+        raise RepositoryError(f"config.pbtxt: expected a ModelConfig in protobuf text format, found an error ({e})") from None
+
+
+def verify_config(config, io: OnnxIO) -> list[str]:
+    """Every way a decoder ModelConfig disagrees with the ONNX it serves ([] when they match exactly).
+
+    Inputs + control inputs + state inputs must be exactly the ONNX inputs, outputs +
+    state outputs exactly the ONNX outputs; data types equal; dims (or reshape) equal the
+    ONNX dims without the batch axis, -1 where the ONNX axis is dynamic.
+    """
+    from tritonclient.grpc import model_config_pb2 as pb
+    dtype = lambda v: pb.DataType.Name(v)  # noqa: E731
+    errors: list[str] = []
+    if config.max_batch_size < 1:
+        errors.append(f"max_batch_size is {config.max_batch_size}; expected >= 1 (the ONNX has a batch axis)")
+    seq = config.sequence_batching
+    expected_in: dict[str, tuple[str, tuple]] = {}
+    for t in config.input:
+        shape = tuple(t.reshape.shape) if t.HasField("reshape") else tuple(t.dims)
+        expected_in[t.name] = (dtype(t.data_type), shape)
+    for c in seq.control_input:
+        if len(c.control) != 1:
+            errors.append(f"control input {c.name}: expected one control, found {len(c.control)}")
+            continue
+        ctl = c.control[0]
+        dt = dtype(ctl.data_type) if ctl.HasField("data_type") else (
+            "TYPE_BOOL" if ctl.bool_false_true else "TYPE_INT32" if ctl.int32_false_true else "TYPE_FP32")
+        expected_in[c.name] = (dt, (1,))
+    expected_out = {t.name: (dtype(t.data_type), tuple(t.dims)) for t in config.output}
+    for s in seq.state:
+        expected_in[s.input_name] = (dtype(s.data_type), tuple(s.dims))
+        expected_out[s.output_name] = (dtype(s.data_type), tuple(s.dims))
+        init = s.initial_state
+        if not (s.HasField("initial_state") and init.zero_data and tuple(init.dims) == tuple(s.dims)
+                and init.data_type == s.data_type):
+            errors.append(f"state {s.input_name}: expected a zero initial state of the state's type and dims")
+    for side, want, have in (("input", expected_in, io.inputs), ("output", expected_out, io.outputs)):
+        for name in sorted(set(want) - set(have)):
+            errors.append(f"{side} {name}: in config.pbtxt, not in the ONNX")
+        for name in sorted(set(have) - set(want)):
+            errors.append(f"{side} {name}: in the ONNX, not in config.pbtxt")
+        for name in sorted(set(want) & set(have)):
+            dt, dims = want[name]
+            t = have[name]
+            if ONNX_TO_TRITON.get(t.elem_type) != dt:
+                errors.append(f"{side} {name}: config.pbtxt says {dt}, the ONNX has {ONNX_TO_TRITON.get(t.elem_type, t.elem_type)}")
+            if t.dims[:1] != (-1,) or tuple(t.dims[1:]) != dims:
+                errors.append(f"{side} {name}: config.pbtxt dims {list(dims)} (batch axis implied), "
+                              f"the ONNX has {list(t.dims)}")
+    return errors
+
+
+def check_repository(repo: str | Path) -> dict[str, object]:
+    """Parse every config.pbtxt into ModelConfig and verify each decoder config against its ONNX.
+
+    Returns model name -> ModelConfig; raises RepositoryError listing every disagreement.
+    A tensorrt_plan config is checked against <model>/1/source.onnx (the graph the engine
+    was built from, copied there for this purpose).
+    """
+    repo = Path(repo)
+    configs, errors = {}, []
+    for cfg_path in sorted(repo.glob("*/config.pbtxt")):
+        config = parse_config(cfg_path.read_text())
+        if config.name != cfg_path.parent.name:
+            errors.append(f"{cfg_path}: name {config.name!r} differs from its folder {cfg_path.parent.name!r}")
+        configs[config.name] = config
+        onnx_file = {"onnxruntime_onnx": "model.onnx", "tensorrt_plan": "source.onnx"}.get(config.platform)
+        if onnx_file:
+            errors += [f"{cfg_path}: {e}" for e in verify_config(config, onnx_io(cfg_path.parent / "1" / onnx_file))]
+    if not configs:
+        raise RepositoryError(f"{repo}: expected a Triton model repository (<model>/config.pbtxt), found none; "
+                              "write one with python -m runtime.triton repo")
+    if errors:
+        raise RepositoryError(f"{repo}: configs disagree with their models: " + "; ".join(errors))
+    return configs
+
+
+# --- writing ------------------------------------------------------------------------------
+
+def find_engine(build: Path) -> Path | None:
+    """The newest TensorRT engine runtime.trt_engine left beside the build's ONNX (<stem>.<key>.engine)."""
+    engines = sorted(build.glob("*.engine"), key=lambda p: p.stat().st_mtime)
+    return engines[-1] if engines else None
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)          # same file system: no second copy of the weights
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def _replace_dir(tmp: Path, path: Path) -> None:
+    old = None
+    if path.exists():
+        old = path.with_name(f".{path.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path | None = None,
+                     max_batch_size: int = 8, instances: int = 1, kind: str = "cpu",
+                     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, intra_op_threads: int = 0,
+                     validate: bool = True) -> Path:
+    """Write the model repository for a build directory (see the module docstring); returns `repo`.
+
+    engine: a serialized TensorRT engine built from the build's fused graph; default: the
+    newest *.engine in the build directory, if any (no decoder_trt model otherwise).
+    kind: instance kind of decoder_onnx (cpu | gpu); decoder_trt is always KIND_GPU.
+    validate: parse every config into ModelConfig and check it against the ONNX (skipped
+    where tritonclient, from the triton extra, is not installed).
+    """
+    build, repo = Path(build), Path(repo)
+    if not build.is_dir():
+        raise RepositoryError(f"{build}: expected a build directory from python -m export.build, found "
+                              f"{'a file' if build.exists() else 'nothing'}; build one first")
+    onnx_path = build / FUSED if (build / FUSED).is_file() else build / UNFUSED
+    if not onnx_path.is_file():
+        raise RepositoryError(f"{build}: expected {FUSED} or {UNFUSED}, found neither; "
+                              "build with python -m export.build --fuse --checkpoint CKPT --out DIR")
+    if not (build / TOKENIZER).is_file():
+        raise RepositoryError(f"{build / TOKENIZER}: expected the model's tokenizer, found no file; "
+                              "copy the checkpoint's tokenizer.json there")
+    if kind not in KINDS:
+        raise RepositoryError(f"--kind {kind!r}: expected one of {', '.join(KINDS)}")
+    if max_batch_size < 1 or instances < 1:
+        raise RepositoryError(f"max_batch_size {max_batch_size}, instances {instances}: expected both >= 1")
+    if engine is None:
+        engine = find_engine(build)
+    elif not Path(engine).is_file():
+        raise RepositoryError(f"{engine}: expected a serialized TensorRT engine file, found nothing; "
+                              "build one with the trt backend or leave --engine out")
+    io = onnx_io(onnx_path)
+    _check_contract(onnx_path, io)
+
+    repo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{repo.name}.", dir=repo.parent))
+    try:
+        d = tmp / DECODER_ONNX / "1"
+        d.mkdir(parents=True)
+        ort_io = add_control_inputs(onnx_path, d / "model.onnx")
+        (tmp / DECODER_ONNX / "config.pbtxt").write_text(
+            decoder_config(DECODER_ONNX, "onnxruntime_onnx", ort_io, max_batch_size, instances, kind))
+        if engine is not None:
+            d = tmp / DECODER_TRT / "1"
+            d.mkdir(parents=True)
+            _link_or_copy(Path(engine), d / "model.plan")
+            _link_or_copy(onnx_path, d / "source.onnx")     # what the engine was built from; for checks
+            (tmp / DECODER_TRT / "config.pbtxt").write_text(
+                decoder_config(DECODER_TRT, "tensorrt_plan", io, max_batch_size, instances, "gpu", same_buffer=True))
+        d = tmp / GENERATE / "1"
+        d.mkdir(parents=True)
+        _link_or_copy(onnx_path, d / onnx_path.name)
+        _link_or_copy(build / TOKENIZER, d / TOKENIZER)
+        (d / "model.py").write_text(GENERATE_MODEL_PY)
+        (tmp / GENERATE / "config.pbtxt").write_text(
+            generate_config(GENERATE, instances, max_new_tokens, intra_op_threads))
+        (tmp / "repository.json").write_text(json.dumps(
+            {"build": str(build.resolve()), "onnx": onnx_path.name, "engine": str(engine) if engine else None,
+             "models": [m for m in (DECODER_ONNX, DECODER_TRT if engine else None, GENERATE) if m]}, indent=2) + "\n")
+        if validate and have_tritonclient():
+            check_repository(tmp)
+        _replace_dir(tmp, repo)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return repo

@@ -1,0 +1,192 @@
+"""A real Triton Inference Server on this machine: the tritonserver binary the nvidia-pytriton
+wheel bundles (with the Python backend only), run over a model repository.
+
+    with TritonServer("repo", http_port=8000, grpc_port=8001) as server:   # start(): bounded wait
+        ...                                                                  # stop() on exit
+
+What start() does (pytriton's own launch, minus its proxy models):
+- copies the bundled backends folder into a temporary workspace and puts the
+  Python-backend stub that matches this interpreter's version at
+  backends/python/triton_python_backend_stub (the binary runs from the wheel);
+- runs it with --model-control-mode explicit --load-model for each served model (the CPU
+  build has no onnxruntime or tensorrt backend, so decoder_onnx / decoder_trt are not
+  loaded here), HTTP and gRPC bound to `host` (default 127.0.0.1), metrics off;
+- environment: LD_LIBRARY_PATH gets this interpreter's LIBDIR (the stub links libpython)
+  and the wheel's libraries; PYTHONPATH gets this project and this interpreter's
+  site-packages, so the generate model imports tapernorm-deploy, numpy < 2, onnxruntime;
+- waits (at most `timeout_s`) until /v2/health/ready answers 200, failing early with the
+  server's last log lines if the process exits.
+stop() sends SIGINT, waits `exit_timeout_s` + a margin, then kills it. Close clients
+first: the server waits for open connections up to its exit timeout.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from runtime.session import MissingExtraError, RuntimeUserError
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+SERVED_ON_CPU = ("generate",)
+
+
+class ServerError(RuntimeUserError):
+    """The server did not start, or stopped, with the reason from its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def pytriton_dist() -> tuple[Path, Path, Path]:
+    """(bundled tritonserver dir, stub for this Python, wheel's shared libraries dir)."""
+    try:
+        from pytriton.utils.distribution import get_libs_path, get_root_module_path, get_stub_path
+    except ImportError:
+        raise MissingExtraError("triton serve", "triton", "pytriton") from None
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    stub = Path(get_stub_path(version))
+    if not stub.is_file():
+        raise ServerError(f"{stub}: expected nvidia-pytriton's Python-backend stub for Python {version}, found none; "
+                          "use a Python version the wheel supports (3.8 - 3.13)")
+    return Path(get_root_module_path()) / "tritonserver", stub, Path(get_libs_path())
+
+
+def server_env() -> dict[str, str]:
+    env = os.environ.copy()
+    _, _, libs = pytriton_dist()
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, str(libs), env.get("LD_LIBRARY_PATH", "")) if p)
+    import site
+    paths = [str(PROJECT_ROOT), *site.getsitepackages(), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+class TritonServer:
+    def __init__(self, repo: str | Path, host: str = "127.0.0.1", http_port: int | None = None,
+                 grpc_port: int | None = None, models: tuple[str, ...] = SERVED_ON_CPU,
+                 exit_timeout_s: int = 5, log_verbose: int = 0, log_file: str | Path | None = None):
+        self.repo = Path(repo).resolve()
+        self.host = host
+        self.http_port = http_port if http_port is not None else free_port(host if host != "0.0.0.0" else "127.0.0.1")
+        self.grpc_port = grpc_port if grpc_port is not None else free_port(host if host != "0.0.0.0" else "127.0.0.1")
+        self.models = tuple(models)
+        self.exit_timeout_s = exit_timeout_s
+        self.log_verbose = log_verbose
+        self.log_file = Path(log_file) if log_file else None
+        self.proc: subprocess.Popen | None = None
+        self.workspace: Path | None = None
+        self._log = None
+
+    @property
+    def http_url(self) -> str:
+        return f"{'127.0.0.1' if self.host == '0.0.0.0' else self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{'127.0.0.1' if self.host == '0.0.0.0' else self.host}:{self.grpc_port}"
+
+    def _prepare(self) -> Path:
+        dist, stub, _ = pytriton_dist()
+        ws = Path(tempfile.mkdtemp(prefix="tapernorm-triton-"))
+        shutil.copytree(dist / "backends", ws / "backends")
+        shutil.copy(stub, ws / "backends" / "python" / "triton_python_backend_stub")
+        return ws
+
+    def command(self) -> list[str]:
+        dist, _, _ = pytriton_dist()
+        ws = self.workspace
+        cmd = [str(dist / "bin" / "tritonserver"),
+               f"--model-repository={self.repo}", "--model-control-mode=explicit",
+               f"--backend-directory={ws / 'backends'}", f"--cache-directory={dist / 'caches'}",
+               f"--http-address={self.host}", f"--http-port={self.http_port}",
+               f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+               "--allow-metrics=false", f"--exit-timeout-secs={self.exit_timeout_s}",
+               # a unique shared-memory prefix: several servers may run on one machine
+               f"--backend-config=python,shm-region-prefix-name=tapernorm{os.getpid()}x{self.http_port}",
+               f"--log-verbose={self.log_verbose}"]
+        cmd += [f"--load-model={m}" for m in self.models]
+        return cmd
+
+    def start(self, timeout_s: float = 60.0) -> "TritonServer":
+        if not (self.repo / "generate" / "config.pbtxt").is_file() and "generate" in self.models:
+            raise ServerError(f"{self.repo}: expected a model repository with generate/config.pbtxt, found none; "
+                              "write one with python -m runtime.triton repo --build BUILD --out REPO")
+        self.workspace = self._prepare()
+        log_path = self.log_file or self.workspace / "server.log"
+        self._log = open(log_path, "wb")
+        self.log_path = log_path
+        self.proc = subprocess.Popen(self.command(), env=server_env(), stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                tail = self.log_tail()
+                self._cleanup()
+                raise ServerError(f"tritonserver: expected it to start, found it exited with code {self.proc.returncode}: "
+                                  f"{tail}")
+            if self.ready():
+                return self
+            if time.monotonic() > deadline:
+                tail = self.log_tail()
+                self.stop()
+                raise ServerError(f"tritonserver: expected ready within {timeout_s:.0f} s, found it not ready: {tail}")
+            time.sleep(0.2)
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log_tail(self, n: int = 5) -> str:
+        try:
+            lines = Path(self.log_path).read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "(no log)"
+        errors = [ln for ln in lines if ln.startswith("E") or "error" in ln.lower()]
+        return " | ".join((errors or lines)[-n:])
+
+    def stop(self) -> int | None:
+        """SIGINT, then wait for the server's exit timeout; kill it if it is still there."""
+        rc = None
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                rc = self.proc.wait(timeout=self.exit_timeout_s + 10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)   # the server and its backend stubs
+                rc = self.proc.wait()
+        elif self.proc is not None:
+            rc = self.proc.returncode
+        self._cleanup()
+        return rc
+
+    def _cleanup(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if self.workspace is not None:
+            shutil.rmtree(self.workspace, ignore_errors=True)
+            self.workspace = None
+
+    def __enter__(self) -> "TritonServer":
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

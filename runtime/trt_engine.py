@@ -1,0 +1,221 @@
+"""A TensorRT 11 engine from the decode-step ONNX graph: profiles, cache keys, build, reuse.
+
+    EngineFromOnnx(onnx_path, BuildOptions(max_batch=8))()  ->  serialized engine bytes
+
+Precision comes from the ONNX tensor dtypes: every TensorRT 11 network is strongly
+typed (the FP16/BF16 builder flags are gone), so an fp16 graph gives an fp16 engine
+and an fp32 graph an fp32 one; norms kept in fp32 by explicit casts stay fp32.
+
+The KV cache: key_i / value_i are engine inputs with a static [.., S_max, D] shape,
+written by the parser's lowering of TensorScatter (IKVCacheUpdateLayer, whose
+output present_key_i must share its input's device address). The runtime binds
+one buffer to both names (`io_mapping().aliases`), so a step updates it in place.
+
+Two optimization profiles (min / opt / max per dynamic axis):
+
+    profile 0  decode   input_ids [1..max_batch, 1]           caches [1..max_batch, H, S_max, D]
+    profile 1  prefill  input_ids [1..max_batch, 1..max_prompt]
+
+Next to the ONNX file the builder leaves
+
+    <stem>.<key>.engine       the serialized engine; <key> hashes everything it depends on:
+                              ONNX bytes, TensorRT version, GPU name and compute capability,
+                              profiles and build options; an unchanged key reuses the file
+    timing.<gpu>.cache        the timing cache, read before and written after every build
+
+Both are written to a temporary file and renamed into place.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from runtime.session import ModelFileError, ModelSpec, RuntimeUserError
+
+ENGINE_FORMAT = 1          # bump when the way engines are built changes
+DECODE_PROFILE, PREFILL_PROFILE = 0, 1
+
+Shape = tuple[int, ...]
+ProfileShapes = dict[str, tuple[Shape, Shape, Shape]]   # input name -> (min, opt, max)
+
+
+class EngineBuildError(RuntimeUserError):
+    """TensorRT could not parse or build the graph; the message lists the parser errors."""
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    max_batch: int = 8
+    opt_batch: int = 1
+    max_prompt: int | None = None        # default: the cache capacity
+    opt_prompt: int | None = None        # default: min(128, max_prompt)
+    workspace_mib: int | None = None     # default: TensorRT's (the device memory)
+    optimization_level: int | None = None  # builder_optimization_level 0..5; default TensorRT's (3)
+
+    def resolved(self, spec: ModelSpec) -> "BuildOptions":
+        max_prompt = self.max_prompt or spec.capacity
+        opt_prompt = self.opt_prompt or min(128, max_prompt)
+        for name, v, hi in (("max_batch", self.max_batch, None), ("opt_batch", self.opt_batch, self.max_batch),
+                            ("max_prompt", max_prompt, spec.capacity), ("opt_prompt", opt_prompt, max_prompt)):
+            if v < 1 or (hi is not None and v > hi):
+                raise ValueError(f"BuildOptions.{name} is {v}; expected 1.." + (str(hi) if hi else "n"))
+        return BuildOptions(self.max_batch, self.opt_batch, max_prompt, opt_prompt,
+                            self.workspace_mib, self.optimization_level)
+
+
+def profile_shapes(spec: ModelSpec, options: BuildOptions) -> list[ProfileShapes]:
+    """[decode profile, prefill profile]: min / opt / max shape of every engine input."""
+    o = options.resolved(spec)
+
+    def profile(seq: tuple[int, int, int]) -> ProfileShapes:
+        batch = (1, o.opt_batch, o.max_batch)
+        shapes: ProfileShapes = {
+            "input_ids": tuple((b, s) for b, s in zip(batch, seq)),
+            "position": tuple((b,) for b in batch),
+        }
+        for name in spec.cache_names():
+            shapes[name] = tuple(spec.cache_shape(b) for b in batch)
+        return shapes
+    return [profile((1, 1, 1)), profile((1, o.opt_prompt, o.max_prompt))]
+
+
+@dataclass(frozen=True)
+class EngineIO:
+    """Engine tensor names and which output shares its buffer with which input."""
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    aliases: dict[str, str]      # present_key_i -> key_i, present_value_i -> value_i
+
+
+def io_mapping(spec: ModelSpec) -> EngineIO:
+    caches = spec.cache_names()
+    return EngineIO(inputs=("input_ids", "position", *caches),
+                    outputs=("logits", *(f"present_{n}" for n in caches)),
+                    aliases={f"present_{n}": n for n in caches})
+
+
+def check_engine_io(engine_names: dict[str, str], spec: ModelSpec, where) -> None:
+    """engine_names: tensor name -> 'input' | 'output'; raise if it is not the contract."""
+    io = io_mapping(spec)
+    expected = {**{n: "input" for n in io.inputs}, **{n: "output" for n in io.outputs}}
+    if engine_names != expected:
+        missing = sorted(set(expected) - set(engine_names))
+        extra = sorted(set(engine_names) - set(expected))
+        wrong = sorted(n for n in set(expected) & set(engine_names) if expected[n] != engine_names[n])
+        raise ModelFileError(f"{where}: expected the decode-step I/O, found missing {missing}, unexpected {extra}, "
+                             f"wrong direction {wrong}; delete the engine to rebuild it")
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of the ONNX file and of its external-data file (<name>.data) if there is one."""
+    h = hashlib.sha256()
+    for p in (path, path.with_name(path.name + ".data")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+    return h.hexdigest()
+
+
+def device_tag(name: str, capability: tuple[int, int]) -> str:
+    """'NVIDIA H200' (9, 0) -> 'nvidia-h200-sm90': safe in a file name."""
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    return f"{slug}-sm{capability[0]}{capability[1]}"
+
+
+def engine_cache_key(onnx_digest: str, trt_version: str, device: str, spec: ModelSpec, options: BuildOptions) -> str:
+    """16 hex digits; changes whenever anything the engine depends on changes."""
+    payload = {"format": ENGINE_FORMAT, "onnx": onnx_digest, "tensorrt": trt_version, "device": device,
+               "options": asdict(options.resolved(spec)),
+               "profiles": [{k: [list(s) for s in v] for k, v in p.items()} for p in profile_shapes(spec, options)]}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def engine_path(onnx_path: Path, key: str) -> Path:
+    return onnx_path.with_name(f"{onnx_path.stem}.{key}.engine")
+
+
+def timing_cache_path(onnx_path: Path, device: str) -> Path:
+    return onnx_path.with_name(f"timing.{device}.cache")
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def cuda_device_tag() -> str:
+    import torch
+    i = torch.cuda.current_device()
+    return device_tag(torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i))
+
+
+class EngineFromOnnx:
+    """Loader (Polygraphy naming): serialized engine bytes for an ONNX file, built once, then reused.
+
+    Needs tensorrt and a CUDA device. After a call, `.path` is the engine file and
+    `.built` says whether this call built it (False: loaded from the cache).
+    """
+
+    def __init__(self, onnx_path: str | Path, spec: ModelSpec, options: BuildOptions = BuildOptions(),
+                 rebuild: bool = False):
+        self.onnx_path = Path(onnx_path)
+        self.spec = spec
+        self.options = options.resolved(spec)
+        self.rebuild = rebuild
+        self.path: Path | None = None
+        self.built = False
+
+    def __call__(self) -> bytes:
+        import tensorrt as trt
+        device = cuda_device_tag()
+        key = engine_cache_key(file_digest(self.onnx_path), trt.__version__, device, self.spec, self.options)
+        self.path = engine_path(self.onnx_path, key)
+        if self.path.is_file() and not self.rebuild:
+            self.built = False
+            return self.path.read_bytes()
+        data = self._build(trt, timing_cache_path(self.onnx_path, device))
+        write_atomic(self.path, data)
+        self.built = True
+        return data
+
+    def _build(self, trt, timing_path: Path) -> bytes:
+        logger = trt.Logger(trt.Logger.WARNING)
+        builder = trt.Builder(logger)
+        # TensorRT 11 networks are always strongly typed; name the flag where the enum still has it
+        strongly_typed = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+        network = builder.create_network(0 if strongly_typed is None else 1 << int(strongly_typed))
+        parser = trt.OnnxParser(network, logger)
+        if not parser.parse_from_file(str(self.onnx_path)):
+            errors = "; ".join(str(parser.get_error(i)).strip() for i in range(parser.num_errors))
+            raise EngineBuildError(f"{self.onnx_path}: expected a graph the TensorRT ONNX parser accepts, found errors: "
+                                   f"{errors}; run the TensorRT lint in graph_passes or use --backend ort")
+        config = builder.create_builder_config()
+        if self.options.workspace_mib:
+            config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, self.options.workspace_mib << 20)
+        if self.options.optimization_level is not None:
+            config.builder_optimization_level = self.options.optimization_level
+        timing = config.create_timing_cache(timing_path.read_bytes() if timing_path.is_file() else b"")
+        config.set_timing_cache(timing, ignore_mismatch=False)
+        for shapes in profile_shapes(self.spec, self.options):
+            profile = builder.create_optimization_profile()
+            for name, (lo, opt, hi) in shapes.items():
+                profile.set_shape(name, lo, opt, hi)
+            config.add_optimization_profile(profile)
+        serialized = builder.build_serialized_network(network, config)
+        if serialized is None:
+            raise EngineBuildError(f"{self.onnx_path}: expected TensorRT to build an engine, found a failed build "
+                                   "(see the TensorRT log above); try a smaller --max-batch or the ort backend")
+        write_atomic(timing_path, bytes(config.get_timing_cache().serialize()))
+        return bytes(serialized)

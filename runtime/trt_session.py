@@ -1,0 +1,156 @@
+"""TensorRT backend: the engine from runtime.trt_engine, run with execute_async_v3.
+
+Two execution contexts, one per optimization profile (decode: T = 1; prefill:
+T = 1..max_prompt), both bound to the same cache buffers. Device memory is torch
+CUDA tensors (torch is a core dependency); TensorRT sees raw addresses:
+
+    caches     key_i / value_i [B, H, S_max, D], bound as input AND as present_* output
+               (IKVCacheUpdateLayer writes in place: the two names share one address)
+    decode     input_ids [B, 1], position [B], logits [B, 1, V]: device buffers whose
+               addresses are set once per batch size; a step copies B tokens and B
+               positions in from pinned host memory, enqueues the engine, copies
+               the [B, V] logits out, and synchronizes the one stream
+
+Needs the tensorrt extra and a CUDA device; both are checked on activate with a
+one-line error.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from runtime.model_files import resolve_onnx, spec_from_onnx_file
+from runtime.session import CapacityError, DecoderSession, DeviceError
+from runtime.trt_engine import (DECODE_PROFILE, PREFILL_PROFILE, BuildOptions, EngineFromOnnx, check_engine_io,
+                                io_mapping)
+
+
+def trt_to_torch_dtype(trt, torch, dtype):
+    table = {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16,
+             trt.DataType.INT64: torch.int64, trt.DataType.INT32: torch.int32}
+    if hasattr(trt.DataType, "BF16"):
+        table[trt.DataType.BF16] = torch.bfloat16
+    return table[dtype]
+
+
+class TrtSession(DecoderSession):
+    backend = "trt"
+
+    def __init__(self, model: str | Path, device: str = "cuda", options: BuildOptions = BuildOptions(),
+                 rebuild: bool = False):
+        super().__init__()
+        self.path = resolve_onnx(model)
+        self.device = device
+        self.options = options
+        self.rebuild = rebuild
+        self.loader: EngineFromOnnx | None = None
+
+    def _activate(self) -> None:
+        from runtime.backends import BACKENDS, require
+        require(BACKENDS["trt"])
+        import tensorrt as trt
+        import torch
+        if self.device != "cuda" or not torch.cuda.is_available():
+            raise DeviceError("backend 'trt': expected a CUDA device, found "
+                              + ("--device " + self.device if self.device != "cuda" else "none (torch.cuda.is_available() is False)")
+                              + "; run on a machine with an NVIDIA GPU or use --backend ort")
+        self._trt, self._torch = trt, torch
+        self.spec = spec_from_onnx_file(self.path)
+        self.options = self.options.resolved(self.spec)
+        self.loader = EngineFromOnnx(self.path, self.spec, self.options, self.rebuild)
+        data = self.loader()
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._runtime = trt.Runtime(self._logger)
+        self.engine = self._runtime.deserialize_cuda_engine(data)
+        if self.engine is None:
+            from runtime.session import ModelFileError
+            raise ModelFileError(f"{self.loader.path}: expected an engine this TensorRT can load, found one it rejects; "
+                                 "delete it to rebuild")
+        names = {}
+        for i in range(self.engine.num_io_tensors):
+            name = self.engine.get_tensor_name(i)
+            names[name] = "input" if self.engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT else "output"
+        check_engine_io(names, self.spec, self.loader.path)
+        self.dtypes = {n: trt_to_torch_dtype(trt, torch, self.engine.get_tensor_dtype(n)) for n in names}
+        self.stream = torch.cuda.Stream()
+        self.contexts = []
+        for profile in (DECODE_PROFILE, PREFILL_PROFILE):
+            ctx = self.engine.create_execution_context()
+            ctx.set_optimization_profile_async(profile, self.stream.cuda_stream)
+            self.contexts.append(ctx)
+        self.stream.synchronize()
+
+    def _deactivate(self) -> None:
+        self.caches = {}
+        self.contexts = []
+        self.engine = None
+        self._runtime = None
+
+    def _bind(self, ctx, input_ids, position, logits) -> None:
+        """Shapes and addresses of every engine tensor; present_* share the cache's address."""
+        io = io_mapping(self.spec)
+        ctx.set_input_shape("input_ids", tuple(input_ids.shape))
+        ctx.set_tensor_address("input_ids", input_ids.data_ptr())
+        ctx.set_input_shape("position", tuple(position.shape))
+        ctx.set_tensor_address("position", position.data_ptr())
+        ctx.set_tensor_address("logits", logits.data_ptr())
+        for name, cache in self.caches.items():
+            ctx.set_input_shape(name, tuple(cache.shape))
+            ctx.set_tensor_address(name, cache.data_ptr())
+        for out, src in io.aliases.items():
+            ctx.set_tensor_address(out, self.caches[src].data_ptr())
+
+    def _allocate(self, batch: int) -> None:
+        torch = self._torch
+        if batch > self.options.max_batch:
+            raise CapacityError(f"batch: expected at most {self.options.max_batch} (the engine's max_batch), "
+                                f"found {batch}; rebuild with a larger BuildOptions.max_batch")
+        dev = "cuda"
+        self.caches = {n: torch.zeros(self.spec.cache_shape(batch), dtype=self.dtypes[n], device=dev)   # [B, H, S_max, D]
+                       for n in self.spec.cache_names()}
+        self._ids = torch.zeros((batch, 1), dtype=self.dtypes["input_ids"], device=dev)                # [B, 1]
+        self._pos = torch.zeros(batch, dtype=self.dtypes["position"], device=dev)                      # [B]
+        self._logits = torch.empty((batch, 1, self.spec.vocab_size), dtype=self.dtypes["logits"], device=dev)
+        self._ids_host = torch.zeros((batch, 1), dtype=self._ids.dtype).pin_memory()
+        self._pos_host = torch.zeros(batch, dtype=self._pos.dtype).pin_memory()
+        self._logits_host = torch.empty((batch, self.spec.vocab_size), dtype=self._logits.dtype).pin_memory()
+        self._ids_np, self._pos_np = self._ids_host.numpy(), self._pos_host.numpy()
+        self._logits_np = self._logits_host.numpy()
+        self._bind(self.contexts[DECODE_PROFILE], self._ids, self._pos, self._logits)
+
+    def _execute(self, ctx) -> None:
+        if not ctx.execute_async_v3(self.stream.cuda_stream):
+            raise RuntimeError(f"{self.loader.path}: execute_async_v3 failed (see the TensorRT log)")
+
+    def _run_prefill(self, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
+        torch = self._torch
+        b, t = input_ids.shape
+        if t > self.options.max_prompt:
+            raise CapacityError(f"prompt: expected at most {self.options.max_prompt} tokens (the engine's prefill profile), "
+                                f"found {t}; rebuild with a larger BuildOptions.max_prompt")
+        with torch.cuda.stream(self.stream):
+            ids = torch.from_numpy(input_ids).to("cuda", self.dtypes["input_ids"], non_blocking=True)
+            pos = torch.from_numpy(position).to("cuda", self.dtypes["position"], non_blocking=True)
+            logits = torch.empty((b, t, self.spec.vocab_size), dtype=self.dtypes["logits"], device="cuda")
+            ctx = self.contexts[PREFILL_PROFILE]
+            self._bind(ctx, ids, pos, logits)
+            self._execute(ctx)
+            host = logits.to("cpu", non_blocking=False)
+        self.stream.synchronize()
+        return host.numpy()
+
+    def _run_decode(self, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
+        torch = self._torch
+        self._ids_np[:, 0] = tokens
+        self._pos_np[:] = position
+        with torch.cuda.stream(self.stream):
+            self._ids.copy_(self._ids_host, non_blocking=True)
+            self._pos.copy_(self._pos_host, non_blocking=True)
+            self._execute(self.contexts[DECODE_PROFILE])
+            self._logits_host.copy_(self._logits[:, 0], non_blocking=True)
+        self.stream.synchronize()
+        return self._logits_np
+
+    def cache_ptrs(self) -> dict[str, int]:
+        return {n: c.data_ptr() for n, c in self.caches.items()}

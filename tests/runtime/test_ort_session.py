@@ -1,0 +1,143 @@
+"""ONNX Runtime session: values equal to torch, the cache updated in place (no copy, no growing allocation)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from runtime.ort_session import OrtSession
+from runtime.torch_session import TorchSession
+from tests.runtime.conftest import REPO
+
+ATOL_FP32 = 1e-4   # ORT fuses/reorders fp32 ops; tiny-model logits are O(1)
+
+
+def test_prefill_and_decode_match_torch(tiny):
+    ckpt, build = tiny
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 300, (2, 5))
+    with OrtSession(build) as o, TorchSession(ckpt) as t:
+        for s in (o, t):
+            s.reset(2)
+        np.testing.assert_allclose(o.prefill(ids), t.prefill(ids), atol=ATOL_FP32)
+        pos = np.array([5, 5])
+        for step in range(4):
+            tok = rng.integers(0, 300, 2)
+            np.testing.assert_allclose(o.decode_step(tok, pos + step), t.decode_step(tok, pos + step), atol=ATOL_FP32)
+
+
+def test_prefill_equals_token_by_token(tiny):
+    """One prefill of T tokens and T single-token steps leave the same logits and cache."""
+    _, build = tiny
+    ids = np.array([[5, 17, 42, 7, 99, 3]])
+    with OrtSession(build) as a, OrtSession(build) as b:
+        a.reset(1), b.reset(1)
+        full = a.prefill(ids).copy()
+        steps = np.stack([b.decode_step(ids[:, t], np.array([t])).copy() for t in range(ids.shape[1])], axis=1)
+        np.testing.assert_allclose(full, steps, atol=ATOL_FP32)
+        np.testing.assert_allclose(a.cache_array("key_1"), b.cache_array("key_1"), atol=ATOL_FP32)
+
+
+def test_decode_step_writes_the_bound_cache_in_place(tiny):
+    _, build = tiny
+    with OrtSession(build) as s:
+        s.reset(2)
+        s.prefill(np.array([[1, 2, 3], [4, 5, 6]]))
+        ptrs = s.cache_ptrs()
+        view = s.cache_array("key_0")               # numpy view of the bound OrtValue's memory
+        assert view.ctypes.data == ptrs["key_0"]
+        for p in range(3, 10):
+            before = view.copy()
+            s.decode_step(np.array([7, 8]), np.array([p, p]))
+            assert s.cache_ptrs() == ptrs, "a cache OrtValue moved: the step copied it"
+            changed = np.flatnonzero(np.abs(view - before).sum(axis=(0, 1, 3)))
+            assert changed.tolist() == [p], f"step at position {p} changed slots {changed.tolist()} of the bound buffer"
+
+
+def test_decode_step_allocates_nothing_that_grows(tiny):
+    """Python-side allocations per step stay flat across positions (tracemalloc)."""
+    _, build = tiny
+    with OrtSession(build) as s:
+        s.reset(2)
+        s.prefill(np.array([[1, 2], [3, 4]]))
+        tok = np.array([5, 6])
+        positions = [np.array([p, p]) for p in range(2, 40)]
+        for p in positions[:3]:
+            s.decode_step(tok, p)               # warm-up
+        tracemalloc.start()
+        base, _ = tracemalloc.get_traced_memory()
+        current = np.zeros(len(positions) - 3, np.int64)   # preallocated: the probe itself must not allocate
+        for i, p in enumerate(positions[3:]):
+            s.decode_step(tok, p)
+            current[i] = tracemalloc.get_traced_memory()[0]
+        current -= base
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    assert max(current) < 4096 and peak - base < 16384, f"per-step Python memory grows: {current.tolist()}, peak {peak - base}"
+    assert current[-1] <= current[0] + 512, f"retained memory grows with position: {current.tolist()}"
+
+
+INPLACE_SCRIPT = textwrap.dedent("""
+    import sys, numpy as np, onnxruntime as ort
+    from runtime.ort_session import OrtSession
+    s = OrtSession(sys.argv[1], log_severity=2).activate()   # warnings on: ORT prints the copy warning at this level
+    s.reset(2)
+    s.prefill(np.array([[1, 2, 3], [4, 5, 6]]))
+    for p in range(3, 6):
+        s.decode_step(np.array([7, 8]), np.array([p, p]))
+    if sys.argv[2] == "copying":   # control: a fresh output for present_key_0 must make ORT warn
+        s.binding.bind_output("present_key_0", "cpu")
+        s.decode_step(np.array([7, 8]), np.array([6, 6]))
+    print("done")
+""")
+
+
+@pytest.mark.parametrize("mode", ["in_place", "copying"])
+def test_ort_reports_no_cache_copy(tiny, mode):
+    """ORT logs 'in-place optimization not activated, copying' when TensorScatter copies; our binding never does."""
+    _, build = tiny
+    proc = subprocess.run([sys.executable, "-c", INPLACE_SCRIPT, str(build / "model.onnx"), mode],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-2000:]
+    copying = "in-place optimization not activated" in proc.stderr
+    assert copying == (mode == "copying"), proc.stderr[-2000:]
+
+
+def test_batch_mismatch_and_capacity_are_checked(tiny):
+    from runtime.session import CapacityError
+    _, build = tiny
+    with OrtSession(build) as s:
+        s.reset(2)
+        with pytest.raises(ValueError, match="reset"):
+            s.decode_step(np.array([1]), np.array([0]))
+        with pytest.raises(CapacityError, match="capacity"):
+            s.decode_step(np.array([1, 2]), np.array([0, s.spec.capacity]))
+
+
+def test_spec_from_the_graph(tiny):
+    ckpt, build = tiny
+    from models.checkpoint import load_checkpoint
+    from runtime.session import ModelSpec
+    with OrtSession(build) as s:
+        assert s.spec == ModelSpec.from_config(load_checkpoint(ckpt).cfg)
+
+
+@pytest.mark.gpu
+def test_ort_cuda_provider_matches_cpu(tiny):
+    ort = pytest.importorskip("onnxruntime")
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime-gpu (CUDAExecutionProvider) is not installed: pip install 'tapernorm-deploy[gpu]'")
+    _, build = tiny
+    ids = np.array([[1, 2, 3], [4, 5, 6]])
+    with OrtSession(build, device="cuda") as g, OrtSession(build) as c:
+        g.reset(2), c.reset(2)
+        np.testing.assert_allclose(g.prefill(ids), c.prefill(ids), atol=1e-3)
+        ptrs = g.cache_ptrs()
+        for p in range(3, 8):
+            np.testing.assert_allclose(g.decode_step(np.array([7, 8]), np.array([p, p])),
+                                       c.decode_step(np.array([7, 8]), np.array([p, p])), atol=1e-3)
+        assert g.cache_ptrs() == ptrs
