@@ -158,19 +158,22 @@ def decoder_config(name: str, platform: str, io: OnnxIO, max_batch_size: int, in
              f"  max_sequence_idle_microseconds: {IDLE_US}",
              # oldest: batch steps of up to max_batch_size sequences; only same-shape requests batch
              f"  oldest {{ max_candidate_sequences: {max_batch_size} max_queue_delay_microseconds: 0 }}"]
-    for c in controls:
-        lines += ["  control_input [", "    {", f'      name: "{c}"',
-                  f"      control [ {{ kind: {CONTROLS[c]} bool_false_true: [ false, true ] }} ]", "    }", "  ]"]
+    if controls:
+        items = [f'    {{\n      name: "{c}"\n      control [ {{ kind: {CONTROLS[c]} bool_false_true: [ false, true ] }} ]\n    }}'
+                 for c in controls]
+        lines += ["  control_input [", ",\n".join(items), "  ]"]
+    items = []
     for i in range(io.n_layer()):
         for cache in (f"key_{i}", f"value_{i}"):
             t = io.inputs[cache]
             dt, dims = ONNX_TO_TRITON[t.elem_type], _dims(t.dims[1:])
-            lines += ["  state [", "    {", f'      input_name: "{cache}"', f'      output_name: "present_{cache}"',
-                      f"      data_type: {dt}", f"      dims: {dims}"]
-            if same_buffer:
-                lines.append("      use_same_buffer_for_input_output: true")
-            lines += [f'      initial_state {{ name: "zeros" data_type: {dt} dims: {dims} zero_data: true }}',
-                      "    }", "  ]"]
+            item = ["    {", f'      input_name: "{cache}"', f'      output_name: "present_{cache}"',
+                    f"      data_type: {dt}", f"      dims: {dims}"]
+            if same_buffer:   # TensorRT: the engine writes the cache in place (IKVCacheUpdateLayer)
+                item.append("      use_same_buffer_for_input_output: true")
+            item += [f'      initial_state {{ name: "zeros" data_type: {dt} dims: {dims} zero_data: true }}', "    }"]
+            items.append("\n".join(item))
+    lines += ["  state [", ",\n".join(items), "  ]"]
     lines.append("}")
     return "\n".join(lines) + "\n"
 
@@ -247,16 +250,16 @@ def verify_config(config, io: OnnxIO) -> list[str]:
             errors.append(f"control input {c.name}: expected one control, found {len(c.control)}")
             continue
         ctl = c.control[0]
-        dt = dtype(ctl.data_type) if ctl.HasField("data_type") else (
+        dt = dtype(ctl.data_type) if ctl.data_type else (
             "TYPE_BOOL" if ctl.bool_false_true else "TYPE_INT32" if ctl.int32_false_true else "TYPE_FP32")
         expected_in[c.name] = (dt, (1,))
     expected_out = {t.name: (dtype(t.data_type), tuple(t.dims)) for t in config.output}
     for s in seq.state:
         expected_in[s.input_name] = (dtype(s.data_type), tuple(s.dims))
         expected_out[s.output_name] = (dtype(s.data_type), tuple(s.dims))
-        init = s.initial_state
-        if not (s.HasField("initial_state") and init.zero_data and tuple(init.dims) == tuple(s.dims)
-                and init.data_type == s.data_type):
+        inits = list(s.initial_state)            # repeated in the schema; we write one
+        if not (len(inits) == 1 and inits[0].zero_data and tuple(inits[0].dims) == tuple(s.dims)
+                and inits[0].data_type == s.data_type):
             errors.append(f"state {s.input_name}: expected a zero initial state of the state's type and dims")
     for side, want, have in (("input", expected_in, io.inputs), ("output", expected_out, io.outputs)):
         for name in sorted(set(want) - set(have)):

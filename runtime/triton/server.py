@@ -79,7 +79,8 @@ def server_env() -> dict[str, str]:
 class TritonServer:
     def __init__(self, repo: str | Path, host: str = "127.0.0.1", http_port: int | None = None,
                  grpc_port: int | None = None, models: tuple[str, ...] = SERVED_ON_CPU,
-                 exit_timeout_s: int = 5, log_verbose: int = 0, log_file: str | Path | None = None):
+                 exit_timeout_s: int = 5, log_verbose: int = 0, log_file: str | Path | None = None,
+                 echo_log: bool = False):
         self.repo = Path(repo).resolve()
         self.host = host
         self.http_port = http_port if http_port is not None else free_port(host if host != "0.0.0.0" else "127.0.0.1")
@@ -87,7 +88,8 @@ class TritonServer:
         self.models = tuple(models)
         self.exit_timeout_s = exit_timeout_s
         self.log_verbose = log_verbose
-        self.log_file = Path(log_file) if log_file else None
+        self.log_file = Path(log_file) if log_file else None   # default: a file in the workspace
+        self.echo_log = echo_log                                 # True: the server logs to our stderr
         self.proc: subprocess.Popen | None = None
         self.workspace: Path | None = None
         self._log = None
@@ -127,10 +129,10 @@ class TritonServer:
             raise ServerError(f"{self.repo}: expected a model repository with generate/config.pbtxt, found none; "
                               "write one with python -m runtime.triton repo --build BUILD --out REPO")
         self.workspace = self._prepare()
-        log_path = self.log_file or self.workspace / "server.log"
-        self._log = open(log_path, "wb")
-        self.log_path = log_path
-        self.proc = subprocess.Popen(self.command(), env=server_env(), stdout=self._log, stderr=subprocess.STDOUT,
+        self.log_path = self.log_file or self.workspace / "server.log"
+        self._log = None if self.echo_log else open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.command(), env=server_env(), stdout=self._log,
+                                     stderr=None if self.echo_log else subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -155,6 +157,8 @@ class TritonServer:
             return False
 
     def log_tail(self, n: int = 5) -> str:
+        if self.echo_log:
+            return "see the server log above"
         try:
             lines = Path(self.log_path).read_text(errors="replace").strip().splitlines()
         except OSError:

@@ -1,0 +1,120 @@
+"""Triton model repository, server and client.
+
+    python -m runtime.triton repo   --build BUILD --out REPO [--engine FILE] [--max-batch-size 8]
+                                    [--instances 1] [--kind cpu|gpu] [--max-new-tokens 32]
+    python -m runtime.triton check  --repo REPO
+    python -m runtime.triton serve  --repo REPO [--host 127.0.0.1] [--http-port 8000] [--grpc-port 8001]
+    python -m runtime.triton client --url HOST:PORT --prompt TEXT [--max-new-tokens N] [--protocol http|grpc]
+
+repo writes the repository for an existing build (what export.build --triton-repo does);
+check parses every config.pbtxt into ModelConfig and verifies the decoder configs
+against their ONNX; serve runs a real Triton server (the tritonserver bundled with
+nvidia-pytriton, Python backend only) with the generate model until Ctrl-C; client
+prints the generated text on stdout, as python -m runtime.generate does.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+from runtime.session import RuntimeUserError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m runtime.triton", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("repo", help="write a model repository for a build directory")
+    r.add_argument("--build", required=True, help="build directory from python -m export.build")
+    r.add_argument("--out", required=True, help="repository directory to write (replaced atomically)")
+    r.add_argument("--engine", help="TensorRT engine built from the build's fused graph; default: newest *.engine in BUILD")
+    r.add_argument("--max-batch-size", type=int, default=8, help="decoder models: sequences per step (default 8)")
+    r.add_argument("--instances", type=int, default=1, help="instance_group count of every model (default 1)")
+    r.add_argument("--kind", choices=("cpu", "gpu"), default="cpu", help="instance kind of decoder_onnx (default cpu)")
+    r.add_argument("--max-new-tokens", type=int, default=32, help="generate model: default when a request omits it")
+    r.add_argument("--intra-op-threads", type=int, default=0, help="generate model: ORT threads (0: ORT's default)")
+    c = sub.add_parser("check", help="parse and verify every config.pbtxt of a repository")
+    c.add_argument("--repo", required=True)
+    s = sub.add_parser("serve", help="run a Triton server over a repository (Ctrl-C stops it)")
+    s.add_argument("--repo", required=True)
+    s.add_argument("--host", default="127.0.0.1", help="address HTTP and gRPC bind to (default 127.0.0.1)")
+    s.add_argument("--http-port", type=int, default=8000)
+    s.add_argument("--grpc-port", type=int, default=8001)
+    s.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the server to be ready")
+    s.add_argument("--log-verbose", type=int, default=0)
+    k = sub.add_parser("client", help="generate text with a running server")
+    k.add_argument("--url", required=True, help="HOST:PORT (the HTTP port for http, the gRPC port for grpc)")
+    k.add_argument("--prompt", required=True)
+    k.add_argument("--max-new-tokens", type=int, default=None, help="default: the model's (32)")
+    k.add_argument("--protocol", choices=("http", "grpc"), default="http")
+    k.add_argument("--model", default="generate")
+    k.add_argument("--temperature", type=float, default=None, help="0 (default) is greedy")
+    k.add_argument("--top-k", type=int, default=None)
+    k.add_argument("--top-p", type=float, default=None)
+    k.add_argument("--seed", type=int, default=None)
+    k.add_argument("--ignore-eos", action="store_true", help="no stop token: always generate --max-new-tokens")
+    k.add_argument("--tokens", action="store_true", help="also print the token ids on stderr")
+    return p
+
+
+def _serve(args) -> int:
+    from runtime.triton.server import TritonServer
+    server = TritonServer(args.repo, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+                          log_verbose=args.log_verbose, echo_log=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start(timeout_s=args.startup_timeout)
+    try:
+        print(f"serving {args.repo}: http {server.http_url}, grpc {server.grpc_url} (Ctrl-C stops)", file=sys.stderr, flush=True)
+        while not stop.is_set():
+            if server.proc.poll() is not None:
+                print(f"error: tritonserver exited with code {server.proc.returncode}", file=sys.stderr)
+                return 1
+            stop.wait(0.5)
+    finally:
+        server.stop()
+    return 0
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "repo":
+        from runtime.triton.repository import write_repository
+        repo = write_repository(args.build, args.out, engine=args.engine, max_batch_size=args.max_batch_size,
+                                instances=args.instances, kind=args.kind, max_new_tokens=args.max_new_tokens,
+                                intra_op_threads=args.intra_op_threads)
+        models = sorted(p.parent.name for p in repo.glob("*/config.pbtxt"))
+        print(f"{repo}: Triton model repository with {', '.join(models)}")
+        return 0
+    if args.command == "check":
+        from runtime.triton.repository import check_repository
+        configs = check_repository(args.repo)
+        print(f"{args.repo}: ok: " + ", ".join(f"{n} ({c.platform or c.backend})" for n, c in configs.items()))
+        return 0
+    if args.command == "serve":
+        return _serve(args)
+    from runtime.triton.client import generate_remote
+    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
+                "ignore_eos": True if args.ignore_eos else None}
+    text, tokens = generate_remote(args.url, args.prompt, args.max_new_tokens, protocol=args.protocol,
+                                   model=args.model, **sampling)
+    print(text)
+    if args.tokens:
+        print(" ".join(map(str, tokens)), file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(argv)
+    except RuntimeUserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
