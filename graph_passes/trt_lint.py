@@ -65,6 +65,9 @@ def lint_graph(ctx: PassContext) -> list[str]:
             present = [t for t in node.outputs[1:3] if t is not None and t.name]
             if past or present:
                 issues.append(f"{where}: Attention with past/present KV inputs/outputs; write the cache with TensorScatter")
+        to = node.attrs.get("to") if node.op in ("Cast", "ConstantOfShape", "RandomNormal", "RandomUniform") else None
+        if isinstance(to, int) and to in UNSUPPORTED_DTYPES:
+            issues.append(f"{where}: casts to {UNSUPPORTED_DTYPES[to]}, which has no TensorRT type")
     seen = set()
     for t in graph.tensors().values():
         dtype = _onnx_dtype(t)
