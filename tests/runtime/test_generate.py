@@ -1,0 +1,91 @@
+"""The generation loop: ragged batches equal single runs, seeded sampling, stop tokens, capacity."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.generate import GenerationConfig, check_capacity, generate, pad_right
+from runtime.ort_session import OrtSession
+from runtime.sampling import SamplingConfig
+from runtime.session import CapacityError
+from runtime.torch_session import TorchSession
+from tests.runtime.greedy import compare_greedy
+
+PROMPTS = [[5, 17, 42], [7, 99, 3, 250, 11, 64, 8], [200], [31, 41, 59, 26, 53]]   # lengths 3, 7, 1, 5
+
+
+def _session(kind, tiny):
+    ckpt, build = tiny
+    return OrtSession(build) if kind == "ort" else TorchSession(ckpt)
+
+
+def test_pad_right():
+    ids, lengths = pad_right([[1, 2], [3], [4, 5, 6]], pad_id=0)
+    np.testing.assert_array_equal(ids, [[1, 2, 0], [3, 0, 0], [4, 5, 6]])
+    np.testing.assert_array_equal(lengths, [2, 1, 3])
+
+
+@pytest.mark.parametrize("kind", ["ort", "torch"])
+def test_ragged_batch_equals_each_prompt_alone(tiny, kind):
+    cfg = GenerationConfig(max_new_tokens=12, keep_logits=True)
+    with _session(kind, tiny) as s:
+        batch = generate(s, PROMPTS, cfg)
+        for b, prompt in enumerate(PROMPTS):
+            alone = generate(s, [prompt], cfg)
+            compared = compare_greedy(alone.tokens[0], [l[0] for l in alone.logits], batch.tokens[b],
+                                      [l[b] for l in batch.logits])
+            assert compared == 12, f"prompt {b}: only {compared} tokens compared (tie)"
+
+
+def test_ort_and_torch_greedy_agree(tiny):
+    cfg = GenerationConfig(max_new_tokens=20, keep_logits=True)
+    with _session("ort", tiny) as o, _session("torch", tiny) as t:
+        ro, rt = generate(o, PROMPTS, cfg), generate(t, PROMPTS, cfg)
+    for b in range(len(PROMPTS)):
+        compare_greedy(rt.tokens[b], [l[b] for l in rt.logits], ro.tokens[b], [l[b] for l in ro.logits])
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    cfg = lambda seed: GenerationConfig(max_new_tokens=16, seed=seed, sampling=SamplingConfig(1.0, 40, 0.95))
+    with _session("ort", tiny) as s:
+        a, b, c = generate(s, PROMPTS, cfg(3)), generate(s, PROMPTS, cfg(3)), generate(s, PROMPTS, cfg(4))
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens
+
+
+def test_stop_tokens_end_each_sequence_on_its_own(tiny):
+    cfg = GenerationConfig(max_new_tokens=12)
+    with _session("ort", tiny) as s:
+        free = generate(s, PROMPTS, cfg)
+        stop = free.tokens[1][4]                       # a token prompt 1 emits at step 4
+        stopped = generate(s, PROMPTS, GenerationConfig(max_new_tokens=12, stop_tokens=(stop,)))
+    for b in range(len(PROMPTS)):
+        want = free.tokens[b]
+        if stop in want:
+            want = want[:want.index(stop) + 1]         # the stop token is kept, nothing after it
+        assert stopped.tokens[b] == want
+
+
+def test_metrics(tiny):
+    with _session("ort", tiny) as s:
+        r = generate(s, PROMPTS, GenerationConfig(max_new_tokens=5))
+    assert r.new_tokens == 20 and len(r.step_s) == 4 and r.ttft_s > 0 and r.tokens_per_s > 0
+    assert "TTFT" in r.metrics_line() and "TPOT" in r.metrics_line()
+
+
+def test_capacity_checks():
+    check_capacity(48, [40], 8)
+    with pytest.raises(CapacityError, match="at most 48 tokens"):
+        check_capacity(48, [3, 49], 1)
+    with pytest.raises(CapacityError, match="--max-new-tokens 8 or less"):
+        check_capacity(48, [40], 9)
+    with pytest.raises(CapacityError, match="empty"):
+        check_capacity(48, [0], 1)
+
+
+def test_generate_fills_the_cache_exactly(tiny):
+    """prompt + new tokens == capacity runs (the last decode step writes slot capacity - 2)."""
+    with _session("ort", tiny) as s:
+        cap = s.spec.capacity
+        r = generate(s, [[1, 2, 3]], GenerationConfig(max_new_tokens=cap - 3))
+    assert len(r.tokens[0]) == cap - 3
