@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
 
 from train.corpus import CorpusError
@@ -65,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     a = build_parser().parse_args(argv)
@@ -78,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.tokenizer is not None:
         kw["tokenizer"] = a.tokenizer
     run = TrainConfig(**kw)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` cleans up like Ctrl-C
     try:
         log = train(run, command="python -m train " + shlex.join(argv))
     except (TrainError, CorpusError) as e:

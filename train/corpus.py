@@ -26,29 +26,56 @@ class CorpusError(ValueError):
 
 # --- the generator -------------------------------------------------------------
 
-_GIRLS = ["Lily", "Mia", "Sue", "Anna", "Emma", "Lucy", "Zoe", "Ella", "Rosa", "Kim", "Amy", "Nora", "Ivy", "Maya", "Jane"]
-_BOYS = ["Tom", "Ben", "Max", "Sam", "Leo", "Jack", "Tim", "Finn", "Noah", "Joe", "Dan", "Eli", "Omar", "Raj", "Luke"]
+_GIRLS = ["Lily", "Mia", "Sue", "Anna", "Emma", "Lucy", "Zoe", "Ella", "Rosa", "Kim", "Amy", "Nora", "Ivy", "Maya",
+          "Jane", "Sara", "Grace", "Hannah", "Chloe", "Ruby", "Alice", "Olivia", "Sophie", "Layla", "Nina", "Tess",
+          "Molly", "Bella", "Clara", "Daisy", "Fatima", "Hana", "Isla", "Julia", "Kate", "Lena", "Mira", "Pia"]
+_BOYS = ["Tom", "Ben", "Max", "Sam", "Leo", "Jack", "Tim", "Finn", "Noah", "Joe", "Dan", "Eli", "Omar", "Raj",
+         "Luke", "Adam", "Billy", "Carlos", "David", "Ethan", "Felix", "George", "Henry", "Ivan", "Jonah", "Kai",
+         "Liam", "Milo", "Nick", "Oscar", "Paul", "Ravi", "Theo", "Victor", "Will", "Yusuf", "Zack", "Hugo"]
 _ANIMALS = [("cat", "she"), ("dog", "he"), ("bunny", "she"), ("bird", "he"), ("frog", "he"), ("duck", "she"),
-            ("bear", "he"), ("fox", "she"), ("mouse", "he"), ("turtle", "she"), ("puppy", "he"), ("kitten", "she")]
-_ANIMAL_NAMES = ["Spot", "Fluffy", "Pip", "Coco", "Bubbles", "Sunny", "Patch", "Buddy", "Daisy", "Nibbles", "Ziggy", "Muffin"]
-_OBJECTS = ["ball", "kite", "doll", "toy car", "hat", "book", "blanket", "drum", "boat", "teddy bear", "red cup",
-            "box of crayons", "shiny stone", "little bell", "yellow scarf", "puzzle", "balloon", "wooden train"]
+            ("bear", "he"), ("fox", "she"), ("mouse", "he"), ("turtle", "she"), ("puppy", "he"), ("kitten", "she"),
+            ("owl", "he"), ("squirrel", "she"), ("lion", "he"), ("pig", "she"), ("horse", "he"), ("cow", "she"),
+            ("goat", "he"), ("hen", "she"), ("fish", "he"), ("bee", "she"), ("elephant", "he"), ("monkey", "she"),
+            ("deer", "she"), ("snail", "he"), ("ladybug", "she"), ("dragon", "he"), ("robot", "he"), ("unicorn", "she")]
+_ANIMAL_NAMES = ["Spot", "Fluffy", "Pip", "Coco", "Bubbles", "Sunny", "Patch", "Buddy", "Daisy", "Nibbles", "Ziggy",
+                 "Muffin", "Pepper", "Biscuit", "Tiny", "Whiskers", "Rusty", "Honey", "Shadow", "Peanut", "Dot",
+                 "Jelly", "Pebble", "Sparky", "Button", "Clover", "Maple", "Snowy", "Toby", "Lulu"]
+_OBJECTS = ["ball", "kite", "doll", "toy car", "hat", "book", "blanket", "drum", "boat", "teddy bear", "cup",
+            "box of crayons", "shiny stone", "little bell", "scarf", "puzzle", "balloon", "wooden train", "bike",
+            "shovel", "bucket", "jar", "map", "key", "sock", "flower", "leaf", "shell", "feather", "ribbon",
+            "spoon", "basket", "lamp", "clock", "rope", "wagon", "picture", "letter", "necklace", "umbrella",
+            "backpack", "robot toy", "whistle", "marble", "sandcastle", "snowman", "tent", "ladder", "cake pan"]
 _PLACES = ["park", "garden", "forest", "beach", "farm", "lake", "hill", "backyard", "school", "market", "river",
-           "meadow", "zoo", "playground", "town"]
-_ADJ = ["big", "small", "happy", "kind", "shy", "brave", "silly", "curious", "tired", "funny", "gentle", "proud"]
-_COLORS = ["red", "blue", "green", "yellow", "pink", "purple", "orange", "white", "brown", "gold"]
-_FOODS = ["apple", "cookie", "cake", "sandwich", "banana", "carrot", "pie", "muffin", "bowl of soup", "piece of bread"]
-_FEELINGS_GOOD = ["happy", "glad", "proud", "excited", "calm", "thankful"]
-_FEELINGS_BAD = ["sad", "scared", "worried", "upset", "lonely", "angry"]
-_WEATHER = ["sunny", "rainy", "windy", "cold", "warm", "snowy", "cloudy"]
-_HELPERS = ["mom", "dad", "grandma", "grandpa", "big sister", "big brother", "teacher", "friend"]
-_TIME = ["Once upon a time", "One day", "Long ago", "One morning", "One sunny day", "Last summer", "One evening"]
+           "meadow", "zoo", "playground", "town", "pond", "cave", "library", "bakery", "kitchen", "barn", "castle",
+           "island", "village", "field", "mountain", "shop", "street", "yard", "attic", "treehouse", "sea"]
+_ADJ = ["big", "small", "happy", "kind", "shy", "brave", "silly", "curious", "tired", "funny", "gentle", "proud",
+        "little", "clever", "quiet", "loud", "sleepy", "busy", "friendly", "grumpy", "helpful", "lazy", "polite",
+        "careful", "wild", "sweet", "smart", "young", "old", "strong", "fast", "slow", "bored", "lucky"]
+_COLORS = ["red", "blue", "green", "yellow", "pink", "purple", "orange", "white", "brown", "gold", "black",
+           "silver", "gray", "spotted", "striped", "shiny"]
+_FOODS = ["apple", "cookie", "cake", "sandwich", "banana", "carrot", "pie", "muffin", "bowl of soup",
+          "piece of bread", "orange", "slice of pizza", "cup of milk", "bunch of grapes", "pear", "bowl of rice",
+          "candy", "peach", "plum", "jar of honey", "egg", "cup of tea", "bowl of berries", "piece of cheese"]
+_FEELINGS_GOOD = ["happy", "glad", "proud", "excited", "calm", "thankful", "cheerful", "safe", "joyful", "warm"]
+_FEELINGS_BAD = ["sad", "scared", "worried", "upset", "lonely", "angry", "nervous", "grumpy", "afraid", "shy"]
+_WEATHER = ["sunny", "rainy", "windy", "cold", "warm", "snowy", "cloudy", "hot", "stormy", "foggy", "bright"]
+_HELPERS = ["mom", "dad", "grandma", "grandpa", "big sister", "big brother", "teacher", "friend", "aunt", "uncle",
+            "neighbor", "baby brother", "baby sister", "cousin"]
+_VERBS = ["play", "run", "jump", "sing", "dance", "draw", "swim", "climb", "read", "build", "paint", "skip",
+          "hop", "dig", "hide", "race", "spin", "bake", "count", "whistle", "explore", "laugh"]
+_SOUNDS = ["a loud bang", "a soft meow", "a funny noise", "a little cry", "a happy song", "a big splash",
+           "a quiet knock", "a buzzing sound", "a low growl", "a tiny squeak"]
+_TIME = ["Once upon a time", "One day", "Long ago", "One morning", "One sunny day", "Last summer", "One evening",
+         "One winter day", "One spring morning", "A long time ago", "One rainy afternoon", "Not long ago"]
 _ENDINGS = ["From that day on, {n} always {lesson}.", "{N} learned that it is good to {lesson2}.",
             "And they all lived happily ever after.", "That night, {n} went to bed with a big smile.",
-            "It was the best day ever.", "{N} hugged {o} and said thank you."]
+            "It was the best day ever.", "{N} hugged {o} and said thank you.",
+            "{N} and {o} were best friends forever.", "The end.", "{N} could not wait to do it again tomorrow.",
+            "Now, whenever {n} sees a {thing}, {s} remembers that day."]
 _LESSONS = [("shared {p} toys", "share"), ("looked carefully", "be careful"), ("was kind to others", "be kind"),
             ("said sorry", "say sorry"), ("asked for help", "ask for help"), ("told the truth", "tell the truth"),
-            ("tried again", "never give up")]
+            ("tried again", "never give up"), ("listened to {p} {h}", "listen"), ("helped {p} friends", "help others"),
+            ("cleaned up {p} room", "clean up"), ("said please", "be polite"), ("waited {p} turn", "take turns")]
 
 
 class _Char:
@@ -68,6 +95,36 @@ def _cap(s: str) -> str:
     return s[:1].upper() + s[1:]
 
 
+def _event(rng: random.Random, a: _Char, b: _Char, place: str) -> str:
+    """One middle-of-the-story event; adds variety and length."""
+    thing, verb, color = rng.choice(_OBJECTS), rng.choice(_VERBS), rng.choice(_COLORS)
+    food, adj, sound = rng.choice(_FOODS), rng.choice(_ADJ), rng.choice(_SOUNDS)
+    good, bad, helper = rng.choice(_FEELINGS_GOOD), rng.choice(_FEELINGS_BAD), rng.choice(_HELPERS)
+    A, S = a.name, _cap(a.sub)
+    return rng.choice([
+        f"{A} and {b.name} liked to {verb} together.",
+        f"Suddenly, they heard {sound}. {S} turned around to look.",
+        f"{S} found a {color} {thing} on the ground and picked it up.",
+        f"\"Look!\" said {b.name}. \"There is a {adj} {thing} over there!\"",
+        f"They sat down and ate a {food}. It was very good.",
+        f"{A}'s {helper} called, \"Be careful, {A}!\"",
+        f"The sky was {rng.choice(_WEATHER)}, and the wind blew the leaves around.",
+        f"{S} tried to {verb}, but it was hard. {S} tried again and again.",
+        f"{b.name} felt {bad}, so {A} gave {b.obj} a big hug.",
+        f"They saw a {adj} {rng.choice(_ANIMALS)[0]} near the {place}.",
+        f"{A} wanted to {verb}, but {b.name} wanted to {rng.choice(_VERBS)}.",
+        f"\"Can we {verb} now?\" asked {A}. \"Yes, we can!\" said {b.name}.",
+        f"{S} was {good} and started to sing a little song.",
+        f"The {thing} was {color} and {adj}, and {a.sub} liked it very much.",
+        f"{A} put the {thing} in {a.pos} {rng.choice(['bag', 'pocket', 'basket', 'box'])}.",
+        f"They walked past the {rng.choice(_PLACES)} and waved to a {adj} {rng.choice(_ANIMALS)[0]}.",
+        f"{b.name} said, \"I am {rng.choice([good, bad])} today.\" {A} asked, \"Why?\"",
+        f"{S} counted {rng.choice(['two', 'three', 'four', 'five', 'six', 'seven', 'ten'])} {color} {rng.choice(['birds', 'stars', 'stones', 'boats', 'ducks', 'flowers', 'clouds'])}.",
+        f"It started to {rng.choice(['rain', 'snow', 'get dark', 'get cold'])}, so they ran under a tree.",
+        f"{A} dropped the {food}, and a {rng.choice(_ANIMALS)[0]} ate it. They both laughed.",
+    ])
+
+
 def _story(rng: random.Random) -> str:
     a, b = _Char(rng), _Char(rng)
     while b.name == a.name:
@@ -78,64 +135,77 @@ def _story(rng: random.Random) -> str:
     s = [f"{rng.choice(_TIME)}, there was a {adj} {a.desc} named {a.name}."]
     s.append(rng.choice([
         f"{a.name} lived near a {place} with {a.pos} {helper}.",
-        f"{_cap(a.sub)} loved to play in the {place}.",
+        f"{_cap(a.sub)} loved to {rng.choice(_VERBS)} in the {place}.",
         f"{_cap(a.sub)} had a {color} {thing} that {a.sub} loved very much.",
-        f"Every day, {a.name} went to the {place} to play.",
+        f"Every day, {a.name} went to the {place} to {rng.choice(_VERBS)}.",
+        f"{_cap(a.sub)} was {rng.choice(_ADJ)} and liked to {rng.choice(_VERBS)}.",
     ]))
     plot = rng.randrange(6)
     if plot == 0:  # a lost thing found
-        s += [f"One day, {a.name} could not find {a.pos} {color} {thing}.",
-              f"{_cap(a.sub)} looked under the bed and behind the door, but it was not there.",
-              f"{a.name} felt {bad}. {_cap(a.sub)} asked {a.pos} {helper} for help.",
-              rng.choice([f"They looked in the {place} together.", f"They walked to the {place} and looked everywhere."]),
-              f"Then {b.name} the {b.desc} came and said, \"I saw your {thing} near the big tree!\"",
-              f"{a.name} ran to the tree and found the {thing}. {_cap(a.sub)} was so {good}."]
+        body = [f"One day, {a.name} could not find {a.pos} {color} {thing}.",
+                f"{_cap(a.sub)} looked {rng.choice(['under the bed', 'in the box', 'behind the door', 'in the kitchen', 'under the table'])}, but it was not there.",
+                f"{a.name} felt {bad}. {_cap(a.sub)} asked {a.pos} {helper} for help.",
+                rng.choice([f"They looked in the {place} together.", f"They walked to the {place} and looked everywhere."]),
+                "<EVENTS>",
+                f"Then {b.name} the {b.desc} came and said, \"I saw your {thing} near the {rng.choice(['big tree', 'old fence', 'blue door', 'river', 'swing'])}!\"",
+                f"{a.name} ran there and found the {thing}. {_cap(a.sub)} was so {good}."]
     elif plot == 1:  # a new friend
-        s += [f"At the {place}, {a.name} saw a {b.desc} named {b.name} sitting alone.",
-              f"{b.name} looked {bad}. \"Why are you {bad}?\" asked {a.name}.",
-              f"\"I have no one to play with,\" said {b.name}.",
-              f"{a.name} smiled and said, \"You can play with me and my {thing}!\"",
-              rng.choice([f"They played all day and laughed a lot.", f"They ran, jumped and played until the sun went down."]),
-              f"{b.name} was {good} to have a new friend."]
+        body = [f"At the {place}, {a.name} saw a {b.desc} named {b.name} sitting alone.",
+                f"{b.name} looked {bad}. \"Why are you {bad}?\" asked {a.name}.",
+                f"\"I have no one to {rng.choice(_VERBS)} with,\" said {b.name}.",
+                f"{a.name} smiled and said, \"You can play with me and my {thing}!\"",
+                "<EVENTS>",
+                rng.choice([f"They played all day and laughed a lot.", f"They ran, jumped and played until the sun went down."]),
+                f"{b.name} was {good} to have a new friend."]
     elif plot == 2:  # a fear overcome
-        s += [f"It was a {weather} day. {a.name} wanted to go to the {place}, but {a.sub} was {bad}.",
-              f"\"What if something bad happens?\" {a.sub} said.",
-              f"{a.pos.capitalize()} {helper} held {a.pos} hand and said, \"Be brave. I am here with you.\"",
-              f"{a.name} took a deep breath and walked to the {place}.",
-              rng.choice([f"There {a.sub} met {b.name} the {b.desc}, who was very friendly.",
-                          f"There {a.sub} saw many {color} flowers and a {adj} {b.desc}."]),
-              f"{a.name} was not {bad} anymore. {_cap(a.sub)} felt {good}."]
+        body = [f"It was a {weather} day. {a.name} wanted to go to the {place}, but {a.sub} was {bad}.",
+                f"\"What if something bad happens?\" {a.sub} said.",
+                f"{_cap(a.pos)} {helper} held {a.pos} hand and said, \"Be brave. I am here with you.\"",
+                f"{a.name} took a deep breath and walked to the {place}.",
+                "<EVENTS>",
+                rng.choice([f"There {a.sub} met {b.name} the {b.desc}, who was very friendly.",
+                            f"There {a.sub} saw many {color} flowers and a {adj} {b.desc}."]),
+                f"{a.name} was not {bad} anymore. {_cap(a.sub)} felt {good}."]
     elif plot == 3:  # sharing
-        s += [f"{a.name} had a {food}. {b.name} the {b.desc} came by and looked hungry.",
-              f"\"Can I have some?\" asked {b.name}.",
-              rng.choice([f"{a.name} wanted to keep the {food}, but then {a.sub} thought about how {b.name} felt.",
-                          f"At first {a.name} said no, and {b.name} walked away {bad}."]),
-              f"{a.name} broke the {food} in two and gave half to {b.name}.",
-              f"\"Thank you!\" said {b.name}. They ate together in the {place}.",
-              f"Sharing made them both feel {good}."]
+        body = [f"{a.name} had a {food}. {b.name} the {b.desc} came by and looked hungry.",
+                f"\"Can I have some?\" asked {b.name}.",
+                rng.choice([f"{a.name} wanted to keep the {food}, but then {a.sub} thought about how {b.name} felt.",
+                            f"At first {a.name} said no, and {b.name} walked away {bad}."]),
+                f"{a.name} broke the {food} in two and gave half to {b.name}.",
+                f"\"Thank you!\" said {b.name}. They ate together in the {place}.",
+                "<EVENTS>",
+                f"Sharing made them both feel {good}."]
     elif plot == 4:  # a trip
-        s += [f"One {weather} morning, {a.name} and {a.pos} {helper} went on a trip to the {place}.",
-              f"{_cap(a.sub)} took {a.pos} {color} {thing} with {a.obj}.",
-              f"On the way, they saw a {adj} {b.desc} named {b.name}.",
-              rng.choice([f"{b.name} showed them a secret path.", f"{b.name} wanted to come along, so they all went together."]),
-              f"At the {place}, they ate a {food} and played with the {thing}.",
-              f"When they came home, {a.name} was tired but {good}."]
+        body = [f"One {weather} morning, {a.name} and {a.pos} {helper} went on a trip to the {place}.",
+                f"{_cap(a.sub)} took {a.pos} {color} {thing} with {a.obj}.",
+                f"On the way, they saw a {adj} {b.desc} named {b.name}.",
+                rng.choice([f"{b.name} showed them a secret path.", f"{b.name} wanted to come along, so they all went together."]),
+                "<EVENTS>",
+                f"At the {place}, they ate a {food} and played with the {thing}.",
+                f"When they came home, {a.name} was tired but {good}."]
     else:  # the weather changes plans
-        s += [f"{a.name} wanted to play outside with {a.pos} {thing}, but the day was {weather}.",
-              f"{_cap(a.sub)} felt {bad} and sat by the window.",
-              f"Then {b.name} the {b.desc} knocked on the door.",
-              f"\"Let us make a game inside!\" said {b.name}.",
-              rng.choice([f"They built a {color} fort with a blanket and pillows.",
-                          f"They drew pictures of the {place} with {color} crayons."]),
-              f"{a.name} forgot that {a.sub} was {bad}. {_cap(a.sub)} was {good} again."]
+        body = [f"{a.name} wanted to play outside with {a.pos} {thing}, but the day was {weather}.",
+                f"{_cap(a.sub)} felt {bad} and sat by the window.",
+                f"Then {b.name} the {b.desc} knocked on the door.",
+                f"\"Let us make a game inside!\" said {b.name}.",
+                "<EVENTS>",
+                rng.choice([f"They built a {color} fort with a blanket and pillows.",
+                            f"They drew pictures of the {place} with {color} crayons."]),
+                f"{a.name} forgot that {a.sub} was {bad}. {_cap(a.sub)} was {good} again."]
+    for line in body:
+        if line == "<EVENTS>":
+            s += [_event(rng, a, b, place) for _ in range(rng.randrange(1, 5))]
+        else:
+            s.append(line)
     lesson, lesson2 = rng.choice(_LESSONS)
-    ending = rng.choice(_ENDINGS).format(n=a.name, N=a.name, o=b.name, lesson=lesson.format(p=a.pos), lesson2=lesson2)
+    ending = rng.choice(_ENDINGS).format(n=a.name, N=a.name, o=b.name, s=a.sub, thing=thing,
+                                         lesson=lesson.format(p=a.pos, h=helper), lesson2=lesson2)
     s.append(ending)
     return " ".join(s)
 
 
 def generate_stories(n: int, seed: int = 1234) -> list[str]:
-    """n stories from the deterministic generator (about 650 characters each)."""
+    """n stories from the deterministic generator (about 900 characters each)."""
     rng = random.Random(seed)
     return [_story(rng) for _ in range(n)]
 
