@@ -1,0 +1,62 @@
+"""Fixtures for the Triton tests: one fused build of a tiny random DyT model and its repository.
+
+Every test here needs tritonclient (the ModelConfig protobuf); the server tests also
+need nvidia-pytriton (the bundled tritonserver). Both come with the triton extra:
+pip install -e '.[dev,triton]'. Without them the tests skip, saying so.
+"""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import random_model, write_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+CAPACITY = 96   # prompt + 64 new tokens must fit; a 100-token prompt must not
+
+
+def require(module: str, what: str) -> None:
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        pytest.skip(f"{what} needs {module} (the triton extra: pip install -e '.[dev,triton]')")
+
+
+@pytest.fixture(scope="session")
+def triton_build(tmp_path_factory) -> Path:
+    """A build directory: python -m export.build --fuse of a random DyT checkpoint (model.fused.onnx);
+    export_onnx plus copies where export.build is missing."""
+    require("tritonclient.grpc", "the Triton repository tests")
+    root = tmp_path_factory.mktemp("triton")
+    ckpt = write_checkpoint(root / "ckpt", random_model(seed=3, norm="dyt", max_seq_len=CAPACITY))
+    out = root / "build"
+    if importlib.util.find_spec("export.build") is not None:
+        proc = subprocess.run([sys.executable, "-m", "export.build", "--fuse", "--checkpoint", str(ckpt), "--out", str(out)],
+                              capture_output=True, text=True, cwd=REPO, timeout=600)
+        assert proc.returncode == 0, f"export.build failed:\n{proc.stderr[-2000:]}"
+    else:
+        from export.onnx_export import export_onnx
+        from models.checkpoint import load_checkpoint
+        out.mkdir()
+        export_onnx(load_checkpoint(ckpt), out / "model.onnx")
+        for name in ("config.json", "tokenizer.json"):
+            shutil.copyfile(ckpt / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def triton_repo(triton_build, tmp_path_factory) -> Path:
+    """The repository, with a stand-in engine file so that decoder_trt is written too
+    (its config is checked against the ONNX the engine is built from, never loaded here)."""
+    from runtime.triton import write_triton_repository
+    root = tmp_path_factory.mktemp("triton_repo")
+    engine = root / "model.fused.0123abcd.engine"
+    engine.write_bytes(b"not a real engine: the CPU server never loads tensorrt_plan models")
+    return write_triton_repository(triton_build, root / "repo", engine=engine, intra_op_threads=1)

@@ -1,0 +1,151 @@
+"""The model repository: every config.pbtxt parses into tritonclient's ModelConfig, the decoder
+configs match their ONNX I/O exactly, the implicit-state mapping reproduces generation,
+and writing is atomic with one-line errors. No server here (see test_server.py)."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+
+def _config(repo: Path, model: str):
+    from runtime.triton.repository import parse_config
+    return parse_config((repo / model / "config.pbtxt").read_text())
+
+
+def test_every_config_parses_into_modelconfig(triton_repo):
+    from tritonclient.grpc import model_config_pb2 as pb
+    configs = {p.parent.name: _config(triton_repo, p.parent.name) for p in triton_repo.glob("*/config.pbtxt")}
+    assert sorted(configs) == ["decoder_onnx", "decoder_trt", "generate"]
+    assert all(isinstance(c, pb.ModelConfig) for c in configs.values())
+    ort, trt, gen = configs["decoder_onnx"], configs["decoder_trt"], configs["generate"]
+    assert (ort.platform, trt.platform, gen.backend) == ("onnxruntime_onnx", "tensorrt_plan", "python")
+    assert (triton_repo / "decoder_onnx/1/model.onnx").is_file() and (triton_repo / "decoder_trt/1/model.plan").is_file()
+    assert (triton_repo / "generate/1/model.py").is_file() and (triton_repo / "generate/1/tokenizer.json").is_file()
+    for c in (ort, trt):
+        assert c.max_batch_size == 8 and c.WhichOneof("scheduling_choice") == "sequence_batching"
+        assert len(c.sequence_batching.state) == 4                      # 2 layers x (key, value)
+        for s in c.sequence_batching.state:
+            assert list(s.dims) == [4, 96, 8] and s.initial_state[0].zero_data    # [H, S_max, D], zeros
+    assert [g.kind for g in ort.instance_group] == [pb.ModelInstanceGroup.KIND_CPU]
+    assert [g.kind for g in trt.instance_group] == [pb.ModelInstanceGroup.KIND_GPU]
+    kinds = {c.name: c.control[0].kind for c in ort.sequence_batching.control_input}
+    assert kinds == {"START": pb.ModelSequenceBatching.Control.CONTROL_SEQUENCE_START,
+                     "READY": pb.ModelSequenceBatching.Control.CONTROL_SEQUENCE_READY}
+    assert gen.max_batch_size == 0 and [i.name for i in gen.input][0] == "prompt"
+    assert [o.name for o in gen.output] == ["text", "tokens"]
+
+
+def test_decoder_configs_match_their_onnx_exactly(triton_repo):
+    from runtime.triton.repository import check_repository, onnx_io, verify_config
+    ort_io = onnx_io(triton_repo / "decoder_onnx/1/model.onnx")
+    trt_io = onnx_io(triton_repo / "decoder_trt/1/source.onnx")
+    assert verify_config(_config(triton_repo, "decoder_onnx"), ort_io) == []
+    assert verify_config(_config(triton_repo, "decoder_trt"), trt_io) == []
+    # spelled out: config inputs + controls + states are the ONNX inputs, outputs + states the outputs
+    ort = _config(triton_repo, "decoder_onnx")
+    seq = ort.sequence_batching
+    assert ({i.name for i in ort.input} | {c.name for c in seq.control_input} | {s.input_name for s in seq.state}
+            == set(ort_io.inputs))
+    assert {o.name for o in ort.output} | {s.output_name for s in seq.state} == set(ort_io.outputs)
+    assert list(ort.output[0].dims) == [-1, 320] and list(ort.input[0].dims) == [-1]
+    assert list(ort.input[1].dims) == [1] and list(ort.input[1].reshape.shape) == []   # position: [batch]
+    assert set(check_repository(triton_repo)) == {"decoder_onnx", "decoder_trt", "generate"}
+
+
+def test_verify_config_names_every_mismatch(triton_repo):
+    from tritonclient.grpc import model_config_pb2 as pb
+    from runtime.triton.repository import onnx_io, verify_config
+    io = onnx_io(triton_repo / "decoder_onnx/1/model.onnx")
+    good = _config(triton_repo, "decoder_onnx")
+    bad = copy.deepcopy(good)
+    bad.output[0].dims[1] = 321                                   # wrong vocab
+    bad.input[0].data_type = pb.TYPE_INT32                         # wrong dtype
+    del bad.sequence_batching.state[3]                             # value_1 no longer a state
+    bad.sequence_batching.state[0].initial_state[0].zero_data = False
+    errors = "\n".join(verify_config(bad, io))
+    for needle in ("output logits", "input input_ids: config.pbtxt says TYPE_INT32", "input value_1: in the ONNX",
+                   "output present_value_1: in the ONNX", "state key_0: expected a zero initial state"):
+        assert needle in errors, errors
+    # the TensorRT config (no controls) against the ORT graph (with controls) is a mismatch too
+    assert any("START" in e for e in verify_config(_config(triton_repo, "decoder_trt"), io))
+
+
+def test_repository_graph_computes_what_the_build_graph_does(triton_repo, triton_build):
+    """START / READY are appended as inputs and never read: same logits, same present caches."""
+    import onnxruntime as ort
+    from runtime.model_files import resolve_onnx
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    a = ort.InferenceSession(str(resolve_onnx(triton_build)), so, providers=["CPUExecutionProvider"])
+    b = ort.InferenceSession(str(triton_repo / "decoder_onnx/1/model.onnx"), so, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    feeds = {"input_ids": rng.integers(0, 320, (2, 5)), "position": np.array([0, 3], np.int64)}
+    for i in range(2):
+        for n in (f"key_{i}", f"value_{i}"):
+            feeds[n] = rng.standard_normal((2, 4, 96, 8)).astype(np.float32)
+    out_a = a.run(None, feeds)
+    out_b = b.run(None, {**feeds, "START": np.ones((2, 1), bool), "READY": np.ones((2, 1), bool)})
+    for x, y in zip(out_a, out_b):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_implicit_state_mapping_reproduces_generate(triton_repo, triton_build):
+    """What the sequence batcher does with decoder_onnx, done by hand: the state starts at
+    zero on START, each request feeds the state as key_i / value_i and keeps present_*;
+    the client sends position = tokens already sent. Greedy tokens equal runtime.generate."""
+    import onnxruntime as ort
+    from runtime.generate import GenerationConfig, generate
+    from runtime.model_files import load_tokenizer
+    from runtime.ort_session import OrtSession
+    tok = load_tokenizer(triton_build)
+    prompt = tok.encode("Once upon a time there was").ids
+    with OrtSession(triton_build, intra_op_threads=1) as s:
+        want = generate(s, [prompt], GenerationConfig(max_new_tokens=12)).tokens[0]
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    sess = ort.InferenceSession(str(triton_repo / "decoder_onnx/1/model.onnx"), so, providers=["CPUExecutionProvider"])
+    state = {n: np.zeros((1, 4, 96, 8), np.float32) for i in range(2) for n in (f"key_{i}", f"value_{i}")}
+    names = [o.name for o in sess.get_outputs()]
+    ids, position, got = prompt, 0, []
+    for step in range(12):
+        out = dict(zip(names, sess.run(None, {"input_ids": np.array([ids], np.int64), "position": np.array([position]),
+                                             "START": np.array([[step == 0]]), "READY": np.ones((1, 1), bool), **state})))
+        state = {n: out[f"present_{n}"] for n in state}
+        position += len(ids)
+        ids = [int(out["logits"][0, -1].argmax())]
+        got.append(ids[0])
+    assert got == want
+
+
+def test_no_engine_means_no_tensorrt_model(triton_build, tmp_path):
+    from runtime.triton import write_triton_repository
+    repo = write_triton_repository(triton_build, tmp_path / "repo")
+    assert sorted(p.name for p in repo.iterdir() if p.is_dir()) == ["decoder_onnx", "generate"]
+
+
+def test_errors_are_one_line_and_leave_the_old_repository(triton_build, tmp_path, capsys):
+    from runtime.triton.__main__ import main
+    from runtime.triton import write_triton_repository
+    repo = write_triton_repository(triton_build, tmp_path / "repo")
+    before = sorted(str(p.relative_to(repo)) for p in repo.rglob("*"))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "model.fused.onnx").write_bytes((triton_build / "model.fused.onnx").read_bytes()
+                                             if (triton_build / "model.fused.onnx").is_file()
+                                             else (triton_build / "model.onnx").read_bytes())
+    # no tokenizer.json: refused before anything is written; the old repository is untouched
+    assert main(["repo", "--build", str(broken), "--out", str(repo)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "tokenizer.json" in err
+    assert sorted(str(p.relative_to(repo)) for p in repo.rglob("*")) == before
+    assert main(["repo", "--build", str(tmp_path / "missing"), "--out", str(tmp_path / "new")]) == 1
+    assert "expected a build directory" in capsys.readouterr().err and not (tmp_path / "new").exists()
+    (broken / "tokenizer.json").write_text("{}")
+    (broken / "model.fused.onnx").write_bytes(b"garbage")
+    assert main(["repo", "--build", str(broken), "--out", str(tmp_path / "new")]) == 1
+    assert "expected an ONNX model" in capsys.readouterr().err and not (tmp_path / "new").exists()
+    assert not list(tmp_path.glob(".new.*")) and not list(tmp_path.glob(".repo.*"))   # no temp leftovers
