@@ -131,6 +131,7 @@ def device_tag(name: str, capability: tuple[int, int]) -> str:
 def engine_cache_key(onnx_digest: str, trt_version: str, device: str, spec: ModelSpec, options: BuildOptions) -> str:
     """16 hex digits; changes whenever anything the engine depends on changes."""
     payload = {"format": ENGINE_FORMAT, "onnx": onnx_digest, "tensorrt": trt_version, "device": device,
+               "spec": asdict(spec),
                "options": asdict(options.resolved(spec)),
                "profiles": [{k: [list(s) for s in v] for k, v in p.items()} for p in profile_shapes(spec, options)]}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,71 @@
+"""TensorRT session on a GPU: engine built once then reused, in-place cache, same tokens as ORT.
+
+Skipped with a reason where tensorrt is not importable or no CUDA device exists.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def trt_ready():
+    pytest.importorskip("tensorrt", reason="tensorrt is not installed: pip install 'tapernorm-deploy[tensorrt]'")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)")
+
+
+@pytest.fixture(scope="module")
+def trt_build(tiny, tmp_path_factory, trt_ready):
+    import shutil
+    _, build = tiny
+    out = tmp_path_factory.mktemp("trt_build")          # engines land next to the model: keep the shared build clean
+    for f in build.iterdir():
+        shutil.copyfile(f, out / f.name)
+    return out
+
+
+def test_engine_is_built_once_then_reused(trt_build):
+    from runtime.trt_session import TrtSession
+    from runtime.trt_engine import BuildOptions
+    opts = BuildOptions(max_batch=4, opt_batch=1)
+    with TrtSession(trt_build, options=opts) as first:
+        assert first.loader.built and first.loader.path.is_file()
+        path = first.loader.path
+    assert any(p.name.startswith("timing.") for p in trt_build.iterdir())
+    with TrtSession(trt_build, options=opts) as second:
+        assert not second.loader.built and second.loader.path == path
+
+
+def test_trt_matches_ort_and_updates_in_place(trt_build):
+    from runtime.ort_session import OrtSession
+    from runtime.trt_engine import BuildOptions
+    from runtime.trt_session import TrtSession
+    ids = np.array([[1, 2, 3], [4, 5, 6]])
+    with TrtSession(trt_build, options=BuildOptions(max_batch=4)) as t, OrtSession(trt_build) as o:
+        t.reset(2), o.reset(2)
+        np.testing.assert_allclose(t.prefill(ids), o.prefill(ids), atol=1e-3)
+        ptrs = t.cache_ptrs()
+        for p in range(3, 10):
+            tok = np.array([p, 3 * p])
+            np.testing.assert_allclose(t.decode_step(tok, np.array([p, p])), o.decode_step(tok, np.array([p, p])), atol=1e-3)
+        assert t.cache_ptrs() == ptrs
+        key0 = t.caches["key_0"].cpu().numpy()
+        np.testing.assert_allclose(key0[:, :, :10], o.cache_array("key_0")[:, :, :10], atol=1e-3)
+
+
+def test_trt_generate_ragged_batch_equals_ort(trt_build):
+    from runtime.generate import GenerationConfig, generate
+    from runtime.ort_session import OrtSession
+    from runtime.trt_engine import BuildOptions
+    from runtime.trt_session import TrtSession
+    from tests.runtime.greedy import compare_greedy
+    prompts = [[5, 17, 42], [7, 99, 3, 250, 11, 64, 8], [200], [31, 41, 59, 26, 53]]
+    cfg = GenerationConfig(max_new_tokens=16, keep_logits=True)
+    with TrtSession(trt_build, options=BuildOptions(max_batch=4)) as t, OrtSession(trt_build) as o:
+        rt, ro = generate(t, prompts, cfg), generate(o, prompts, cfg)
+    for b in range(4):
+        compare_greedy(ro.tokens[b], [l[b] for l in ro.logits], rt.tokens[b], [l[b] for l in rt.logits])
