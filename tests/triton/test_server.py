@@ -1,0 +1,151 @@
+"""A real Triton server (the tritonserver bundled with nvidia-pytriton) over the repository,
+started on 127.0.0.1 by the test itself and stopped at the end (bounded both ways).
+
+Compared with local generation: the CLI output of `python -m runtime.triton client` over
+HTTP and gRPC equals `python -m runtime.generate`; 8 concurrent sequences of 64 tokens
+equal their solo local results; bad requests get a Triton error and the server keeps serving.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from tests.triton.conftest import REPO, require
+
+START_TIMEOUT_S = 60
+PROMPTS = ["Once upon a time", "Tom liked to play", "One day the sun was warm", "Lily saw a big dog",
+           "The birds sang in the tall tree", "They were happy friends", "a little cat named Tom", "red ball"]
+
+
+@pytest.fixture(scope="module")
+def server(triton_repo):
+    require("pytriton", "the Triton server tests")
+    from runtime.triton.server import TritonServer
+    t0 = time.monotonic()
+    srv = TritonServer(triton_repo, host="127.0.0.1").start(timeout_s=START_TIMEOUT_S)
+    srv.started_in_s = time.monotonic() - t0
+    yield srv
+    t0 = time.monotonic()
+    srv.stop()
+    assert srv.proc.poll() is not None, "tritonserver still running after stop()"
+    assert time.monotonic() - t0 < srv.exit_timeout_s + 10
+
+
+@pytest.fixture(scope="module")
+def local(triton_build):
+    """Solo local generation (runtime.generate over the build's ORT session), batch 1."""
+    from runtime.generate import GenerationConfig, generate
+    from runtime.model_files import load_tokenizer
+    from runtime.ort_session import OrtSession
+    tok = load_tokenizer(triton_build)
+    session = OrtSession(triton_build, intra_op_threads=1).activate()
+
+    def run(prompt: str, n: int) -> tuple[str, list[int]]:
+        tokens = generate(session, [tok.encode(prompt).ids], GenerationConfig(max_new_tokens=n)).tokens[0]
+        return tok.decode(tokens), tokens
+    yield run
+    session.deactivate()
+
+
+def test_server_started_on_localhost_in_bounded_time(server):
+    assert server.started_in_s < START_TIMEOUT_S and server.ready()
+    log = server.log_path.read_text()
+    assert f"Started HTTPService at 127.0.0.1:{server.http_port}" in log
+    assert f"Started GRPCInferenceService at 127.0.0.1:{server.grpc_port}" in log
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_client_cli_prints_what_local_generate_prints(server, triton_build, protocol):
+    args = ["--prompt", "Once upon a time", "--max-new-tokens", "24"]
+    url = server.http_url if protocol == "http" else server.grpc_url
+    local = subprocess.run([sys.executable, "-m", "runtime.generate", "--model", str(triton_build), *args],
+                           capture_output=True, text=True, cwd=REPO, timeout=120)
+    remote = subprocess.run([sys.executable, "-m", "runtime.triton", "client", "--url", url, "--protocol", protocol, *args],
+                            capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert local.returncode == 0, local.stderr
+    assert remote.returncode == 0, remote.stderr
+    assert remote.stdout == local.stdout and local.stdout.strip()
+
+
+def test_eight_concurrent_sequences_equal_their_solo_results(server, local):
+    from runtime.triton.client import generate_remote
+
+    def one(i: int):
+        url, protocol = (server.http_url, "http") if i % 2 == 0 else (server.grpc_url, "grpc")
+        return generate_remote(url, PROMPTS[i], 64, protocol=protocol, ignore_eos=True)
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    for prompt, (text, tokens) in zip(PROMPTS, results):
+        want_text, want_tokens = local(prompt, 64)
+        assert len(tokens) == 64
+        assert tokens == want_tokens and text == want_text, prompt
+
+
+def _raw_infer(server, protocol: str, model: str, make_inputs):
+    import tritonclient.grpc as g
+    import tritonclient.http as h
+    m = h if protocol == "http" else g
+    client = m.InferenceServerClient(server.http_url if protocol == "http" else server.grpc_url)
+    try:
+        return client.infer(model, make_inputs(m))
+    finally:
+        client.close()
+
+
+def _input(m, name, array, dt):
+    t = m.InferInput(name, list(array.shape), dt)
+    t.set_data_from_numpy(array)
+    return t
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, local, protocol):
+    from tritonclient.utils import InferenceServerException
+    from runtime.triton.client import ClientError, generate_remote
+    url = server.http_url if protocol == "http" else server.grpc_url
+    bad = {
+        "wrong dtype": ("generate", lambda m: [_input(m, "prompt", np.array([1], np.int32), "INT32")],
+                        "BYTES"),
+        "wrong shape": ("generate", lambda m: [_input(m, "prompt", np.array([b"a", b"b"], np.object_), "BYTES")],
+                        "shape"),
+        "unknown model": ("no_such_model", lambda m: [_input(m, "prompt", np.array([b"a"], np.object_), "BYTES")],
+                          "no_such_model"),
+    }
+    good_future = None
+    with ThreadPoolExecutor(2) as pool:
+        # a good sequence runs while the bad requests come in
+        good_future = pool.submit(generate_remote, url, PROMPTS[0], 32, protocol=protocol, ignore_eos=True)
+        for what, (model, make, needle) in bad.items():
+            with pytest.raises(InferenceServerException) as e:
+                _raw_infer(server, protocol, model, make)
+            assert needle in str(e.value), f"{what}: {e.value}"
+        with pytest.raises(ClientError) as e:
+            generate_remote(url, "Once upon a time " * 30, 8, protocol=protocol)     # > 96-token cache
+        assert "cache capacity" in str(e.value) and "\n" not in str(e.value)
+        with pytest.raises(ClientError) as e:
+            generate_remote(url, "Once upon a time", 90, protocol=protocol)          # prompt + new > capacity
+        assert "max-new-tokens" in str(e.value)
+        assert good_future.result(timeout=60) == local(PROMPTS[0], 32)
+    assert generate_remote(url, PROMPTS[1], 8, protocol=protocol, ignore_eos=True) == local(PROMPTS[1], 8)
+
+
+def test_decoder_configs_pass_the_servers_own_validation(server):
+    """The CPU server has no onnxruntime / tensorrt backend, so it cannot run decoder_onnx or
+    decoder_trt; but it parses and validates their configs when it polls the repository,
+    and only then fails on the missing backend library."""
+    import tritonclient.http as h
+    from tritonclient.utils import InferenceServerException
+    client = h.InferenceServerClient(server.http_url)
+    try:
+        for model, backend in (("decoder_onnx", "onnxruntime"), ("decoder_trt", "tensorrt")):
+            with pytest.raises(InferenceServerException) as e:
+                client.load_model(model)
+            assert f"unable to find backend library for backend '{backend}'" in str(e.value), str(e.value)
+        assert client.is_model_ready("generate")
+    finally:
+        client.close()
