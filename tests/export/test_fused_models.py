@@ -1,0 +1,83 @@
+"""torch vs ONNX (unfused) vs ONNX (fused) on every model kind, prefill + decode steps."""
+import numpy as np
+import pytest
+
+from export.verify import ATOL_FP32, compare, ort_session, read_interface, run_onnx, run_torch, session_steps
+from graph_passes import PassError, run_passes
+from graph_passes.base import PassContext
+from export.onnx_export import export_onnx
+from tests.export.exported import KINDS, exported
+from tests.helpers import random_model
+
+NORMS = ("RMSNormalization", "LayerNormalization")
+REAL = [464, 1110, 2402, 257, 640, 612, 373, 257, 1310, 3797, 13]  # a tokenized sentence (ids taken mod vocab)
+
+
+def _sessions(iface):
+    return [("random", session_steps(iface, seed=0)), ("real", session_steps(iface, tokens=REAL))]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_fused_matches_torch_and_unfused(kind):
+    model, proto, fused, _ = exported(kind)
+    iface = read_interface(proto)
+    s_unfused, s_fused = ort_session(proto), ort_session(fused)
+    for label, steps in _sessions(iface):
+        ref = run_torch(model, iface, steps)
+        unf = run_onnx(s_unfused, iface, steps)
+        fus = run_onnx(s_fused, iface, steps)
+        compare(ref, unf, "fp32", f"unfused vs torch, {label}")
+        c = compare(ref, fus, "fp32", f"fused vs torch, {label}")
+        compare(unf, fus, "fp32", f"fused vs unfused, {label}")
+        assert c.max_abs_diff["logits"] <= ATOL_FP32
+        assert set(c.max_abs_diff) == {"logits", *(f"present_{n}" for n in iface.cache_names)}
+
+
+def _taper_nodes(proto):
+    ctx = PassContext(proto)
+    return [n for n in ctx.graph.nodes if any(c.endswith(".TaperNorm") for c in ctx.module_class(n))]
+
+
+def test_internal_taper_fused_keeps_only_the_final_norm():
+    _, proto, fused, results = exported("internal-taper")
+    norms = [n for n in fused.graph.node if n.op_type in NORMS]
+    assert len(norms) == 1
+    assert _taper_nodes(fused) == []
+    assert len(_taper_nodes(proto)) == 2 * model_layers(proto)       # one Mul per TaperNorm before
+    folded = {r.name: [l for l, _ in r.rewrites] for r in results}
+    assert folded["taper_scale"] == [f"blocks.{i}.ln_{j}" for i in range(2) for j in (1, 2)]
+    assert folded["norm_gamma"] == ["ln_f"]
+
+
+def model_layers(proto):
+    return int({p.key: p.value for p in proto.metadata_props}["tapernorm.n_layer"])
+
+
+@pytest.mark.parametrize("kind", ["all-taper", "all-taper-affine-ln-swiglu-untied"])
+def test_all_taper_fused_has_no_norm_and_no_taper_op(kind):
+    _, proto, fused, results = exported(kind)
+    assert not [n for n in fused.graph.node if n.op_type in NORMS]
+    assert _taper_nodes(fused) == []
+    taper = next(r for r in results if r.name == "taper_scale")
+    assert ("ln_f", "scale+shift -> lm_head" if "affine" in kind else "scale -> lm_head") in taper.rewrites
+    assert any("gate_proj" in d for _, d in taper.rewrites) == ("swiglu" in kind)
+
+
+def test_baseline_keeps_rmsnorm_ops_with_gamma_folded():
+    from onnx import numpy_helper
+    _, proto, fused, _ = exported("baseline")
+    norms = [n for n in fused.graph.node if n.op_type == "RMSNormalization"]
+    assert len(norms) == 2 * model_layers(proto) + 1
+    inits = {i.name: numpy_helper.to_array(i) for i in fused.graph.initializer}
+    for n in norms:
+        assert np.all(inits[n.input[1]] == 1.0), n.name
+
+
+def test_gate_above_zero_exports_the_full_blend_and_is_refused():
+    model = random_model(norm="taper", taper_scope="internal", gate=0.5)
+    import tempfile, pathlib
+    proto = export_onnx(model, pathlib.Path(tempfile.mkdtemp()) / "m.onnx")
+    ops = {n.op for n in _taper_nodes(proto)}
+    assert "RMSNormalization" in ops and "Mul" in ops          # normalized and linear branches
+    with pytest.raises(PassError, match="blocks.0.ln_1, blocks.0.ln_2, blocks.1.ln_1, blocks.1.ln_2: TaperNorm gate 0.5"):
+        run_passes(proto)
