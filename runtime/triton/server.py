@@ -164,7 +164,11 @@ class TritonServer:
         except OSError:
             return "(no log)"
         errors = [ln for ln in lines if ln.startswith("E") or "error" in ln.lower()]
-        return " | ".join((errors or lines)[-n:])
+        tail = " | ".join((errors or lines)[-n:])
+        if "libpython" in tail:
+            tail += (f" (the Python-backend stub links libpython{sys.version_info[0]}.{sys.version_info[1]}.so.1.0: "
+                     "use a Python built with --enable-shared, or install the system libpython of that version)")
+        return tail
 
     def stop(self) -> int | None:
         """SIGINT, then wait for the server's exit timeout; kill it if it is still there."""

@@ -149,3 +149,34 @@ def test_decoder_configs_pass_the_servers_own_validation(server):
         assert client.is_model_ready("generate")
     finally:
         client.close()
+
+
+def test_serve_command_starts_and_stops_on_ctrl_c(triton_repo, tmp_path):
+    """python -m runtime.triton serve: ready on 127.0.0.1, SIGINT stops it with exit code 0."""
+    require("pytriton", "the Triton server tests")
+    import signal
+    from runtime.triton.client import generate_remote
+    from runtime.triton.server import free_port
+    http, grpc = free_port(), free_port()
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.triton", "serve", "--repo", str(triton_repo),
+                             "--http-port", str(http), "--grpc-port", str(grpc), "--startup-timeout", str(START_TIMEOUT_S)],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S + 5
+        while True:
+            try:
+                text, tokens = generate_remote(f"127.0.0.1:{http}", PROMPTS[2], 4, ignore_eos=True)
+                break
+            except Exception:
+                assert proc.poll() is None and time.monotonic() < deadline, "serve did not come up"
+                time.sleep(0.5)
+        assert len(tokens) == 4
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert f"serving {triton_repo}: http 127.0.0.1:{http}, grpc 127.0.0.1:{grpc}" in (tmp_path / "serve.log").read_text()
+    finally:
+        log.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
