@@ -1,0 +1,103 @@
+"""python -m export.build: end to end, and one subprocess test per user error in the acceptance list."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import random_model, write_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _build(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "export.build", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd or ROOT)
+
+
+def _one_error_line(r):
+    assert r.returncode != 0, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {
+        "taper": write_checkpoint(root / "internal-taper", random_model(norm="taper", taper_scope="internal", gate=0.0)),
+        "gate": write_checkpoint(root / "mid-taper", random_model(norm="taper", taper_scope="internal", gate=0.25)),
+        "fakeln": write_checkpoint(root / "fakeln", random_model(norm="layernorm", eps=1e12)),
+    }
+
+
+def test_build_fuse_end_to_end(ckpts, tmp_path):
+    out = tmp_path / "out"
+    r = _build("--fuse", "--checkpoint", ckpts["taper"], "--out", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("[1/6] load checkpoint") and "[6/6] write" in r.stdout
+    files = {p.name for p in out.iterdir()}
+    assert files == {"model.onnx", "model.fused.onnx", "config.json", "tokenizer.json", "report.json"}
+    report = json.loads((out / "report.json").read_text())
+    assert report["norm_ops"] == {"unfused": 1, "fused": 1}
+    assert [f["layer"] for f in report["folded"] if f["pass"] == "taper_scale"] == \
+        ["blocks.0.ln_1", "blocks.0.ln_2", "blocks.1.ln_1", "blocks.1.ln_2"]
+    assert report["op_counts"]["unfused"]["Mul"] - report["op_counts"]["fused"]["Mul"] == 4
+    for key in ("unfused_vs_torch", "fused_vs_torch", "fused_vs_unfused"):
+        worst = max(v for per in report["max_abs_diff"][key].values() for v in per.values())
+        assert worst <= report["atol"] == 1e-4
+    assert any("real tokens" in k for k in report["max_abs_diff"]["fused_vs_torch"])
+    assert set(report["timings_s"]) >= {"load", "export", "verify_unfused", "fuse", "verify_fused", "total"}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]   # no temp dir left
+
+
+def test_gate_above_zero_one_line_and_nothing_written(ckpts, tmp_path):
+    out = tmp_path / "sub" / "out"
+    line = _one_error_line(_build("--fuse", "--checkpoint", ckpts["gate"], "--out", out))
+    assert line == ("error: blocks.0.ln_1, blocks.0.ln_2, blocks.1.ln_1, blocks.1.ln_2: TaperNorm gate 0.25; "
+                    "--fuse needs gate 0 (finish the taper, or build without --fuse)")
+    assert not (tmp_path / "sub").exists()
+
+
+def test_missing_and_corrupt_checkpoint(ckpts, tmp_path):
+    line = _one_error_line(_build("--checkpoint", tmp_path / "nope", "--out", tmp_path / "o"))
+    assert "no such checkpoint directory" in line
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in ("config.json", "tokenizer.json"):
+        (bad / f).write_bytes((ckpts["taper"] / f).read_bytes())
+    (bad / "model.safetensors").write_bytes(b"\x00garbage")
+    line = _one_error_line(_build("--checkpoint", bad, "--out", tmp_path / "o"))
+    assert "model.safetensors" in line and "not a readable safetensors file" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_output_path_not_writable(ckpts, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    line = _one_error_line(_build("--checkpoint", ckpts["taper"], "--out", blocker / "out"))
+    assert "not a directory" in line and "--out" in line
+
+
+def test_disabled_norm_in_fp16_is_refused(ckpts, tmp_path):
+    line = _one_error_line(_build("--dtype", "fp16", "--checkpoint", ckpts["fakeln"], "--out", tmp_path / "o"))
+    assert "eps 1e+12" in line and "fp16" in line and "--dtype fp32" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_interrupted_build_leaves_nothing(ckpts, tmp_path, monkeypatch):
+    import export.build as build_mod
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.onnx").write_text("previous build")
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(build_mod, "_verify_against_torch", interrupt)
+    assert build_mod.main(["--checkpoint", str(ckpts["taper"]), "--out", str(out)]) == 130
+    assert [p.name for p in out.iterdir()] == ["model.onnx"]                 # the previous build, untouched
+    assert (out / "model.onnx").read_text() == "previous build"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]                   # no temp dir left

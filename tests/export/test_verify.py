@@ -1,0 +1,68 @@
+"""export.verify: one typed error listing every mismatch; the CLI users run in CI."""
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from export.verify import VerificationError, compare
+from tests.export.exported import exported, save
+
+
+def test_compare_lists_every_mismatch_in_one_error():
+    ref = [{"logits": np.zeros((1, 2, 3), np.float32), "present_key_0": np.zeros(4, np.float32)}]
+    got = [{"logits": np.full((1, 2, 3), 3e-3, np.float32), "present_key_0": np.full(4, 1.0, np.float32)}]
+    with pytest.raises(VerificationError) as e:
+        compare(ref, got, "fp32", "a vs b")
+    assert e.value.mismatches == ["logits: max abs diff 0.003 > atol 0.0001",
+                                  "present_key_0: max abs diff 1 > atol 0.0001"]
+    assert str(e.value).splitlines()[1] == "- logits: max abs diff 0.003 > atol 0.0001"
+
+
+def test_compare_flags_nan_shape_and_missing_outputs():
+    ref = [{"logits": np.zeros(3, np.float32), "present_key_0": np.zeros(2, np.float32), "x": np.zeros(1)}]
+    got = [{"logits": np.array([0, np.nan, 0], np.float32), "present_key_0": np.zeros(3, np.float32)}]
+    with pytest.raises(VerificationError) as e:
+        compare(ref, got, "fp32", "a vs b")
+    text = "\n".join(e.value.mismatches)
+    assert "logits: max abs diff inf" in text and "present_key_0: shape [3]" in text and "x: missing" in text
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "export.verify", *map(str, args)], capture_output=True, text=True)
+
+
+def test_cli_equal_on_fused_vs_unfused_and_not_equal_on_one_perturbed_weight():
+    _, proto, fused, _ = exported("internal-taper")
+    a, b = save(proto, "verify_a.onnx"), save(fused, "verify_b.onnx")
+    ok = _cli(a, b)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "EQUAL" in ok.stdout
+
+    bad = onnx.ModelProto()
+    bad.CopyFrom(fused)
+    # perturb one weight: the last 2-D MatMul weight of the fused graph (the LM head)
+    w_name = [n.input[1] for n in bad.graph.node if n.op_type == "MatMul"
+              and any(i.name == n.input[1] and len(i.dims) == 2 for i in bad.graph.initializer)][-1]
+    init = next(i for i in bad.graph.initializer if i.name == w_name)
+    w = numpy_helper.to_array(init).copy()
+    w[:, 0] += 0.5
+    init.CopyFrom(numpy_helper.from_array(w, w_name))
+    c = save(bad, "verify_bad.onnx")
+    ko = _cli(a, c)
+    assert ko.returncode == 1, ko.stdout + ko.stderr
+    assert "- logits: max abs diff" in ko.stdout and "NOT EQUAL" in ko.stdout
+
+
+def test_cli_interface_mismatch_and_missing_file(tmp_path):
+    _, proto, _, _ = exported("internal-taper")
+    other = onnx.ModelProto()
+    other.CopyFrom(proto)
+    key0 = next(v for v in other.graph.input if v.name == "key_0")
+    key0.type.tensor_type.shape.dim[2].dim_value += 1          # another cache capacity
+    r = _cli(save(proto, "iface_a.onnx"), save(other, "iface_b.onnx"))
+    assert r.returncode == 1 and "interfaces" in r.stdout and "input key_0" in r.stdout
+    r = _cli(tmp_path / "nope.onnx", tmp_path / "nope2.onnx")
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
