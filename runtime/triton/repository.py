@@ -201,10 +201,19 @@ def generate_config(name: str, instances: int, max_new_tokens: int = DEFAULT_MAX
 
 GENERATE_MODEL_PY = '''"""Triton Python-backend model: prompt -> text + tokens with tapernorm-deploy's ORT runtime.
 
-The code lives in runtime/triton/python_model.py; the server's Python must import
-tapernorm-deploy (python -m runtime.triton serve sets PYTHONPATH to do so).
+The code lives in runtime/triton/python_model.py: the server's Python must import
+tapernorm-deploy. The backend stub runs the first python3 on the server's PATH (its venv
+included) in isolated mode, which ignores PYTHONPATH; the entries of PYTHONPATH are
+therefore added here, so a source checkout on PYTHONPATH works too.
 """
-from runtime.triton.python_model import TritonPythonModel  # noqa: F401
+import os
+import sys
+
+for _p in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
+    if _p and _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from runtime.triton.python_model import TritonPythonModel  # noqa: E402,F401
 '''
 
 

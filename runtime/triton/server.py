@@ -12,8 +12,9 @@ What start() does (pytriton's own launch, minus its proxy models):
   build has no onnxruntime or tensorrt backend, so decoder_onnx / decoder_trt are not
   loaded here), HTTP and gRPC bound to `host` (default 127.0.0.1), metrics off;
 - environment: LD_LIBRARY_PATH gets this interpreter's LIBDIR (the stub links libpython)
-  and the wheel's libraries; PYTHONPATH gets this project and this interpreter's
-  site-packages, so the generate model imports tapernorm-deploy, numpy < 2, onnxruntime;
+  and the wheel's libraries; PATH starts with this interpreter's bin directory (the stub
+  runs the first python3 on PATH, venv included: numpy < 2, onnxruntime, tokenizers);
+  PYTHONPATH starts with this project, which generate/1/model.py adds to sys.path;
 - waits (at most `timeout_s`) until /v2/health/ready answers 200, failing early with the
   server's last log lines if the process exits.
 stop() sends SIGINT, waits `exit_timeout_s` + a margin, then kills it. Close clients
@@ -69,8 +70,9 @@ def server_env() -> dict[str, str]:
     _, _, libs = pytriton_dist()
     libdir = sysconfig.get_config_var("LIBDIR") or ""
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, str(libs), env.get("LD_LIBRARY_PATH", "")) if p)
-    import site
-    paths = [str(PROJECT_ROOT), *site.getsitepackages(), env.get("PYTHONPATH", "")]
+    # the stub's interpreter is the first python3 on PATH (this one, with its venv); it runs
+    # isolated, so generate/1/model.py itself adds PYTHONPATH (this project) to sys.path
+    paths = [str(PROJECT_ROOT), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     return env
