@@ -21,8 +21,8 @@ import shlex
 import signal
 import sys
 
+from train.config import TrainConfig, TrainError
 from train.corpus import CorpusError
-from train.loop import TrainConfig, TrainError, train
 from train.presets import PRESETS, SIZES
 
 
@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     run = TrainConfig(**kw)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` cleans up like Ctrl-C
     try:
+        run.resolve()                 # cheap checks first, before torch is imported
+        from train.loop import train
         log = train(run, command="python -m train " + shlex.join(argv))
     except (TrainError, CorpusError) as e:
         print(f"error: {e}", file=sys.stderr)

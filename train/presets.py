@@ -23,7 +23,7 @@ PRESETS: dict[str, dict] = {
 SIZES: dict[str, dict] = {
     "tiny": dict(model=dict(d_model=128, n_layer=4, n_head=4, vocab_size=2048, max_seq_len=256),
                  steps=1200, batch_size=16, seq_len=128, lr=2e-3, eval_every=100),
-    "small": dict(model=dict(d_model=256, n_layer=8, n_head=8, vocab_size=2048, max_seq_len=256),
+    "small": dict(model=dict(d_model=256, n_layer=10, n_head=8, vocab_size=2048, max_seq_len=256),
                   steps=4000, batch_size=32, seq_len=256, lr=1e-3, eval_every=200),
 }
 

@@ -12,9 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from train.config import DEFAULT_TOKENIZER
 from train.corpus import DEFAULT_GENERATED_STORIES, EOS, generate_stories
-
-DEFAULT_TOKENIZER = Path(__file__).resolve().parent / "data" / "tokenizer.json"
 DEFAULT_VOCAB = 2048
 
 

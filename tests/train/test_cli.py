@@ -72,3 +72,33 @@ def test_screen_dyt_unknown_size_is_one_line(tmp_path):
     r = _run("--size", "huge", module="train.screen_dyt")
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1
     assert "size 'huge'" in r.stderr
+
+
+def test_killed_run_leaves_the_last_complete_checkpoint(tmp_path):
+    import signal
+    import time
+    from models.checkpoint import load_checkpoint
+    out = tmp_path / "ckpt"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "train", "--preset", "all-taper", "--out", str(out),
+                             "--steps", "100000", "--eval-every", "1", "--warmup-steps", "1", "--taper-steps", "100000",
+                             *SMALL], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            log = out / "train_log.json"
+            if log.is_file() and len(json.loads(log.read_text())["evals"]) >= 3:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("no checkpoint after 90 s")
+        proc.send_signal(signal.SIGKILL)   # no chance to clean up: the directory must still be whole
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    model = load_checkpoint(out)
+    cfg = json.loads((out / "config.json").read_text())
+    log = json.loads((out / "train_log.json").read_text())
+    assert 0.0 < model.gate.value < 1.0 and cfg["gate"] == log["evals"][-1]["gate"]
+    assert log["evals"][-1]["step"] >= 2 and log["calibration"]["step"] == 1

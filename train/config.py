@@ -1,0 +1,118 @@
+"""What one training run is: TrainConfig, resolved against the preset and size, and its errors.
+
+Kept free of torch so that `python -m train` rejects bad input in a fraction of a
+second (models.decoder, and with it torch, is imported only for the full
+architecture check, after the cheap checks have passed).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from train.presets import PRESETS, SIZES, TAPER_FRAC, WARMUP_FRAC
+
+DEFAULT_TOKENIZER = Path(__file__).resolve().parent / "data" / "tokenizer.json"
+
+
+class TrainError(ValueError):
+    """Bad training input; the message is one line `<object>: <expected>, <found>; <fix>`."""
+
+
+@dataclass
+class TrainConfig:
+    preset: str
+    size: str = "tiny"
+    out: str = "runs/model"
+    steps: int | None = None            # None: the size's default
+    warmup_steps: int | None = None     # None: WARMUP_FRAC * steps (taper presets)
+    taper_steps: int | None = None      # None: TAPER_FRAC * steps
+    batch_size: int | None = None
+    seq_len: int | None = None
+    lr: float | None = None
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    lr_warmup: int = 50
+    eval_every: int | None = None
+    eval_batches: int = 8
+    calib_batches: int = 4
+    aux_lambda: float | None = None     # None: 0.1 for all-taper, 0 otherwise
+    s_tgt: str = "calib"                # "calib" or a positive number (as text)
+    seed: int = 0
+    corpus: str = "generated"
+    corpus_stories: int = 6000
+    corpus_limit: int | None = None
+    tokenizer: str = str(DEFAULT_TOKENIZER)   # a tokenizer.json, or "train" to fit one on the corpus
+    model: dict = field(default_factory=dict)  # DecoderConfig overrides (d_model, n_layer, n_head, ...)
+    threads: int = 0                    # 0: torch's default
+    progress: bool = True
+
+    def resolve(self) -> "TrainConfig":
+        """Fill the size's defaults and check everything; raises TrainError with one line."""
+        if self.preset not in PRESETS:
+            raise TrainError(f"preset {self.preset!r}: expected one of {', '.join(PRESETS)}; pick one of those")
+        if self.size not in SIZES:
+            raise TrainError(f"size {self.size!r}: expected one of {', '.join(SIZES)}; pick one of those")
+        size = SIZES[self.size]
+        for name in ("steps", "batch_size", "seq_len", "lr", "eval_every"):
+            if getattr(self, name) is None:
+                setattr(self, name, size[name])
+        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "calib_batches"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise TrainError(f"--{name.replace('_', '-')} {v}: expected a positive integer; pass a value > 0")
+        if not self.lr > 0:
+            raise TrainError(f"--lr {self.lr}: expected a positive number; pass a value > 0")
+        taper = self.preset_model()["norm"] == "taper"
+        if self.taper_steps is not None and self.taper_steps <= 0:
+            raise TrainError(f"--taper-steps {self.taper_steps}: expected a positive number of steps (the cosine needs at least one); pass a value > 0")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise TrainError(f"--warmup-steps {self.warmup_steps}: expected >= 0; pass 0 or more")
+        if taper:
+            if self.warmup_steps is None:
+                self.warmup_steps = round(WARMUP_FRAC * self.steps)
+            if self.taper_steps is None:
+                self.taper_steps = max(1, round(TAPER_FRAC * self.steps))
+        if self.aux_lambda is None:
+            self.aux_lambda = 0.1 if PRESETS[self.preset]["aux"] else 0.0
+        if not (isinstance(self.aux_lambda, (int, float)) and math.isfinite(self.aux_lambda) and self.aux_lambda >= 0):
+            raise TrainError(f"--aux-lambda {self.aux_lambda}: expected a number >= 0; pass 0 to switch the scale loss off")
+        if self.aux_lambda > 0 and not taper:
+            raise TrainError(f"--aux-lambda {self.aux_lambda}: the scale loss applies to taper models, preset {self.preset!r} is {self.preset_model()['norm']}; drop --aux-lambda")
+        if self.s_tgt != "calib":
+            try:
+                s = float(self.s_tgt)
+            except ValueError:
+                s = float("nan")
+            if not (math.isfinite(s) and s > 0):
+                raise TrainError(f"--s-tgt {self.s_tgt!r}: expected 'calib' or a positive number; pass e.g. --s-tgt 1.0")
+        d_model = self.model.get("d_model") or SIZES[self.size]["model"]["d_model"]
+        n_head = self.model.get("n_head") or SIZES[self.size]["model"]["n_head"]
+        if isinstance(d_model, int) and isinstance(n_head, int) and n_head > 0 and d_model % n_head:
+            raise TrainError(f"model config: n_head = {n_head}; expected a divisor of d_model ({d_model}); "
+                             f"change --d-model / --n-layer / --n-head")
+        if self.corpus != "generated" and not self.corpus.startswith("hf:") and not Path(self.corpus).is_file():
+            raise TrainError(f"corpus file {self.corpus}: not found; pass an existing .txt or .jsonl file, or --corpus generated")
+        try:
+            self.decoder_config().validate()
+        except ValueError as e:
+            raise TrainError(f"model config: {e}; change --d-model / --n-layer / --n-head") from None
+        if self.seq_len > self.decoder_config().max_seq_len:
+            raise TrainError(f"--seq-len {self.seq_len}: expected <= max_seq_len {self.decoder_config().max_seq_len}; shorten it or raise --max-seq-len")
+        return self
+
+    def preset_model(self) -> dict:
+        return PRESETS[self.preset]["model"]
+
+    def decoder_config(self):
+        from models.decoder import DecoderConfig
+        d = dict(SIZES[self.size]["model"])
+        d.update(self.preset_model())
+        d.update({k: v for k, v in self.model.items() if v is not None})
+        return DecoderConfig(**d)
+
+    def gate_schedule(self):
+        from train.schedule import GateSchedule
+        if self.preset_model()["norm"] != "taper":
+            return None
+        return GateSchedule(self.warmup_steps, self.taper_steps)
