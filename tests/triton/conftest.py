@@ -26,7 +26,7 @@ def require(module: str, what: str) -> None:
     except ModuleNotFoundError:
         found = False
     if not found:
-        pytest.skip(f"{what} needs {module} (the triton extra: pip install -e '.[dev,triton]')")
+        pytest.skip(f"{what} need {module} (the triton extra: pip install -e '.[dev,triton]')")
 
 
 @pytest.fixture(scope="session")
