@@ -174,29 +174,48 @@ class Comparison:
         return max(self.max_abs_diff.values(), default=0.0)
 
 
+def _polygraphy_diffs(r: dict, g: dict, names: list[str], atol: float) -> dict[str, float]:
+    """Max abs diff per output for one step, by Polygraphy's comparator (SimpleCompareFunc, rtol 0)."""
+    from polygraphy.comparator.compare import OutputCompareResult, SimpleCompareFunc
+    from polygraphy.comparator.struct import IterationResult
+    from polygraphy.logger import G_LOGGER
+    func = SimpleCompareFunc(atol=atol, rtol=0.0, check_shapes=True)
+    with G_LOGGER.verbosity(G_LOGGER.CRITICAL):
+        res = func(IterationResult({n: np.asarray(r[n]) for n in names}, runner_name="reference"),
+                   IterationResult({n: np.asarray(g[n]) for n in names}, runner_name="candidate"))
+    out = {}
+    for n in names:
+        x = res.get(n)
+        diff = float(x.max_absdiff) if isinstance(x, OutputCompareResult) else float("inf")
+        if not np.isfinite(diff) or (not np.all(np.isfinite(g[n])) and np.all(np.isfinite(r[n]))):
+            diff = float("inf")  # NaN/Inf where the reference is finite
+        out[n] = diff
+    return out
+
+
 def compare(ref: list[dict], got: list[dict], dtype: str, what: str, atol: float | None = None) -> Comparison:
-    """Per-output max |ref - got| over all steps; raises one VerificationError listing every mismatch."""
+    """Per-output max |ref - got| over all steps; raises one VerificationError listing every mismatch.
+
+    Names and shapes are checked here; values by Polygraphy's comparator, step by step.
+    """
     atol = ATOL[dtype] if atol is None else atol
     cmp, problems = Comparison(what, atol=atol), []
     if len(ref) != len(got):
         raise VerificationError(what, [f"{len(ref)} steps vs {len(got)} steps"])
     for s, (r, g) in enumerate(zip(ref, got)):
+        names = []
         for name in r:
             if name not in g:
                 problems.append(f"{name}: missing from the second run's outputs (step {s})")
-                continue
-            a, b = np.asarray(r[name]), np.asarray(g[name])
-            if a.shape != b.shape:
-                problems.append(f"{name}: shape {list(b.shape)}, expected {list(a.shape)} (step {s})")
-                continue
-            d = np.abs(a.astype(np.float64) - b.astype(np.float64))
-            diff = float(np.nanmax(d)) if d.size else 0.0
-            if not np.all(np.isfinite(b)) and np.all(np.isfinite(a)):
-                diff = float("inf")
-            cmp.max_abs_diff[name] = max(cmp.max_abs_diff.get(name, 0.0), diff)
+            elif np.shape(r[name]) != np.shape(g[name]):
+                problems.append(f"{name}: shape {list(np.shape(g[name]))}, expected {list(np.shape(r[name]))} (step {s})")
+            else:
+                names.append(name)
         for name in g:
             if name not in r:
                 problems.append(f"{name}: unexpected extra output (step {s})")
+        for name, diff in _polygraphy_diffs(r, g, names, atol).items():
+            cmp.max_abs_diff[name] = max(cmp.max_abs_diff.get(name, 0.0), diff)
     for name, diff in cmp.max_abs_diff.items():
         if not diff <= atol:
             problems.append(f"{name}: max abs diff {diff:.3g} > atol {atol:g}")
