@@ -1,0 +1,110 @@
+"""Per-step timing of a session's decode step, and where the time goes outside the engine call.
+
+    python -m runtime.step_timing --model build/dyt [--backend ort] [--batch 1] [--steps 200]
+    python -m runtime.step_timing --model A --model B --backend torch --device cuda   # side by side, interleaved
+
+For ort it splits each decode step into the time inside InferenceSession.run_with_iobinding
+and the rest (writing tokens/positions into the bound buffers, checks, returning the
+logits view): the per-step overhead outside session.run (docs/runtime.md).
+For other backends it reports the decode step as a whole. Warm-up steps are not timed;
+models given together are timed in rounds, interleaved, so a noisy machine hits all alike.
+This is a quick runtime-level check; bench/ owns the benchmark reports.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+from runtime.session import DecoderSession, RuntimeUserError
+
+
+class _TimedRun:
+    """Wraps a bound method, accumulating the time spent in it (perf_counter around the call)."""
+
+    def __init__(self, fn):
+        self.fn, self.last = fn, 0.0
+
+    def __call__(self, *a, **k):
+        t0 = time.perf_counter()
+        out = self.fn(*a, **k)
+        self.last = time.perf_counter() - t0
+        return out
+
+
+def time_decode_steps(session: DecoderSession, batch: int = 1, prompt_len: int = 8, steps: int = 100,
+                      warmup: int = 10, split_ort: bool = True) -> dict[str, np.ndarray]:
+    """Seconds per decode step: {'step': [n]} and for ort also {'run': [n], 'outside': [n]}."""
+    cap = session.spec.capacity
+    steps = min(steps, cap - prompt_len - warmup)
+    if steps < 1:
+        raise RuntimeUserError(f"step timing: expected capacity > prompt_len + warmup, found capacity {cap}; "
+                               "use a shorter --prompt-len")
+    session.reset(batch)
+    rng = np.random.default_rng(0)
+    session.prefill(rng.integers(0, session.spec.vocab_size, (batch, prompt_len)))
+    tokens = rng.integers(0, session.spec.vocab_size, batch)
+    positions = [np.full(batch, prompt_len + i, np.int64) for i in range(warmup + steps)]
+    timed = None
+    if split_ort and session.backend == "ort":
+        timed = _TimedRun(session.session.run_with_iobinding)
+        session.session.run_with_iobinding = timed          # instance attribute shadows the method
+    step = np.zeros(steps)
+    run = np.zeros(steps)
+    try:
+        for i, pos in enumerate(positions):
+            t0 = time.perf_counter()
+            session.decode_step(tokens, pos)
+            dt = time.perf_counter() - t0
+            if i >= warmup:
+                step[i - warmup] = dt
+                run[i - warmup] = timed.last if timed else dt
+    finally:
+        if timed is not None:
+            del session.session.run_with_iobinding
+    out = {"step": step}
+    if timed is not None:
+        out["run"], out["outside"] = run, step - run
+    return out
+
+
+def summarize(times: dict[str, np.ndarray]) -> str:
+    parts = []
+    for k, v in times.items():
+        p50, lo, hi = np.percentile(v, 50) * 1e6, v.min() * 1e6, v.max() * 1e6
+        parts.append(f"{k} p50 {p50:.1f} us (min {lo:.1f}, max {hi:.1f})")
+    return "; ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m runtime.step_timing", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", action="append", required=True, help="repeat to time several models interleaved")
+    p.add_argument("--backend", default="ort")
+    p.add_argument("--device", default=None)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=8)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    from runtime.backends import open_session
+    try:
+        sessions = [open_session(args.backend, m, device=args.device).activate() for m in args.model]
+        results: dict[str, dict[str, list]] = {m: {} for m in args.model}
+        for _ in range(args.rounds):
+            for m, s in zip(args.model, sessions):
+                for k, v in time_decode_steps(s, args.batch, args.prompt_len, args.steps).items():
+                    results[m].setdefault(k, []).append(v)
+        for m, s in zip(args.model, sessions):
+            merged = {k: np.concatenate(v) for k, v in results[m].items()}
+            print(f"{args.backend} {s.spec.dtype} batch {args.batch} {m}: {summarize(merged)}")
+            s.deactivate()
+    except RuntimeUserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
