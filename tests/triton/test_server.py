@@ -146,6 +146,15 @@ def test_decoder_configs_pass_the_servers_own_validation(server):
             with pytest.raises(InferenceServerException) as e:
                 client.load_model(model)
             assert f"unable to find backend library for backend '{backend}'" in str(e.value), str(e.value)
+        # the same validation does reject a bad sequence config (two START controls)
+        from google.protobuf.json_format import MessageToJson
+        from runtime.triton.repository import parse_config
+        bad = parse_config((server.repo / "decoder_onnx" / "config.pbtxt").read_text())
+        bad.sequence_batching.control_input[1].control[0].kind = bad.sequence_batching.control_input[0].control[0].kind
+        with pytest.raises(InferenceServerException) as e:
+            client.load_model("decoder_onnx", config=MessageToJson(bad, preserving_proto_field_name=True))
+        assert "failed to poll from model repository" in str(e.value)        # the reason is in the log:
+        assert "sequence batching specifies multiple CONTROL_SEQUENCE_START tensors" in server.log_path.read_text()
         assert client.is_model_ready("generate")
     finally:
         client.close()
