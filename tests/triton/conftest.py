@@ -29,17 +29,24 @@ def require(module: str, what: str) -> None:
         pytest.skip(f"{what} need {module} (the triton extra: pip install -e '.[dev,triton]')")
 
 
+def export_build_has_triton_repo() -> bool:
+    spec = importlib.util.find_spec("export.build")
+    return spec is not None and "--triton-repo" in Path(spec.origin).read_text()
+
+
 @pytest.fixture(scope="session")
 def triton_build(tmp_path_factory) -> Path:
-    """A build directory: python -m export.build --fuse of a random DyT checkpoint (model.fused.onnx);
+    """A build directory: python -m export.build --fuse of a random DyT checkpoint (model.fused.onnx),
+    with --triton-repo BUILD.parent/build_repo where export.build has that flag;
     export_onnx plus copies where export.build is missing."""
     require("tritonclient.grpc", "the Triton repository tests")
     root = tmp_path_factory.mktemp("triton")
     ckpt = write_checkpoint(root / "ckpt", random_model(seed=3, norm="dyt", max_seq_len=CAPACITY))
     out = root / "build"
     if importlib.util.find_spec("export.build") is not None:
-        proc = subprocess.run([sys.executable, "-m", "export.build", "--fuse", "--checkpoint", str(ckpt), "--out", str(out)],
-                              capture_output=True, text=True, cwd=REPO, timeout=600)
+        extra = ["--triton-repo", str(root / "build_repo")] if export_build_has_triton_repo() else []
+        proc = subprocess.run([sys.executable, "-m", "export.build", "--fuse", "--checkpoint", str(ckpt), "--out", str(out),
+                               *extra], capture_output=True, text=True, cwd=REPO, timeout=600)
         assert proc.returncode == 0, f"export.build failed:\n{proc.stderr[-2000:]}"
     else:
         from export.onnx_export import export_onnx

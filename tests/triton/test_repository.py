@@ -149,3 +149,16 @@ def test_errors_are_one_line_and_leave_the_old_repository(triton_build, tmp_path
     assert main(["repo", "--build", str(broken), "--out", str(tmp_path / "new")]) == 1
     assert "expected an ONNX model" in capsys.readouterr().err and not (tmp_path / "new").exists()
     assert not list(tmp_path.glob(".new.*")) and not list(tmp_path.glob(".repo.*"))   # no temp leftovers
+
+
+def test_export_build_triton_repo_flag_writes_the_same_repository(triton_build, tmp_path):
+    """python -m export.build --fuse --triton-repo DIR (the fixture passes it where supported)."""
+    from tests.triton.conftest import export_build_has_triton_repo
+    if not export_build_has_triton_repo():
+        pytest.skip("export.build has no --triton-repo flag yet (see docs/triton.md)")
+    from runtime.triton import check_repository, write_triton_repository
+    built = triton_build.parent / "build_repo"
+    assert set(check_repository(built)) == {"decoder_onnx", "generate"}
+    mine = write_triton_repository(triton_build, tmp_path / "repo")
+    for model in ("decoder_onnx", "generate"):
+        assert (built / model / "config.pbtxt").read_text() == (mine / model / "config.pbtxt").read_text()
