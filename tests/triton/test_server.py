@@ -110,11 +110,11 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, loca
     url = server.http_url if protocol == "http" else server.grpc_url
     bad = {
         "wrong dtype": ("generate", lambda m: [_input(m, "prompt", np.array([1], np.int32), "INT32")],
-                        "BYTES"),
+                        "data-type is 'INT32', but model 'generate' expects 'BYTES'"),
         "wrong shape": ("generate", lambda m: [_input(m, "prompt", np.array([b"a", b"b"], np.object_), "BYTES")],
-                        "shape"),
+                        "unexpected shape for input 'prompt' for model 'generate'. Expected [1], got [2]"),
         "unknown model": ("no_such_model", lambda m: [_input(m, "prompt", np.array([b"a"], np.object_), "BYTES")],
-                          "no_such_model"),
+                          "unknown model: 'no_such_model'"),
     }
     good_future = None
     with ThreadPoolExecutor(2) as pool:
