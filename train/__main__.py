@@ -4,6 +4,14 @@ Trains a pre-norm decoder with the TaperNorm schedule and saves a checkpoint
 directory (config.json with the gate and each layer's c, model.safetensors,
 tokenizer.json, train_log.json) into DIR, atomically, at every evaluation.
 
+Presets:
+  baseline            RMSNorm everywhere
+  internal-taper      block norms taper to g = 0; the final RMSNorm stays (the scale anchor)
+  all-taper           every norm tapers, the final one too; the scale loss anchors the pre-logit scale
+  all-taper-noanchor  block norms taper, no final norm, no scale loss (shows logit chasing)
+  dyt                 DyT (gamma * tanh(alpha x) + beta) in place of every norm
+Sizes: tiny (~1.1M params, 1200 steps, ~7 min on one core), small (~8.5M).
+
 Schedule (taper presets): W warmup steps at g = 1; before step W every
 TaperNorm's c is calibrated by least squares on held-out batches and gamma_tilde
 starts from gamma; the global gate follows a cosine from 1 to exactly 0 over T

@@ -102,3 +102,11 @@ def test_killed_run_leaves_the_last_complete_checkpoint(tmp_path):
     log = json.loads((out / "train_log.json").read_text())
     assert 0.0 < model.gate.value < 1.0 and cfg["gate"] == log["evals"][-1]["gate"]
     assert log["evals"][-1]["step"] >= 2 and log["calibration"]["step"] == 1
+
+
+def test_help_documents_the_schedule_and_the_scale_loss():
+    r = _run("--help")
+    assert r.returncode == 0
+    assert "L_aux = lambda * mean_tokens (log r(h) - log s_tgt)^2" in r.stdout
+    for word in ("baseline", "internal-taper", "all-taper-noanchor", "dyt", "--taper-steps", "--aux-lambda", "--s-tgt"):
+        assert word in r.stdout
