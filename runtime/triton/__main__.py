@@ -63,30 +63,32 @@ def _serve(args) -> int:
     server = TritonServer(args.repo, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                           log_verbose=args.log_verbose, echo_log=True)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    server.start(timeout_s=args.startup_timeout)
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        server.start(timeout_s=args.startup_timeout)
         print(f"serving {args.repo}: http {server.http_url}, grpc {server.grpc_url} (Ctrl-C stops)", file=sys.stderr, flush=True)
         while not stop.is_set():
             if server.proc.poll() is not None:
                 print(f"error: tritonserver exited with code {server.proc.returncode}", file=sys.stderr)
                 return 1
             stop.wait(0.5)
+        return 0
     finally:
         server.stop()
-    return 0
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "repo":
-        from runtime.triton.repository import write_repository
+        from runtime.triton.repository import have_tritonclient, write_repository
         repo = write_repository(args.build, args.out, engine=args.engine, max_batch_size=args.max_batch_size,
                                 instances=args.instances, kind=args.kind, max_new_tokens=args.max_new_tokens,
                                 intra_op_threads=args.intra_op_threads)
         models = sorted(p.parent.name for p in repo.glob("*/config.pbtxt"))
-        print(f"{repo}: Triton model repository with {', '.join(models)}")
+        checked = "" if have_tritonclient() else " (configs not checked: install the triton extra and run check)"
+        print(f"{repo}: Triton model repository with {', '.join(models)}{checked}")
         return 0
     if args.command == "check":
         from runtime.triton.repository import check_repository

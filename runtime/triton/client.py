@@ -28,7 +28,7 @@ def _module(protocol: str):
             import tritonclient.grpc as m
         return m
     except ImportError:
-        raise MissingExtraError("triton client", "triton", f"tritonclient.{protocol}") from None
+        raise MissingExtraError("runtime.triton client", "triton", f"tritonclient.{protocol}") from None
 
 
 def build_inputs(m, prompt: str, max_new_tokens: int | None = None, temperature: float | None = None,

@@ -229,8 +229,12 @@ def have_tritonclient() -> bool:
 
 def parse_config(text: str):
     """ModelConfig protobuf from config.pbtxt text (needs tritonclient); raises RepositoryError."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
+    try:
+        from google.protobuf import text_format
+        from tritonclient.grpc import model_config_pb2
+    except ImportError:
+        from runtime.session import MissingExtraError
+        raise MissingExtraError("runtime.triton check", "triton", "tritonclient.grpc") from None
     try:
         return text_format.Parse(text, model_config_pb2.ModelConfig())
     except text_format.ParseError as e:

@@ -56,7 +56,7 @@ def pytriton_dist() -> tuple[Path, Path, Path]:
     try:
         from pytriton.utils.distribution import get_libs_path, get_root_module_path, get_stub_path
     except ImportError:
-        raise MissingExtraError("triton serve", "triton", "pytriton") from None
+        raise MissingExtraError("runtime.triton serve", "triton", "pytriton") from None
     version = f"{sys.version_info[0]}.{sys.version_info[1]}"
     stub = Path(get_stub_path(version))
     if not stub.is_file():

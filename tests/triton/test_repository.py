@@ -162,3 +162,10 @@ def test_export_build_triton_repo_flag_writes_the_same_repository(triton_build, 
     mine = write_triton_repository(triton_build, tmp_path / "repo")
     for model in ("decoder_onnx", "generate"):
         assert (built / model / "config.pbtxt").read_text() == (mine / model / "config.pbtxt").read_text()
+
+
+def test_serve_without_a_repository_is_one_line_error(tmp_path, capsys):
+    from runtime.triton.__main__ import main
+    assert main(["serve", "--repo", str(tmp_path / "nothing")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "generate/config.pbtxt" in err
