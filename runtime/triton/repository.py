@@ -131,7 +131,7 @@ def add_control_inputs(src: Path, dst: Path) -> OnnxIO:
 # --- config.pbtxt text --------------------------------------------------------------------
 
 def _dims(d) -> str:
-    return "[ " + ", ".join(str(x) for x in d) + " ]"
+    return "[ " + ", ".join(str(x) for x in d) + " ]" if len(d) else "[ ]"
 
 
 def _tensor(name: str, data_type: str, dims, reshape=None, optional: bool = False) -> str:
