@@ -83,3 +83,35 @@ def _one_line(e) -> str:
     status = e.status() if callable(getattr(e, "status", None)) else None
     msg = " ".join(str(msg).split())
     return f"{msg} ({status})" if status else msg
+
+
+def decode_with_state(client, m, prompt_ids: list[int], max_new_tokens: int, model: str = "decoder_onnx",
+                      sequence_id: int = 1, stop_tokens: tuple[int, ...] = ()) -> list[int]:
+    """Greedy tokens from a decoder model whose KV cache lives in the server (implicit state).
+
+    client: an InferenceServerClient of module m (tritonclient.http or tritonclient.grpc).
+    The protocol of docs/triton.md: request 1 sends the prompt at position 0 with
+    sequence_start; each later request sends the previous token at position = number of
+    tokens sent so far; the last request carries sequence_end (a stop token, if one ends
+    the generation early, is sent as that last request so the server frees the slot).
+    For a full Triton server with the onnxruntime / tensorrt backends (not the CPU one).
+    """
+    def infer(ids: list[int], position: int, start: bool, end: bool):
+        inputs = [m.InferInput("input_ids", [1, len(ids)], "INT64"), m.InferInput("position", [1, 1], "INT64")]
+        inputs[0].set_data_from_numpy(np.array([ids], np.int64))                               # [1, T]
+        inputs[1].set_data_from_numpy(np.array([[position]], np.int64))                        # [1, 1] -> [1]
+        result = client.infer(model, inputs, outputs=[m.InferRequestedOutput("logits")], sequence_id=sequence_id,
+                              sequence_start=start, sequence_end=end)
+        return result.as_numpy("logits")                                                       # [1, T, V]
+
+    tokens: list[int] = []
+    ids, position = list(prompt_ids), 0
+    for step in range(max_new_tokens):
+        logits = infer(ids, position, start=step == 0, end=step == max_new_tokens - 1)
+        position += len(ids)
+        ids = [int(logits[0, -1].argmax())]
+        tokens.append(ids[0])
+        if ids[0] in stop_tokens and step < max_new_tokens - 1:
+            infer(ids, position, start=False, end=True)
+            break
+    return tokens

@@ -169,3 +169,74 @@ def test_serve_without_a_repository_is_one_line_error(tmp_path, capsys):
     assert main(["serve", "--repo", str(tmp_path / "nothing")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "generate/config.pbtxt" in err
+
+
+class _SequenceBatcher:
+    """What Triton's sequence batcher does with decoder_onnx's config, in-process: checks each
+    request against the config (dtype, dims after the batch axis), keeps one implicit state
+    per sequence id (zeros on START), runs the repository's ONNX, frees the slot on END."""
+
+    def __init__(self, repo: Path):
+        import onnxruntime as ort
+        from tritonclient.grpc import model_config_pb2 as pb
+        self.config = _config(repo, "decoder_onnx")
+        self.inputs = {i.name: (pb.DataType.Name(i.data_type)[5:], list(i.dims)) for i in self.config.input}
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = 1
+        self.session = ort.InferenceSession(str(repo / "decoder_onnx/1/model.onnx"), so, providers=["CPUExecutionProvider"])
+        self.names = [o.name for o in self.session.get_outputs()]
+        self.states: dict[int, dict] = {}
+
+    def infer(self, model, inputs, outputs=None, sequence_id=0, sequence_start=False, sequence_end=False):
+        assert model == "decoder_onnx" and sequence_id
+        feeds = {}
+        for t in inputs:
+            dt, dims = self.inputs[t.name]
+            assert t.datatype == dt and len(t.shape) == len(dims) + 1 and t.shape[0] == 1, (t.name, t.shape, dims)
+            assert all(d == -1 or d == s for d, s in zip(dims, t.shape[1:])), (t.name, t.shape, dims)
+            feeds[t.name] = t.array
+        feeds["position"] = feeds["position"].reshape(1)                 # reshape { shape: [] }: [1, 1] -> [1]
+        if sequence_start:
+            self.states[sequence_id] = {s.input_name: np.zeros([1, *s.dims], np.float32)
+                                        for s in self.config.sequence_batching.state}
+        state = self.states[sequence_id]
+        out = dict(zip(self.names, self.session.run(None, {**feeds, **state, "START": np.array([[sequence_start]]),
+                                                              "READY": np.ones((1, 1), bool)})))
+        for s in self.config.sequence_batching.state:
+            state[s.input_name] = out[s.output_name]
+        if sequence_end:
+            del self.states[sequence_id]
+        return type("Result", (), {"as_numpy": lambda self, name: out[name]})()
+
+
+class _FakeModule:
+    class InferInput:
+        def __init__(self, name, shape, datatype):
+            self.name, self.shape, self.datatype = name, list(shape), datatype
+
+        def set_data_from_numpy(self, array):
+            assert list(array.shape) == self.shape
+            self.array = array
+
+    class InferRequestedOutput:
+        def __init__(self, name):
+            self.name = name
+
+
+def test_decoder_client_protocol_reproduces_generate(triton_repo, triton_build):
+    """runtime.triton.client.decode_with_state against an in-process sequence batcher over
+    decoder_onnx: two interleaved sequences each get runtime.generate's greedy tokens."""
+    from runtime.generate import GenerationConfig, generate
+    from runtime.model_files import load_tokenizer
+    from runtime.ort_session import OrtSession
+    from runtime.triton.client import decode_with_state
+    tok = load_tokenizer(triton_build)
+    prompts = [tok.encode(p).ids for p in ("Once upon a time", "Lily saw a big dog and she")]
+    with OrtSession(triton_build, intra_op_threads=1) as s:
+        want = [generate(s, [p], GenerationConfig(max_new_tokens=10)).tokens[0] for p in prompts]
+    server = _SequenceBatcher(triton_repo)
+    got = [decode_with_state(server, _FakeModule, p, 10, sequence_id=i + 1) for i, p in enumerate(prompts)]
+    assert got == want and server.states == {}          # every sequence ended, its slot freed
+    eos = want[0][3]
+    early = decode_with_state(server, _FakeModule, prompts[0], 10, sequence_id=7, stop_tokens=(eos,))
+    assert early == want[0][:want[0].index(eos) + 1] and server.states == {}
