@@ -51,7 +51,8 @@ class OrtSession(DecoderSession):
         import onnxruntime as ort
         providers = PROVIDERS[self.device]
         if providers[0] not in ort.get_available_providers():
-            raise MissingExtraError(f"ort --device {self.device}", "gpu", f"onnxruntime {providers[0]}")
+            raise MissingExtraError(f"ort --device {self.device}", "gpu", "onnxruntime-gpu",
+                                    f"onnxruntime {ort.__version__} has no {providers[0]}")
         so = ort.SessionOptions()
         so.log_severity_level = self.log_severity
         so.intra_op_num_threads = self.intra_op_threads

@@ -44,10 +44,10 @@ class CapacityError(RuntimeUserError):
 class MissingExtraError(RuntimeUserError):
     """A backend needs an optional dependency (an extra of tapernorm-deploy) that is not installed."""
 
-    def __init__(self, backend: str, extra: str, module: str):
+    def __init__(self, backend: str, extra: str, module: str, found: str | None = None):
         self.backend, self.extra, self.module = backend, extra, module
-        super().__init__(f"backend {backend!r} needs the {extra} extra ({module} is not importable); "
-                         + INSTALL_EXTRA.format(extra=extra))
+        found = found or f"{module} is not importable"
+        super().__init__(f"backend {backend!r} needs the {extra} extra ({found}); " + INSTALL_EXTRA.format(extra=extra))
 
 
 class DeviceError(RuntimeUserError):

@@ -114,3 +114,12 @@ def test_ort_cuda_without_onnxruntime_gpu(tiny):
     _, build = tiny
     assert_one_line_error(cli("--model", build, "--device", "cuda", "--prompt", "Tom"),
                           "gpu extra", "pip install 'tapernorm-deploy[gpu]'")
+
+
+def test_seeded_sampling_prints_the_same_text_run_to_run(tiny):
+    _, build = tiny
+    args = ["--model", build, "--prompt", "Once upon a time", "--max-new-tokens", "24", "--ignore-eos",
+            "--temperature", "1.0", "--top-k", "50", "--top-p", "0.95"]
+    a, b, c = cli(*args, "--seed", "5"), cli(*args, "--seed", "5"), cli(*args, "--seed", "6")
+    assert a.returncode == b.returncode == c.returncode == 0, a.stderr
+    assert a.stdout == b.stdout and a.stdout != c.stdout
