@@ -251,6 +251,11 @@ def main(argv=None) -> int:
                 if ckpt == DEFAULT_CHECKPOINT else "")
         print(f"error: {ckpt}: no such checkpoint directory{hint}", file=sys.stderr)
         return 1
+    try:
+        check_writable(out)
+    except BuildError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     from models.checkpoint import CheckpointError
     from export.verify import VerificationError
     try:

@@ -94,9 +94,10 @@ def test_interrupted_build_leaves_nothing(ckpts, tmp_path, monkeypatch):
     out.mkdir()
     (out / "model.onnx").write_text("previous build")
 
-    def interrupt(*a, **k):
+    def interrupted_export(model, path, dtype="fp32"):
+        Path(path).write_bytes(b"half a model")     # a partial file in the temp dir, then Ctrl-C
         raise KeyboardInterrupt
-    monkeypatch.setattr(build_mod, "_verify_against_torch", interrupt)
+    monkeypatch.setattr("export.onnx_export.export_onnx", interrupted_export)
     assert build_mod.main(["--checkpoint", str(ckpts["taper"]), "--out", str(out)]) == 130
     assert [p.name for p in out.iterdir()] == ["model.onnx"]                 # the previous build, untouched
     assert (out / "model.onnx").read_text() == "previous build"

@@ -25,7 +25,7 @@ def configs(draw):
     return cfg, draw(st.integers(0, 1000))
 
 
-@settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(configs())
 def test_fused_matches_torch_on_random_shapes(case):
     cfg, seed = case
