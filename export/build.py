@@ -243,6 +243,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="output directory (default: build/<checkpoint name>/)")
     ap.add_argument("--fuse", action="store_true", help="also fold norms/scales into weights (model.fused.onnx)")
     ap.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
+    ap.add_argument("--triton-repo", type=Path, default=None,
+                    help="also write a Triton model repository for the build (runtime.triton)")
     args = ap.parse_args(argv)
     ckpt = args.checkpoint
     out = args.out if args.out is not None else Path("build") / ckpt.resolve().name
@@ -272,6 +274,18 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)
         return 130
+    if args.triton_repo is not None:
+        try:
+            from runtime.triton import RepositoryError, write_triton_repository
+        except ImportError as e:
+            print(f"error: --triton-repo needs runtime.triton ({e}); the build in {out} is complete", file=sys.stderr)
+            return 1
+        try:
+            repo = write_triton_repository(out, args.triton_repo)
+        except RepositoryError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        _log(f"wrote Triton model repository {repo}")
     return 0
 
 
