@@ -141,3 +141,13 @@ def test_ort_cuda_provider_matches_cpu(tiny):
             np.testing.assert_allclose(g.decode_step(np.array([7, 8]), np.array([p, p])),
                                        c.decode_step(np.array([7, 8]), np.array([p, p])), atol=1e-3)
         assert g.cache_ptrs() == ptrs
+
+
+def test_step_timing_splits_each_step(tiny):
+    from runtime.step_timing import summarize, time_decode_steps
+    _, build = tiny
+    with OrtSession(build) as s:
+        t = time_decode_steps(s, batch=2, prompt_len=4, steps=5, warmup=2)
+    assert set(t) == {"step", "run", "outside"} and len(t["step"]) == 5
+    assert (t["run"] > 0).all() and (t["outside"] >= 0).all() and (t["run"] <= t["step"]).all()
+    assert "outside p50" in summarize(t)

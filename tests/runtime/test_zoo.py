@@ -59,3 +59,24 @@ def test_zoo_ort_fused_build_equals_torch_checkpoint(name, tmp_path):
         upto = tok.decode(rt.tokens[0][:compared[0]])
         assert co.stdout.startswith(upto) and ct.stdout.startswith(upto)
     print(f"{name}: {onnx.name}, tokens compared per prompt {compared} of {NEW_TOKENS}")
+
+
+@pytest.mark.slow
+def test_fused_build_of_a_random_norm_free_checkpoint_equals_torch(tmp_path):
+    """The same check without the zoo: a random all-taper model at gate 0 through export.build --fuse."""
+    from runtime.generate import GenerationConfig, generate
+    from runtime.model_files import resolve_onnx
+    from runtime.ort_session import OrtSession
+    from runtime.torch_session import TorchSession
+    from tests.helpers import random_model, write_checkpoint
+    model = random_model(seed=5, norm="taper", taper_scope="all", gate=0.0, d_model=64, max_seq_len=96)
+    ckpt = write_checkpoint(tmp_path / "all-taper", model)
+    build = make_build(ckpt, tmp_path / "build")
+    if has_export_build():
+        assert resolve_onnx(build).name == "model.fused.onnx"
+    prompts = [[5, 17, 42], [7, 99, 3, 250, 11, 64, 8], [200], [31, 41, 59, 26, 53]]
+    cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, keep_logits=True)
+    with TorchSession(ckpt) as t, OrtSession(build) as o:
+        rt, ro = generate(t, prompts, cfg), generate(o, prompts, cfg)
+    for b in range(len(prompts)):
+        compare_greedy(rt.tokens[b], [l[b] for l in rt.logits], ro.tokens[b], [l[b] for l in ro.logits])
