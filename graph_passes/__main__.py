@@ -73,6 +73,12 @@ def main(argv=None) -> int:
         print(f"error: {args.input}: not a readable ONNX model ({type(e).__name__}); re-export it", file=sys.stderr)
         return 1
     before = op_counts(proto)
+    from graph_passes.base import load_graph
+    from graph_passes.taper_scale import detect_taper
+    info = detect_taper(load_graph(proto))
+    if info["layers"]:
+        gate = "unknown (no tapernorm.gate metadata)" if info["gate"] is None else f"{info['gate']:g}"
+        print(f"detected {len(info['layers'])} TaperNorm layer(s), gate {gate}: {', '.join(sorted(info['layers']))}")
     try:
         fused, results = run_passes(proto, names)
     except PassError as e:

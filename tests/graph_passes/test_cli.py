@@ -1,0 +1,42 @@
+"""python -m graph_passes: prints what it folded, writes atomically, one-line errors."""
+import subprocess
+import sys
+
+import onnx
+
+from tests.graph_passes.fixtures import assert_same, scale_to_linears, rng_vec
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "graph_passes", *map(str, args)], capture_output=True, text=True)
+
+
+def test_cli_folds_and_reports(tmp_path):
+    src, dst = tmp_path / "in.onnx", tmp_path / "out.onnx"
+    m = scale_to_linears(shift=rng_vec(5, loc=0.0))
+    onnx.save(m, src)
+    r = _cli(src, "-o", dst)
+    assert r.returncode == 0, r.stderr
+    assert "detected 1 TaperNorm layer(s), gate 0: blocks.0.ln_1" in r.stdout
+    assert "taper_scale: 1 rewrite(s)" in r.stdout and "blocks.0.ln_1: scale+shift -> mm0, mm1, mm2" in r.stdout
+    assert "Mul 1->0" in r.stdout
+    out = onnx.load(dst)
+    assert {p.key: p.value for p in out.metadata_props}["tapernorm.gate"] == "0.0"   # metadata kept
+    assert_same(m, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.onnx", "out.onnx"]
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not a model")
+    for args in ([bad, "-o", tmp_path / "o.onnx"], [tmp_path / "none.onnx", "-o", tmp_path / "o.onnx"],
+                 [bad, "-o", tmp_path / "o.onnx", "--passes", "nope"],
+                 [bad, "-o", tmp_path / "no_dir" / "o.onnx"]):
+        r = _cli(*args)
+        assert r.returncode == 1 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    gate = scale_to_linears()
+    gate.metadata_props[0].value = "0.5"
+    onnx.save(gate, tmp_path / "gate.onnx")
+    r = _cli(tmp_path / "gate.onnx", "-o", tmp_path / "o.onnx")
+    assert r.returncode == 1 and "TaperNorm gate 0.5" in r.stderr
+    assert not (tmp_path / "o.onnx").exists()
