@@ -70,6 +70,8 @@ class OrtSession(DecoderSession):
                                  {i.name: (i.shape, i.type) for i in self.session.get_inputs()},
                                  {o.name: (o.shape, o.type) for o in self.session.get_outputs()})
         self._ort = ort
+        out_types = {o.name: o.type for o in self.session.get_outputs()}
+        self._logits_dtype = np.dtype(np.float16 if out_types["logits"] == "tensor(float16)" else np.float32)
         # one RunOptions for every run: with run_options=None, ORT 1.32's run_with_iobinding
         # retains ~124 bytes of Python memory per call (found by tests/runtime/test_ort_session.py)
         self._run_options = ort.RunOptions()
@@ -97,7 +99,7 @@ class OrtSession(DecoderSession):
         # decode-step buffers, bound once
         self._ids = np.zeros((batch, 1), np.int64)                                             # [B, 1]
         self._pos = np.zeros(batch, np.int64)                                                  # [B]
-        self._logits = np.zeros((batch, 1, spec.vocab_size), spec.np_dtype)                    # [B, 1, V]
+        self._logits = np.zeros((batch, 1, spec.vocab_size), self._logits_dtype)               # [B, 1, V]
         if dev == "cpu":
             self._ids_ov = ort.OrtValue.ortvalue_from_numpy(self._ids)
             self._pos_ov = ort.OrtValue.ortvalue_from_numpy(self._pos)
@@ -105,7 +107,7 @@ class OrtSession(DecoderSession):
         else:
             self._ids_ov = ort.OrtValue.ortvalue_from_shape_and_type(self._ids.shape, np.int64, dev, 0)
             self._pos_ov = ort.OrtValue.ortvalue_from_shape_and_type(self._pos.shape, np.int64, dev, 0)
-            self._logits_ov = ort.OrtValue.ortvalue_from_shape_and_type(self._logits.shape, spec.np_dtype, dev, 0)
+            self._logits_ov = ort.OrtValue.ortvalue_from_shape_and_type(self._logits.shape, self._logits_dtype, dev, 0)
         self._decode_bound = False
 
     # --- steps -------------------------------------------------------------------
@@ -119,7 +121,7 @@ class OrtSession(DecoderSession):
     def _run_prefill(self, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
         b, t = input_ids.shape
         ort = self._ort
-        logits = np.empty((b, t, self.spec.vocab_size), self.spec.np_dtype)                    # [B, T, V]
+        logits = np.empty((b, t, self.spec.vocab_size), self._logits_dtype)                   # [B, T, V]
         if self._ort_device == "cpu":
             self.binding.bind_ortvalue_input("input_ids", ort.OrtValue.ortvalue_from_numpy(input_ids))
             self.binding.bind_ortvalue_input("position", ort.OrtValue.ortvalue_from_numpy(position))
@@ -129,7 +131,7 @@ class OrtSession(DecoderSession):
             dev = self._ort_device
             self.binding.bind_ortvalue_input("input_ids", ort.OrtValue.ortvalue_from_numpy(input_ids, dev, 0))
             self.binding.bind_ortvalue_input("position", ort.OrtValue.ortvalue_from_numpy(position, dev, 0))
-            out = ort.OrtValue.ortvalue_from_shape_and_type(logits.shape, self.spec.np_dtype, dev, 0)
+            out = ort.OrtValue.ortvalue_from_shape_and_type(logits.shape, self._logits_dtype, dev, 0)
             self.binding.bind_ortvalue_output("logits", out)
             self.session.run_with_iobinding(self.binding, self._run_options)
             logits = out.numpy()

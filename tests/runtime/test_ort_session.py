@@ -151,3 +151,18 @@ def test_step_timing_splits_each_step(tiny):
     assert set(t) == {"step", "run", "outside"} and len(t["step"]) == 5
     assert (t["run"] > 0).all() and (t["outside"] >= 0).all() and (t["run"] <= t["step"]).all()
     assert "outside p50" in summarize(t)
+
+
+@pytest.mark.slow
+def test_fp16_graph_runs_with_fp16_caches_and_logits(tmp_path):
+    from export.onnx_export import export_onnx
+    from tests.helpers import random_model
+    model = random_model(seed=2, n_layer=2, max_seq_len=48)
+    export_onnx(model, tmp_path / "model.onnx", dtype="fp16")
+    ids = np.array([[1, 2, 3], [4, 5, 6]])
+    with OrtSession(tmp_path) as o, TorchSession(model) as t:
+        assert o.spec.dtype == "fp16"
+        o.reset(2), t.reset(2)
+        logits = o.prefill(ids)
+        assert logits.dtype == np.float16 and o.cache_array("key_0").dtype == np.float16
+        np.testing.assert_allclose(logits.astype(np.float32), t.prefill(ids), atol=2e-3)   # fp16 rounding of O(1) logits
