@@ -166,3 +166,15 @@ def test_fp16_graph_runs_with_fp16_caches_and_logits(tmp_path):
         logits = o.prefill(ids)
         assert logits.dtype == np.float16 and o.cache_array("key_0").dtype == np.float16
         np.testing.assert_allclose(logits.astype(np.float32), t.prefill(ids), atol=2e-3)   # fp16 rounding of O(1) logits
+
+
+def test_ort_profiling_option(tiny, tmp_path):
+    import json
+    from pathlib import Path
+    _, build = tiny
+    with OrtSession(build, profile_prefix=tmp_path / "ort") as s:
+        s.reset(1)
+        s.prefill(np.array([[1, 2]]))
+        s.decode_step(np.array([3]), np.array([2]))
+        trace = Path(s.session.end_profiling())
+    assert trace.parent == tmp_path and any(e.get("name") == "model_run" for e in json.loads(trace.read_text()))
