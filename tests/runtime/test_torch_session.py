@@ -33,6 +33,19 @@ def test_reset_reuses_buffers_for_the_same_batch(tiny):
         assert s.cache[0][0].shape[0] == 3
 
 
+def test_decode_steps_write_the_same_cache_tensors(tiny):
+    ckpt, _ = tiny
+    with TorchSession(ckpt) as s:
+        s.reset(2)
+        s.prefill(np.array([[1, 2, 3], [4, 5, 6]]))
+        ptrs = [(k.data_ptr(), v.data_ptr()) for k, v in s.cache]
+        before = s.cache[1][1].clone()
+        s.decode_step(np.array([7, 8]), np.array([3, 3]))
+        assert [(k.data_ptr(), v.data_ptr()) for k, v in s.cache] == ptrs
+        changed = (s.cache[1][1] != before).any(dim=-1).any(dim=1).any(dim=0).nonzero().flatten().tolist()
+        assert changed == [3]
+
+
 @pytest.mark.slow
 def test_torch_compile_matches_eager(tiny):
     ckpt, _ = tiny
