@@ -89,17 +89,18 @@ class TrtSession(DecoderSession):
 
     def _bind(self, ctx, input_ids, position, logits) -> None:
         """Shapes and addresses of every engine tensor; present_* share the cache's address."""
-        io = io_mapping(self.spec)
-        ctx.set_input_shape("input_ids", tuple(input_ids.shape))
-        ctx.set_tensor_address("input_ids", input_ids.data_ptr())
-        ctx.set_input_shape("position", tuple(position.shape))
-        ctx.set_tensor_address("position", position.data_ptr())
-        ctx.set_tensor_address("logits", logits.data_ptr())
-        for name, cache in self.caches.items():
-            ctx.set_input_shape(name, tuple(cache.shape))
-            ctx.set_tensor_address(name, cache.data_ptr())
-        for out, src in io.aliases.items():
-            ctx.set_tensor_address(out, self.caches[src].data_ptr())
+        shapes = {"input_ids": input_ids.shape, "position": position.shape,
+                  **{n: c.shape for n, c in self.caches.items()}}
+        for name, shape in shapes.items():
+            if not ctx.set_input_shape(name, tuple(shape)):
+                raise CapacityError(f"{name}: expected a shape inside the engine's optimization profile, found "
+                                    f"{list(shape)}; rebuild with larger BuildOptions (max_batch, max_prompt)")
+        addresses = {"input_ids": input_ids.data_ptr(), "position": position.data_ptr(), "logits": logits.data_ptr(),
+                     **{n: c.data_ptr() for n, c in self.caches.items()},
+                     **{out: self.caches[src].data_ptr() for out, src in io_mapping(self.spec).aliases.items()}}
+        for name, ptr in addresses.items():
+            if not ctx.set_tensor_address(name, ptr):
+                raise RuntimeError(f"{self.loader.path}: set_tensor_address({name!r}) failed (see the TensorRT log)")
 
     def _allocate(self, batch: int) -> None:
         torch = self._torch
