@@ -80,18 +80,27 @@ def _real_tokens(ckpt: Path, vocab: int) -> list[int] | None:
     return ids or None
 
 
-def _verify_against_torch(model, proto, what: str, tokens, seeds=(0, 1)) -> dict:
-    from export.verify import compare, ort_session, read_interface, run_onnx, run_torch, session_steps
-    iface = read_interface(proto)
-    sess = ort_session(proto)
-    out = {}
-    sessions = [(f"random tokens, seed {s}", session_steps(iface, seed=s)) for s in seeds]
-    if tokens:
-        sessions.append(("real tokens", session_steps(iface, tokens=tokens)))
-    for label, steps in sessions:
-        c = compare(run_torch(model, iface, steps), run_onnx(sess, iface, steps), iface.dtype, f"{what}, {label}")
-        out[label] = c.max_abs_diff
-    return out
+class _Sessions:
+    """The decode sessions of a build, with the torch reference and each graph's outputs computed once."""
+
+    def __init__(self, model, proto, tokens, seeds=(0, 1)):
+        from export.verify import read_interface, run_torch, session_steps
+        self.iface = read_interface(proto)
+        self.sessions = [(f"random tokens, seed {s}", session_steps(self.iface, seed=s)) for s in seeds]
+        if tokens:
+            self.sessions.append(("real tokens", session_steps(self.iface, tokens=tokens)))
+        self.torch = [run_torch(model, self.iface, steps) for _, steps in self.sessions]
+
+    def run(self, proto) -> list:
+        from export.verify import ort_session, run_onnx
+        sess = ort_session(proto)
+        return [run_onnx(sess, self.iface, steps) for _, steps in self.sessions]
+
+    def compare(self, ref_runs, runs, what: str) -> dict:
+        """session label -> output -> max abs diff; raises VerificationError on any mismatch."""
+        from export.verify import compare
+        return {label: compare(ref, got, self.iface.dtype, f"{what}, {label}").max_abs_diff
+                for (label, _), ref, got in zip(self.sessions, ref_runs, runs)}
 
 
 def _leftover_taper(proto) -> list[str]:
@@ -143,7 +152,9 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=_log
 
         stage(3, "verify model.onnx vs torch (prefill + 3 decode steps, random and real tokens)")
         t0 = time.perf_counter()
-        diffs = {"unfused_vs_torch": _verify_against_torch(ref_model, proto, "model.onnx vs torch", tokens)}
+        sessions = _Sessions(ref_model, proto, tokens)
+        unfused_runs = sessions.run(proto)
+        diffs = {"unfused_vs_torch": sessions.compare(sessions.torch, unfused_runs, "model.onnx vs torch")}
         done("verify_unfused", t0, f": max |d logits| {_worst(diffs['unfused_vs_torch'], 'logits'):.3g}")
 
         folded, notes, lint = [], [], []
@@ -173,9 +184,13 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=_log
 
             stage(5, "verify model.fused.onnx vs torch and vs model.onnx")
             t0 = time.perf_counter()
-            from export.verify import verify_pair
-            diffs["fused_vs_torch"] = _verify_against_torch(ref_model, fused, "model.fused.onnx vs torch", tokens)
-            diffs["fused_vs_unfused"] = {c.what: c.max_abs_diff for c in verify_pair(proto, fused, tokens=tokens)}
+            from export.verify import interface_mismatches, read_interface, VerificationError
+            bad = interface_mismatches(read_interface(proto), read_interface(fused))
+            if bad:
+                raise VerificationError("model.fused.onnx vs model.onnx interfaces", bad)
+            fused_runs = sessions.run(fused)
+            diffs["fused_vs_torch"] = sessions.compare(sessions.torch, fused_runs, "model.fused.onnx vs torch")
+            diffs["fused_vs_unfused"] = sessions.compare(unfused_runs, fused_runs, "model.fused.onnx vs model.onnx")
             done("verify_fused", t0, f": max |d logits| vs torch {_worst(diffs['fused_vs_torch'], 'logits'):.3g}")
 
         stage(n_stages, f"write {out}")
