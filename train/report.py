@@ -124,6 +124,9 @@ def install_zoo(runs: Path, zoo: Path) -> list[str]:
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=zoo))
         shutil.rmtree(tmp)
         shutil.copytree(src, tmp)
+        tmp.chmod(0o755)                      # mkdtemp makes 0700; a zoo is read by everyone
+        for f in tmp.iterdir():
+            f.chmod(0o644)
         replace_dir(tmp, zoo / name)
         done.append(name)
     return done
