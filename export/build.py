@@ -44,10 +44,25 @@ def op_counts(proto) -> dict[str, int]:
     return dict(sorted(Counter(n.op_type for n in proto.graph.node).items()))
 
 
-def check_writable(out: Path) -> None:
-    """Fail before any work if OUT cannot be created or replaced."""
+BUILD_MARKERS = ("report.json", "model.onnx")
+
+
+def check_writable(out: Path, checkpoint: Path | None = None) -> None:
+    """Fail before any work if OUT cannot be created or replaced.
+
+    OUT is replaced as a whole, so an existing OUT must be empty or an earlier
+    build (it holds report.json or model.onnx), and must not hold the checkpoint.
+    """
     if out.exists() and not out.is_dir():
         raise BuildError(f"{out}: exists and is not a directory; choose another --out")
+    if checkpoint is not None and checkpoint.exists():
+        o, c = out.resolve(), checkpoint.resolve()
+        if o == c or o in c.parents:
+            raise BuildError(f"{out}: contains the checkpoint {checkpoint}, and the build replaces --out as a whole; "
+                             "choose another --out")
+    if out.is_dir() and any(out.iterdir()) and not any((out / m).exists() for m in BUILD_MARKERS):
+        raise BuildError(f"{out}: exists, is not empty and is not an earlier build (no report.json or model.onnx); "
+                         "the build replaces --out as a whole: choose a new or empty --out")
     parent = out.parent
     while not parent.exists():
         parent = parent.parent
@@ -124,7 +139,7 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=_log
         timings[key] = round(time.perf_counter() - t0, 3)
         log(f"      {timings[key]:.1f} s{extra}")
 
-    check_writable(out)
+    check_writable(out, checkpoint)
     stage(1, f"load checkpoint {checkpoint}")
     t0 = time.perf_counter()
     import logging
@@ -269,7 +284,7 @@ def main(argv=None) -> int:
         print(f"error: {ckpt}: no such checkpoint directory{hint}", file=sys.stderr)
         return 1
     try:
-        check_writable(out)
+        check_writable(out, ckpt)
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

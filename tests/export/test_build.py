@@ -82,6 +82,16 @@ def test_output_path_not_writable(ckpts, tmp_path):
     assert "not a directory" in line and "--out" in line
 
 
+def test_out_that_would_destroy_other_files_is_refused(ckpts, tmp_path):
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "keep.txt").write_text("precious")
+    line = _one_error_line(_build("--checkpoint", ckpts["taper"], "--out", other))
+    assert "not an earlier build" in line and (other / "keep.txt").read_text() == "precious"
+    line = _one_error_line(_build("--checkpoint", ckpts["taper"], "--out", ckpts["taper"].parent))
+    assert "contains the checkpoint" in line
+
+
 def test_disabled_norm_in_fp16_is_refused(ckpts, tmp_path):
     line = _one_error_line(_build("--dtype", "fp16", "--checkpoint", ckpts["fakeln"], "--out", tmp_path / "o"))
     assert "eps 1e+12" in line and "fp16" in line and "--dtype fp32" in line
