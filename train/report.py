@@ -39,8 +39,10 @@ def read_logs(runs: Path) -> dict[str, dict]:
 def growth(log: dict, from_step: int = 0) -> dict:
     """Pre-logit RMS at `from_step` (first eval at or after it), at the end, and their ratio."""
     evals = log["evals"]
-    start = next(e for e in evals if e["step"] >= from_step)
+    start = next((e for e in evals if e["step"] >= from_step), None)
     end = evals[-1]
+    if start is None or start is end:
+        return None
     return {"from_step": start["step"], "to_step": end["step"], "rms_from": start["prelogit_rms"],
             "rms_to": end["prelogit_rms"], "ratio": end["prelogit_rms"] / start["prelogit_rms"],
             "max_logit_from": start["max_abs_logit"], "max_logit_to": end["max_abs_logit"]}
@@ -54,8 +56,10 @@ def chasing(logs: dict[str, dict]) -> dict | None:
     calib = (logs["all-taper"].get("calibration") or {}).get("step", 0)
     for label, step in (("whole run", 0), ("from calibration", calib)):
         a, n = growth(logs["all-taper"], step), growth(logs["all-taper-noanchor"], step)
+        if a is None or n is None or a["to_step"] != n["to_step"]:
+            continue  # a run still going: no comparison over the same steps yet
         out[label] = {"all-taper": a, "all-taper-noanchor": n, "growth_ratio": n["ratio"] / a["ratio"]}
-    return out
+    return out or None
 
 
 def table(logs: dict[str, dict]) -> str:
@@ -110,10 +114,10 @@ def plot(logs: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
-def install_zoo(runs: Path, zoo: Path) -> list[str]:
+def install_zoo(runs: Path, zoo: Path, presets=ZOO_PRESETS) -> list[str]:
     """Copy the shipped checkpoints into `zoo`, each validated by loading and renamed into place."""
     done = []
-    for name in ZOO_PRESETS:
+    for name in presets:
         src = runs / name
         if not src.is_dir():
             continue
@@ -139,6 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--figure")
     p.add_argument("--json", help="write table numbers and growth to this JSON file")
     p.add_argument("--install-zoo")
+    p.add_argument("--presets", default=",".join(ZOO_PRESETS), help="which runs --install-zoo copies (comma-separated)")
     a = p.parse_args(argv)
     runs = Path(a.runs)
     logs = read_logs(runs)
@@ -160,7 +165,12 @@ def main(argv=None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps({"final": {k: v["evals"][-1] for k, v in logs.items()}, "chasing": ch}, indent=1) + "\n")
     if a.install_zoo:
-        print(f"installed {', '.join(install_zoo(runs, Path(a.install_zoo)))} into {a.install_zoo}")
+        try:
+            done = install_zoo(runs, Path(a.install_zoo), [n for n in a.presets.split(",") if n])
+        except ValueError as e:  # CheckpointError is a ValueError
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(f"installed {', '.join(done)} into {a.install_zoo}")
     return 0
 
 
