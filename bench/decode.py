@@ -1,0 +1,356 @@
+"""python -m bench.decode [--quick] [--sizes 1M,8M,...] [--backends ort,torch,...] --out DIR
+
+Decode throughput of the deployed variants (bench/variants.py) side by side, with the
+peers a user would run instead (bench/runners.py), gpt-fast style:
+
+    1. measure the machine's memory read bandwidth (numpy sums over 1 GiB, best of 5)
+    2. build every variant's ONNX once into OUT/cache (export.onnx_export + graph_passes)
+    3. per (size, backend) one worker process: load every runner, then per batch size
+       one untimed warm-up generation each, then ROUNDS rounds in which every runner
+       generates once, in an order rotated each round (bench.stats.round_order);
+       then a profiled decode of every runner (norm share f, after the timed rounds)
+    4. OUT/results.json (raw timings, summary, machine, versions, command),
+       OUT/results.md and OUT/*.png (bench.report; `python -m bench.report OUT` redoes them)
+
+Timings are greedy generations of exactly --new-tokens tokens from random prompts of
+--prompt tokens; tokens/s = batch x new tokens / (TTFT + decode steps).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench import stats
+from bench.variants import BASELINE, SIZES, VARIANTS, capacity_for
+
+ONNX_BACKENDS = ("ort", "trt")
+ALL_BACKENDS = ("ort", "torch", "torch-cuda", "trt")
+PEERS = ("hf-generate", "ort-plain")
+
+
+# --- machine ----------------------------------------------------------------------------------
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5, threads: int = 1) -> float:
+    """Best-of-`repeats` read bandwidth in bytes/s: sum a float32 array of `gib` GiB, split
+    over `threads` threads (numpy releases the GIL in reductions)."""
+    from concurrent.futures import ThreadPoolExecutor
+    a = np.ones(int(gib * 2**30) // 4, np.float32)
+    parts = np.array_split(a, threads)
+    best = 0.0
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best = max(best, a.nbytes / (time.perf_counter() - t0))
+    return best
+
+
+def machine_info() -> dict:
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    gpu = None
+    try:
+        import torch
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name(0)
+    except Exception:
+        pass
+    from bench.runners import threads_default
+    return {"cpu": cpu, "cores": threads_default(), "memory_gib": round(mem / 2**30, 1), "gpu": gpu,
+            "platform": platform.platform(), "python": platform.python_version(),
+            "loadavg_start": list(os.getloadavg())}
+
+
+def backend_status(name: str) -> str | None:
+    """None when the backend can run here, else why not."""
+    if name in ("ort", "torch"):
+        return None
+    try:
+        import torch
+        cuda = torch.cuda.is_available()
+    except Exception:
+        cuda = False
+    if not cuda:
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    if name == "trt":
+        import importlib.util
+        if importlib.util.find_spec("tensorrt") is None:
+            return "tensorrt is not installed (pip install 'tapernorm-deploy[tensorrt]')"
+    return None
+
+
+# --- worker: one (size, backend) per process ---------------------------------------------------------
+
+def _runners(spec: dict) -> list:
+    from bench.runners import HFRunner, PlainOrtRunner, SessionRunner, make_ort_session
+    from bench.variants import base_model, torch_variant, weight_bytes_torch
+    size, backend, threads, cap = spec["size"], spec["backend"], spec["threads"], spec["capacity"]
+    out = []
+    if backend in ONNX_BACKENDS:
+        for name in spec["variants"]:
+            info = spec["onnx"][name]
+            if backend == "ort":
+                make = make_ort_session(info["path"], "cpu", threads)
+            else:
+                from runtime.backends import open_session
+                make = lambda pd, p=info["path"]: open_session("trt", p)  # noqa: E731
+            out.append(SessionRunner(name, make, info["weight_bytes"], info["norm_nodes"]))
+            out[-1].source = info["source"]
+    else:
+        from runtime.torch_session import TorchSession
+        device = "cuda" if backend == "torch-cuda" else "cpu"
+        bases = {}
+        for name in spec["variants"]:
+            v = VARIANTS[name]
+            if v.kind not in bases:
+                bases[v.kind] = base_model(size, v.kind, cap, spec["seed"])
+            m = torch_variant(v, bases[v.kind][0])
+            out.append(SessionRunner(name, lambda pd, m=m: TorchSession(m, device=device), weight_bytes_torch(m)))
+            out[-1].source = bases[v.kind][1]
+        bases.clear()
+    device = "cuda" if backend in ("torch-cuda", "trt") else "cpu"
+    if "hf-generate" in spec["peers"]:
+        out.append(HFRunner(SIZES[size], cap, device=device))
+    if "ort-plain" in spec["peers"] and backend == "ort":
+        info = spec["onnx"][BASELINE]
+        out.append(PlainOrtRunner(info["path"], threads, info["weight_bytes"]))
+    return out
+
+
+def timed_rounds(runners, prompts: np.ndarray, n: int, rounds: int, log=None) -> tuple[dict, list]:
+    """One untimed warm-up generation per runner, then `rounds` rounds in which every runner
+    generates once, in the order round_order(names, r). Returns (per-runner rounds and pooled
+    decode-step times, the order actually run)."""
+    names = [r.name for r in runners]
+    by_name = {r.name: r for r in runners}
+    batch = prompts.shape[0]
+    for r in runners:
+        r.generate(prompts, n)
+    cell = {name: {"rounds": [], "step_s": []} for name in names}
+    order = []
+    for rnd in range(rounds):
+        order.append(stats.round_order(names, rnd))
+        for name in order[-1]:
+            t = by_name[name].generate(prompts, n)
+            cell[name]["rounds"].append({"ttft_s": t.ttft_s, "total_s": t.total_s, "decode_s": float(sum(t.step_s)),
+                                         "steps": len(t.step_s)})
+            cell[name]["step_s"] += [round(s, 7) for s in t.step_s]
+        if log:
+            log(f"round {rnd + 1}/{rounds} tokens/s: " + ", ".join(
+                f"{k} {batch * n / cell[k]['rounds'][-1]['total_s']:.0f}" for k in names))
+    return cell, order
+
+
+def worker(spec: dict) -> dict:
+    import torch
+    from bench.runners import peak_rss_bytes
+    torch.set_num_threads(spec["threads"])
+    t_start = time.perf_counter()
+    runners = _runners(spec)
+    loaded = {}
+    for r in runners:
+        r.activate()
+        loaded[r.name] = {"kind": r.kind, "weight_bytes": r.weight_bytes, "rss_load_bytes": r.rss_load_bytes,
+                          "source": getattr(r, "source", None), "impl": getattr(r, "impl", None)}
+    n, rounds = spec["new_tokens"], spec["rounds"]
+    batches = {}
+    for batch in spec["batches"]:
+        prompts = np.random.default_rng(batch).integers(0, SIZES[spec["size"]]["vocab_size"], (batch, spec["prompt"]))
+        label = f"{spec['size']} {spec['backend']} b{batch}"
+        cell, order = timed_rounds(runners, prompts, n, rounds,
+                                   log=lambda msg: print(f"    {label} {msg}", flush=True))
+        for r in runners:
+            if r.kind == "ours" and spec["profile_steps"] > 0:
+                try:
+                    cell[r.name]["profile"] = r.profile(prompts, spec["profile_steps"])
+                except Exception as e:   # a profiler failure must not lose the timings
+                    cell[r.name]["profile"] = {"error": f"{type(e).__name__}: {e}"}
+        batches[str(batch)] = {"order": order, "runners": cell}
+    for r in runners:
+        r.close()
+    return {"size": spec["size"], "backend": spec["backend"], "runners": loaded, "batches": batches,
+            "peak_rss_bytes": peak_rss_bytes(), "wall_s": round(time.perf_counter() - t_start, 1)}
+
+
+def run_worker(spec: dict, workdir: Path) -> dict:
+    """Run `worker(spec)` in a fresh process (its own peak RSS, no state shared between cells)."""
+    spec_path = workdir / f"spec-{spec['size']}-{spec['backend']}.json"
+    out_path = spec_path.with_name(spec_path.name.replace("spec-", "cell-"))
+    spec_path.write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "bench.decode", "--worker", str(spec_path), "--worker-out", str(out_path)]
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent)
+    if proc.returncode != 0 or not out_path.is_file():
+        return {"size": spec["size"], "backend": spec["backend"], "error": f"worker exited with status {proc.returncode}"}
+    return json.loads(out_path.read_text())
+
+
+# --- builds -------------------------------------------------------------------------------------------
+
+def _build_task(args):
+    size, names, cap, cache, seed = args
+    from bench.variants import build_onnx
+    return size, build_onnx(size, names, cap, Path(cache), seed)
+
+
+def build_all(sizes, names, cap, cache: Path, seed: int, jobs: int) -> dict:
+    """ONNX for every (size, variant), `jobs` export processes at a time; grouped by kind so
+    internal-taper's unfused and fused graphs share one export."""
+    import multiprocessing as mp
+    groups: list[tuple] = []
+    for size in sizes:
+        by_kind: dict[str, list[str]] = {}
+        for n in names:
+            by_kind.setdefault(VARIANTS[n].kind + ("-naive" if VARIANTS[n].naive else ""), []).append(n)
+        groups += [(size, g, cap, str(cache), seed) for g in by_kind.values()]
+    out: dict[str, dict] = {s: {} for s in sizes}
+    if jobs <= 1:
+        results = map(_build_task, groups)
+    else:
+        pool = mp.get_context("spawn").Pool(jobs)
+        results = pool.imap_unordered(_build_task, groups)
+    for size, infos in results:
+        out[size].update(infos)
+    if jobs > 1:
+        pool.close()
+        pool.join()
+    return out
+
+
+# --- CLI -------------------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__.split("\n\n")[1])
+    p.add_argument("--out", type=Path, help="results directory (results.json, results.md, *.png, cache/)")
+    p.add_argument("--quick", action="store_true", help="sizes 1M,8M; ort+torch; batch 1; 32 new tokens; 3 rounds")
+    p.add_argument("--sizes", help=f"comma list of {', '.join(SIZES)} (default: all; quick: 1M,8M)")
+    p.add_argument("--variants", help=f"comma list of {', '.join(VARIANTS)} (default: all)")
+    p.add_argument("--backends", help=f"comma list of {', '.join(ALL_BACKENDS)} (default: those available here)")
+    p.add_argument("--peers", help=f"comma list of {', '.join(PEERS)}, or none (default: both)")
+    p.add_argument("--batches", help="comma list of batch sizes (default 1,8; quick: 1)")
+    p.add_argument("--prompt", type=int, default=16, help="prompt tokens (default 16)")
+    p.add_argument("--new-tokens", type=int, help="new tokens per sequence (default 128; quick: 32)")
+    p.add_argument("--rounds", type=int, help="timed rounds, >= 3 (default 3)")
+    p.add_argument("--threads", type=int, help="intra-op threads for ORT and torch (default: all cores)")
+    p.add_argument("--profile-steps", type=int, default=16, help="decode steps profiled per runner (0: no profile)")
+    p.add_argument("--cache", type=Path, help="where built ONNX files go (default OUT/cache; reused when present)")
+    p.add_argument("--jobs", type=int, default=2, help="parallel ONNX export processes (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="seed of random weights where no zoo model fits")
+    p.add_argument("--bandwidth-gib", type=float, default=1.0, help="array size of the bandwidth measure")
+    p.add_argument("--list", action="store_true", help="print sizes (parameters) and variants, and exit")
+    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    return p
+
+
+def _csv(value, default, known=None, what=""):
+    items = [x.strip() for x in (value.split(",") if value else default) if x.strip()]
+    if known is not None:
+        bad = [x for x in items if x not in known]
+        if bad:
+            raise SystemExit(f"error: unknown {what} {', '.join(bad)}; expected some of {', '.join(known)}")
+    return items
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.worker:
+        result = worker(json.loads(args.worker.read_text()))
+        args.worker_out.write_text(json.dumps(result))
+        return 0
+    if args.list:
+        from bench.variants import config_for
+        from models.decoder import Decoder
+        import torch
+        for s in SIZES:
+            torch.manual_seed(0)
+            print(f"{s:5s} {SIZES[s]}  {Decoder(config_for(s, 'baseline', 160)).num_params():,} params (capacity 160)")
+        for v in VARIANTS.values():
+            print(f"{v.name:24s} kind {v.kind}{', naive RMSNorm' if v.naive else ''}{', fused' if v.fuse else ''}")
+        return 0
+    if args.out is None:
+        raise SystemExit("error: --out DIR is required (where results.json, results.md and the plots go)")
+    q = args.quick
+    sizes = _csv(args.sizes, ["1M", "8M"] if q else list(SIZES), SIZES, "size")
+    names = _csv(args.variants, list(VARIANTS), VARIANTS, "variant")
+    if BASELINE not in names:
+        names.insert(0, BASELINE)   # every ratio is taken against it
+    wanted = _csv(args.backends, ["ort", "torch"] if q else list(ALL_BACKENDS), ALL_BACKENDS, "backend")
+    peers = [] if args.peers == "none" else _csv(args.peers, list(PEERS), PEERS, "peer")
+    batches = [int(b) for b in _csv(args.batches, ["1"] if q else ["1", "8"])]
+    new_tokens = args.new_tokens or (32 if q else 128)
+    rounds = max(3, args.rounds or 3)
+    from bench.runners import threads_default, versions
+    threads = args.threads or threads_default()
+    skipped = {b: why for b in wanted if (why := backend_status(b)) is not None}
+    backends = [b for b in wanted if b not in skipped]
+    if args.backends is None:          # default: unavailable GPU backends are expected, not errors
+        pass
+    cap = capacity_for(args.prompt, new_tokens)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    cache = args.cache or out / "cache"
+    t_start = time.perf_counter()
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    print(f"bench.decode: sizes {sizes}, backends {backends}, batches {batches}, prompt {args.prompt}, "
+          f"{new_tokens} new tokens, {rounds} rounds, {threads} threads; skipped {skipped or 'none'}", flush=True)
+    machine = machine_info()
+    bw = {"single_thread": read_bandwidth(args.bandwidth_gib, 5, 1),
+          "all_threads": read_bandwidth(args.bandwidth_gib, 5, threads)}
+    bw["best"] = max(bw.values())
+    print(f"  read bandwidth: {bw['single_thread'] / 1e9:.1f} GB/s (1 thread), {bw['all_threads'] / 1e9:.1f} GB/s "
+          f"({threads} threads)", flush=True)
+    t0 = time.perf_counter()
+    need_onnx = any(b in ONNX_BACKENDS for b in backends)
+    onnx = build_all(sizes, names, cap, cache, args.seed, args.jobs) if need_onnx else {s: {} for s in sizes}
+    build_s = time.perf_counter() - t0
+    print(f"  builds ready in {build_s:.0f} s", flush=True)
+    cells = []
+    with tempfile.TemporaryDirectory(dir=out) as work:
+        for size in sizes:
+            for backend in backends:
+                print(f"  {size} {backend}: {len(names)} variants + peers {peers}", flush=True)
+                spec = {"size": size, "backend": backend, "variants": names, "onnx": onnx[size],
+                        "batches": batches, "prompt": args.prompt, "new_tokens": new_tokens, "rounds": rounds,
+                        "threads": threads, "profile_steps": args.profile_steps, "peers": peers,
+                        "capacity": cap, "seed": args.seed}
+                cells.append(run_worker(spec, Path(work)))
+    machine["loadavg_end"] = list(os.getloadavg())
+    results = {
+        "format": 1, "started": started, "wall_s": round(time.perf_counter() - t_start, 1),
+        "build_s": round(build_s, 1),
+        "command": "python -m bench.decode " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        "machine": machine, "versions": versions(), "read_bandwidth_Bps": bw,
+        "settings": {"sizes": sizes, "variants": names, "backends": backends, "skipped_backends": skipped,
+                     "peers": peers, "batches": batches, "prompt": args.prompt, "new_tokens": new_tokens,
+                     "rounds": rounds, "threads": threads, "capacity": cap, "profile_steps": args.profile_steps,
+                     "quick": q, "seed": args.seed, "dtype": "fp32"},
+        "models": {s: {n: {k: i[k] for k in ("source", "params", "weight_bytes", "nodes", "op_counts", "build_s")}
+                       for n, i in onnx[s].items()} for s in sizes},
+        "cells": cells,
+    }
+    from bench.report import write_reports
+    results["summary"] = None
+    write_reports(results, out)
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'} and plots in {time.perf_counter() - t_start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,360 @@
+"""What one benchmark round runs: our sessions (runtime/) and the peers a user would run instead.
+
+Every runner has the same two calls, so the rounds can interleave them freely:
+
+    activate()                          load (untimed; RSS growth recorded)
+    generate(prompts [B, T], n) -> Timing   greedy, exactly n new tokens per sequence
+    profile(prompts, steps) -> dict     share of the decode step spent in norm ops (separate,
+                                        after the timed rounds: profiling slows a run down)
+
+    ours        runtime.generate.generate over a runtime session (ort / torch / trt):
+                IO-bound in-place KV cache, greedy sampling on the host
+    hf          Hugging Face transformers GPT2LMHeadModel.generate(use_cache=True) on an
+                equal-shape GPT-2 config (random weights; LayerNorm, gelu_new, tied head)
+    ort-plain   a plain ONNX Runtime loop over the rmsnorm-strong graph: numpy feeds each
+                step, caches returned as new arrays (TensorScatter copies them)
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class Timing:
+    ttft_s: float
+    step_s: list[float]
+    total_s: float
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process (VmRSS)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def peak_rss_bytes() -> int:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # KiB on Linux
+
+
+class Runner:
+    name = "?"
+    kind = "ours"           # ours | peer
+    weight_bytes = 0
+
+    def activate(self) -> None:
+        before = rss_bytes()
+        self._activate()
+        self.rss_load_bytes = rss_bytes() - before
+
+    def _activate(self) -> None: ...
+
+    def generate(self, prompts: np.ndarray, n: int) -> Timing: ...
+
+    def profile(self, prompts: np.ndarray, steps: int) -> dict | None:
+        return None
+
+    def close(self) -> None: ...
+
+
+# --- ours: runtime sessions --------------------------------------------------------------------
+
+class SessionRunner(Runner):
+    """runtime.generate over a DecoderSession; `make(profile_dir)` returns an inactive session
+    (with ONNX Runtime profiling switched on when profile_dir is given)."""
+
+    def __init__(self, name: str, make, weight_bytes: int, norm_nodes: dict | None = None,
+                 torch_model=None):
+        self.name, self.make, self.weight_bytes = name, make, weight_bytes
+        self.norm_nodes = norm_nodes or {}
+        self.torch_model = torch_model
+        self.session = None
+
+    def _activate(self) -> None:
+        self.session = self.make(None).activate()
+
+    def generate(self, prompts, n):
+        from runtime.generate import GenerationConfig, generate
+        r = generate(self.session, [list(p) for p in prompts], GenerationConfig(max_new_tokens=n))
+        return Timing(r.ttft_s, r.step_s, r.total_s)
+
+    def profile(self, prompts, steps):
+        if self.session.backend == "ort":
+            return self._profile_ort(prompts, steps)
+        if self.session.backend == "torch":
+            return self._profile_torch(prompts, steps)
+        return None
+
+    def _decode_steps(self, session, prompts, steps):
+        b, t = prompts.shape
+        session.reset(b)
+        logits = session.prefill(prompts)
+        tok = logits[:, -1].argmax(-1)
+        for k in range(steps):
+            tok = session.decode_step(tok, np.full(b, t + k, np.int64)).argmax(-1)
+
+    def _profile_ort(self, prompts, steps):
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            s = self.make(Path(tmp)).activate()
+            try:
+                self._decode_steps(s, prompts, steps)
+                trace = s.session.end_profiling()
+                events = json.loads(Path(trace).read_text())
+            finally:
+                s.deactivate()
+        return ort_norm_share(events, self.norm_nodes)
+
+    def _profile_torch(self, prompts, steps):
+        return torch_norm_share(self.session, prompts, steps, self._decode_steps)
+
+    def close(self):
+        if self.session is not None:
+            self.session.deactivate()
+
+
+def make_ort_session(path: str, device: str, threads: int):
+    """Factory for SessionRunner: an OrtSession, or (profile_dir given) one whose ONNX Runtime
+    session has enable_profiling on (the runtime's own session options otherwise)."""
+    from runtime.ort_session import PROVIDERS, OrtSession
+
+    class _Profiled(OrtSession):
+        def __init__(self, *a, profile_dir: Path, **k):
+            super().__init__(*a, **k)
+            self.profile_dir = profile_dir
+
+        def _activate(self):
+            super()._activate()
+            import onnxruntime as ort
+            so = ort.SessionOptions()
+            so.log_severity_level = self.log_severity
+            so.intra_op_num_threads = self.intra_op_threads
+            so.enable_profiling = True
+            so.profile_file_prefix = str(self.profile_dir / "ort")
+            self.session = ort.InferenceSession(str(self.path), so, providers=PROVIDERS[self.device])
+
+    def make(profile_dir):
+        if profile_dir is None:
+            return OrtSession(path, device=device, intra_op_threads=threads)
+        return _Profiled(path, device=device, intra_op_threads=threads, profile_dir=profile_dir)
+    return make
+
+
+# --- profiles ------------------------------------------------------------------------------------
+
+def ort_norm_share(events: list[dict], norm_nodes: dict[str, str]) -> dict:
+    """Share f of node time in norm ops per decode step, from an ONNX Runtime profile.
+
+    The first model_run is the prefill and is dropped. A node counts as a norm when the
+    exported graph attributes it to a norm module (`norm_nodes`, by name) or its op type
+    is a norm op (ORT may rename nodes it fuses). Per step the last norm node is the
+    final norm (ln_f): f_blocks leaves it out. f_run divides by the whole model_run
+    (node time plus ORT's per-run overhead) instead of node time.
+    """
+    from bench.variants import NORM_OP_TYPES
+    runs = sorted((e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"),
+                  key=lambda e: e["ts"])[1:]
+    nodes = [e for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")]
+    has_final = any(v == "final" for v in norm_nodes.values())
+    tot = norm = final = run_time = 0.0
+    ops: dict[str, float] = {}
+    for run in runs:
+        lo, hi = run["ts"], run["ts"] + run["dur"]
+        inside = sorted((e for e in nodes if lo <= e["ts"] <= hi), key=lambda e: e["ts"])
+        step_norm = []
+        for e in inside:
+            name = e["name"][: -len("_kernel_time")]
+            op = e.get("args", {}).get("op_name", "")
+            tot += e["dur"]
+            if name in norm_nodes or op in NORM_OP_TYPES:
+                step_norm.append(e)
+                ops[op] = ops.get(op, 0.0) + e["dur"]
+        norm += sum(e["dur"] for e in step_norm)
+        if step_norm and has_final:
+            final += step_norm[-1]["dur"]
+        run_time += run["dur"]
+    if not runs or tot <= 0:
+        return {"tool": "onnxruntime profiler", "steps": 0}
+    return {"tool": "onnxruntime profiler", "steps": len(runs),
+            "f": norm / tot, "f_blocks": (norm - final) / tot, "f_run": norm / run_time,
+            "node_us_per_step": tot / len(runs), "run_us_per_step": run_time / len(runs),
+            "norm_us_per_step": norm / len(runs),
+            "norm_us_by_op": {k: v / len(runs) for k, v in sorted(ops.items())}}
+
+
+def torch_norm_share(session, prompts, steps, decode_steps) -> dict:
+    """Share f of the decode step spent inside norm modules, from torch.profiler: each norm
+    module's forward is wrapped in record_function('bench.norm.{block|final}') and each
+    decode step in 'bench.decode_step'; f = norm time / step time (CPU-side wall)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from bench.variants import NORM_CLASSES
+    model = session.model
+    handles, open_ = [], {}
+
+    def pre(name):
+        def hook(mod, args):
+            rf = record_function(name)
+            rf.__enter__()
+            open_[id(mod)] = rf
+        return hook
+
+    def post(mod, args, out):
+        rf = open_.pop(id(mod), None)
+        if rf is not None:
+            rf.__exit__(None, None, None)
+
+    for name, m in model.named_modules():
+        if isinstance(m, NORM_CLASSES) or name.endswith(("ln_1", "ln_2", "ln_f")):
+            if isinstance(m, torch.nn.Identity):
+                continue
+            handles += [m.register_forward_pre_hook(pre("bench.norm." + ("final" if name.endswith("ln_f") else "block"))),
+                        m.register_forward_hook(post)]
+    orig = session.decode_step
+
+    def step(tokens, position):
+        with record_function("bench.decode_step"):
+            return orig(tokens, position)
+    b, t = prompts.shape
+    session.reset(b)
+    session.prefill(prompts)
+    try:
+        session.decode_step = step
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            tok = np.zeros(b, np.int64)
+            for k in range(steps):
+                tok = session.decode_step(tok, np.full(b, t + k, np.int64)).argmax(-1)
+    finally:
+        del session.decode_step
+        for h in handles:
+            h.remove()
+    tot = {"bench.decode_step": 0.0, "bench.norm.block": 0.0, "bench.norm.final": 0.0}
+    for e in prof.events():
+        if e.name in tot:
+            tot[e.name] += e.cpu_time_total
+    step_us = tot["bench.decode_step"]
+    if step_us <= 0:
+        return {"tool": "torch.profiler", "steps": 0}
+    norm = tot["bench.norm.block"] + tot["bench.norm.final"]
+    return {"tool": "torch.profiler", "steps": steps, "f": norm / step_us,
+            "f_blocks": tot["bench.norm.block"] / step_us, "f_run": norm / step_us,
+            "node_us_per_step": step_us / steps, "run_us_per_step": step_us / steps,
+            "norm_us_per_step": norm / steps}
+
+
+# --- peers ---------------------------------------------------------------------------------------
+
+class PlainOrtRunner(Runner):
+    """A plain ONNX Runtime loop: session.run with numpy feeds each step, no IO binding."""
+    kind = "peer"
+
+    def __init__(self, path: str, threads: int, weight_bytes: int, name: str = "ort-plain"):
+        self.name, self.path, self.threads, self.weight_bytes = name, path, threads, weight_bytes
+
+    def _activate(self):
+        import onnxruntime as ort
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = self.threads
+        so.log_severity_level = 3     # it would warn every step that the cache is copied
+        self.sess = ort.InferenceSession(self.path, so, providers=["CPUExecutionProvider"])
+        self.cache_in = [i for i in self.sess.get_inputs() if i.name.startswith(("key_", "value_"))]
+        self.out_names = ["logits"] + [f"present_{i.name}" for i in self.cache_in]
+
+    def generate(self, prompts, n):
+        b, t = prompts.shape
+        t0 = time.perf_counter()
+        feeds = {i.name: np.zeros([b, *i.shape[1:]], np.float32) for i in self.cache_in}
+        feeds["input_ids"] = prompts.astype(np.int64)
+        feeds["position"] = np.zeros(b, np.int64)
+        outs = self.sess.run(self.out_names, feeds)
+        tok = outs[0][:, -1].argmax(-1)
+        ttft = time.perf_counter() - t0
+        steps = []
+        for k in range(n - 1):
+            s0 = time.perf_counter()
+            for i, c in zip(self.cache_in, outs[1:]):
+                feeds[i.name] = c
+            feeds["input_ids"] = tok[:, None].astype(np.int64)
+            feeds["position"] = np.full(b, t + k, np.int64)
+            outs = self.sess.run(self.out_names, feeds)
+            tok = outs[0][:, -1].argmax(-1)
+            steps.append(time.perf_counter() - s0)
+        return Timing(ttft, steps, time.perf_counter() - t0)
+
+
+class HFRunner(Runner):
+    """transformers GPT2LMHeadModel.generate(use_cache=True), greedy, exactly n new tokens."""
+    kind = "peer"
+
+    def __init__(self, shape: dict, capacity: int, device: str = "cpu", name: str = "hf-generate"):
+        self.name, self.shape, self.capacity, self.device = name, shape, capacity, device
+
+    def _activate(self):
+        import torch
+        import transformers
+        from transformers import GPT2Config, GPT2LMHeadModel
+        transformers.logging.set_verbosity_error()
+        d = self.shape["d_model"]
+        cfg = GPT2Config(vocab_size=self.shape["vocab_size"], n_positions=self.capacity, n_embd=d,
+                         n_layer=self.shape["n_layer"], n_head=self.shape["n_head"], n_inner=4 * d,
+                         activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                         bos_token_id=0, eos_token_id=None, pad_token_id=0)
+        torch.manual_seed(0)
+        self.model = GPT2LMHeadModel(cfg).eval().to(self.device)
+        self.model.generation_config.eos_token_id = None
+        self.model.generation_config.pad_token_id = 0
+        params = {id(p): p for p in self.model.parameters()}
+        wpe = self.model.transformer.wpe.weight
+        self.weight_bytes = sum(p.numel() * p.element_size() for k, p in params.items() if k != id(wpe))
+        self.impl = getattr(self.model.config, "_attn_implementation", None)
+
+    def generate(self, prompts, n):
+        import torch
+        times: list[float] = []
+
+        class Stamp:   # transformers' BaseStreamer protocol: put() once for the prompt, then per token
+            def put(self, value):
+                if self_device_cuda:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter())
+
+            def end(self):
+                pass
+        self_device_cuda = self.device.startswith("cuda")
+        ids = torch.from_numpy(np.ascontiguousarray(prompts, np.int64)).to(self.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                do_sample=False, use_cache=True, streamer=Stamp(), pad_token_id=0)
+        total = time.perf_counter() - t0
+        new = times[1:]                          # times[0]: the prompt was put
+        return Timing(new[0] - t0, list(np.diff(new)), total)
+
+    def close(self):
+        self.model = None
+
+
+def versions() -> dict:
+    out = {}
+    for mod in ("torch", "onnx", "onnxruntime", "numpy", "transformers", "tensorrt"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:
+            out[mod] = None
+    return out
+
+
+def threads_default() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

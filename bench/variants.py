@@ -1,0 +1,374 @@
+"""The models a decode benchmark compares: sizes, variants, and how each is built.
+
+    size     an architecture (SIZES); trained zoo weights where models/zoo/<kind> has that
+             shape and a finished taper, random weights otherwise (`source` says which)
+    kind     the trained model a variant starts from: baseline | internal-taper | all-taper | dyt
+    variant  kind + how it is deployed:
+
+    | variant                 | kind           | ONNX (ort, trt)                          | torch (eager)                       |
+    |-------------------------|----------------|------------------------------------------|-------------------------------------|
+    | rmsnorm-strong          | baseline       | RMSNormalization op, gamma folded        | F.rms_norm without weight, gamma folded |
+    | rmsnorm-plain           | baseline       | naive x*rsqrt(mean(x^2)+eps)*w, no passes | the same naive module              |
+    | internal-taper-unfused  | internal-taper | as exported: Mul by c*gamma_tilde kept   | TaperNorm at g = 0 (one mul)        |
+    | internal-taper-fused    | internal-taper | graph_passes (DEFAULT_PASSES)            | scales folded, norm -> Identity     |
+    | all-taper-fused         | all-taper      | graph_passes                             | scales folded, final included       |
+    | dyt                     | dyt            | graph_passes (gamma/beta folded)         | tanh(alpha x) left, gamma/beta folded |
+
+ONNX files come from export.onnx_export.export_onnx and graph_passes.run_passes (the same
+library calls export.build makes, without its torch-vs-ORT verification, which
+tests/export covers). The torch-side fold is a thin adapter here: no package owns a
+torch fold of the reference decoder yet.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.decoder import Decoder, DecoderConfig
+from models.norms import DyT, LayerNorm, RMSNorm, TaperNorm
+
+ZOO = Path(__file__).resolve().parent.parent / "models" / "zoo"
+
+# GPT-2 style (gelu MLP x4, tied head); params are printed by `python -m bench.decode --list`.
+SIZES: dict[str, dict] = {
+    "1M": dict(d_model=128, n_layer=4, n_head=4, vocab_size=2048),      # train.presets "tiny"
+    "8M": dict(d_model=384, n_layer=4, n_head=6, vocab_size=2048),      # 4-layer shapes as TinyStories'
+    "30M": dict(d_model=768, n_layer=4, n_head=12, vocab_size=2048),    # 33M (export time grows with depth)
+    "124M": dict(d_model=768, n_layer=12, n_head=12, vocab_size=50257),  # GPT-2 small
+}
+KINDS: dict[str, dict] = {
+    "baseline": dict(norm="rmsnorm"),
+    "internal-taper": dict(norm="taper", taper_scope="internal"),
+    "all-taper": dict(norm="taper", taper_scope="all"),
+    "dyt": dict(norm="dyt"),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    kind: str
+    naive: bool = False   # rmsnorm-plain: swap RMSNorm for the naive formula
+    fuse: bool = False    # run graph_passes (ONNX) / fold into the linears (torch)
+
+
+VARIANTS: dict[str, Variant] = {v.name: v for v in (
+    Variant("rmsnorm-strong", "baseline", fuse=True),
+    Variant("rmsnorm-plain", "baseline", naive=True),
+    Variant("internal-taper-unfused", "internal-taper"),
+    Variant("internal-taper-fused", "internal-taper", fuse=True),
+    Variant("all-taper-fused", "all-taper", fuse=True),
+    Variant("dyt", "dyt", fuse=True),
+)}
+BASELINE = "rmsnorm-strong"
+# which norms of rmsnorm-strong a variant removes (for the profiled limit 1 / (1 - f))
+REMOVES = {"internal-taper-unfused": "blocks", "internal-taper-fused": "blocks", "all-taper-fused": "all"}
+
+
+def capacity_for(prompt: int, new_tokens: int, multiple: int = 32) -> int:
+    """KV-cache capacity: prompt + new tokens rounded up, so attention is not inflated."""
+    need = prompt + new_tokens
+    return -(-need // multiple) * multiple
+
+
+def config_for(size: str, kind: str, capacity: int) -> DecoderConfig:
+    return DecoderConfig(**SIZES[size], **KINDS[kind], max_seq_len=capacity)
+
+
+# --- base models ---------------------------------------------------------------------------
+
+def _zoo_model(size: str, kind: str, capacity: int):
+    """The trained zoo model of this kind when it has this size's shape and a finished taper."""
+    where = ZOO / kind
+    if not (where / "config.json").is_file() or not (where / "model.safetensors").is_file():
+        return None, f"no models/zoo/{kind}"
+    raw = json.loads((where / "config.json").read_text())
+    shape = {k: raw.get(k) for k in SIZES[size]}
+    if shape != SIZES[size]:
+        return None, f"models/zoo/{kind} has shape {shape}, not {size}"
+    if raw.get("max_seq_len", 0) < capacity:
+        return None, f"models/zoo/{kind} capacity {raw.get('max_seq_len')} < {capacity}"
+    from models.checkpoint import load_checkpoint
+    model = load_checkpoint(where)
+    if kind.endswith("taper") and model.gate.value != 0.0:
+        return None, f"models/zoo/{kind} gate is {model.gate.value:g}, not 0"
+    digest = hashlib.sha1((where / "model.safetensors").read_bytes()).hexdigest()[:10]
+    return _with_capacity(model, capacity), f"zoo:{kind}@{digest}"
+
+
+def _with_capacity(model: Decoder, capacity: int) -> Decoder:
+    """Same weights, KV-cache capacity (and position table) cut to `capacity`."""
+    cfg = replace(model.cfg, max_seq_len=capacity)
+    torch.manual_seed(0)
+    out = Decoder(cfg)
+    state = model.state_dict()
+    state["wpe.weight"] = state["wpe.weight"][:capacity].clone()
+    out.load_state_dict(state)
+    for name, layer in out.taper_layers().items():
+        layer.c = model.taper_layers()[name].c
+    out.set_gate(model.gate.value)
+    return out.eval()
+
+
+@torch.no_grad()
+def _random_model(size: str, kind: str, capacity: int, seed: int) -> Decoder:
+    """Random linear weights (the same for every kind of a size: same seed, same init order),
+    norm gains ~ 1 + 0.2 N(0,1), DyT alpha 0.7; TaperNorm c calibrated on random tokens at
+    g = 1 (least squares, as train/ does), then g = 0: random but sane activations."""
+    torch.manual_seed(seed)
+    model = Decoder(config_for(size, kind, capacity)).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, p in model.named_parameters():
+        if "ln_" in name:
+            if name.endswith("alpha"):
+                p.fill_(0.7)
+            elif "weight" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+    layers = model.taper_layers()
+    if layers:
+        seen: dict[str, torch.Tensor] = {}
+        hooks = [m.register_forward_pre_hook(lambda m, a, n=n: seen.__setitem__(n, a[0].detach()))
+                 for n, m in layers.items()]
+        ids = torch.randint(0, model.cfg.vocab_size, (2, min(32, capacity)), generator=gen)
+        model(ids)
+        for h in hooks:
+            h.remove()
+        for n, m in layers.items():
+            m.calibrate([seen[n]])
+        model.set_gate(0.0)
+    return model
+
+
+def base_model(size: str, kind: str, capacity: int, seed: int = 0) -> tuple[Decoder, str]:
+    """(model, source): zoo weights where they fit, else random ('random:seed<N>' + why)."""
+    model, why = _zoo_model(size, kind, capacity)
+    if model is not None:
+        return model, why
+    return _random_model(size, kind, capacity, seed), f"random:seed{seed} ({why})"
+
+
+# --- torch-side variants (thin adapter; see the module docstring) ----------------------------
+
+class NaiveRMSNorm(nn.Module):
+    """What a hand-written RMSNorm exports as: Pow/ReduceMean/Add/Sqrt/Reciprocal/Mul/Mul."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(weight.detach().clone())
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class ScalelessRMSNorm(nn.Module):
+    """x / rms(x) with gamma already folded into the next linear (FlashNorm)."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), None, self.eps)
+
+
+class ScalelessLayerNorm(nn.Module):
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        return F.layer_norm(x, (x.shape[-1],), None, None, self.eps)
+
+
+class DyTCore(nn.Module):
+    """tanh(alpha x): DyT with gamma and beta folded into the next linear."""
+
+    def __init__(self, alpha: torch.Tensor):
+        super().__init__()
+        self.alpha = nn.Parameter(alpha.detach().clone())
+
+    def forward(self, x):
+        return torch.tanh(self.alpha * x)
+
+
+NORM_CLASSES = (RMSNorm, LayerNorm, TaperNorm, DyT, NaiveRMSNorm, ScalelessRMSNorm, ScalelessLayerNorm, DyTCore)
+
+
+def naive_rmsnorm(model: Decoder) -> Decoder:
+    """A copy with every RMSNorm module replaced by NaiveRMSNorm (same weights)."""
+    model = copy.deepcopy(model)
+    for name, m in list(model.named_modules()):
+        if isinstance(m, RMSNorm):
+            parent, attr = _parent(model, name)
+            setattr(parent, attr, NaiveRMSNorm(m.weight, m.eps))
+    return model
+
+
+def _parent(model: nn.Module, name: str):
+    path, _, attr = name.rpartition(".")
+    return (model.get_submodule(path) if path else model), attr
+
+
+def _split_norm(norm: nn.Module):
+    """(scale [d] or None, shift [d] or None, what stays in the graph) for a norm module."""
+    if isinstance(norm, RMSNorm):
+        return norm.weight, None, ScalelessRMSNorm(norm.eps)
+    if isinstance(norm, LayerNorm):
+        return norm.weight, norm.bias, ScalelessLayerNorm(norm.eps)
+    if isinstance(norm, DyT):
+        return norm.weight, norm.bias, DyTCore(norm.alpha)
+    if isinstance(norm, TaperNorm):
+        if norm.gate.value != 0.0:
+            raise ValueError(f"TaperNorm gate {norm.gate.value:g}; folding needs gate 0")
+        return norm.c * norm.weight_tilde, norm.bias_tilde, nn.Identity()
+    return None, None, norm
+
+
+@torch.no_grad()
+def _fold_into(linear: nn.Linear, scale, shift) -> None:
+    """linear(x * scale + shift) == linear'(x): W' = W diag(scale), b' = b + W shift."""
+    w = linear.weight                                   # [out, in]
+    if shift is not None:
+        extra = w @ shift.detach()
+        if linear.bias is None:
+            linear.bias = nn.Parameter(extra.clone())
+        else:
+            linear.bias.add_(extra)
+    if scale is not None:
+        w.mul_(scale.detach()[None, :])
+
+
+@torch.no_grad()
+def fold_norms(model: Decoder) -> Decoder:
+    """A copy with every norm's affine part (gamma/beta, c*gamma_tilde/beta_tilde) folded into
+    the linears it feeds; the tied head is untied (cloned) when the final norm folds into it."""
+    model = copy.deepcopy(model)
+    targets = []
+    for block in model.blocks:
+        mlp_in = [block.mlp.up_proj] + ([block.mlp.gate_proj] if hasattr(block.mlp, "gate_proj") else [])
+        targets += [(block, "ln_1", [block.attn.q_proj, block.attn.k_proj, block.attn.v_proj]),
+                    (block, "ln_2", mlp_in)]
+    if not isinstance(model.ln_f, nn.Identity):
+        if model.lm_head.weight is model.wte.weight:
+            model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())
+        targets.append((model, "ln_f", [model.lm_head]))
+    for parent, attr, linears in targets:
+        scale, shift, core = _split_norm(getattr(parent, attr))
+        for lin in linears:
+            _fold_into(lin, scale, shift)
+        setattr(parent, attr, core)
+    return model.eval()
+
+
+def torch_variant(variant: Variant, model: Decoder) -> Decoder:
+    if variant.naive:
+        return naive_rmsnorm(model).eval()
+    return fold_norms(model) if variant.fuse else model.eval()
+
+
+def weight_bytes_torch(model: nn.Module) -> int:
+    """Bytes of the weights one decode step reads: every parameter once, but not the position
+    table (one row per step) nor an untied token embedding (one row per token)."""
+    params = {id(p): p for p in model.parameters()}
+    skip = {id(model.wpe.weight)}
+    if model.lm_head.weight is not model.wte.weight:
+        skip.add(id(model.wte.weight))
+    return sum(p.numel() * p.element_size() for k, p in params.items() if k not in skip)
+
+
+# --- ONNX builds --------------------------------------------------------------------------------
+
+NORM_CLASS_NAMES = tuple(c.__name__ for c in NORM_CLASSES)
+NORM_OP_TYPES = ("RMSNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization",
+                 "LayerNormalization", "SkipLayerNormalization")
+
+
+def onnx_weight_bytes(proto) -> int:
+    """Initializer bytes a step reads: all but tensors consumed only by Gather (embeddings)."""
+    import numpy as np
+    from onnx.helper import tensor_dtype_to_np_dtype
+    consumers: dict[str, set] = {}
+    for n in proto.graph.node:
+        for i in n.input:
+            consumers.setdefault(i, set()).add(n.op_type)
+    total = 0
+    for t in proto.graph.initializer:
+        if consumers.get(t.name, set()) == {"Gather"}:
+            continue
+        total += int(np.prod(t.dims, dtype=np.int64)) * tensor_dtype_to_np_dtype(t.data_type).itemsize
+    return total
+
+
+def norm_nodes(proto) -> dict[str, str]:
+    """node name -> 'block' | 'final' for nodes the exporter attributed to a norm module."""
+    import ast
+    out = {}
+    for n in proto.graph.node:
+        meta = {p.key: p.value for p in n.metadata_props}
+        try:
+            classes = ast.literal_eval(meta.get("pkg.torch.onnx.class_hierarchy", "[]"))
+            scopes = ast.literal_eval(meta.get("pkg.torch.onnx.name_scopes", "[]"))
+        except (ValueError, SyntaxError):
+            continue
+        if any(str(c).rsplit(".", 1)[-1] in NORM_CLASS_NAMES for c in classes):
+            out[n.name] = "final" if any(str(s).endswith("ln_f") for s in scopes) else "block"
+        elif n.op_type in NORM_OP_TYPES:
+            out[n.name] = "block"
+    return out
+
+
+def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed: int = 0, log=print) -> dict:
+    """Export (and fuse) each variant once into `cache`; returns name -> info (path, source,
+    weight bytes, op counts, norm nodes). Files already built for the same weights are reused."""
+    import logging
+    import onnx
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    from export.onnx_export import export_onnx
+    from graph_passes import DEFAULT_PASSES, run_passes
+    cache.mkdir(parents=True, exist_ok=True)
+    out, models = {}, {}
+    for name in variants:
+        v = VARIANTS[name]
+        if v.kind not in models:
+            models[v.kind] = base_model(size, v.kind, capacity, seed)
+        model, source = models[v.kind]
+        tag = source.split(" ")[0].replace(":", "-").replace("@", "-")
+        path = cache / f"{size}-cap{capacity}-{name}-{tag}.onnx"
+        meta_path = path.with_suffix(".json")
+        if path.is_file() and meta_path.is_file():
+            out[name] = json.loads(meta_path.read_text())
+            continue
+        t0 = time.perf_counter()
+        src = naive_rmsnorm(model) if v.naive else model
+        tmp = path.with_suffix(".tmp.onnx")
+        proto = export_onnx(src, tmp, "fp32")
+        t_export = time.perf_counter() - t0
+        if v.fuse:
+            proto, _ = run_passes(proto, DEFAULT_PASSES)
+            onnx.save(proto, str(tmp))
+        tmp.replace(path)
+        info = {"path": str(path), "source": source, "weight_bytes": onnx_weight_bytes(proto),
+                "params": model.num_params(), "nodes": len(proto.graph.node),
+                "norm_nodes": norm_nodes(proto), "export_s": round(t_export, 2),
+                "build_s": round(time.perf_counter() - t0, 2),
+                "op_counts": _op_counts(proto)}
+        meta_path.write_text(json.dumps(info, indent=1))
+        out[name] = info
+        log(f"  built {size} {name} ({source.split(' ')[0]}): {info['nodes']} nodes in {info['build_s']:.1f} s")
+    return out
+
+
+def _op_counts(proto) -> dict[str, int]:
+    from collections import Counter
+    return dict(sorted(Counter(n.op_type for n in proto.graph.node).items()))

@@ -1,0 +1,107 @@
+"""bench.decode's round loop with fake runners (order, warm-up), the profile parser on a synthetic
+ONNX Runtime trace, and the torch-side variants (numerics only; no timing is asserted)."""
+import numpy as np
+import pytest
+import torch
+
+from bench.decode import timed_rounds
+from bench.runners import Timing, ort_norm_share
+from bench.variants import VARIANTS, capacity_for, fold_norms, naive_rmsnorm, torch_variant, weight_bytes_torch
+from tests.helpers import random_model
+
+
+class FakeRunner:
+    kind = "ours"
+
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def generate(self, prompts, n):
+        self.calls.append(self.name)
+        k = len(self.calls)
+        return Timing(ttft_s=0.001 * k, step_s=[0.01] * (n - 1), total_s=0.001 * k + 0.01 * (n - 1))
+
+
+def test_timed_rounds_warm_up_then_rotating_order():
+    calls = []
+    runners = [FakeRunner(n, calls) for n in ("a", "b", "c")]
+    cell, order = timed_rounds(runners, np.zeros((2, 4), np.int64), n=5, rounds=4)
+    assert calls[:3] == ["a", "b", "c"]                          # untimed warm-up, once each
+    assert order == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert calls[3:] == [x for rnd in order for x in rnd]        # the order recorded is the order run
+    for name in "abc":
+        assert len(cell[name]["rounds"]) == 4                    # warm-up not recorded
+        assert len(cell[name]["step_s"]) == 4 * 4                # n - 1 decode steps per round, pooled
+        assert cell[name]["rounds"][0]["steps"] == 4
+    assert cell["a"]["rounds"][0]["ttft_s"] == pytest.approx(0.004)   # 4th call overall
+
+
+def _ev(cat, name, ts, dur, op=None):
+    e = {"cat": cat, "name": name, "ts": ts, "dur": dur}
+    if op:
+        e["args"] = {"op_name": op}
+    return e
+
+
+def test_ort_norm_share_drops_prefill_and_splits_final_norm():
+    events = [_ev("Session", "model_run", 0, 1000),                     # prefill: ignored
+              _ev("Node", "n0_kernel_time", 10, 900, "RMSNormalization")]
+    for k in range(2):                                                  # two decode steps of 100 us node time
+        t = 2000 + 1000 * k
+        events += [_ev("Session", "model_run", t, 200),
+                   _ev("Node", "ln1_kernel_time", t + 1, 10, "RMSNormalization"),
+                   _ev("Node", "mm_kernel_time", t + 20, 70, "MatMul"),
+                   _ev("Node", "lnf_kernel_time", t + 100, 20, "RMSNormalization"),
+                   _ev("Node", "lnf_fence_before", t + 99, 1, "RMSNormalization")]
+    p = ort_norm_share(events, {"ln1": "block", "lnf": "final"})
+    assert p["steps"] == 2
+    assert p["f"] == pytest.approx(30 / 100)
+    assert p["f_blocks"] == pytest.approx(10 / 100)
+    assert p["f_run"] == pytest.approx(30 / 200)
+    assert p["norm_us_by_op"] == {"RMSNormalization": 30}
+
+
+def test_capacity_is_rounded_up():
+    assert capacity_for(16, 128) == 160
+    assert capacity_for(16, 32) == 64
+    assert capacity_for(16, 16) == 32
+
+
+@pytest.mark.parametrize("kind", [dict(norm="rmsnorm"), dict(norm="taper", taper_scope="internal"),
+                                  dict(norm="taper", taper_scope="all"), dict(norm="dyt"),
+                                  dict(norm="layernorm")])
+def test_torch_fold_keeps_logits(kind):
+    gate = 0.0 if kind["norm"] == "taper" else None
+    model = random_model(seed=3, gate=gate, **kind)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 7))
+    with torch.no_grad():
+        ref = model(ids)
+        folded = fold_norms(model)
+        got = folded(ids)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)        # fp32 reassociation only
+    assert not any(type(m).__name__ in ("TaperNorm", "RMSNorm", "DyT") for m in folded.modules())
+    assert model(ids).shape == ref.shape                               # the original is left alone
+    cache = folded.cfg.cache_layout().allocate(2)
+    with torch.no_grad():
+        step, _ = folded(ids, torch.zeros(2, dtype=torch.long), cache)
+    torch.testing.assert_close(step, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_naive_rmsnorm_matches_and_variants_map():
+    model = random_model(seed=1, norm="rmsnorm")
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(naive_rmsnorm(model)(ids), model(ids), atol=1e-5, rtol=1e-4)
+    assert torch_variant(VARIANTS["rmsnorm-plain"], model) is not model
+    assert torch_variant(VARIANTS["internal-taper-unfused"], model) is model
+
+
+def test_weight_bytes_counts_tied_head_once_and_skips_position_table():
+    model = random_model(seed=0, norm="rmsnorm")
+    params = {id(p): p for p in model.parameters()}
+    expect = sum(p.numel() * 4 for p in params.values()) - model.wpe.weight.numel() * 4
+    assert weight_bytes_torch(model) == expect
+    folded = fold_norms(model)                                         # head untied: embedding now a lookup
+    n_norms = 2 * model.cfg.n_layer + 1                                # their gammas are folded away
+    assert weight_bytes_torch(folded) == expect - n_norms * model.cfg.d_model * 4
+    assert folded.lm_head.weight is not folded.wte.weight
