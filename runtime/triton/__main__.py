@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("repo", help="write a model repository for a build directory")
     r.add_argument("--build", required=True, help="build directory from python -m export.build")
     r.add_argument("--out", required=True, help="repository directory to write (replaced atomically)")
-    r.add_argument("--engine", help="TensorRT engine built from the build's fused graph; default: newest *.engine in BUILD")
+    r.add_argument("--engine", help="TensorRT engine built from the build's fused graph; default: the newest <graph stem>.<key>.engine in BUILD")
     r.add_argument("--max-batch-size", type=int, default=8, help="decoder models: sequences per step (default 8)")
     r.add_argument("--instances", type=int, default=1, help="instance_group count of every model (default 1)")
     r.add_argument("--kind", choices=("cpu", "gpu"), default="cpu", help="instance kind of decoder_onnx (default cpu)")

@@ -317,9 +317,12 @@ def check_repository(repo: str | Path) -> dict[str, object]:
 
 # --- writing ------------------------------------------------------------------------------
 
-def find_engine(build: Path) -> Path | None:
-    """The newest TensorRT engine runtime.trt_engine left beside the build's ONNX (<stem>.<key>.engine)."""
-    engines = sorted(build.glob("*.engine"), key=lambda p: p.stat().st_mtime)
+def find_engine(onnx_path: Path) -> Path | None:
+    """The newest TensorRT engine runtime.trt_engine built from `onnx_path` (<stem>.<key>.engine beside it)."""
+    import re
+    pattern = re.compile(re.escape(onnx_path.stem) + r"\.[0-9a-f]+\.engine")
+    engines = sorted((p for p in onnx_path.parent.glob("*.engine") if pattern.fullmatch(p.name)),
+                     key=lambda p: p.stat().st_mtime)
     return engines[-1] if engines else None
 
 
@@ -348,7 +351,8 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
     """Write the model repository for a build directory (see the module docstring); returns `repo`.
 
     engine: a serialized TensorRT engine built from the build's fused graph; default: the
-    newest *.engine in the build directory, if any (no decoder_trt model otherwise).
+    newest model.fused.<key>.engine (runtime.trt_engine's name) in the build directory,
+    if any (no decoder_trt model otherwise). Its max_batch must be >= max_batch_size.
     kind: instance kind of decoder_onnx (cpu | gpu); decoder_trt is always KIND_GPU.
     validate: parse every config into ModelConfig and check it against the ONNX (skipped
     where tritonclient, from the triton extra, is not installed).
@@ -369,7 +373,7 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
     if max_batch_size < 1 or instances < 1:
         raise RepositoryError(f"max_batch_size {max_batch_size}, instances {instances}: expected both >= 1")
     if engine is None:
-        engine = find_engine(build)
+        engine = find_engine(onnx_path)
     elif not Path(engine).is_file():
         raise RepositoryError(f"{engine}: expected a serialized TensorRT engine file, found nothing; "
                               "build one with the trt backend or leave --engine out")

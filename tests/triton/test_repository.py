@@ -240,3 +240,18 @@ def test_decoder_client_protocol_reproduces_generate(triton_repo, triton_build):
     eos = want[0][3]
     early = decode_with_state(server, _FakeModule, prompts[0], 10, sequence_id=7, stop_tokens=(eos,))
     assert early == want[0][:want[0].index(eos) + 1] and server.states == {}
+
+
+def test_engine_found_beside_the_graph_it_was_built_from(triton_build, tmp_path):
+    """runtime.trt_engine names engines <graph stem>.<key>.engine; only one of the served graph is taken."""
+    import shutil
+    from runtime.model_files import resolve_onnx
+    from runtime.triton import write_triton_repository
+    build = tmp_path / "build"
+    shutil.copytree(triton_build, build)
+    graph = resolve_onnx(build)
+    (build / f"{graph.stem}.0123abcd.engine").write_bytes(b"engine of the served graph")
+    other = "model" if graph.name != "model.onnx" else "model.fused"
+    (build / f"{other}.ffff0000.engine").write_bytes(b"engine of another graph")
+    repo = write_triton_repository(build, tmp_path / "repo")
+    assert (repo / "decoder_trt/1/model.plan").read_bytes() == b"engine of the served graph"
