@@ -158,7 +158,7 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=_log
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         from export.onnx_export import export_onnx
-        from export.verify import ATOL
+        from export.verify import ATOL, SCALE_TOL
         stage(2, f"export {dtype} ONNX (opset 24, KV cache via TensorScatter)")
         t0 = time.perf_counter()
         proto = export_onnx(model, tmp / "model.onnx", dtype)
@@ -224,7 +224,7 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=_log
             "op_counts": counts,
             "norm_ops": {k: sum(v.get(op, 0) for op in NORM_OPS) for k, v in counts.items()},
             "folded": folded, "notes": notes, "trt_lint": lint,
-            "atol": ATOL[dtype], "max_abs_diff": diffs, "timings_s": timings,
+            "atol": ATOL[dtype], "scale_tol": SCALE_TOL[dtype], "max_abs_diff": diffs, "timings_s": timings,
             "versions": _versions(),
         }
         (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -261,7 +261,7 @@ def _summary(r: dict, log) -> None:
         by_pass = Counter(f["pass"] for f in r["folded"])
         log(f"  folded   {len(r['folded'])} layer(s): " + ", ".join(f"{p} {n}" for p, n in by_pass.items()))
     for key, per in r["max_abs_diff"].items():
-        log(f"  {key:17s} max |d logits| {_worst(per, 'logits'):.3g}, all outputs {_worst(per):.3g} (atol {r['atol']:g})")
+        log(f"  {key:17s} max |d logits| {_worst(per, 'logits'):.3g}, all outputs {_worst(per):.3g} (atol {r['atol']:g}" + (f" + {r['scale_tol']:g} x max|ref|" if r["scale_tol"] else "") + ")")
     if r["trt_lint"]:
         log(f"  trt_lint {len(r['trt_lint'])} issue(s): {r['trt_lint'][0]}" + (" ..." if len(r["trt_lint"]) > 1 else ""))
 

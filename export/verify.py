@@ -29,11 +29,16 @@ import onnxruntime as ort
 # Per-dtype absolute tolerances. fp32: the fold only reorders a per-channel
 # product (x*s)@W vs x@(sW), a few ulp per MatMul; 1e-4 on logits leaves room for
 # depth while catching any real error (a wrong scale moves logits by >1e-2).
-# fp16 has a 2^-11 relative step; logits of O(1..10) pass through 10-20 fp16
-# MatMuls with different accumulation order in torch and ORT.
+# fp16 has a 2^-11 relative step, so a fixed absolute bound cannot fit every
+# logit magnitude (trained All-Taper logits reach ~30, where one ulp is 0.016):
+# fp16 allows ATOL_FP16 plus SCALE_TOL_FP16 (about 8 ulps) times the largest
+# |reference| value of that output, for 10-20 fp16 MatMuls accumulated in a
+# different order by torch and ORT. fp32 is purely absolute.
 ATOL_FP32 = 1e-4
-ATOL_FP16 = 5e-2
+ATOL_FP16 = 1e-2
+SCALE_TOL_FP16 = 4e-3
 ATOL = {"fp32": ATOL_FP32, "fp16": ATOL_FP16}
+SCALE_TOL = {"fp32": 0.0, "fp16": SCALE_TOL_FP16}
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 ONNX_DTYPES = {onnx.TensorProto.FLOAT: "fp32", onnx.TensorProto.FLOAT16: "fp16"}
 
@@ -168,6 +173,7 @@ class Comparison:
     what: str
     max_abs_diff: dict[str, float] = field(default_factory=dict)   # per output, max over steps
     atol: float = ATOL_FP32
+    tolerance: dict[str, float] = field(default_factory=dict)   # per output: atol (+ scale term for fp16)
 
     @property
     def worst(self) -> float:
@@ -198,8 +204,10 @@ def compare(ref: list[dict], got: list[dict], dtype: str, what: str, atol: float
 
     Names and shapes are checked here; values by Polygraphy's comparator, step by step.
     """
+    scale_tol = SCALE_TOL[dtype] if atol is None else 0.0
     atol = ATOL[dtype] if atol is None else atol
     cmp, problems = Comparison(what, atol=atol), []
+    ref_max: dict[str, float] = {}
     if len(ref) != len(got):
         raise VerificationError(what, [f"{len(ref)} steps vs {len(got)} steps"])
     for s, (r, g) in enumerate(zip(ref, got)):
@@ -216,9 +224,16 @@ def compare(ref: list[dict], got: list[dict], dtype: str, what: str, atol: float
                 problems.append(f"{name}: unexpected extra output (step {s})")
         for name, diff in _polygraphy_diffs(r, g, names, atol).items():
             cmp.max_abs_diff[name] = max(cmp.max_abs_diff.get(name, 0.0), diff)
+            finite = np.abs(np.asarray(r[name], np.float64))
+            finite = finite[np.isfinite(finite)]
+            ref_max[name] = max(ref_max.get(name, 0.0), float(finite.max()) if finite.size else 0.0)
     for name, diff in cmp.max_abs_diff.items():
-        if not diff <= atol:
-            problems.append(f"{name}: max abs diff {diff:.3g} > atol {atol:g}")
+        tol = atol + scale_tol * ref_max.get(name, 0.0)
+        cmp.tolerance[name] = tol
+        if not diff <= tol:
+            bound = f"atol {atol:g}" if scale_tol == 0 else \
+                f"tolerance {tol:.3g} (atol {atol:g} + {scale_tol:g} x max |ref| {ref_max[name]:.3g})"
+            problems.append(f"{name}: max abs diff {diff:.3g} > {bound}")
     if problems:
         raise VerificationError(what, sorted(set(problems), key=problems.index))
     return cmp
@@ -275,7 +290,8 @@ def main(argv=None) -> int:
         print(f"NOT EQUAL: {args.a} vs {args.b}")
         return 1
     for c in results:
-        print(f"{c.what}: max abs diff {c.worst:.3g} <= atol {c.atol:g}  (logits {c.max_abs_diff.get('logits', 0):.3g})")
+        print(f"{c.what}: max abs diff {c.worst:.3g}, logits {c.max_abs_diff.get('logits', 0):.3g} "
+              f"<= tolerance {c.tolerance.get('logits', c.atol):.3g}")
     print(f"EQUAL: {args.a} vs {args.b}")
     return 0
 
