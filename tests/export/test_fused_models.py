@@ -81,3 +81,18 @@ def test_gate_above_zero_exports_the_full_blend_and_is_refused():
     assert "RMSNormalization" in ops and "Mul" in ops          # normalized and linear branches
     with pytest.raises(PassError, match="blocks.0.ln_1, blocks.0.ln_2, blocks.1.ln_1, blocks.1.ln_2: TaperNorm gate 0.5"):
         run_passes(proto)
+
+
+def test_fp16_export_fuses_and_matches_torch_fp16():
+    import copy
+    import torch
+    model, proto, fused, results = exported("internal-taper", "fp16")
+    iface = read_interface(fused)
+    assert iface.dtype == "fp16"
+    assert [l for r in results if r.name == "taper_scale" for l, _ in r.rewrites] == \
+        [f"blocks.{i}.ln_{j}" for i in range(2) for j in (1, 2)]
+    ref_model = copy.deepcopy(model).to(torch.float16)
+    steps = session_steps(iface, seed=3)
+    ref = run_torch(ref_model, iface, steps)
+    compare(ref, run_onnx(ort_session(proto), iface, steps), "fp16", "unfused fp16 vs torch fp16")
+    compare(ref, run_onnx(ort_session(fused), iface, steps), "fp16", "fused fp16 vs torch fp16")
