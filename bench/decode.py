@@ -253,6 +253,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=2, help="parallel ONNX export processes (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seed of random weights where no zoo model fits")
     p.add_argument("--bandwidth-gib", type=float, default=1.0, help="array size of the bandwidth measure")
+    p.add_argument("--build-only", action="store_true", help="only build the ONNX files into --cache, then exit")
     p.add_argument("--list", action="store_true", help="print sizes (parameters) and variants, and exit")
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
@@ -321,6 +322,8 @@ def main(argv=None) -> int:
     onnx = build_all(sizes, names, cap, cache, args.seed, args.jobs) if need_onnx else {s: {} for s in sizes}
     build_s = time.perf_counter() - t0
     print(f"  builds ready in {build_s:.0f} s", flush=True)
+    if args.build_only:
+        return 0
     cells = []
     with tempfile.TemporaryDirectory(dir=out) as work:
         for size in sizes:

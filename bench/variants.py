@@ -337,7 +337,7 @@ def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed:
     from export.onnx_export import export_onnx
     from graph_passes import DEFAULT_PASSES, run_passes
     cache.mkdir(parents=True, exist_ok=True)
-    out, models = {}, {}
+    out, models, exported = {}, {}, {}
     for name in variants:
         v = VARIANTS[name]
         if v.kind not in models:
@@ -350,13 +350,16 @@ def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed:
             out[name] = json.loads(meta_path.read_text())
             continue
         t0 = time.perf_counter()
-        src = naive_rmsnorm(model) if v.naive else model
         tmp = path.with_suffix(".tmp.onnx")
-        proto = export_onnx(src, tmp, "fp32")
+        key = (v.kind, v.naive)
+        if key not in exported:        # internal-taper's unfused and fused graphs share one export
+            src = naive_rmsnorm(model) if v.naive else model
+            exported[key] = export_onnx(src, tmp, "fp32")
+        proto = exported[key]
         t_export = time.perf_counter() - t0
         if v.fuse:
             proto, _ = run_passes(proto, DEFAULT_PASSES)
-            onnx.save(proto, str(tmp))
+        onnx.save(proto, str(tmp))
         tmp.replace(path)
         info = {"path": str(path), "source": source, "weight_bytes": onnx_weight_bytes(proto),
                 "params": model.num_params(), "nodes": len(proto.graph.node),
