@@ -118,6 +118,13 @@ class _Sessions:
                 for (label, _), ref, got in zip(self.sessions, ref_runs, runs)}
 
 
+def _norm_layers(proto) -> list[str]:
+    """Layer names of the normalization ops left in a graph."""
+    from graph_passes.base import PassContext
+    ctx = PassContext(proto)
+    return [ctx.layer_name(n) for n in ctx.graph.nodes if n.op in NORM_OPS]
+
+
 def _leftover_taper(proto) -> list[str]:
     """TaperNorm nodes still in a fused graph (by torch provenance)."""
     from graph_passes.base import PassContext
@@ -163,6 +170,7 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=_log
         t0 = time.perf_counter()
         proto = export_onnx(model, tmp / "model.onnx", dtype)
         counts = {"unfused": op_counts(proto)}
+        norm_layers = {"unfused": _norm_layers(proto)}
         done("export", t0, f": {len(proto.graph.node)} nodes")
 
         stage(3, "verify model.onnx vs torch (prefill + 3 decode steps, random and real tokens)")
@@ -195,6 +203,7 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=_log
                 raise BuildError(f"{', '.join(leftover)}: TaperNorm left unfolded ({why})")
             save_atomic(fused, tmp / "model.fused.onnx")
             counts["fused"] = op_counts(fused)
+            norm_layers["fused"] = _norm_layers(fused)
             done("fuse", t0, f": {len(folded)} layer(s) folded, nodes {len(proto.graph.node)} -> {len(fused.graph.node)}")
 
             stage(5, "verify model.fused.onnx vs torch and vs model.onnx")
@@ -223,6 +232,7 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=_log
             "files": sorted(p.name for p in tmp.iterdir()) + ["report.json"],
             "op_counts": counts,
             "norm_ops": {k: sum(v.get(op, 0) for op in NORM_OPS) for k, v in counts.items()},
+            "norm_layers": norm_layers,
             "folded": folded, "notes": notes, "trt_lint": lint,
             "atol": ATOL[dtype], "scale_tol": SCALE_TOL[dtype], "max_abs_diff": diffs, "timings_s": timings,
             "versions": _versions(),
@@ -255,7 +265,9 @@ def _summary(r: dict, log) -> None:
     log(f"built {r['out']} in {r['timings_s']['total']:.1f} s: {m['norm']}"
         f"{' (' + m['taper_scope'] + ')' if m['taper_scope'] else ''}, {r['dtype']}")
     for kind, counts in r["op_counts"].items():
-        log(f"  {kind:8s} {sum(counts.values())} nodes, {r['norm_ops'][kind]} norm op(s), "
+        names = r["norm_layers"][kind]
+        shown = f" ({', '.join(names)})" if 0 < len(names) <= 3 else ""
+        log(f"  {kind:8s} {sum(counts.values())} nodes, {r['norm_ops'][kind]} norm op(s){shown}, "
             f"{counts.get('MatMul', 0)} MatMul, {counts.get('Mul', 0)} Mul, {counts.get('Add', 0)} Add")
     if r["fuse"]:
         by_pass = Counter(f["pass"] for f in r["folded"])
