@@ -147,8 +147,7 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=_log
         log(f"      {timings[key]:.1f} s{extra}")
 
     check_writable(out, checkpoint)
-    stage(1, f"load checkpoint {checkpoint}")
-    t0 = time.perf_counter()
+    t0 = time.perf_counter()  # stage 1 is announced once loaded and checked: a refusal prints only its error line
     import logging
     import torch  # noqa: F401  (imported here: the error paths above stay fast)
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
@@ -158,6 +157,7 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=_log
     cfg = model.cfg
     tokens = _real_tokens(checkpoint, cfg.vocab_size)
     ref_model = model if dtype == "fp32" else copy.deepcopy(model).to(torch.float16)
+    stage(1, f"load checkpoint {checkpoint}")
     done("load", t0, f": {cfg.norm}{' (' + cfg.taper_scope + ')' if cfg.taper_scope else ''}, "
          f"{model.num_params():,} params, gate {model.gate.value if cfg.norm == 'taper' else '-'}")
 

@@ -56,10 +56,12 @@ def test_build_fuse_end_to_end(ckpts, tmp_path):
 
 def test_gate_above_zero_one_line_and_nothing_written(ckpts, tmp_path):
     out = tmp_path / "sub" / "out"
-    line = _one_error_line(_build("--fuse", "--checkpoint", ckpts["gate"], "--out", out))
+    r = _build("--fuse", "--checkpoint", ckpts["gate"], "--out", out)
+    line = _one_error_line(r)
     assert line == ("error: blocks.0.ln_1, blocks.0.ln_2, blocks.1.ln_1, blocks.1.ln_2: TaperNorm gate 0.25; "
                     "--fuse needs gate 0 (finish the taper, or build without --fuse)")
     assert not (tmp_path / "sub").exists()
+    assert r.stdout == ""
 
 
 def test_missing_and_corrupt_checkpoint(ckpts, tmp_path):
