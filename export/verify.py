@@ -273,7 +273,23 @@ def main(argv=None) -> int:
     ap.add_argument("a")
     ap.add_argument("b")
     ap.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: per dtype, fp32 1e-4)")
+    ap.add_argument("--tokenizer", default=None,
+                    help="tokenizer.json (or a build directory holding one): also compare on real text")
+    ap.add_argument("--text", default="Once upon a time there was a little cat named Tom. He liked to play.",
+                    help="the text tokenized for --tokenizer")
     args = ap.parse_args(argv)
+    tokens = None
+    if args.tokenizer:
+        from pathlib import Path
+        from tokenizers import Tokenizer
+        tok_path = Path(args.tokenizer)
+        tok_path = tok_path / "tokenizer.json" if tok_path.is_dir() else tok_path
+        try:
+            tokens = Tokenizer.from_file(str(tok_path)).encode(args.text).ids
+        except Exception as e:  # tokenizers raises a bare Exception
+            print(f"error: {tok_path}: not a readable tokenizer.json ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
+                  file=sys.stderr)
+            return 2
     try:
         pa, pb = onnx.load(args.a), onnx.load(args.b)
         read_interface(pa), read_interface(pb)
@@ -284,7 +300,7 @@ def main(argv=None) -> int:
         print(f"error: not a decoder graph of the export contract ({str(e).splitlines()[0]})", file=sys.stderr)
         return 2
     try:
-        results = verify_pair(pa, pb, args.atol)
+        results = verify_pair(pa, pb, args.atol, tokens=tokens)
     except VerificationError as e:
         print(str(e))
         print(f"NOT EQUAL: {args.a} vs {args.b}")
