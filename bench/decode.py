@@ -126,7 +126,8 @@ def _runners(spec: dict) -> list:
             out[-1].source = bases[v.kind][1]
         bases.clear()
     device = "cuda" if backend in ("torch-cuda", "trt") else "cpu"
-    if "hf-generate" in spec["peers"]:
+    # peers run beside our ONNX backends (and torch-cuda on a GPU); on CPU once, in the ort worker
+    if "hf-generate" in spec["peers"] and backend != "torch":
         out.append(HFRunner(SIZES[size], cap, device=device))
     if "ort-plain" in spec["peers"] and backend == "ort":
         info = spec["onnx"][BASELINE]
@@ -328,7 +329,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(dir=out) as work:
         for size in sizes:
             for backend in backends:
-                print(f"  {size} {backend}: {len(names)} variants + peers {peers}", flush=True)
+                cell_peers = [p for p in peers if (p == "hf-generate" and backend != "torch") or
+                              (p == "ort-plain" and backend == "ort")]
+                print(f"  {size} {backend}: {len(names)} variants + peers {cell_peers or 'none'}", flush=True)
                 spec = {"size": size, "backend": backend, "variants": names, "onnx": onnx[size],
                         "batches": batches, "prompt": args.prompt, "new_tokens": new_tokens, "rounds": rounds,
                         "threads": threads, "profile_steps": args.profile_steps, "peers": peers,

@@ -298,7 +298,7 @@ def plots(results: dict, summary: dict, out: Path) -> list[Path]:
         ax.set_xticks(range(len(sizes)), sizes)
         ax.set_title(f"{backend}, batch {batch}")
         ax.set_ylabel("output tokens/s (median, min–max)")
-    axes[0][-1].legend(fontsize=7, loc="upper right")
+    _legend(axes[0], "upper right")
     fig.suptitle(f"Decode tokens/s by variant and size — {stamp}", fontsize=9)
     fig.tight_layout()
     p = out / "tokens_per_s.png"
@@ -335,7 +335,7 @@ def plots(results: dict, summary: dict, out: Path) -> list[Path]:
         ax.set_xticks(range(len(sizes)), sizes)
         ax.set_title(f"{backend}, batch {batch}")
         ax.set_ylabel("tokens/s ÷ rmsnorm-strong (per round)")
-    axes[0][-1].legend(fontsize=7, loc="best")
+    _legend(axes[0], "best")
     fig.suptitle(f"Speedup over rmsnorm-strong with the profiled limit — {stamp}", fontsize=9)
     fig.tight_layout()
     p = out / "ratio_vs_strong.png"
@@ -343,6 +343,15 @@ def plots(results: dict, summary: dict, out: Path) -> list[Path]:
     plt.close(fig)
     written.append(p)
     return written
+
+
+def _legend(axes, loc) -> None:
+    """One legend (on the last panel) with every label any panel drew."""
+    seen = {}
+    for ax in axes:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(label, h)
+    axes[-1].legend(list(seen.values()), list(seen), fontsize=7, loc=loc)
 
 
 def _clean(x):
