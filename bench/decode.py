@@ -40,19 +40,30 @@ PEERS = ("hf-generate", "ort-plain")
 
 # --- machine ----------------------------------------------------------------------------------
 
-def read_bandwidth(gib: float = 1.0, repeats: int = 5, threads: int = 1) -> float:
-    """Best-of-`repeats` read bandwidth in bytes/s: sum a float32 array of `gib` GiB, split
-    over `threads` threads (numpy releases the GIL in reductions)."""
+def read_bandwidth(gib: float = 1.0, repeats: int = 5, threads: int = 1) -> dict[str, float]:
+    """The machine's memory read bandwidth in bytes/s, best of `repeats`, by three read-only
+    kernels over one float32 array of `gib` GiB: np.max (SIMD, one thread), np.max split over
+    `threads` threads (numpy releases the GIL), and a BLAS matrix-vector product (the decode
+    step's own kernel; BLAS's thread count). np.sum is not used: its pairwise summation is
+    compute-bound below the memory bandwidth. 'best' is the largest."""
     from concurrent.futures import ThreadPoolExecutor
-    a = np.ones(int(gib * 2**30) // 4, np.float32)
+    a = np.ones((int(gib * 2**30) // 4096, 1024), np.float32)                  # [rows, 1024]
+    x = np.ones(1024, np.float32)
     parts = np.array_split(a, threads)
-    best = 0.0
-    with ThreadPoolExecutor(threads) as pool:
+
+    def best_of(fn):
+        best = 0.0
         for _ in range(repeats):
             t0 = time.perf_counter()
-            list(pool.map(np.sum, parts))
+            fn()
             best = max(best, a.nbytes / (time.perf_counter() - t0))
-    return best
+        return best
+    out = {"max_1thread": best_of(a.max)}
+    with ThreadPoolExecutor(threads) as pool:
+        out[f"max_{threads}threads"] = best_of(lambda: list(pool.map(np.max, parts)))
+    out["gemv_blas"] = best_of(lambda: a @ x)
+    out["best"] = max(out.values())
+    return out
 
 
 def machine_info() -> dict:
@@ -248,7 +259,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens (default 16)")
     p.add_argument("--new-tokens", type=int, help="new tokens per sequence (default 128; quick: 32)")
     p.add_argument("--rounds", type=int, help="timed rounds, >= 3 (default 3)")
-    p.add_argument("--threads", type=int, help="intra-op threads for ORT and torch (default: all cores)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads for ORT and torch (default 1: see docs/bench.md)")
     p.add_argument("--profile-steps", type=int, default=16, help="decode steps profiled per runner (0: no profile)")
     p.add_argument("--cache", type=Path, help="where built ONNX files go (default OUT/cache; reused when present)")
     p.add_argument("--jobs", type=int, default=2, help="parallel ONNX export processes (default 2)")
@@ -299,7 +311,7 @@ def main(argv=None) -> int:
     new_tokens = args.new_tokens or (32 if q else 128)
     rounds = max(3, args.rounds or 3)
     from bench.runners import threads_default, versions
-    threads = args.threads or threads_default()
+    threads = args.threads
     skipped = {b: why for b in wanted if (why := backend_status(b)) is not None}
     backends = [b for b in wanted if b not in skipped]
     if args.backends is None:          # default: unavailable GPU backends are expected, not errors
@@ -313,11 +325,8 @@ def main(argv=None) -> int:
     print(f"bench.decode: sizes {sizes}, backends {backends}, batches {batches}, prompt {args.prompt}, "
           f"{new_tokens} new tokens, {rounds} rounds, {threads} threads; skipped {skipped or 'none'}", flush=True)
     machine = machine_info()
-    bw = {"single_thread": read_bandwidth(args.bandwidth_gib, 5, 1),
-          "all_threads": read_bandwidth(args.bandwidth_gib, 5, threads)}
-    bw["best"] = max(bw.values())
-    print(f"  read bandwidth: {bw['single_thread'] / 1e9:.1f} GB/s (1 thread), {bw['all_threads'] / 1e9:.1f} GB/s "
-          f"({threads} threads)", flush=True)
+    bw = read_bandwidth(args.bandwidth_gib, 5, threads)
+    print("  read bandwidth: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bw.items()), flush=True)
     t0 = time.perf_counter()
     need_onnx = any(b in ONNX_BACKENDS for b in backends)
     onnx = build_all(sizes, names, cap, cache, args.seed, args.jobs) if need_onnx else {s: {} for s in sizes}

@@ -105,3 +105,10 @@ def test_weight_bytes_counts_tied_head_once_and_skips_position_table():
     n_norms = 2 * model.cfg.n_layer + 1                                # their gammas are folded away
     assert weight_bytes_torch(folded) == expect - n_norms * model.cfg.d_model * 4
     assert folded.lm_head.weight is not folded.wte.weight
+
+
+def test_read_bandwidth_reports_every_kernel_and_the_best():
+    from bench.decode import read_bandwidth
+    bw = read_bandwidth(gib=0.01, repeats=2, threads=2)
+    assert set(bw) == {"max_1thread", "max_2threads", "gemv_blas", "best"}
+    assert bw["best"] == max(v for k, v in bw.items() if k != "best") > 0

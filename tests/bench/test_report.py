@@ -30,7 +30,7 @@ def _results(fused_totals=(0.9, 0.45, 1.8), strong_totals=(1.0, 0.5, 2.0), f_blo
         "started": "2026-11-29 10:00:00 UTC", "wall_s": 1.0, "build_s": 0.5, "command": "python -m bench.decode --quick",
         "machine": {"cpu": "Test CPU", "cores": 2, "memory_gib": 8, "gpu": None, "loadavg_start": [1, 1, 1],
                     "loadavg_end": [1, 1, 1]},
-        "versions": {"torch": "x"}, "read_bandwidth_Bps": {"single_thread": 1e10, "all_threads": 2e10, "best": 2e10},
+        "versions": {"torch": "x"}, "read_bandwidth_Bps": {"max_1thread": 1e10, "gemv_blas": 2e10, "best": 2e10},
         "settings": {"sizes": [size], "variants": ["rmsnorm-strong", "internal-taper-fused"], "backends": [backend],
                      "skipped_backends": {}, "peers": ["hf-generate"], "batches": [B], "prompt": 16, "new_tokens": N,
                      "rounds": 3, "threads": 2, "capacity": 64, "profile_steps": 16, "quick": True, "seed": 0},
