@@ -113,9 +113,10 @@ class _Sessions:
 
     def compare(self, ref_runs, runs, what: str) -> dict:
         """session label -> output -> max abs diff; raises VerificationError on any mismatch."""
-        from export.verify import compare
-        return {label: compare(ref, got, self.iface.dtype, f"{what}, {label}").max_abs_diff
-                for (label, _), ref, got in zip(self.sessions, ref_runs, runs)}
+        from export.verify import compare_sessions
+        results = compare_sessions([(label, ref, got) for (label, _), ref, got in zip(self.sessions, ref_runs, runs)],
+                                   self.iface.dtype, what)
+        return {c.what: c.max_abs_diff for c in results}
 
 
 def _norm_layers(proto) -> list[str]:
