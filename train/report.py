@@ -21,7 +21,9 @@ from pathlib import Path
 from models.checkpoint import load_checkpoint, replace_dir
 from train.loop import LOG_NAME
 
-ORDER = ["baseline", "internal-taper", "all-taper", "all-taper-noanchor", "dyt"]
+ORDER = ["baseline", "internal-taper", "all-taper", "all-taper-noanchor", "all-taper-aux0", "dyt"]
+# all-taper-aux0 (optional): `--preset all-taper --aux-lambda 0`, the tapered final norm without the
+# scale loss; identical to all-taper up to calibration, so it isolates what the loss does afterwards.
 ZOO_PRESETS = ["baseline", "internal-taper", "all-taper", "dyt"]
 TARGET = {"internal-taper": 2.0, "all-taper": 3.0}   # acceptance: % within baseline
 PAPER = {"internal-taper": "0.7-1.5%", "all-taper": "0.8-1.8%"}
@@ -50,15 +52,19 @@ def growth(log: dict, from_step: int = 0) -> dict:
 
 def chasing(logs: dict[str, dict]) -> dict | None:
     """Growth of all-taper-noanchor vs all-taper over the same steps: whole run and after calibration."""
-    if "all-taper" not in logs or "all-taper-noanchor" not in logs:
+    return _compare(logs, "all-taper-noanchor")
+
+
+def _compare(logs: dict[str, dict], other: str) -> dict | None:
+    if "all-taper" not in logs or other not in logs:
         return None
     out = {}
     calib = (logs["all-taper"].get("calibration") or {}).get("step", 0)
     for label, step in (("whole run", 0), ("from calibration", calib)):
-        a, n = growth(logs["all-taper"], step), growth(logs["all-taper-noanchor"], step)
+        a, n = growth(logs["all-taper"], step), growth(logs[other], step)
         if a is None or n is None or a["to_step"] != n["to_step"]:
             continue  # a run still going: no comparison over the same steps yet
-        out[label] = {"all-taper": a, "all-taper-noanchor": n, "growth_ratio": n["ratio"] / a["ratio"]}
+        out[label] = {"all-taper": a, other: n, "growth_ratio": n["ratio"] / a["ratio"]}
     return out or None
 
 
@@ -86,6 +92,7 @@ def plot(logs: dict[str, dict], path: Path) -> None:
     import matplotlib.pyplot as plt
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     styles = {"all-taper": ("tab:blue", "all-taper (scale loss)"), "all-taper-noanchor": ("tab:red", "all-taper-noanchor"),
+              "all-taper-aux0": ("tab:orange", "all-taper, lambda = 0"),
               "internal-taper": ("tab:green", "internal-taper"), "baseline": ("black", "baseline (RMSNorm)")}
     for name, (color, label) in styles.items():
         if name not in logs:
@@ -152,18 +159,19 @@ def main(argv=None) -> int:
         return 1
     print(table(logs))
     ch = chasing(logs)
-    if ch:
-        for label, g in ch.items():
-            a_, n_ = g["all-taper"], g["all-taper-noanchor"]
+    aux0 = _compare(logs, "all-taper-aux0")
+    for other, comp in (("all-taper-noanchor", ch), ("all-taper-aux0", aux0)):
+        for label, g in (comp or {}).items():
+            a_, n_ = g["all-taper"], g[other]
             print(f"pre-logit RMS growth, {label} (step {a_['from_step']} -> {a_['to_step']}): "
                   f"all-taper {a_['rms_from']:.3f} -> {a_['rms_to']:.3f} (x{a_['ratio']:.2f}), "
-                  f"all-taper-noanchor {n_['rms_from']:.3f} -> {n_['rms_to']:.3f} (x{n_['ratio']:.2f}); "
-                  f"noanchor grows {g['growth_ratio']:.1f}x more")
+                  f"{other} {n_['rms_from']:.3f} -> {n_['rms_to']:.3f} (x{n_['ratio']:.2f}); "
+                  f"{other} grows {g['growth_ratio']:.2f}x more; max |logit| {a_['max_logit_to']:.1f} vs {n_['max_logit_to']:.1f}")
     if a.figure:
         plot(logs, Path(a.figure))
         print(f"wrote {a.figure}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"final": {k: v["evals"][-1] for k, v in logs.items()}, "chasing": ch}, indent=1) + "\n")
+        Path(a.json).write_text(json.dumps({"final": {k: v["evals"][-1] for k, v in logs.items()}, "chasing": ch, "aux0": aux0}, indent=1) + "\n")
     if a.install_zoo:
         try:
             done = install_zoo(runs, Path(a.install_zoo), [n for n in a.presets.split(",") if n])

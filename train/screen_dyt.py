@@ -23,13 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
-from models.checkpoint import load_checkpoint
-from models.decoder import Decoder
-from models.norms import DyT
+from train.config import TrainConfig, TrainError
 from train.corpus import CorpusError
-from train.loop import TrainConfig, TrainError, _batches, prepare_data, train
 from train.presets import SIZES
 
 THRESHOLD = 0.43       # the paper's classification threshold on overall saturation
@@ -38,9 +33,11 @@ CAVEAT = ("caveat: saturation is a weak predictor: the 0.43 threshold was right 
           "and 50% leave-one-scale-out; confirm by training both")
 
 
-@torch.no_grad()
-def saturation(model: Decoder, batches, at: float = SATURATION_AT) -> dict:
+def saturation(model, batches, at: float = SATURATION_AT) -> dict:
     """{"layers": {name: fraction}, "overall": fraction, "counts": {name: [saturated, total]}}."""
+    import torch
+
+    from models.norms import DyT
     counts: dict[str, list[int]] = {}
     hooks = []
     for name, m in model.named_modules():
@@ -56,8 +53,9 @@ def saturation(model: Decoder, batches, at: float = SATURATION_AT) -> dict:
         raise ValueError("the model has no DyT layer to screen (norm must be 'dyt')")
     model.eval()
     try:
-        for ids in batches:
-            model(ids)
+        with torch.no_grad():
+            for ids in batches:
+                model(ids)
     finally:
         for h in hooks:
             h.remove()
@@ -71,6 +69,8 @@ def verdict(overall: float, threshold: float = THRESHOLD) -> str:
 
 def screen(run: TrainConfig, keep: str | None = None) -> dict:
     """Train the DyT calibration run described by `run`, then measure saturation on its val split."""
+    from models.checkpoint import load_checkpoint
+    from train.loop import _batches, prepare_data, train
     tmp = Path(tempfile.mkdtemp(prefix="screen_dyt."))
     try:
         run.out = keep or str(tmp / "dyt")
@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                       model=dict(d_model=a.d_model, n_layer=a.n_layer, n_head=a.n_head),
                       threads=a.threads, progress=not a.quiet)
     try:
+        run.resolve()                 # cheap checks first, before torch is imported
         r = screen(run, keep=a.keep)
     except (TrainError, CorpusError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -41,7 +41,7 @@ def test_table_and_growth(runs, tmp_path):
 def test_cli_prints_table_and_growth(runs, capsys, tmp_path):
     assert main(["--runs", str(runs), "--json", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
-    assert "noanchor grows" in out and "| baseline |" in out
+    assert "all-taper-noanchor grows" in out and "| baseline |" in out
     assert json.loads((tmp_path / "r.json").read_text())["chasing"]["whole run"]["growth_ratio"] > 3
 
 
