@@ -334,7 +334,29 @@ def main(argv=None) -> int:
     print(f"  builds ready in {build_s:.0f} s", flush=True)
     if args.build_only:
         return 0
-    cells = []
+    cells: list[dict] = []
+    planned = [f"{size} {backend}" for size in sizes for backend in backends]
+    command = "python -m bench.decode " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+
+    def write(complete: bool) -> None:
+        """results.json + reports with the cells done so far (an interrupted run keeps them)."""
+        from bench.report import write_reports
+        machine["loadavg_end"] = list(os.getloadavg())
+        results = {
+            "format": 1, "started": started, "wall_s": round(time.perf_counter() - t_start, 1),
+            "build_s": round(build_s, 1), "command": command, "complete": complete,
+            "cells_planned": planned, "ended": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "machine": machine, "versions": versions(), "read_bandwidth_Bps": bw,
+            "settings": {"sizes": sizes, "variants": names, "backends": backends, "skipped_backends": skipped,
+                         "peers": peers, "batches": batches, "prompt": args.prompt, "new_tokens": new_tokens,
+                         "rounds": rounds, "threads": threads, "capacity": cap, "profile_steps": args.profile_steps,
+                         "quick": q, "seed": args.seed, "dtype": "fp32"},
+            "models": {s: {n: {k: i[k] for k in ("source", "params", "weight_bytes", "nodes", "op_counts", "build_s")}
+                           for n, i in onnx[s].items()} for s in sizes},
+            "cells": cells,
+        }
+        write_reports(results, out)
+
     with tempfile.TemporaryDirectory(dir=out) as work:
         for size in sizes:
             for backend in backends:
@@ -346,23 +368,9 @@ def main(argv=None) -> int:
                         "threads": threads, "profile_steps": args.profile_steps, "peers": peers,
                         "capacity": cap, "seed": args.seed}
                 cells.append(run_worker(spec, Path(work)))
-    machine["loadavg_end"] = list(os.getloadavg())
-    results = {
-        "format": 1, "started": started, "wall_s": round(time.perf_counter() - t_start, 1),
-        "build_s": round(build_s, 1),
-        "command": "python -m bench.decode " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
-        "machine": machine, "versions": versions(), "read_bandwidth_Bps": bw,
-        "settings": {"sizes": sizes, "variants": names, "backends": backends, "skipped_backends": skipped,
-                     "peers": peers, "batches": batches, "prompt": args.prompt, "new_tokens": new_tokens,
-                     "rounds": rounds, "threads": threads, "capacity": cap, "profile_steps": args.profile_steps,
-                     "quick": q, "seed": args.seed, "dtype": "fp32"},
-        "models": {s: {n: {k: i[k] for k in ("source", "params", "weight_bytes", "nodes", "op_counts", "build_s")}
-                       for n, i in onnx[s].items()} for s in sizes},
-        "cells": cells,
-    }
-    from bench.report import write_reports
-    results["summary"] = None
-    write_reports(results, out)
+                write(complete=len(cells) == len(planned))
+    if not cells:
+        write(complete=True)
     print(f"wrote {out / 'results.json'}, {out / 'results.md'} and plots in {time.perf_counter() - t_start:.0f} s")
     return 0
 

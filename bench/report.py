@@ -223,7 +223,16 @@ def detail_tables(summary: dict, results: dict) -> str:
 def markdown(results: dict, summary: dict) -> str:
     s, mach, bw = results["settings"], results["machine"], results["read_bandwidth_Bps"]
     v = results["versions"]
-    sources = {f"{size}": sorted({m["source"].split(" ")[0] for m in ms.values()}) for size, ms in results["models"].items()}
+    sources: dict[str, set] = {}
+    for size, ms in results["models"].items():
+        sources.setdefault(size, set()).update(m["source"].split(" ")[0] for m in ms.values())
+    for c in results["cells"]:
+        for r in c.get("runners", {}).values():
+            if r.get("source"):
+                sources.setdefault(c["size"], set()).add(r["source"].split(" ")[0])
+    sources = {k: sorted(v) for k, v in sources.items()}
+    done = [f"{c['size']} {c['backend']}" for c in results["cells"] if "error" not in c]
+    missing = [x for x in results.get("cells_planned", []) if x not in done]
     lines = [
         f"# Decode benchmark, {results['started']}",
         "",
@@ -240,7 +249,8 @@ def markdown(results: dict, summary: dict) -> str:
         f"KV capacity {s['capacity']}; backends {', '.join(s['backends'])}"
         + (f"; not run: " + "; ".join(f"{b} ({why})" for b, why in s["skipped_backends"].items()) if s["skipped_backends"] else ""),
         f"- weights: " + "; ".join(f"{size}: {', '.join(src)}" for size, src in sources.items()),
-        f"- peers: HF = transformers GPT2LMHeadModel.generate(use_cache=True), equal-shape GPT-2 config, random weights, "
+        (f"- **incomplete run**: not measured: {', '.join(missing)}\n" if missing else "")
+        + f"- peers: HF = transformers GPT2LMHeadModel.generate(use_cache=True), equal-shape GPT-2 config, random weights, "
         f"same threads; ORT plain = onnxruntime session.run over the rmsnorm-strong graph with numpy feeds each step",
         "",
         "## Summary (ratios to rmsnorm-strong: median [min–max] over rounds)",
