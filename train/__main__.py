@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-size", type=int)
     g.add_argument("--max-seq-len", type=int, help="position table / KV-cache capacity (default 256)")
     g.add_argument("--mlp", help="gelu | swiglu")
+    g.add_argument("--dyt-alpha-init", type=float, help="initial alpha of every DyT layer")
+    g.add_argument("--embed-std", type=float, help="init std of the token and position embeddings (default 0.02)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -86,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
               eval_batches=a.eval_batches, calib_batches=a.calib_batches, aux_lambda=a.aux_lambda, s_tgt=a.s_tgt,
               seed=a.seed, corpus=a.corpus, corpus_stories=a.corpus_stories, corpus_limit=a.corpus_limit,
               model=dict(d_model=a.d_model, n_layer=a.n_layer, n_head=a.n_head, vocab_size=a.vocab_size,
-                         max_seq_len=a.max_seq_len, mlp=a.mlp),
+                         max_seq_len=a.max_seq_len, mlp=a.mlp, dyt_alpha_init=a.dyt_alpha_init),
+              embed_std=a.embed_std,
               threads=a.threads, progress=not a.quiet)
     if a.tokenizer is not None:
         kw["tokenizer"] = a.tokenizer

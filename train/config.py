@@ -44,6 +44,7 @@ class TrainConfig:
     corpus_limit: int | None = None
     tokenizer: str = str(DEFAULT_TOKENIZER)   # a tokenizer.json, or "train" to fit one on the corpus
     model: dict = field(default_factory=dict)  # DecoderConfig overrides (d_model, n_layer, n_head, ...)
+    embed_std: float | None = None      # re-initialise wte/wpe with this std (None: the decoder's 0.02)
     threads: int = 0                    # 0: torch's default
     progress: bool = True
 
@@ -73,6 +74,10 @@ class TrainConfig:
                 self.warmup_steps = round(WARMUP_FRAC * self.steps)
             if self.taper_steps is None:
                 self.taper_steps = max(1, round(TAPER_FRAC * self.steps))
+        if self.embed_std is None:
+            self.embed_std = PRESETS[self.preset].get("embed_std")
+        if self.embed_std is not None and not (math.isfinite(self.embed_std) and self.embed_std > 0):
+            raise TrainError(f"--embed-std {self.embed_std}: expected a positive number; pass e.g. 0.02")
         if self.aux_lambda is None:
             self.aux_lambda = 0.1 if PRESETS[self.preset]["aux"] else 0.0
         if not (isinstance(self.aux_lambda, (int, float)) and math.isfinite(self.aux_lambda) and self.aux_lambda >= 0):

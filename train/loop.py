@@ -158,6 +158,10 @@ def _train(run: TrainConfig, out: Path, work: Path, t0: float, command: str | No
     data = prepare_data(run, work)
     torch.manual_seed(run.seed)
     model = Decoder(run.decoder_config())
+    if run.embed_std is not None:
+        with torch.no_grad():
+            model.wte.weight.normal_(0.0, run.embed_std)
+            model.wpe.weight.normal_(0.0, run.embed_std)
     model.train()
     sched = run.gate_schedule()
     opt = _optimizer(model, run.lr, run.weight_decay)

@@ -15,7 +15,11 @@ PRESETS: dict[str, dict] = {
     "internal-taper": dict(model=dict(norm="taper", taper_scope="internal"), aux=False),
     "all-taper": dict(model=dict(norm="taper", taper_scope="all"), aux=True),
     "all-taper-noanchor": dict(model=dict(norm="taper", taper_scope="all", final_norm=False), aux=False),
-    "dyt": dict(model=dict(norm="dyt"), aux=False),
+    # DyT has no normalization to lift the std-0.02 embeddings to unit scale: with alpha 0.5 its
+    # outputs start at ~0.01 and training sits on the unigram plateau (val loss 5.3 for 300+ steps
+    # at tiny size). As the DyT recipe for LLMs scales the embeddings up (by sqrt(d)), the preset
+    # starts the embeddings at std 0.2 and alpha at 1.0: alpha * x starts at ~0.3.
+    "dyt": dict(model=dict(norm="dyt", dyt_alpha_init=1.0), aux=False, embed_std=0.2),
 }
 
 # Defaults per size. tiny: ~1.1M parameters; one run is ~7 min on one core of the
