@@ -39,9 +39,9 @@ def read_logs(runs: Path) -> dict[str, dict]:
 
 
 def growth(log: dict, from_step: int = 0) -> dict:
-    """Pre-logit RMS at `from_step` (first eval at or after it), at the end, and their ratio."""
+    """Pre-logit RMS at `from_step` (the last eval at or before it), at the end, and their ratio."""
     evals = log["evals"]
-    start = next((e for e in evals if e["step"] >= from_step), None)
+    start = next((e for e in reversed(evals) if e["step"] <= from_step), None)
     end = evals[-1]
     if start is None or start is end:
         return None

@@ -27,6 +27,8 @@ def _run(*args, module="train"):
     (["--preset", "all-taper", "--aux-lambda", "-0.1", "--out", "{out}"], "--aux-lambda -0.1: expected a number >= 0"),
     (["--preset", "baseline", "--d-model", "30", "--n-head", "4", "--out", "{out}"], "n_head = 4; expected a divisor of d_model (30)"),
     (["--preset", "baseline", "--steps", "many", "--out", "{out}"], "invalid int value"),
+    (["--preset", "dyt", "--embed-std", "-1", "--out", "{out}"], "--embed-std -1.0: expected a positive number"),
+    (["--preset", "all-taper", "--s-tgt", "big", "--out", "{out}"], "--s-tgt 'big': expected 'calib' or a positive number"),
 ])
 def test_bad_input_one_line_nonzero_exit_nothing_written(tmp_path, args, needle):
     out = tmp_path / "ckpt"

@@ -41,6 +41,10 @@ def test_every_preset_trains_saves_and_loads(tmp_path, preset):
         assert cfg["gate"] is None and log["calibration"] is None
     if preset == "all-taper":
         assert log["aux"]["lambda"] == 0.1 and log["calibration"]["s_tgt"] > 0
+    if preset == "dyt":   # the preset lifts the inputs of DyT to O(1) at init (see train/presets.py)
+        assert log["run"]["embed_std"] == 0.2 and cfg["dyt_alpha_init"] == 1.0
+    else:
+        assert log["run"]["embed_std"] is None
     if preset == "all-taper-noanchor":
         assert cfg["final_norm"] is False and log["aux"]["lambda"] == 0.0
 
