@@ -241,7 +241,7 @@ def markdown(results: dict, summary: dict) -> str:
         f"load average at start {', '.join(f'{x:.1f}' for x in mach['loadavg_start'])}, at end "
         f"{', '.join(f'{x:.1f}' for x in mach.get('loadavg_end', []))} (1/5/15 min)",
         f"- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
-        f"- measured read bandwidth (best of 5 over 1 GiB): "
+        f"- measured read bandwidth (best of 5 over 1 GiB, at the start and `end_` at the end of the run): "
         + ", ".join(f"{k} {val / 1e9:.2f} GB/s" for k, val in bw.items() if k != "best")
         + f"; achieved weight bandwidth is compared with the largest, {bw['best'] / 1e9:.2f} GB/s",
         f"- settings: fp32, prompt {s['prompt']}, {s['new_tokens']} new tokens, batches {s['batches']}, "
