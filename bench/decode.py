@@ -313,6 +313,10 @@ def main(argv=None) -> int:
     from bench.runners import threads_default, versions
     threads = args.threads
     skipped = {b: why for b in wanted if (why := backend_status(b)) is not None}
+    import importlib.util
+    if "hf-generate" in peers and importlib.util.find_spec("transformers") is None:
+        peers.remove("hf-generate")
+        skipped["hf-generate"] = "transformers is not installed (pip install 'tapernorm-deploy[hf]')"
     backends = [b for b in wanted if b not in skipped]
     if args.backends is None:          # default: unavailable GPU backends are expected, not errors
         pass
