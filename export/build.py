@@ -328,6 +328,10 @@ def main(argv=None) -> int:
         except RepositoryError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
+        except OSError as e:
+            print(f"error: {e.filename or args.triton_repo}: {e.strerror or e}; the build in {out} is complete, "
+                  f"the repository was not written (choose another --triton-repo)", file=sys.stderr)
+            return 1
         _log(f"wrote Triton model repository {repo}")
     return 0
 
