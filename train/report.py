@@ -47,6 +47,7 @@ def growth(log: dict, from_step: int = 0) -> dict:
         return None
     return {"from_step": start["step"], "to_step": end["step"], "rms_from": start["prelogit_rms"],
             "rms_to": end["prelogit_rms"], "ratio": end["prelogit_rms"] / start["prelogit_rms"],
+            "increase": end["prelogit_rms"] - start["prelogit_rms"],
             "max_logit_from": start["max_abs_logit"], "max_logit_to": end["max_abs_logit"]}
 
 
@@ -64,7 +65,8 @@ def _compare(logs: dict[str, dict], other: str) -> dict | None:
         a, n = growth(logs["all-taper"], step), growth(logs[other], step)
         if a is None or n is None or a["to_step"] != n["to_step"]:
             continue  # a run still going: no comparison over the same steps yet
-        out[label] = {"all-taper": a, other: n, "growth_ratio": n["ratio"] / a["ratio"]}
+        out[label] = {"all-taper": a, other: n, "growth_ratio": n["ratio"] / a["ratio"],
+                      "increase_ratio": n["increase"] / a["increase"] if a["increase"] else float("inf")}
     return out or None
 
 
@@ -166,7 +168,9 @@ def main(argv=None) -> int:
             print(f"pre-logit RMS growth, {label} (step {a_['from_step']} -> {a_['to_step']}): "
                   f"all-taper {a_['rms_from']:.3f} -> {a_['rms_to']:.3f} (x{a_['ratio']:.2f}), "
                   f"{other} {n_['rms_from']:.3f} -> {n_['rms_to']:.3f} (x{n_['ratio']:.2f}); "
-                  f"{other} grows {g['growth_ratio']:.2f}x more; max |logit| {a_['max_logit_to']:.1f} vs {n_['max_logit_to']:.1f}")
+                  f"{other} grows {g['growth_ratio']:.2f}x more as a factor, its increase is {g['increase_ratio']:.1f}x "
+                  f"all-taper's (+{n_['increase']:.2f} vs +{a_['increase']:.2f}); "
+                  f"max |logit| {a_['max_logit_to']:.1f} vs {n_['max_logit_to']:.1f}")
     if a.figure:
         plot(logs, Path(a.figure))
         print(f"wrote {a.figure}")
