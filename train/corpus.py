@@ -155,7 +155,7 @@ def _story(rng: random.Random) -> str:
                 f"\"I have no one to {rng.choice(_VERBS)} with,\" said {b.name}.",
                 f"{a.name} smiled and said, \"You can play with me and my {thing}!\"",
                 "<EVENTS>",
-                rng.choice([f"They played all day and laughed a lot.", f"They ran, jumped and played until the sun went down."]),
+                rng.choice(["They played all day and laughed a lot.", "They ran, jumped and played until the sun went down."]),
                 f"{b.name} was {good} to have a new friend."]
     elif plot == 2:  # a fear overcome
         body = [f"It was a {weather} day. {a.name} wanted to go to the {place}, but {a.sub} was {bad}.",

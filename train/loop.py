@@ -12,7 +12,6 @@ train_log.json): killing the process leaves the last complete checkpoint.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import tempfile

@@ -35,6 +35,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from models.checkpoint import replace_dir
 from runtime.session import RuntimeUserError
 
 DECODER_ONNX, DECODER_TRT, GENERATE = "decoder_onnx", "decoder_trt", "generate"
@@ -220,10 +221,10 @@ from runtime.triton.python_model import TritonPythonModel  # noqa: E402,F401
 # --- checking a config --------------------------------------------------------------------
 
 def have_tritonclient() -> bool:
+    import importlib.util
     try:
-        import tritonclient.grpc.model_config_pb2  # noqa: F401
-        return True
-    except ImportError:
+        return importlib.util.find_spec("tritonclient.grpc.model_config_pb2") is not None
+    except ModuleNotFoundError:  # tritonclient itself is absent
         return False
 
 
@@ -333,17 +334,6 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
-def _replace_dir(tmp: Path, path: Path) -> None:
-    old = None
-    if path.exists():
-        old = path.with_name(f".{path.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-    os.replace(tmp, path)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path | None = None,
                      max_batch_size: int = 8, instances: int = 1, kind: str = "cpu",
                      max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, intra_op_threads: int = 0,
@@ -407,7 +397,7 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
              "models": [m for m in (DECODER_ONNX, DECODER_TRT if engine else None, GENERATE) if m]}, indent=2) + "\n")
         if validate and have_tritonclient():
             check_repository(tmp)
-        _replace_dir(tmp, repo)
+        replace_dir(tmp, repo)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from onnx import numpy_helper
 
 ZOO = Path(os.environ.get("TAPERNORM_ZOO", Path(__file__).resolve().parents[2] / "models" / "zoo"))
 NORMS = ("RMSNormalization", "LayerNormalization")

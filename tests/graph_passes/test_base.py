@@ -1,11 +1,10 @@
 """The driver and shared helpers: provenance names, per-channel vectors, metadata round trip."""
 import numpy as np
-import onnx_graphsurgeon as gs
 from onnx import helper
 
 from graph_passes import run_passes
 from graph_passes.base import channel_vector, const_value, load_graph
-from tests.graph_passes.fixtures import init, model, scale_to_linears, taper_meta
+from tests.graph_passes.fixtures import model, scale_to_linears
 
 
 def test_layer_name_strips_the_wrapper_and_falls_back_to_the_node_name():

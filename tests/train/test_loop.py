@@ -3,7 +3,6 @@ import json
 import math
 
 import pytest
-import torch
 
 from models.checkpoint import load_checkpoint
 from train.loop import TrainConfig, TrainError, train
