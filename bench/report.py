@@ -301,7 +301,17 @@ def plots(results: dict, summary: dict, out: Path) -> list[Path]:
     stamp = f"{results['started']}, {results['machine']['cpu']}, {results['settings']['threads']} threads, fp32"
     written = []
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    ncols = min(2, len(panels))
+    nrows = -(-len(panels) // ncols)
+
+    def grid():
+        fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 4.2 * nrows), squeeze=False)
+        flat = list(axes.flat)
+        for ax in flat[len(panels):]:
+            ax.axis("off")
+        return fig, [flat[:len(panels)]]
+
+    fig, axes = grid()
     width = 0.8 / len(runners)
     for ax, (backend, batch) in zip(axes[0], panels):
         for j, name in enumerate(runners):
@@ -330,7 +340,7 @@ def plots(results: dict, summary: dict, out: Path) -> list[Path]:
     plt.close(fig)
     written.append(p)
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    fig, axes = grid()
     variants = [n for n in results["settings"]["variants"] if n != BASELINE]
     width = 0.8 / max(1, len(variants))
     for ax, (backend, batch) in zip(axes[0], panels):
