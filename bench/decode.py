@@ -310,7 +310,7 @@ def main(argv=None) -> int:
     batches = [int(b) for b in _csv(args.batches, ["1"] if q else ["1", "8"])]
     new_tokens = args.new_tokens or (32 if q else 128)
     rounds = max(3, args.rounds or 3)
-    from bench.runners import threads_default, versions
+    from bench.runners import versions
     threads = args.threads
     skipped = {b: why for b in wanted if (why := backend_status(b)) is not None}
     import importlib.util

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from bench import stats
-from bench.variants import BASELINE, REMOVES, VARIANTS
+from bench.variants import BASELINE, REMOVES
 
 FUSED = "internal-taper-fused"
 SHORT = {"rmsnorm-strong": "strong", "rmsnorm-plain": "plain", "internal-taper-unfused": "int-taper unfused",
@@ -253,18 +253,18 @@ def markdown(results: dict, summary: dict) -> str:
         f"- machine: {mach['cpu']}, {mach['cores']} cores usable, {mach['memory_gib']} GiB; GPU: {mach['gpu'] or 'none'}; "
         f"load average at start {', '.join(f'{x:.1f}' for x in mach['loadavg_start'])}, at end "
         f"{', '.join(f'{x:.1f}' for x in mach.get('loadavg_end', []))} (1/5/15 min)",
-        f"- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
-        f"- measured read bandwidth (best of 5 over 1 GiB, at the start and `end_` at the end of the run): "
+        "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
+        "- measured read bandwidth (best of 5 over 1 GiB, at the start and `end_` at the end of the run): "
         + ", ".join(f"{k} {val / 1e9:.2f} GB/s" for k, val in bw.items() if k != "best")
         + f"; achieved weight bandwidth is compared with the largest, {bw['best'] / 1e9:.2f} GB/s",
         f"- settings: fp32, prompt {s['prompt']}, {s['new_tokens']} new tokens, batches {s['batches']}, "
         f"{s['rounds']} interleaved rounds (order rotated each round, untimed warm-up), {s['threads']} threads, "
         f"KV capacity {s['capacity']}; backends {', '.join(s['backends'])}"
-        + (f"; not run: " + "; ".join(f"{b} ({why})" for b, why in s["skipped_backends"].items()) if s["skipped_backends"] else ""),
-        f"- weights: " + "; ".join(f"{size}: {', '.join(src)}" for size, src in sources.items()),
+        + ("; not run: " + "; ".join(f"{b} ({why})" for b, why in s["skipped_backends"].items()) if s["skipped_backends"] else ""),
+        "- weights: " + "; ".join(f"{size}: {', '.join(src)}" for size, src in sources.items()),
         (f"- **incomplete run**: not measured: {', '.join(missing)}\n" if missing else "")
-        + f"- peers: HF = transformers GPT2LMHeadModel.generate(use_cache=True), equal-shape GPT-2 config, random weights, "
-        f"same threads; ORT plain = onnxruntime session.run over the rmsnorm-strong graph with numpy feeds each step",
+        + "- peers: HF = transformers GPT2LMHeadModel.generate(use_cache=True), equal-shape GPT-2 config, random weights, "
+        "same threads; ORT plain = onnxruntime session.run over the rmsnorm-strong graph with numpy feeds each step",
         "",
         "## Summary (ratios to rmsnorm-strong: median [min–max] over rounds)",
         "",

@@ -6,7 +6,6 @@ import math
 import pytest
 
 from bench import report
-from bench.variants import VARIANTS
 
 N, B = 32, 1
 
