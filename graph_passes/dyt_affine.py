@@ -6,10 +6,9 @@ a norm's do (shared/design/METHOD.md section 2).
 """
 from __future__ import annotations
 
-import numpy as np
 
 from graph_passes.base import GraphPass, PassContext, Rewrite, producer
-from graph_passes.linear_fold import fold_into_linear, match_linear_consumers, match_scale_shift
+from graph_passes.linear_fold import fold_later, match_linear_consumers, match_scale_shift
 
 
 class FoldDyTAffine(GraphPass):
@@ -41,12 +40,6 @@ class FoldDyTAffine(GraphPass):
                 ctx.note(f"{label}: left unfolded: {why}")
                 continue
             detail = f"DyT gamma{'+beta' if m['shift'] is not None else ''} -> " + ", ".join(u.label for u in uses)
-            rewrites.append(Rewrite(label, detail, _folder(ctx, m, uses)))
+            rewrites.append(Rewrite(label, detail, fold_later(ctx, m, uses)))
         return rewrites
 
-
-def _folder(ctx, m, uses):
-    def apply():
-        fold_into_linear(ctx.graph, m["x"], uses, m["scale"].astype(np.float64),
-                         None if m["shift"] is None else m["shift"].astype(np.float64))
-    return apply

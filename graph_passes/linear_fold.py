@@ -167,6 +167,16 @@ def fold_into_linear(graph: gs.Graph, x: gs.Tensor, uses: list[LinearUse],
                     node.inputs.append(c_const)
 
 
+def fold_later(ctx: PassContext, match: dict, uses: list[LinearUse]):
+    """The deferred apply() of a Rewrite: fold a match_scale_shift result into `uses`
+    once every match has been recorded (the graph never changes mid-walk)."""
+    def apply():
+        shift = match["shift"]
+        fold_into_linear(ctx.graph, match["x"], uses, match["scale"].astype(np.float64),
+                         None if shift is None else shift.astype(np.float64))
+    return apply
+
+
 def _add_bias(graph: gs.Graph, matmul: gs.Node, delta: np.ndarray) -> None:
     """MatMul ▶ Add(b) becomes MatMul ▶ Add(b + delta); a MatMul without one gets Add(delta)."""
     out = matmul.outputs[0]

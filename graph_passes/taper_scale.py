@@ -14,10 +14,9 @@ not 0 still has its normalized branch, and the pass refuses it with one line.
 """
 from __future__ import annotations
 
-import numpy as np
 
 from graph_passes.base import GraphPass, PassContext, PassError, Rewrite, producer
-from graph_passes.linear_fold import fold_into_linear, match_linear_consumers, match_scale_shift
+from graph_passes.linear_fold import fold_later, match_linear_consumers, match_scale_shift
 
 TAPER_CLASS = "TaperNorm"
 
@@ -95,12 +94,6 @@ class FoldTaperScale(GraphPass):
                 continue
             detail = ("scale+shift" if m["shift"] is not None else "scale") + " -> " + \
                 ", ".join(u.label for u in uses)
-            rewrites.append(Rewrite(label, detail, _folder(ctx, m, uses)))
+            rewrites.append(Rewrite(label, detail, fold_later(ctx, m, uses)))
         return rewrites
 
-
-def _folder(ctx, m, uses):
-    def apply():
-        fold_into_linear(ctx.graph, m["x"], uses, m["scale"].astype(np.float64),
-                         None if m["shift"] is None else m["shift"].astype(np.float64))
-    return apply
