@@ -6,7 +6,6 @@ a norm's do (shared/design/METHOD.md section 2).
 """
 from __future__ import annotations
 
-
 from graph_passes.base import GraphPass, PassContext, Rewrite, producer
 from graph_passes.linear_fold import fold_later, match_linear_consumers, match_scale_shift
 

@@ -14,7 +14,6 @@ not 0 still has its normalized branch, and the pass refuses it with one line.
 """
 from __future__ import annotations
 
-
 from graph_passes.base import GraphPass, PassContext, PassError, Rewrite, producer
 from graph_passes.linear_fold import fold_later, match_linear_consumers, match_scale_shift
 
