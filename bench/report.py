@@ -288,6 +288,13 @@ def markdown(results: dict, summary: dict) -> str:
 
 # --- plots ------------------------------------------------------------------------------------------------
 
+def _add_errorbar(stats: dict, ys: list, lo: list, hi: list) -> None:
+    """Append a {median, min, max} summary as a median point with asymmetric min-max error bars."""
+    ys.append(stats["median"])
+    lo.append(stats["median"] - stats["min"])
+    hi.append(stats["max"] - stats["median"])
+
+
 def plots(results: dict, summary: dict, out: Path) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
@@ -322,9 +329,7 @@ def plots(results: dict, summary: dict, out: Path) -> list[Path]:
                 if m:
                     t = m["tokens_per_s"]
                     xs.append(i - 0.4 + width * (j + 0.5))
-                    ys.append(t["median"])
-                    lo.append(t["median"] - t["min"])
-                    hi.append(t["max"] - t["median"])
+                    _add_errorbar(t, ys, lo, hi)
             if xs:
                 ax.bar(xs, ys, width, yerr=[lo, hi], label=SHORT.get(name, name), capsize=2,
                        hatch="//" if name in PEER_NAMES else None)
@@ -353,9 +358,7 @@ def plots(results: dict, summary: dict, out: Path) -> list[Path]:
                 if m and "ratio_vs_strong" in m:
                     r = m["ratio_vs_strong"]
                     xs.append(i - 0.4 + width * (j + 0.5))
-                    ys.append(r["median"])
-                    lo.append(r["median"] - r["min"])
-                    hi.append(r["max"] - r["median"])
+                    _add_errorbar(r, ys, lo, hi)
             if xs:
                 ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", label=SHORT[name], capsize=3)
         for i, size in enumerate(sizes):

@@ -305,10 +305,7 @@ def main(argv=None) -> int:
     from export.verify import VerificationError
     try:
         build(ckpt, out, args.fuse, args.dtype)
-    except (BuildError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except VerificationError as e:
+    except (BuildError, CheckpointError, VerificationError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:

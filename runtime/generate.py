@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runtime.sampling import SamplingConfig, sample
-from runtime.session import CapacityError, DecoderSession, RuntimeUserError
+from runtime.session import CapacityError, DecoderSession, RuntimeUserError, run_cli
 
 
 @dataclass
@@ -232,13 +232,7 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return run(argv)
-    except RuntimeUserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    return run_cli(run, argv)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,18 @@ class RuntimeUserError(Exception):
     """A problem the user can fix; str(e) is one line: `<object>: <expected>, <found>; <fix>`."""
 
 
+def run_cli(run, argv: list[str] | None = None) -> int:
+    """Run a CLI body: a RuntimeUserError becomes one `error:` line and exit 1, Ctrl-C exit 130."""
+    import sys
+    try:
+        return run(argv)
+    except RuntimeUserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
 class ModelFileError(RuntimeUserError):
     """The model, engine or tokenizer file is missing, unreadable or not the decode-step contract."""
 

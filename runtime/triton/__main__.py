@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 
-from runtime.session import RuntimeUserError
+from runtime.session import run_cli
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -109,13 +109,7 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return run(argv)
-    except RuntimeUserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    return run_cli(run, argv)
 
 
 if __name__ == "__main__":
