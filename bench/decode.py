@@ -17,7 +17,6 @@ Timings are greedy generations of exactly --new-tokens tokens from random prompt
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -26,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from argparse import SUPPRESS
 from pathlib import Path
 
 import numpy as np
@@ -233,56 +233,76 @@ def build_all(sizes, names, cap, cache: Path, seed: int, jobs: int) -> dict:
         groups += [(size, g, cap, str(cache), seed) for g in by_kind.values()]
     out: dict[str, dict] = {s: {} for s in sizes}
     if jobs <= 1:
-        results = map(_build_task, groups)
-    else:
-        pool = mp.get_context("spawn").Pool(jobs)
-        results = pool.imap_unordered(_build_task, groups)
-    for size, infos in results:
-        out[size].update(infos)
-    if jobs > 1:
-        pool.close()
-        pool.join()
+        for size, infos in map(_build_task, groups):
+            out[size].update(infos)
+        return out
+    with mp.get_context("spawn").Pool(jobs) as pool:     # exiting terminates the workers, also on Ctrl-C
+        for size, infos in pool.imap_unordered(_build_task, groups):
+            out[size].update(infos)
     return out
 
 
 # --- CLI -------------------------------------------------------------------------------------------
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__.split("\n\n")[1])
+def _parser():
+    from core.errors import ArgumentParser, float_in, int_in, nonnegative_int, seed_int
+    p = ArgumentParser(prog="python -m bench.decode", description=__doc__.split("\n\n")[1])
     p.add_argument("--out", type=Path, help="results directory (results.json, results.md, *.png, cache/)")
     p.add_argument("--quick", action="store_true", help="sizes 1M,8M; ort+torch; batch 1; 32 new tokens; 3 rounds")
     p.add_argument("--sizes", help=f"comma list of {', '.join(SIZES)} (default: all; quick: 1M,8M)")
     p.add_argument("--variants", help=f"comma list of {', '.join(VARIANTS)} (default: all)")
     p.add_argument("--backends", help=f"comma list of {', '.join(ALL_BACKENDS)} (default: those available here)")
     p.add_argument("--peers", help=f"comma list of {', '.join(PEERS)}, or none (default: both)")
-    p.add_argument("--batches", help="comma list of batch sizes (default 1,8; quick: 1)")
-    p.add_argument("--prompt", type=int, default=16, help="prompt tokens (default 16)")
-    p.add_argument("--new-tokens", type=int, help="new tokens per sequence (default 128; quick: 32)")
-    p.add_argument("--rounds", type=int, help="timed rounds, >= 3 (default 3)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--batches", help="comma list of batch sizes in [1, 256] (default 1,8; quick: 1)")
+    p.add_argument("--prompt", type=int_in(1, 4096), default=16, help="prompt tokens (default 16)")
+    p.add_argument("--new-tokens", type=int_in(2, 8192), help="new tokens per sequence (default 128; quick: 32)")
+    p.add_argument("--rounds", type=int_in(3, 1000), help="timed rounds, >= 3 (default 3)")
+    p.add_argument("--threads", type=int_in(1, 256), default=1,
                    help="intra-op threads for ORT and torch (default 1: see docs/bench.md)")
-    p.add_argument("--profile-steps", type=int, default=16, help="decode steps profiled per runner (0: no profile)")
+    p.add_argument("--profile-steps", type=nonnegative_int, default=16, help="decode steps profiled per runner (0: no profile)")
     p.add_argument("--cache", type=Path, help="where built ONNX files go (default OUT/cache; reused when present)")
-    p.add_argument("--jobs", type=int, default=2, help="parallel ONNX export processes (default 2)")
-    p.add_argument("--seed", type=int, default=0, help="seed of random weights where no zoo model fits")
-    p.add_argument("--bandwidth-gib", type=float, default=1.0, help="array size of the bandwidth measure")
+    p.add_argument("--jobs", type=int_in(1, 64), default=2, help="parallel ONNX export processes (default 2)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of random weights where no zoo model fits")
+    p.add_argument("--bandwidth-gib", type=float_in(0.01, 64.0), default=1.0, help="array size of the bandwidth measure")
     p.add_argument("--build-only", action="store_true", help="only build the ONNX files into --cache, then exit")
     p.add_argument("--list", action="store_true", help="print sizes (parameters) and variants, and exit")
-    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--worker", type=Path, help=SUPPRESS)
+    p.add_argument("--worker-out", type=Path, help=SUPPRESS)
     return p
 
 
 def _csv(value, default, known=None, what=""):
+    from core.errors import UserError
     items = [x.strip() for x in (value.split(",") if value else default) if x.strip()]
+    if not items:
+        raise UserError(f"--{what}s {value!r}: expected a comma list, found nothing; see --help")
     if known is not None:
         bad = [x for x in items if x not in known]
         if bad:
-            raise SystemExit(f"error: unknown {what} {', '.join(bad)}; expected some of {', '.join(known)}")
+            raise UserError(f"--{what}s: unknown {what} {', '.join(bad)}; expected some of {', '.join(known)}")
     return items
 
 
+def _batches(value, default) -> list[int]:
+    from core.errors import UserError
+    items = _csv(value, default, what="batche")
+    try:
+        batches = [int(b) for b in items]
+    except ValueError:
+        raise UserError(f"--batches {value!r}: expected integers in [1, 256], found {items}; e.g. --batches 1,8") from None
+    if any(not 1 <= b <= 256 for b in batches):
+        raise UserError(f"--batches {value!r}: expected integers in [1, 256]; e.g. --batches 1,8")
+    return batches
+
+
 def main(argv=None) -> int:
+    from core.errors import run_cli
+    return run_cli(run, argv)
+
+
+def run(argv) -> int:
+    from core.errors import UsageError
+    from core.outputs import BENCH_CACHE, BENCH_RESULTS, claim_dir
     args = _parser().parse_args(argv)
     if args.worker:
         result = worker(json.loads(args.worker.read_text()))
@@ -299,7 +319,7 @@ def main(argv=None) -> int:
             print(f"{v.name:24s} kind {v.kind}{', naive RMSNorm' if v.naive else ''}{', fused' if v.fuse else ''}")
         return 0
     if args.out is None:
-        raise SystemExit("error: --out DIR is required (where results.json, results.md and the plots go)")
+        raise UsageError("python -m bench.decode: --out DIR is required (where results.json, results.md and the plots go)")
     q = args.quick
     sizes = _csv(args.sizes, ["1M", "8M"] if q else list(SIZES), SIZES, "size")
     names = _csv(args.variants, list(VARIANTS), VARIANTS, "variant")
@@ -307,10 +327,9 @@ def main(argv=None) -> int:
         names.insert(0, BASELINE)   # every ratio is taken against it
     wanted = _csv(args.backends, ["ort", "torch"] if q else list(ALL_BACKENDS), ALL_BACKENDS, "backend")
     peers = [] if args.peers == "none" else _csv(args.peers, list(PEERS), PEERS, "peer")
-    batches = [int(b) for b in _csv(args.batches, ["1"] if q else ["1", "8"])]
+    batches = _batches(args.batches, ["1"] if q else ["1", "8"])
     new_tokens = args.new_tokens or (32 if q else 128)
-    rounds = max(3, args.rounds or 3)
-    from bench.runners import versions
+    rounds = args.rounds or 3
     threads = args.threads
     skipped = {b: why for b in wanted if (why := backend_status(b)) is not None}
     import importlib.util
@@ -318,12 +337,10 @@ def main(argv=None) -> int:
         peers.remove("hf-generate")
         skipped["hf-generate"] = "transformers is not installed (pip install 'tapernorm-deploy[hf]')"
     backends = [b for b in wanted if b not in skipped]
-    if args.backends is None:          # default: unavailable GPU backends are expected, not errors
-        pass
     cap = capacity_for(args.prompt, new_tokens)
-    out = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    cache = args.cache or out / "cache"
+    out = claim_dir(args.out, BENCH_RESULTS)
+    cache = claim_dir(args.cache, BENCH_CACHE) if args.cache is not None else out / "cache"
+    from bench.runners import versions
     t_start = time.perf_counter()
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     print(f"bench.decode: sizes {sizes}, backends {backends}, batches {batches}, prompt {args.prompt}, "

@@ -340,8 +340,7 @@ def plots(results: dict, summary: dict, out: Path) -> list[Path]:
     _legend(axes[0], "upper right")
     fig.suptitle(f"Decode tokens/s by variant and size — {stamp}", fontsize=9)
     fig.tight_layout()
-    p = out / "tokens_per_s.png"
-    fig.savefig(p, dpi=110)
+    p = _save_figure(fig, out, "tokens_per_s.png")
     plt.close(fig)
     written.append(p)
 
@@ -375,11 +374,19 @@ def plots(results: dict, summary: dict, out: Path) -> list[Path]:
     _legend(axes[0], "best")
     fig.suptitle(f"Speedup over rmsnorm-strong with the profiled limit — {stamp}", fontsize=9)
     fig.tight_layout()
-    p = out / "ratio_vs_strong.png"
-    fig.savefig(p, dpi=110)
+    p = _save_figure(fig, out, "ratio_vs_strong.png")
     plt.close(fig)
     written.append(p)
     return written
+
+
+def _save_figure(fig, out: Path, name: str) -> Path:
+    """A signed PNG, replaced atomically inside the results directory (ours: it carries the marker)."""
+    import io
+    from core.outputs import png_signature_metadata, replace_file_in
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png", metadata=png_signature_metadata())
+    return replace_file_in(out, name, buf.getvalue())
 
 
 def _legend(axes, loc) -> None:
@@ -403,35 +410,42 @@ def _clean(x):
 
 
 def write_reports(results: dict, out: Path) -> dict:
+    """results.json, results.md and the plots, each replaced atomically inside `out` (a results directory)."""
+    from core.outputs import replace_file_in
     out = Path(out)
     summary = summarize(results)
     results = dict(results, summary=_clean(summary))
-    tmp = out / "results.json.tmp"
-    tmp.write_text(json.dumps(results, indent=1) + "\n")
-    tmp.replace(out / "results.json")
-    (out / "results.md").write_text(markdown(results, summary))
+    replace_file_in(out, "results.json", json.dumps(results, indent=1) + "\n")
+    replace_file_in(out, "results.md", markdown(results, summary))
     plots(results, summary, out)
     return summary
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m bench.report DIR (a directory with results.json from bench.decode)", file=sys.stderr)
-        return 2
-    out = Path(argv[0])
-    path = out / "results.json"
-    try:
-        results = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        print(f"error: {path}: expected the results.json bench.decode writes, found {type(e).__name__}; "
-              "run python -m bench.decode --out DIR first", file=sys.stderr)
-        return 1
+def run(argv: list[str]) -> int:
+    from core.errors import ArgumentParser, UserError
+    from core.inputs import read_json_file
+    from core.outputs import BENCH_RESULTS, claim_dir
+    ap = ArgumentParser(prog="python -m bench.report",
+                        description="tables and plots from a results.json of python -m bench.decode")
+    ap.add_argument("dir", type=Path, help="a results directory of python -m bench.decode")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="write the reports into this results directory instead of DIR")
+    args = ap.parse_args(argv)
+    results = read_json_file(args.dir / "results.json", "bench results")
+    if not isinstance(results, dict) or "settings" not in results or "cells" not in results:
+        raise UserError(f"{args.dir / 'results.json'}: expected the results.json bench.decode writes, found other "
+                        "JSON; run python -m bench.decode --out DIR first")
+    out = claim_dir(args.out or args.dir, BENCH_RESULTS)
     summary = write_reports(results, out)
     for a in summary["acceptance"]:
         print({True: "MET    ", False: "NOT MET", None: "NOT RUN"}[a["met"]], a["criterion"])
     print(f"wrote {out / 'results.md'}, {out / 'tokens_per_s.png'}, {out / 'ratio_vs_strong.png'}")
     return 0
+
+
+def main(argv=None) -> int:
+    from core.errors import run_cli
+    return run_cli(run, argv)
 
 
 if __name__ == "__main__":

@@ -269,13 +269,14 @@ class PlainOrtRunner(Runner):
         so.intra_op_num_threads = self.threads
         so.log_severity_level = 3     # it would warn every step that the cache is copied
         self.sess = ort.InferenceSession(self.path, so, providers=["CPUExecutionProvider"])
-        self.cache_in = [i for i in self.sess.get_inputs() if i.name.startswith(("key_", "value_"))]
-        self.out_names = ["logits"] + [f"present_{i.name}" for i in self.cache_in]
+        from runtime.model_files import spec_from_ort_session
+        self.spec = spec_from_ort_session(self.sess, self.path)
+        self.out_names = ["logits"] + [self.spec.present_name(n) for n in self.spec.cache_names()]
 
     def generate(self, prompts, n):
         b, t = prompts.shape
         t0 = time.perf_counter()
-        feeds = {i.name: np.zeros([b, *i.shape[1:]], np.float32) for i in self.cache_in}
+        feeds = {n: np.zeros(self.spec.cache_shape(b), self.spec.np_dtype) for n in self.spec.cache_names()}
         feeds["input_ids"] = prompts.astype(np.int64)
         feeds["position"] = np.zeros(b, np.int64)
         outs = self.sess.run(self.out_names, feeds)
@@ -284,8 +285,8 @@ class PlainOrtRunner(Runner):
         steps = []
         for k in range(n - 1):
             s0 = time.perf_counter()
-            for i, c in zip(self.cache_in, outs[1:]):
-                feeds[i.name] = c
+            for name, c in zip(self.spec.cache_names(), outs[1:]):
+                feeds[name] = c
             feeds["input_ids"] = tok[:, None].astype(np.int64)
             feeds["position"] = np.full(b, t + k, np.int64)
             outs = self.sess.run(self.out_names, feeds)

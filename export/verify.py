@@ -11,7 +11,7 @@ collected and one VerificationError lists them all:
     - random tokens, seed 0: logits: max abs diff 0.003 > atol 0.0001
     - real tokens: present_key_1: max abs diff ...
 
-    python -m export.verify A.onnx B.onnx   # exit 0: same outputs; 1: not; 2: error
+    python -m export.verify A.onnx B.onnx   # exit 0: same outputs; 1: not (or bad input); 2: bad usage
 
 ONNX Runtime runs with graph optimizations off (ORT_DISABLE_ALL), so what is
 compared is the graph as written, not what ORT's own fusions make of it.
@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 import onnxruntime as ort
+
+from core.contract import DecodeContract, contract_of, load_onnx
+from core.errors import ArgumentParser, UserError, float_in, run_cli
 
 # Per-dtype absolute tolerances. fp32: the fold only reorders a per-channel
 # product (x*s)@W vs x@(sW), a few ulp per MatMul; 1e-4 on logits leaves room for
@@ -40,58 +43,22 @@ SCALE_TOL_FP16 = 4e-3
 ATOL = {"fp32": ATOL_FP32, "fp16": ATOL_FP16}
 SCALE_TOL = {"fp32": 0.0, "fp16": SCALE_TOL_FP16}
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
-ONNX_DTYPES = {onnx.TensorProto.FLOAT: "fp32", onnx.TensorProto.FLOAT16: "fp16"}
 
 
-class VerificationError(AssertionError):
+class VerificationError(UserError):
     """Outputs that disagree beyond tolerance; `mismatches` holds one line per output."""
 
     def __init__(self, what: str, mismatches: list[str]):
         self.what, self.mismatches = what, mismatches
-        super().__init__(f"export verification failed ({what}):\n" + "\n".join(f"- {m}" for m in mismatches))
+        super().__init__(f"export verification failed ({what}): {len(mismatches)} mismatch(es)", details=mismatches)
+
+    def __str__(self) -> str:
+        return f"export verification failed ({self.what}):\n" + "\n".join(f"- {m}" for m in self.mismatches)
 
 
-@dataclass(frozen=True)
-class Interface:
-    """The decode-step contract of one graph, read from the graph itself."""
-    inputs: tuple[tuple[str, str, tuple], ...]    # (name, elem type, shape with symbolic dims as str)
-    outputs: tuple[tuple[str, str, tuple], ...]
-    n_layer: int
-    n_head: int
-    capacity: int
-    head_dim: int
-    vocab_size: int
-    dtype: str
-
-    @property
-    def cache_names(self) -> list[str]:
-        return [n for n, _, _ in self.inputs if n.startswith(("key_", "value_"))]
-
-
-def _vi(v) -> tuple[str, str, tuple]:
-    tt = v.type.tensor_type
-    dims = tuple(d.dim_param or d.dim_value if d.HasField("dim_value") or d.dim_param else "?"
-                 for d in tt.shape.dim)
-    dims = tuple("dyn" if isinstance(d, str) else d for d in dims)  # symbolic names differ between exporters
-    return v.name, onnx.TensorProto.DataType.Name(tt.elem_type), dims
-
-
-def read_interface(model: onnx.ModelProto) -> Interface:
-    ins, outs = tuple(_vi(v) for v in model.graph.input), tuple(_vi(v) for v in model.graph.output)
-    names = [n for n, _, _ in ins]
-    if names[:2] != ["input_ids", "position"] or "key_0" not in names:
-        raise ValueError(f"inputs {names[:4]}...; expected input_ids, position, key_0, value_0, ... "
-                         "(the decode-step contract of export/onnx_export.py)")
-    key = next(v for v in model.graph.input if v.name == "key_0")
-    _, h, s, d = (x.dim_value for x in key.type.tensor_type.shape.dim)
-    n_layer = sum(1 for n in names if n.startswith("key_"))
-    meta = {p.key: p.value for p in model.metadata_props}
-    logits = next(v for v in model.graph.output if v.name == "logits")
-    vocab = int(meta.get("tapernorm.vocab_size") or logits.type.tensor_type.shape.dim[-1].dim_value or 2)
-    dtype = ONNX_DTYPES.get(key.type.tensor_type.elem_type)
-    if dtype is None:
-        raise ValueError(f"cache dtype {onnx.TensorProto.DataType.Name(key.type.tensor_type.elem_type)} is not fp32/fp16")
-    return Interface(ins, outs, n_layer, h, s, d, vocab, dtype)
+def read_interface(model: onnx.ModelProto, where: str = "graph") -> DecodeContract:
+    """The decode-step contract of one graph, read from its I/O (core.contract)."""
+    return contract_of(model, where)
 
 
 @dataclass
@@ -100,7 +67,7 @@ class Step:
     position: np.ndarray     # int64 [B]
 
 
-def session_steps(iface: Interface, seed: int = 0, batch: int = 2, prompt: int = 5, decode: int = 3,
+def session_steps(iface: DecodeContract, seed: int = 0, batch: int = 2, prompt: int = 5, decode: int = 3,
                   tokens: list[int] | None = None) -> list[Step]:
     """Prefill `prompt` tokens then `decode` one-token steps.
 
@@ -135,22 +102,22 @@ def ort_session(path_or_proto, optimize: bool = False) -> ort.InferenceSession:
     return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
 
 
-def run_onnx(sess: ort.InferenceSession, iface: Interface, steps: list[Step]) -> list[dict[str, np.ndarray]]:
+def run_onnx(sess: ort.InferenceSession, iface: DecodeContract, steps: list[Step]) -> list[dict[str, np.ndarray]]:
     """Outputs of every step; the present caches of one step are the next step's past."""
     batch = steps[0].input_ids.shape[0]
-    shape = (batch, iface.n_head, iface.capacity, iface.head_dim)
-    caches = {n: np.zeros(shape, NP_DTYPES[iface.dtype]) for n in iface.cache_names}
+    shape = iface.cache_shape(batch)
+    caches = {n: np.zeros(shape, NP_DTYPES[iface.dtype]) for n in iface.cache_names()}
     out_names = [o.name for o in sess.get_outputs()]
     results = []
     for step in steps:
         feeds = {"input_ids": step.input_ids, "position": step.position, **caches}
         outs = dict(zip(out_names, sess.run(out_names, feeds)))
-        caches = {n: outs[f"present_{n}"] for n in iface.cache_names}
+        caches = {n: outs[f"present_{n}"] for n in iface.cache_names()}
         results.append(outs)
     return results
 
 
-def run_torch(model, iface: Interface, steps: list[Step]) -> list[dict[str, np.ndarray]]:
+def run_torch(model, iface: DecodeContract, steps: list[Step]) -> list[dict[str, np.ndarray]]:
     """The reference: the torch Decoder on the same session (cache written in place)."""
     import torch
     dtype = {"fp32": torch.float32, "fp16": torch.float16}[iface.dtype]
@@ -239,15 +206,15 @@ def compare(ref: list[dict], got: list[dict], dtype: str, what: str, atol: float
     return cmp
 
 
-def interface_mismatches(a: Interface, b: Interface) -> list[str]:
+def interface_mismatches(a: DecodeContract, b: DecodeContract) -> list[str]:
     out = []
     for kind, xa, xb in (("input", a.inputs, b.inputs), ("output", a.outputs, b.outputs)):
-        if [x[0] for x in xa] != [x[0] for x in xb]:
-            out.append(f"{kind} names differ: {[x[0] for x in xa]} vs {[x[0] for x in xb]}")
+        if [x.name for x in xa] != [x.name for x in xb]:
+            out.append(f"{kind} names differ: {[x.name for x in xa]} vs {[x.name for x in xb]}")
             continue
         for ta, tb in zip(xa, xb):
             if ta != tb:
-                out.append(f"{kind} {ta[0]}: {ta[1]}{list(ta[2])} vs {tb[1]}{list(tb[2])}")
+                out.append(f"{kind} {ta} vs {tb}")
     return out
 
 
@@ -280,13 +247,14 @@ def compare_sessions(runs, dtype: str, what: str, atol: float | None = None) -> 
     return results
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m export.verify",
-                                 description="Compare two exported decoder graphs of the same interface "
-                                             "on prefill + decode sessions (exit 0 equal, 1 not, 2 error).")
+def run(argv: list[str]) -> int:
+    ap = ArgumentParser(prog="python -m export.verify",
+                        description="Compare two exported decoder graphs of the same interface on prefill + "
+                                    "decode sessions (exit 0 equal; 1 not equal, or bad input with an error: line).")
     ap.add_argument("a")
     ap.add_argument("b")
-    ap.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: per dtype, fp32 1e-4)")
+    ap.add_argument("--atol", type=float_in(0.0), default=None,
+                    help="absolute tolerance >= 0 (default: per dtype, fp32 1e-4)")
     ap.add_argument("--tokenizer", default=None,
                     help="tokenizer.json (or a build directory holding one): also compare on real text")
     ap.add_argument("--text", default="Once upon a time there was a little cat named Tom. He liked to play.",
@@ -295,24 +263,20 @@ def main(argv=None) -> int:
     tokens = None
     if args.tokenizer:
         from pathlib import Path
+        from core.inputs import check_text
         from tokenizers import Tokenizer
         tok_path = Path(args.tokenizer)
         tok_path = tok_path / "tokenizer.json" if tok_path.is_dir() else tok_path
         try:
-            tokens = Tokenizer.from_file(str(tok_path)).encode(args.text).ids
+            tokens = Tokenizer.from_file(str(tok_path)).encode(check_text(args.text, "--text")).ids
+        except UserError:
+            raise
         except Exception as e:  # tokenizers raises a bare Exception
-            print(f"error: {tok_path}: not a readable tokenizer.json ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
-                  file=sys.stderr)
-            return 2
-    try:
-        pa, pb = onnx.load(args.a), onnx.load(args.b)
-        read_interface(pa), read_interface(pb)
-    except FileNotFoundError as e:
-        print(f"error: {e.filename}: no such file", file=sys.stderr)
-        return 2
-    except Exception as e:
-        print(f"error: not a decoder graph of the export contract ({str(e).splitlines()[0]})", file=sys.stderr)
-        return 2
+            from core.errors import first_line
+            raise UserError(f"{tok_path}: expected a readable tokenizer.json, found an error ({first_line(e)}); "
+                            "pass the model's tokenizer.json") from None
+    pa, pb = load_onnx(args.a), load_onnx(args.b)
+    read_interface(pa, args.a), read_interface(pb, args.b)
     try:
         results = verify_pair(pa, pb, args.atol, tokens=tokens)
     except VerificationError as e:
@@ -324,6 +288,10 @@ def main(argv=None) -> int:
               f"<= tolerance {c.tolerance.get('logits', c.atol):.3g}")
     print(f"EQUAL: {args.a} vs {args.b}")
     return 0
+
+
+def main(argv=None) -> int:
+    return run_cli(run, argv)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ onnx-graphsurgeon drops `metadata_props` on import, so the context keeps them
 from __future__ import annotations
 
 import ast
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -25,11 +26,13 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from core.errors import UserError
+
 NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 CLASS_HIERARCHY = "pkg.torch.onnx.class_hierarchy"
 
 
-class PassError(ValueError):
+class PassError(UserError):
     """A graph a pass refuses to rewrite; the message is one line meant for the user."""
 
 
@@ -58,7 +61,7 @@ class PassContext:
         self.model_meta = {p.key: p.value for p in proto.metadata_props}
         self.node_meta = {n.name: {p.key: p.value for p in n.metadata_props}
                           for n in proto.graph.node if n.metadata_props}
-        self.graph = gs.import_onnx(proto)
+        self.graph = gs.import_onnx(_with_shapes(proto))
         self.notes: list[str] = []
 
     def note(self, msg: str) -> None:
@@ -105,6 +108,18 @@ class PassContext:
             return None if raw in (None, "", "None") else float(raw)
         except ValueError:
             return None
+
+
+def _with_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with inferred intermediate shapes (the broadcast checks need them); as is if inference fails."""
+    try:
+        return onnx.shape_inference.infer_shapes(proto)
+    except Exception:  # too large (> 2 GB), unknown custom ops: fold only what the given shapes prove
+        return proto
+
+
+def op_counts(proto: onnx.ModelProto) -> dict[str, int]:
+    return dict(sorted(Counter(n.op_type for n in proto.graph.node).items()))
 
 
 def load_graph(proto: onnx.ModelProto) -> PassContext:

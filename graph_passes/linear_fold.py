@@ -88,6 +88,28 @@ def match_linear_consumers(ctx: PassContext, y: gs.Tensor, width: int) -> tuple[
     return uses, ""
 
 
+def _broadcast_problem(x: gs.Tensor, raw: np.ndarray, vector: np.ndarray) -> str:
+    """Why x * raw is not provably x scaled per channel (same shape as x), or "".
+
+    The product must keep x's shape: the constant may not add axes (rank <= x's) and
+    its length must be 1 or x's last axis, known statically. x[B, 1] * s[4] has shape
+    [B, 4]: folding s into the next weight would drop that broadcast.
+    """
+    shape = x.shape
+    if len(vector) == 1 and raw.ndim <= 1:
+        return ""
+    if shape is None or len(shape) == 0:
+        return f"the shape of {x.name} is unknown, so the scale's broadcast cannot be proved per-channel"
+    if raw.ndim > len(shape):
+        return f"scale of rank {raw.ndim} broadcasts {x.name} of rank {len(shape)} to a higher rank"
+    last = shape[-1]
+    if not isinstance(last, (int, np.integer)):
+        return f"the last axis of {x.name} is dynamic ({last}), so the scale's broadcast cannot be proved per-channel"
+    if int(last) != len(vector):
+        return f"scale of {len(vector)} channels broadcasts {x.name}, whose last axis has {last}: not a per-channel scale"
+    return ""
+
+
 def match_scale_shift(ctx: PassContext, mul: gs.Node) -> tuple[dict | None, str]:
     """Mul(x, s) [-> Add(., t)] with s, t constant per-channel vectors.
 
@@ -107,6 +129,9 @@ def match_scale_shift(ctx: PassContext, mul: gs.Node) -> tuple[dict | None, str]
     scale = channel_vector(raw)
     if scale is None:
         return None, f"{mul.name}: scale of shape {list(raw.shape)} is not per-channel on the last axis"
+    why = _broadcast_problem(x, raw, scale)
+    if why:
+        return None, f"{mul.name}: {why}"
     out = mul.outputs[0]
     nodes, shift = [mul], None
     if len(out.outputs) == 1 and out.outputs[0].op == "Add" and not is_graph_output(ctx.graph, out):

@@ -77,7 +77,7 @@ class FoldTaperScale(GraphPass):
             label = ctx.layer_name(node)
             m, why = match_scale_shift(ctx, node)
             if m is None:
-                if tagged:
+                if tagged or "broadcast" in why:     # a per-channel-looking scale that is not one: say so
                     ctx.note(f"{label}: left unfolded: {why}")
                 continue
             if ctx.has_provenance(node) and len(m["nodes"]) == 2 and \

@@ -18,35 +18,49 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from core.errors import UserError, first_line, run_cli
+from core.inputs import check_memory
+from core.outputs import CHECKPOINT, OutputKind, output_dir
 from models.decoder import Decoder, DecoderConfig
 
 FORMAT_VERSION = 1
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
 DISABLED_NORM_EPS = 1e6  # eps this large turns a norm into a fixed scale (FakeLN-style)
+NEEDS = f"a checkpoint directory needs {CONFIG}, {WEIGHTS} and {TOKENIZER}"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message is one line meant for the user."""
+class CheckpointError(UserError):
+    """A checkpoint that cannot be loaded; the message is one line naming the file and field."""
 
 
 def _read_config(path: Path) -> dict:
+    where = path / CONFIG
+    if where.is_dir():
+        raise CheckpointError(f"{where}: expected a JSON file, found a directory; {NEEDS}")
     try:
-        text = (path / CONFIG).read_text()
+        raw_bytes = where.read_bytes()
     except FileNotFoundError:
-        raise CheckpointError(f"{path / CONFIG}: missing; a checkpoint directory needs {CONFIG}, {WEIGHTS} and {TOKENIZER}") from None
+        raise CheckpointError(f"{where}: missing; {NEEDS}") from None
+    except OSError as e:
+        raise CheckpointError(f"{where}: expected a readable file, found {(e.strerror or 'an error').lower()}; "
+                              "check its permissions") from None
+    try:
+        text = raw_bytes.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{where}: expected UTF-8 JSON, found an undecodable byte at offset {e.start}; "
+                              "fix or re-save the checkpoint") from None
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path / CONFIG}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); fix or re-save the checkpoint") from None
+        raise CheckpointError(f"{where}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); fix or re-save the checkpoint") from None
     if not isinstance(raw, dict):
-        raise CheckpointError(f"{path / CONFIG}: expected a JSON object, found {type(raw).__name__}")
+        raise CheckpointError(f"{where}: expected a JSON object, found {type(raw).__name__}")
     return raw
 
 
@@ -59,6 +73,9 @@ def _validate_config(path: Path, raw: dict) -> DecoderConfig:
         cfg.validate()
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: field {e}") from None
+    # weights in the model plus the loaded tensors, fp32: refuse before allocating
+    check_memory(2 * 4 * cfg.approx_param_count(), f"{where}: the model it describes",
+                 "check vocab_size, d_model, n_layer and max_seq_len")
     gate = raw.get("gate")
     if cfg.norm == "taper":
         if isinstance(gate, bool) or not isinstance(gate, (int, float)) or not 0.0 <= gate <= 1.0:
@@ -91,11 +108,13 @@ def _stored_state(model: Decoder) -> dict[str, torch.Tensor]:
 def _load_weights(path: Path, model: Decoder) -> None:
     where = path / WEIGHTS
     if not where.is_file():
-        raise CheckpointError(f"{where}: missing; a checkpoint directory needs {CONFIG}, {WEIGHTS} and {TOKENIZER}")
+        raise CheckpointError(f"{where}: missing; {NEEDS}")
+    if not os.access(where, os.R_OK):
+        raise CheckpointError(f"{where}: expected a readable file, found permission denied; check its permissions")
     try:
         tensors = load_file(str(where))
     except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{where}: not a readable safetensors file ({e}); re-save the checkpoint") from None
+        raise CheckpointError(f"{where}: not a readable safetensors file ({first_line(e)}); re-save the checkpoint") from None
     expected = _stored_state(model)
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or unexpected:
@@ -104,7 +123,10 @@ def _load_weights(path: Path, model: Decoder) -> None:
         t = tensors[name]
         if tuple(t.shape) != tuple(ref.shape):
             raise CheckpointError(f"{where}: tensor '{name}' has shape {list(t.shape)}; config.json implies {list(ref.shape)}")
-        if t.is_floating_point() and not torch.isfinite(t).all():
+        if not t.is_floating_point():
+            raise CheckpointError(f"{where}: tensor '{name}' has dtype {str(t.dtype).replace('torch.', '')}; "
+                                  "expected a floating-point weight; re-save the checkpoint")
+        if not torch.isfinite(t).all():
             raise CheckpointError(f"{where}: tensor '{name}' contains NaN or Inf; the checkpoint is corrupt (retrain or restore it)")
     model.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()}, strict=False)
 
@@ -117,7 +139,8 @@ def load_checkpoint(path: str | os.PathLike) -> Decoder:
     raw = _read_config(path)
     cfg = _validate_config(path, raw)
     if not (path / TOKENIZER).is_file():
-        raise CheckpointError(f"{path / TOKENIZER}: missing; a checkpoint directory needs {CONFIG}, {WEIGHTS} and {TOKENIZER}")
+        raise CheckpointError(f"{path / TOKENIZER}: missing; {NEEDS}")
+    check_tokenizer_fits(path, cfg.vocab_size)
     model = Decoder(cfg)
     _apply_taper_c(path / CONFIG, model, raw.get("taper_c"))
     if cfg.norm == "taper":
@@ -127,12 +150,25 @@ def load_checkpoint(path: str | os.PathLike) -> Decoder:
 
 
 def load_tokenizer(path: str | os.PathLike):
+    """The checkpoint's tokenizer (tokenizers.Tokenizer) from DIR/tokenizer.json."""
     from tokenizers import Tokenizer
     where = Path(path) / TOKENIZER
+    if where.is_dir() or not where.exists():
+        raise CheckpointError(f"{where}: expected a tokenizer.json file, found {'a directory' if where.is_dir() else 'nothing'}; "
+                              "copy the tokenizer the model was trained with there")
     try:
         return Tokenizer.from_file(str(where))
     except Exception as e:  # tokenizers raises plain Exception on bad files
-        raise CheckpointError(f"{where}: not a readable tokenizer.json ({str(e).splitlines()[0]})") from None
+        raise CheckpointError(f"{where}: not a readable tokenizer.json ({first_line(e)})") from None
+
+
+def check_tokenizer_fits(path: str | os.PathLike, vocab_size: int, tokenizer=None) -> None:
+    """Every token id the tokenizer can produce must index the model's vocabulary."""
+    tok = tokenizer if tokenizer is not None else load_tokenizer(path)
+    n = tok.get_vocab_size(with_added_tokens=True)
+    if n > vocab_size:
+        raise CheckpointError(f"{Path(path) / TOKENIZER}: has {n} tokens, the model's vocab_size is {vocab_size}; "
+                              "ids >= vocab_size would crash generation: use the tokenizer the model was trained with")
 
 
 def checkpoint_config(model: Decoder) -> dict:
@@ -143,59 +179,47 @@ def checkpoint_config(model: Decoder) -> dict:
             "taper_c": model.taper_c() if taper else None}
 
 
+def write_checkpoint_files(model: Decoder, directory: Path, tokenizer_json: str | os.PathLike,
+                           extra_files: dict[str, str | os.PathLike] | None = None) -> None:
+    """config.json, model.safetensors, tokenizer.json (copied) and extra files, into `directory`."""
+    directory = Path(directory)
+    (directory / CONFIG).write_text(json.dumps(checkpoint_config(model), indent=2) + "\n")
+    state = {k: v.detach().contiguous().cpu() for k, v in _stored_state(model).items()}
+    save_file(state, str(directory / WEIGHTS))
+    shutil.copyfile(tokenizer_json, directory / TOKENIZER)
+    for name, src in (extra_files or {}).items():
+        shutil.copyfile(src, directory / name)
+
+
 def save_checkpoint(model: Decoder, path: str | os.PathLike, tokenizer_json: str | os.PathLike,
-                    extra_files: dict[str, str | os.PathLike] | None = None) -> Path:
-    """Write atomically: a temporary sibling directory renamed over `path`.
+                    extra_files: dict[str, str | os.PathLike] | None = None,
+                    kind: OutputKind = CHECKPOINT, inputs=()) -> Path:
+    """Write a checkpoint directory atomically (core.outputs.output_dir: replaces only our own `kind`).
 
-    tokenizer_json: path of a tokenizer.json to copy in; extra_files: name ->
-    source path of further files to copy (e.g. the training log).
+    tokenizer_json: path of a tokenizer.json to copy in; extra_files: name -> source
+    path of further files to copy (e.g. the training log); inputs: paths the
+    command reads, which `path` must not be or hold.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        (tmp / CONFIG).write_text(json.dumps(checkpoint_config(model), indent=2) + "\n")
-        state = {k: v.detach().contiguous().cpu() for k, v in _stored_state(model).items()}
-        save_file(state, str(tmp / WEIGHTS))
-        shutil.copyfile(tokenizer_json, tmp / TOKENIZER)
-        for name, src in (extra_files or {}).items():
-            shutil.copyfile(src, tmp / name)
-        replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    with output_dir(path, kind, inputs=inputs) as tmp:
+        write_checkpoint_files(model, tmp, tokenizer_json, extra_files)
+    return Path(path)
 
 
-def replace_dir(tmp: Path, path: Path) -> None:
-    """Move a finished directory into place; the old one survives until the new one is there."""
-    old = None
-    if path.exists():
-        old = path.with_name(f".{path.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-    os.replace(tmp, path)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def run(argv: list[str]) -> int:
     if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: python -m models.checkpoint CHECKPOINT_DIR", file=sys.stderr)
-        return 2
-    try:
-        model = load_checkpoint(argv[0])
-        load_tokenizer(argv[0])
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        from core.errors import UsageError
+        raise UsageError("python -m models.checkpoint: expected one argument, CHECKPOINT_DIR; see the module docstring")
+    model = load_checkpoint(argv[0])
     cfg = model.cfg
     gate = f", gate {model.gate.value}" if cfg.norm == "taper" else ""
     scope = f" ({cfg.taper_scope})" if cfg.taper_scope else ""
     print(f"{argv[0]}: ok: {cfg.norm}{scope}{gate}, {model.num_params():,} params, "
           f"d_model {cfg.d_model}, {cfg.n_layer} layers, {cfg.n_head} heads, vocab {cfg.vocab_size}, capacity {cfg.max_seq_len}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(run, argv)
 
 
 if __name__ == "__main__":

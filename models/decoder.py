@@ -64,6 +64,14 @@ class DecoderConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_head
 
+    def approx_param_count(self) -> int:
+        """Parameters of the model this config builds, without building it (for memory checks)."""
+        d, hidden = self.d_model, self.mlp_ratio * self.d_model
+        mlp = (3 if self.mlp == "swiglu" else 2) * d * hidden
+        block = 4 * d * d + mlp + 8 * d
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return self.vocab_size * d + self.max_seq_len * d + self.n_layer * block + head
+
     def cache_layout(self) -> KVCacheLayout:
         return KVCacheLayout(self.n_layer, self.n_head, self.head_dim, self.max_seq_len)
 

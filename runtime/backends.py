@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.session import DecoderSession, MissingExtraError
+from runtime.session import DecoderSession, MissingExtraError, RuntimeUserError
 
 
 @dataclass(frozen=True)
@@ -25,15 +26,16 @@ class Backend:
     extra: str | None      # tapernorm-deploy extra that installs it
     model_kind: str        # what --model points at
     default_device: str
+    devices: tuple[str, ...]   # what --device accepts ("cuda:N": cuda with a device index)
 
 
 BACKENDS: dict[str, Backend] = {
     "ort": Backend("ort", "runtime.ort_session", "OrtSession", "onnxruntime", None,
-                   "a build directory or an .onnx file", "cpu"),
+                   "a build directory or an .onnx file", "cpu", ("cpu", "cuda", "tensorrt")),
     "torch": Backend("torch", "runtime.torch_session", "TorchSession", "torch", None,
-                     "a checkpoint directory", "cpu"),
+                     "a checkpoint directory", "cpu", ("cpu", "cuda", "cuda:N")),
     "trt": Backend("trt", "runtime.trt_session", "TrtSession", "tensorrt", "tensorrt",
-                   "a build directory or an .onnx file", "cuda"),
+                   "a build directory or an .onnx file", "cuda", ("cuda", "cuda:N")),
 }
 
 
@@ -51,11 +53,21 @@ def require(backend: Backend) -> None:
         raise MissingExtraError(backend.name, backend.extra or "base", backend.requires)
 
 
+def check_device(backend: Backend, device: str) -> str:
+    """The device if the backend takes it, else RuntimeUserError naming the ones it takes."""
+    ok = device in backend.devices or ("cuda:N" in backend.devices and re.fullmatch(r"cuda:\d{1,3}", device))
+    if not ok:
+        raise RuntimeUserError(f"--device {device!r}: backend {backend.name!r} expected one of "
+                               f"{', '.join(backend.devices)}; pass one of those")
+    return device
+
+
 def open_session(name: str, model: str | Path, device: str | None = None, **options) -> DecoderSession:
     """An inactive session of backend `name` over `model`; activate it (or use `with`)."""
     if name not in BACKENDS:
-        raise ValueError(f"backend {name!r}; expected one of {', '.join(BACKENDS)}")
+        raise RuntimeUserError(f"backend {name!r}: expected one of {', '.join(BACKENDS)}; pass one of those")
     backend = BACKENDS[name]
+    device = check_device(backend, device or backend.default_device)
     require(backend)
     cls = getattr(importlib.import_module(backend.module), backend.cls)
-    return cls(model, device=device or backend.default_device, **options)
+    return cls(model, device=device, **options)

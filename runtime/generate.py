@@ -19,7 +19,6 @@ batch mode) and TTFT, TPOT (p50/p90) and tokens/s on stderr.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,7 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runtime.sampling import SamplingConfig, sample
-from runtime.session import CapacityError, DecoderSession, RuntimeUserError, run_cli
+from core.errors import run_cli
+from runtime.session import CapacityError, DecoderSession, RuntimeUserError
 
 
 @dataclass
@@ -143,19 +143,25 @@ def generate(session: DecoderSession, prompts: list[list[int]], config: Generati
 
 # --- CLI ----------------------------------------------------------------------------------
 
-def _parser() -> argparse.ArgumentParser:
+MAX_PROMPTS = 256                  # --batch-file: prompts per batch (one batch holds every cache at once)
+MAX_BATCH_FILE_BYTES = 1 << 20     # --batch-file: 1 MiB of text
+
+
+def _parser():
+    from core.errors import ArgumentParser, float_in, int_in, nonnegative_int, positive_int, seed_int
     from runtime.backends import BACKENDS
-    p = argparse.ArgumentParser(prog="python -m runtime.generate", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m runtime.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="build directory or .onnx file (ort, trt); checkpoint directory (torch)")
     p.add_argument("--prompt", help="prompt text")
-    p.add_argument("--batch-file", help="file with one prompt per line, run as one batch")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--batch-file", help=f"UTF-8 text file with one prompt per line, run as one batch "
+                                        f"(at most {MAX_PROMPTS} prompts, {MAX_BATCH_FILE_BYTES >> 20} MiB)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=32)
     p.add_argument("--backend", choices=sorted(BACKENDS), default="ort")
-    p.add_argument("--device", help="cpu | cuda (ort also: tensorrt); default: the backend's")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", help="ort: cpu | cuda | tensorrt; torch: cpu | cuda[:N]; trt: cuda[:N] (default: the backend's)")
+    p.add_argument("--temperature", type=float_in(0.0), default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-k", type=nonnegative_int, default=0)
+    p.add_argument("--top-p", type=float_in(0.0, 1.0), default=1.0, help="in (0, 1]")
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--stop", action="append", default=None,
                    help="stop token (text of one token, or id:N); repeatable; default: <|endoftext|> if the tokenizer has it")
     p.add_argument("--ignore-eos", action="store_true", help="no stop tokens: always generate --max-new-tokens")
@@ -163,65 +169,81 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load_tokenizer(backend: str, model: str):
+def _load_tokenizer(backend: str, model: str, vocab_size: int):
     if backend == "torch":
-        from models.checkpoint import CheckpointError, load_tokenizer
         from pathlib import Path
-        if not (Path(model) / "tokenizer.json").is_file():
-            raise RuntimeUserError(f"{Path(model) / 'tokenizer.json'}: expected the checkpoint's tokenizer, found no file; "
-                                   "--backend torch needs a checkpoint directory")
-        try:
-            return load_tokenizer(model)
-        except CheckpointError as e:
-            raise RuntimeUserError(str(e)) from None
+        from models.checkpoint import check_tokenizer_fits, load_tokenizer
+        tok = load_tokenizer(model)
+        check_tokenizer_fits(Path(model), vocab_size, tok)
+        return tok
     from runtime.model_files import load_tokenizer
-    return load_tokenizer(model)
+    return load_tokenizer(model, vocab_size)
 
 
-def _stop_tokens(tok, args) -> tuple[int, ...]:
-    if args.ignore_eos:
+def parse_stop_tokens(tok, stops: list[str] | None, ignore_eos: bool, vocab_size: int) -> tuple[int, ...]:
+    """--stop values (token text or id:N) as ids; default: <|endoftext|> when the tokenizer has it."""
+    if ignore_eos:
         return ()
-    if args.stop is None:
+    if stops is None:
         eos = tok.token_to_id("<|endoftext|>")
         return () if eos is None else (eos,)
     ids = []
-    for s in args.stop:
-        i = int(s[3:]) if s.startswith("id:") else tok.token_to_id(s)
-        if i is None:
-            raise RuntimeUserError(f"--stop {s!r}: expected one token of the tokenizer (or id:N), found none; pick another")
+    for s in stops:
+        if s.startswith("id:"):
+            try:
+                i = int(s[3:])
+            except ValueError:
+                raise RuntimeUserError(f"--stop {s!r}: expected id:N with N an integer token id, found {s[3:]!r}; "
+                                       "e.g. --stop id:0") from None
+            if not 0 <= i < vocab_size:
+                raise RuntimeUserError(f"--stop {s!r}: expected a token id in [0, {vocab_size}), found {i}; pick another")
+        else:
+            i = tok.token_to_id(s)
+            if i is None:
+                raise RuntimeUserError(f"--stop {s!r}: expected one token of the tokenizer (or id:N), found none; pick another")
         ids.append(i)
     return tuple(ids)
 
 
-def run(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    from runtime.backends import open_session
+def read_prompts(args) -> list[str]:
+    from core.inputs import check_text, read_text_file
     if (args.prompt is None) == (args.batch_file is None):
         raise RuntimeUserError("prompt: expected exactly one of --prompt TEXT or --batch-file F, found "
                                + ("both" if args.prompt is not None else "neither") + "; pass one")
-    if args.batch_file is not None:
-        try:
-            with open(args.batch_file, encoding="utf-8") as f:
-                texts = [line.rstrip("\n") for line in f if line.strip()]
-        except OSError as e:
-            raise RuntimeUserError(f"{args.batch_file}: expected a readable file of prompts, found {e.strerror}; check the path") from None
-        if not texts:
-            raise RuntimeUserError(f"{args.batch_file}: expected one prompt per line, found no prompts; add some")
-    else:
-        texts = [args.prompt]
+    if args.batch_file is None:
+        return [check_text(args.prompt, "--prompt")]
+    text = read_text_file(args.batch_file, "--batch-file", MAX_BATCH_FILE_BYTES)
+    texts = [line for line in text.split("\n") if line.strip()]
+    if not texts:
+        raise RuntimeUserError(f"--batch-file {args.batch_file}: expected one prompt per line, found no prompts; add some")
+    if len(texts) > MAX_PROMPTS:
+        raise RuntimeUserError(f"--batch-file {args.batch_file}: expected at most {MAX_PROMPTS} prompts (one batch), "
+                               f"found {len(texts)}; split the file")
+    return texts
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from core.inputs import check_memory
+    from runtime.backends import open_session
+    texts = read_prompts(args)
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    try:
+        sampling.validate()
+    except ValueError as e:
+        raise RuntimeUserError(f"sampling: {e}; fix the option") from None
     options = {"compile": True} if args.compile and args.backend == "torch" else {}
     session = open_session(args.backend, args.model, device=args.device, **options)
     with session:                      # activate first: a bad model file is reported before anything else
-        tok = _load_tokenizer(args.backend, args.model)
+        spec = session.spec
+        tok = _load_tokenizer(args.backend, args.model, spec.vocab_size)
         prompts = [tok.encode(t).ids for t in texts]
-        config = GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed,
-                                  sampling=SamplingConfig(args.temperature, args.top_k, args.top_p),
-                                  stop_tokens=_stop_tokens(tok, args))
-        try:
-            config.sampling.validate()
-        except ValueError as e:
-            raise RuntimeUserError(f"sampling: {e}; fix the option") from None
-        check_capacity(session.spec.capacity, [len(p) for p in prompts], args.max_new_tokens)
+        config = GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed, sampling=sampling,
+                                  stop_tokens=parse_stop_tokens(tok, args.stop, args.ignore_eos, spec.vocab_size))
+        check_capacity(spec.capacity, [len(p) for p in prompts], args.max_new_tokens)
+        longest = max(len(p) for p in prompts)
+        check_memory(len(prompts) * longest * spec.vocab_size * 4, f"prefill logits of {len(prompts)} prompts",
+                     "use fewer or shorter prompts")
         result = generate(session, prompts, config)
     stop = set(config.stop_tokens)
     for new in result.tokens:

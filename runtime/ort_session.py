@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.model_files import resolve_onnx, spec_from_io
+from runtime.model_files import resolve_onnx, spec_from_ort_session
 from runtime.session import DecoderSession, MissingExtraError, ModelFileError
 
 # provider name per --device; the CUDA and TensorRT providers come with onnxruntime-gpu
@@ -71,9 +71,7 @@ class OrtSession(DecoderSession):
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ModelFileError(f"{self.path}: expected a loadable ONNX model, found an error ({first}); "
                                  "re-run python -m export.build") from None
-        self.spec = spec_from_io(self.path,
-                                 {i.name: (i.shape, i.type) for i in self.session.get_inputs()},
-                                 {o.name: (o.shape, o.type) for o in self.session.get_outputs()})
+        self.spec = spec_from_ort_session(self.session, self.path)
         self._ort = ort
         out_types = {o.name: o.type for o in self.session.get_outputs()}
         self._logits_dtype = np.dtype(np.float16 if out_types["logits"] == "tensor(float16)" else np.float32)

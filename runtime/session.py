@@ -22,27 +22,20 @@ same session (copy them to keep them). All arrays are numpy on the host.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
 
 import numpy as np
 
+from core.contract import DecodeContract
+from core.errors import UserError
+from core.inputs import check_memory
+
 INSTALL_EXTRA = "pip install 'tapernorm-deploy[{extra}]'"
+# The decode-step shapes of a session: every cache is [batch, n_kv_head, capacity, head_dim].
+ModelSpec = DecodeContract
 
 
-class RuntimeUserError(Exception):
+class RuntimeUserError(UserError):
     """A problem the user can fix; str(e) is one line: `<object>: <expected>, <found>; <fix>`."""
-
-
-def run_cli(run, argv: list[str] | None = None) -> int:
-    """Run a CLI body: a RuntimeUserError becomes one `error:` line and exit 1, Ctrl-C exit 130."""
-    import sys
-    try:
-        return run(argv)
-    except RuntimeUserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
 
 
 class ModelFileError(RuntimeUserError):
@@ -66,36 +59,6 @@ class DeviceError(RuntimeUserError):
     """A backend needs a device (CUDA) this machine does not have."""
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """Shapes of the decode-step contract: caches are [batch, n_head, capacity, head_dim]."""
-    n_layer: int
-    n_head: int
-    head_dim: int
-    capacity: int
-    vocab_size: int
-    dtype: str = "fp32"   # cache and logits dtype: fp32 | fp16
-
-    @property
-    def np_dtype(self) -> np.dtype:
-        return np.dtype({"fp32": np.float32, "fp16": np.float16}[self.dtype])
-
-    def cache_shape(self, batch: int) -> tuple[int, int, int, int]:
-        return (batch, self.n_head, self.capacity, self.head_dim)
-
-    def cache_names(self) -> list[str]:
-        """key_0, value_0, key_1, ... in graph input order."""
-        return [n for i in range(self.n_layer) for n in (f"key_{i}", f"value_{i}")]
-
-    def cache_bytes(self, batch: int) -> int:
-        return 2 * self.n_layer * int(np.prod(self.cache_shape(batch))) * self.np_dtype.itemsize
-
-    @classmethod
-    def from_config(cls, cfg, dtype: str = "fp32") -> "ModelSpec":
-        """From a models.decoder.DecoderConfig."""
-        return cls(cfg.n_layer, cfg.n_head, cfg.head_dim, cfg.max_seq_len, cfg.vocab_size, dtype)
-
-
 class DecoderSession(abc.ABC):
     """One decode-step contract over a backend; see the module docstring.
 
@@ -106,7 +69,7 @@ class DecoderSession(abc.ABC):
     backend: str = "?"
 
     def __init__(self) -> None:
-        self.spec: ModelSpec | None = None
+        self.spec: DecodeContract | None = None
         self.batch: int = 0
         self.is_active = False
 
@@ -139,6 +102,8 @@ class DecoderSession(abc.ABC):
         if batch < 1:
             raise ValueError(f"batch is {batch}; expected >= 1")
         if batch != self.batch:
+            check_memory(self.spec.cache_bytes(batch), f"{self.backend} session: the KV caches for batch {batch} "
+                         f"(capacity {self.spec.capacity})", "use a smaller batch or a model of smaller capacity")
             self._allocate(batch)
             self.batch = batch
 

@@ -12,7 +12,6 @@ This is a quick runtime-level check; bench/ owns the benchmark reports.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -39,7 +38,7 @@ def time_decode_steps(session: DecoderSession, batch: int = 1, prompt_len: int =
     """Seconds per decode step: {'step': [n]} and for ort also {'run': [n], 'outside': [n]}."""
     cap = session.spec.capacity
     steps = min(steps, cap - prompt_len - warmup)
-    if steps < 1:
+    if steps < 1 or prompt_len > cap:
         raise RuntimeUserError(f"step timing: expected capacity > prompt_len + warmup, found capacity {cap}; "
                                "use a shorter --prompt-len")
     session.reset(batch)
@@ -78,32 +77,34 @@ def summarize(times: dict[str, np.ndarray]) -> str:
     return "; ".join(parts)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m runtime.step_timing", description=__doc__.split("\n\n")[0])
+def run(argv: list[str]) -> int:
+    from core.errors import ArgumentParser, int_in, positive_int
+    p = ArgumentParser(prog="python -m runtime.step_timing", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", action="append", required=True, help="repeat to time several models interleaved")
     p.add_argument("--backend", default="ort")
     p.add_argument("--device", default=None)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--prompt-len", type=int, default=8)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch", type=int_in(1, 4096), default=1)
+    p.add_argument("--prompt-len", type=positive_int, default=8)
+    p.add_argument("--steps", type=int_in(1, 1_000_000), default=100)
+    p.add_argument("--rounds", type=int_in(1, 1000), default=3)
     args = p.parse_args(argv)
     from runtime.backends import open_session
-    try:
-        sessions = [open_session(args.backend, m, device=args.device).activate() for m in args.model]
-        results: dict[str, dict[str, list]] = {m: {} for m in args.model}
-        for _ in range(args.rounds):
-            for m, s in zip(args.model, sessions):
-                for k, v in time_decode_steps(s, args.batch, args.prompt_len, args.steps).items():
-                    results[m].setdefault(k, []).append(v)
+    sessions = [open_session(args.backend, m, device=args.device).activate() for m in args.model]
+    results: dict[str, dict[str, list]] = {m: {} for m in args.model}
+    for _ in range(args.rounds):
         for m, s in zip(args.model, sessions):
-            merged = {k: np.concatenate(v) for k, v in results[m].items()}
-            print(f"{args.backend} {s.spec.dtype} batch {args.batch} {m}: {summarize(merged)}")
-            s.deactivate()
-    except RuntimeUserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+            for k, v in time_decode_steps(s, args.batch, args.prompt_len, args.steps).items():
+                results[m].setdefault(k, []).append(v)
+    for m, s in zip(args.model, sessions):
+        merged = {k: np.concatenate(v) for k, v in results[m].items()}
+        print(f"{args.backend} {s.spec.dtype} batch {args.batch} {m}: {summarize(merged)}")
+        s.deactivate()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from core.errors import run_cli
+    return run_cli(run, argv)
 
 
 if __name__ == "__main__":

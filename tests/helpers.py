@@ -55,3 +55,20 @@ def random_model(seed: int = 0, gate: float | None = None, randomize_norms: bool
 def write_checkpoint(dirpath: Path, model: Decoder) -> Path:
     tok = tiny_tokenizer_json(dirpath.parent / f".{dirpath.name}.tokenizer.json")
     return save_checkpoint(model, dirpath, tok)
+
+
+def snapshot(root: Path) -> dict[str, object]:
+    """Every path under root (hidden ones too) -> file bytes, 'dir' or the link target: byte-for-byte comparisons."""
+    import os
+    out: dict[str, object] = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                out[rel] = ("link", os.readlink(p))
+            elif p.is_dir():
+                out[rel] = "dir"
+            else:
+                out[rel] = p.read_bytes()
+    return out

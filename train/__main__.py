@@ -1,8 +1,12 @@
 """python -m train --preset P --size S --out DIR [--steps N] [--d-model D --n-layer L --n-head H] [--seed K]
+python -m train --out DIR --resume [--threads N]
 
 Trains a pre-norm decoder with the TaperNorm schedule and saves a checkpoint
 directory (config.json with the gate and each layer's c, model.safetensors,
-tokenizer.json, train_log.json) into DIR, atomically, at every evaluation.
+tokenizer.json, train_log.json, and train_state.pt for --resume) into DIR,
+atomically, at every evaluation after step 0. DIR must be new or empty, or hold
+a run of python -m train that --resume continues (with its own settings; it ends
+with the same weights as an uninterrupted run of the same seed).
 
 Presets:
   baseline            RMSNorm everywhere
@@ -26,90 +30,104 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import signal
 import sys
 
+from core.errors import ArgumentParser, UsageError, float_in, int_in, nonnegative_int, positive_int, run_cli, seed_int
 from train.config import TrainConfig, TrainError
-from train.corpus import CorpusError
 from train.presets import PRESETS, SIZES
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        print(f"error: {self.prog}: {message}; see --help", file=sys.stderr)
-        sys.exit(2)
+RESUME_OPTIONS = {"out", "resume", "threads", "quiet"}   # what --resume may be given beside --out
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", required=True, help=f"one of: {', '.join(PRESETS)}")
+    p = ArgumentParser(prog="python -m train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", help=f"one of: {', '.join(PRESETS)} (required unless --resume)")
     p.add_argument("--size", default="tiny", help=f"one of: {', '.join(SIZES)} (default tiny)")
-    p.add_argument("--out", required=True, help="checkpoint directory to write (replaced atomically at every eval)")
-    p.add_argument("--steps", type=int, help="optimizer steps (default: the size's, tiny 1200)")
-    p.add_argument("--warmup-steps", type=int, help="steps at g = 1 before calibration (default 35%% of --steps)")
-    p.add_argument("--taper-steps", type=int, help="cosine steps from g = 1 to 0 (default 35%% of --steps)")
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--seq-len", type=int, help="training context (default tiny 128)")
+    p.add_argument("--out", required=True, help="training run directory (new or empty; or the run to --resume)")
+    p.add_argument("--resume", action="store_true", help="continue the run --out holds from its last checkpoint")
+    p.add_argument("--steps", type=int_in(None, 10_000_000), help="optimizer steps (default: the size's, tiny 1200)")
+    p.add_argument("--warmup-steps", type=int_in(None, 10_000_000), help="steps at g = 1 before calibration (default 35%% of --steps)")
+    p.add_argument("--taper-steps", type=int_in(None, 10_000_000), help="cosine steps from g = 1 to 0 (default 35%% of --steps)")
+    p.add_argument("--batch-size", type=int_in(None, 65536))
+    p.add_argument("--seq-len", type=int_in(None, 65536), help="training context (default tiny 128)")
     p.add_argument("--lr", type=float, help="peak learning rate (default tiny 2e-3)")
-    p.add_argument("--eval-every", type=int)
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--calib-batches", type=int, default=4, help="held-out batches for the least-squares c")
+    p.add_argument("--eval-every", type=int_in(None, 10_000_000))
+    p.add_argument("--eval-batches", type=int_in(None, 100_000), default=8)
+    p.add_argument("--calib-batches", type=int_in(None, 100_000), default=4, help="held-out batches for the least-squares c")
     p.add_argument("--aux-lambda", type=float, help="weight of the scale loss (default 0.1 for all-taper, else 0)")
     p.add_argument("--s-tgt", default="calib", help="target pre-logit scale: 'calib' or a positive number")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--corpus", default="generated",
                    help="'generated' (the shipped generator), a .txt/.jsonl file, or hf:roneneldan/TinyStories")
-    p.add_argument("--corpus-stories", type=int, default=6000, help="stories to generate for --corpus generated")
-    p.add_argument("--corpus-limit", type=int, help="use at most this many stories of a file or dataset")
+    p.add_argument("--corpus-stories", type=int_in(1, 10_000_000), default=6000, help="stories to generate for --corpus generated")
+    p.add_argument("--corpus-limit", type=positive_int, help="use at most this many stories of a file or dataset")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default train/data/tokenizer.json) or 'train'")
     g = p.add_argument_group("architecture (overrides the size)")
-    g.add_argument("--d-model", type=int)
-    g.add_argument("--n-layer", type=int)
-    g.add_argument("--n-head", type=int)
-    g.add_argument("--vocab-size", type=int)
-    g.add_argument("--max-seq-len", type=int, help="position table / KV-cache capacity (default 256)")
+    g.add_argument("--d-model", type=int_in(None, 65536))
+    g.add_argument("--n-layer", type=int_in(None, 1024))
+    g.add_argument("--n-head", type=int_in(None, 4096))
+    g.add_argument("--vocab-size", type=int_in(None, 10_000_000))
+    g.add_argument("--max-seq-len", type=int_in(None, 1_000_000), help="position table / KV-cache capacity (default 256)")
     g.add_argument("--mlp", help="gelu | swiglu")
-    g.add_argument("--dyt-alpha-init", type=float, help="initial alpha of every DyT layer")
-    g.add_argument("--embed-std", type=float, help="init std of the token and position embeddings (default 0.02)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    g.add_argument("--dyt-alpha-init", type=float_in(), help="initial alpha of every DyT layer")
+    g.add_argument("--embed-std", type=float_in(), help="init std of the token and position embeddings (default 0.02)")
+    p.add_argument("--threads", type=int_in(0, 256), default=0, help="torch threads (0: torch's default)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    a = build_parser().parse_args(argv)
+def _config(a) -> TrainConfig:
+    if a.preset is None:
+        raise UsageError("python -m train: --preset is required for a new run (or pass --resume); see --help")
     kw = dict(preset=a.preset, size=a.size, out=a.out, steps=a.steps, warmup_steps=a.warmup_steps,
               taper_steps=a.taper_steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, eval_every=a.eval_every,
               eval_batches=a.eval_batches, calib_batches=a.calib_batches, aux_lambda=a.aux_lambda, s_tgt=a.s_tgt,
               seed=a.seed, corpus=a.corpus, corpus_stories=a.corpus_stories, corpus_limit=a.corpus_limit,
               model=dict(d_model=a.d_model, n_layer=a.n_layer, n_head=a.n_head, vocab_size=a.vocab_size,
                          max_seq_len=a.max_seq_len, mlp=a.mlp, dyt_alpha_init=a.dyt_alpha_init),
-              embed_std=a.embed_std,
-              threads=a.threads, progress=not a.quiet)
+              embed_std=a.embed_std, threads=a.threads, progress=not a.quiet)
     if a.tokenizer is not None:
         kw["tokenizer"] = a.tokenizer
-    run = TrainConfig(**kw)
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` cleans up like Ctrl-C
+    return TrainConfig(**kw)
+
+
+def _resume_config(p: argparse.ArgumentParser, a) -> TrainConfig:
+    """The held run's own settings; only --threads and --quiet may change."""
+    from train.loop import resume_config
+    given = sorted(k for k, v in vars(a).items() if k not in RESUME_OPTIONS and v != p.get_default(k))
+    if given:
+        raise UsageError(f"python -m train --resume: continues the run with its own settings; drop "
+                         f"{', '.join('--' + k.replace('_', '-') for k in given)}")
+    run = resume_config(a.out)
+    run.out, run.threads, run.progress = a.out, a.threads, not a.quiet
+    return run
+
+
+def run(argv: list[str]) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    run_cfg = _resume_config(p, a) if a.resume else _config(a)
+    run_cfg.resolve()                 # cheap checks first, before torch is imported
+    from train.loop import check_out, train
+    check_out(run_cfg, a.resume)      # refuse a wrong --out before the corpus is built
     try:
-        run.resolve()                 # cheap checks first, before torch is imported
-        from train.loop import train
-        log = train(run, command="python -m train " + shlex.join(argv))
-    except (TrainError, CorpusError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        log = train(run_cfg, command="python -m train " + shlex.join(argv), resume=a.resume)
     except KeyboardInterrupt:
-        print(f"error: training interrupted; {run.out} holds the last complete checkpoint", file=sys.stderr)
+        from train.loop import read_state_step
+        step = read_state_step(run_cfg.out)
+        kept = (f"{run_cfg.out} holds the checkpoint of step {step} (continue with: python -m train --out "
+                f"{shlex.quote(str(run_cfg.out))} --resume)" if step else "nothing was written")
+        print(f"error: training interrupted; {kept}", file=sys.stderr)
         return 130
     last = log["evals"][-1]
     gate = "" if last["gate"] is None else f", gate {last['gate']}"
-    print(f"{run.out}: {run.preset}/{run.size}, {log['params']:,} params, {last['step']} steps, "
+    print(f"{run_cfg.out}: {run_cfg.preset}/{run_cfg.size}, {log['params']:,} params, {last['step']} steps, "
           f"val loss {last['val_loss']:.4f}, pre-logit rms {last['prelogit_rms']:.3f}{gate}, {log['wall_s']:.0f} s")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(run, argv)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,13 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.errors import UserError
 from train.presets import PRESETS, SIZES, TAPER_FRAC, WARMUP_FRAC
 
 DEFAULT_TOKENIZER = Path(__file__).resolve().parent / "data" / "tokenizer.json"
 
 
-class TrainError(ValueError):
+class TrainError(UserError):
     """Bad training input; the message is one line `<object>: <expected>, <found>; <fix>`."""
 
 
@@ -62,8 +63,8 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise TrainError(f"--{name.replace('_', '-')} {v}: expected a positive integer; pass a value > 0")
-        if not self.lr > 0:
-            raise TrainError(f"--lr {self.lr}: expected a positive number; pass a value > 0")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise TrainError(f"--lr {self.lr}: expected a positive finite number; pass e.g. --lr 2e-3")
         taper = self.preset_model()["norm"] == "taper"
         if self.taper_steps is not None and self.taper_steps <= 0:
             raise TrainError(f"--taper-steps {self.taper_steps}: expected a positive number of steps (the cosine needs at least one); pass a value > 0")

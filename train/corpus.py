@@ -17,10 +17,15 @@ import json
 import random
 from pathlib import Path
 
+from core.errors import UserError
+from core.inputs import read_text_file
+
+MAX_CORPUS_BYTES = 4 << 30       # a local corpus file is read into memory whole
+
 EOS = "<|endoftext|>"
 
 
-class CorpusError(ValueError):
+class CorpusError(UserError):
     """A corpus that cannot be read; the message is one line meant for the user."""
 
 
@@ -222,21 +227,23 @@ def load_text_file(path: str | Path) -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise CorpusError(f"corpus file {path}: not found; pass an existing .txt or .jsonl file, or --corpus generated")
+    try:
+        text = read_text_file(path, "corpus file", MAX_CORPUS_BYTES)
+    except UserError as e:
+        raise CorpusError(str(e)) from None
     if path.suffix == ".jsonl":
         stories = []
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise CorpusError(f"corpus file {path}: line {lineno} is not JSON ({e.msg}); expected one {{\"text\": ...}} object per line") from None
-                if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                    raise CorpusError(f"corpus file {path}: line {lineno} has no string field 'text'; expected one {{\"text\": ...}} object per line")
-                stories.append(obj["text"].strip())
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CorpusError(f"corpus file {path}: line {lineno} is not JSON ({e.msg}); expected one {{\"text\": ...}} object per line") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                raise CorpusError(f"corpus file {path}: line {lineno} has no string field 'text'; expected one {{\"text\": ...}} object per line")
+            stories.append(obj["text"].strip())
     else:
-        text = path.read_text(encoding="utf-8")
         parts = text.split(EOS) if EOS in text else text.split("\n\n")
         stories = [p.strip() for p in parts]
     stories = [s for s in stories if s]

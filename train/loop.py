@@ -1,18 +1,23 @@
 """The training loop: warmup at g = 1, calibration, cosine taper to g = 0, training on at g = 0.
 
     run = TrainConfig(preset="internal-taper", size="tiny", out="runs/it")
-    summary = train(run)
+    summary = train(run)                       # a new run into a new (or empty) --out
+    summary = train(run, resume=True)          # continue the run --out holds
 
-Every `eval_every` steps (and at step 0 and at the end) the loop evaluates on the
-held-out split (val loss, pre-logit RMS, max |logit|), appends the numbers to
-the JSON log and saves the checkpoint atomically into `out` (config.json with the
-current gate and each layer's c, model.safetensors, tokenizer.json,
-train_log.json): killing the process leaves the last complete checkpoint.
+`out` holds the run (core.outputs kind "training-run"): every `eval_every` steps and
+at the end the loop evaluates on the held-out split, appends the numbers to the JSON
+log and replaces `out` atomically with the checkpoint (config.json with the current
+gate and each layer's c, model.safetensors, tokenizer.json, train_log.json) plus
+RUN_STATE, what resuming needs: model and optimizer state, the data sampler's and
+torch's RNG, calibration and scale-loss state, the log. Killing the process leaves
+the last complete checkpoint. Nothing is written before the first evaluation after
+step 0, so `out` never goes back to an earlier step than it holds; a new run into a
+directory that holds a run is refused (resume it, or choose another --out).
 """
 from __future__ import annotations
 
 import json
-import os
+import shutil
 import sys
 import tempfile
 import time
@@ -22,7 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from models.checkpoint import CONFIG, save_checkpoint
+from core.outputs import TRAINING_RUN, check_output_dir, marker_kind
+from models.checkpoint import save_checkpoint
 from models.decoder import Decoder
 from train.calibration import branch_mismatch, calibrate
 from train.config import TrainConfig, TrainError
@@ -32,6 +38,7 @@ from train.schedule import lr_at
 from train.tokenizer import encode_stories, load_tokenizer, train_tokenizer
 
 LOG_NAME = "train_log.json"
+RUN_STATE = "train_state.pt"
 
 
 # --- data ----------------------------------------------------------------------------
@@ -122,38 +129,80 @@ def _optimizer(model: Decoder, lr: float, wd: float) -> torch.optim.Optimizer:
                              lr=lr, betas=(0.9, 0.95))
 
 
-def _check_out(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / CONFIG).is_file())):
-        raise TrainError(f"--out {out}: exists and is not a checkpoint directory; pick a new --out (training replaces the directory)")
+def check_out(run: TrainConfig, resume: bool) -> int:
+    """Refuse an --out this run may not write; returns the step the held run reached (0 for a new run)."""
+    out = Path(run.out)
+    inputs = [p for p in (run.tokenizer, run.corpus) if p not in ("train", "generated") and not str(p).startswith("hf:")]
+    check_output_dir(out, TRAINING_RUN, inputs=inputs)
+    held = None
+    if marker_kind(out) == TRAINING_RUN.name:
+        held = read_state_step(out)
+        held = "unknown" if held is None or not (out / RUN_STATE).is_file() else held
+    if resume:
+        if held in (None, "unknown"):
+            raise TrainError(f"--out {out}: holds no training run to resume (no {RUN_STATE}); start a new run without --resume")
+        return int(held)
+    if held is not None:
+        raise TrainError(f"--out {out}: holds a training run at step {held}; continue it with --resume, "
+                         "or choose a new --out (a new run never replaces a later step)")
+    return 0
 
 
-def _write_json_atomic(obj: dict, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+def read_state_step(out: Path) -> int | None:
+    try:
+        return int(json.loads((Path(out) / LOG_NAME).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
-def train(run: TrainConfig, command: str | None = None) -> dict:
-    """Train `run` (resolved here); returns the log dict (also saved as train_log.json in run.out)."""
+def load_run_state(out: Path) -> dict:
+    try:
+        return torch.load(Path(out) / RUN_STATE, map_location="cpu", weights_only=False)
+    except Exception as e:  # truncated, not a torch file
+        raise TrainError(f"{Path(out) / RUN_STATE}: expected the resume state of a training run, found an "
+                         f"unreadable file ({type(e).__name__}); start a new run in another --out") from None
+
+
+def _write_json(obj: dict, path: Path) -> None:
+    path.write_text(json.dumps(obj, indent=1) + "\n")
+
+
+def train(run: TrainConfig, command: str | None = None, resume: bool = False) -> dict:
+    """Train `run` (resolved here); returns the log dict (also saved as train_log.json in run.out).
+
+    resume: continue the run `run.out` holds from its last checkpoint (the caller passes the
+    run's own TrainConfig, e.g. from resume_config).
+    """
     run.resolve()
     out = Path(run.out)
-    _check_out(out)
+    check_out(run, resume)
+    from core.inputs import check_memory
+    # weights, gradients and AdamW's two moments, fp32; activations come on top
+    check_memory(16 * run.decoder_config().approx_param_count(), f"training {run.preset}: the model",
+                 "use a smaller --d-model / --n-layer / --vocab-size / --max-seq-len")
     if run.threads:
         torch.set_num_threads(run.threads)
     t0 = time.time()
     out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.work.", dir=out.parent))
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.work-", dir=out.parent))
     try:
-        return _train(run, out, work, t0, command)
+        return _train(run, out, work, t0, command, load_run_state(out) if resume else None)
     finally:
-        for p in work.iterdir():
-            p.unlink()
-        work.rmdir()
+        shutil.rmtree(work, ignore_errors=True)
 
 
-def _train(run: TrainConfig, out: Path, work: Path, t0: float, command: str | None) -> dict:
+def resume_config(out: str | Path) -> TrainConfig:
+    """The TrainConfig of the run `out` holds (from its log), to continue it."""
+    log_path = Path(out) / LOG_NAME
+    try:
+        stored = json.loads(log_path.read_text())["run"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise TrainError(f"--out {out}: holds no training run to resume ({LOG_NAME} missing or unreadable); "
+                         "start a new run without --resume") from None
+    return TrainConfig(**stored)
+
+
+def _train(run: TrainConfig, out: Path, work: Path, t0: float, command: str | None, state: dict | None) -> dict:
     data = prepare_data(run, work)
     torch.manual_seed(run.seed)
     model = Decoder(run.decoder_config())
@@ -170,13 +219,23 @@ def _train(run: TrainConfig, out: Path, work: Path, t0: float, command: str | No
            "schedule": None if sched is None else {"warmup_steps": sched.warmup_steps, "taper_steps": sched.taper_steps,
                                                     "calibration_step": sched.calibration_step, "gate_zero_from": sched.end},
            "aux": {"lambda": run.aux_lambda, "s_tgt": run.s_tgt, "form": "lambda * mean_tokens (log rms(h) - log s_tgt)^2"},
-           "calibration": None, "evals": []}
-    log_path = work / LOG_NAME
-    aux_on, s_tgt = False, None
+           "calibration": None, "evals": [], "step": 0, "resumed_at": []}
+    aux = {"on": False, "s_tgt": None}
     if run.aux_lambda > 0 and run.s_tgt != "calib":
-        s_tgt = float(run.s_tgt)
+        aux["s_tgt"] = float(run.s_tgt)
+    start = 0
+    if state is not None:          # continue exactly where the held run stopped
+        model.load_state_dict(state["model"])
+        for name, c in state["taper_c"].items():
+            model.taper_layers()[name].c = c
+        opt.load_state_dict(state["optimizer"])
+        gen.set_state(state["data_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        aux, log, start = dict(state["aux"]), state["log"], state["step"]
+        log["resumed_at"] = log.get("resumed_at", []) + [start]
+        log["command"] = command or log["command"]
 
-    def checkpoint(step: int, train_loss: float | None) -> dict:
+    def checkpoint(step: int, train_loss: float | None, write: bool = True) -> dict:
         gate = sched.gate_at(step) if sched else None
         if sched:
             model.set_gate(gate)
@@ -185,25 +244,34 @@ def _train(run: TrainConfig, out: Path, work: Path, t0: float, command: str | No
               "phase": sched.phase(step) if sched else "train", "elapsed_s": round(time.time() - t0, 1)}
         log["evals"].append(ev)
         log["wall_s"] = round(time.time() - t0, 1)
-        _write_json_atomic(log, log_path)
-        save_checkpoint(model, out, data.tokenizer_json, extra_files={LOG_NAME: log_path})
+        if write:
+            if not all(torch.isfinite(p).all() for p in model.parameters()):
+                raise TrainError(f"training {run.preset}: weights are NaN or Inf at step {step}; nothing written "
+                                 f"for this step (lower --lr)")
+            log["step"] = step
+            _write_json(log, work / LOG_NAME)
+            torch.save({"step": step, "model": model.state_dict(), "taper_c": model.taper_c(),
+                        "optimizer": opt.state_dict(), "data_rng": gen.get_state(), "torch_rng": torch.get_rng_state(),
+                        "aux": aux, "log": log}, work / RUN_STATE)
+            save_checkpoint(model, out, data.tokenizer_json, extra_files={LOG_NAME: work / LOG_NAME, RUN_STATE: work / RUN_STATE},
+                            kind=TRAINING_RUN)
         return ev
 
-    ev = checkpoint(0, None)
-    bar = _progress(run)
+    ev = log["evals"][-1] if state is not None else checkpoint(0, None, write=False)   # step 0: logged, not written
+    bar = _progress(run, start)
     loss_acc, n_acc = 0.0, 0
-    for step in range(run.steps):
+    for step in range(start, run.steps):
         if sched and step == sched.calibration_step:
             before = branch_mismatch(model, _batches(data.calib, run.batch_size))
             c = calibrate(model, _batches(data.calib, run.batch_size))
             after = branch_mismatch(model, _batches(data.calib, run.batch_size))
             if run.aux_lambda > 0:
-                if s_tgt is None:  # "calib": the pre-logit scale the real final norm gave
+                if aux["s_tgt"] is None:  # "calib": the pre-logit scale the real final norm gave
                     model.set_gate(1.0)
-                    s_tgt = mean_prelogit_rms(model, data.calib, run.batch_size)
-                aux_on = True
+                    aux["s_tgt"] = mean_prelogit_rms(model, data.calib, run.batch_size)
+                aux["on"] = True
             log["calibration"] = {"step": step, "c": c, "mismatch_before": before, "mismatch_after": after,
-                                  "s_tgt": s_tgt}
+                                  "s_tgt": aux["s_tgt"]}
         g = sched.gate_at(step) if sched else None
         if sched:
             model.set_gate(g)
@@ -213,7 +281,7 @@ def _train(run: TrainConfig, out: Path, work: Path, t0: float, command: str | No
         batch = _sample(data.train, run.batch_size, run.seq_len, gen)
         logits, h = model(batch[:, :-1], return_hidden=True)
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-        loss = ce + scale_loss(h, s_tgt, run.aux_lambda) if aux_on else ce
+        loss = ce + scale_loss(h, aux["s_tgt"], run.aux_lambda) if aux["on"] else ce
         if not torch.isfinite(loss):
             raise TrainError(f"training {run.preset}: loss is {float(loss)} at step {step} (gate {g}); lower --lr or check the schedule")
         opt.zero_grad(set_to_none=True)
@@ -234,8 +302,9 @@ def _train(run: TrainConfig, out: Path, work: Path, t0: float, command: str | No
     return log
 
 
-def _progress(run: TrainConfig):
+def _progress(run: TrainConfig, start: int = 0):
     if not run.progress:
         return None
     from tqdm import tqdm
-    return tqdm(total=run.steps, desc=f"{run.preset}/{run.size}", mininterval=2.0, file=sys.stderr, dynamic_ncols=True)
+    return tqdm(total=run.steps, initial=start, desc=f"{run.preset}/{run.size}", mininterval=2.0, file=sys.stderr,
+                dynamic_ncols=True)

@@ -15,10 +15,10 @@ import argparse
 import json
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-from models.checkpoint import load_checkpoint, replace_dir
+from core.outputs import CHECKPOINT, output_dir
+from models.checkpoint import CONFIG, TOKENIZER, WEIGHTS, load_checkpoint
 from train.loop import LOG_NAME
 
 ORDER = ["baseline", "internal-taper", "all-taper", "all-taper-noanchor", "all-taper-aux0", "dyt"]
@@ -34,7 +34,8 @@ def read_logs(runs: Path) -> dict[str, dict]:
     for name in ORDER:
         p = runs / name / LOG_NAME
         if p.is_file():
-            logs[name] = json.loads(p.read_text())
+            from core.inputs import read_json_file
+            logs[name] = read_json_file(p, "training log")
     return logs
 
 
@@ -118,13 +119,16 @@ def plot(logs: dict[str, dict], path: Path) -> None:
     ax1.set_title("Pre-logit scale: scale loss vs no anchor")
     ax2.set_title("Logit magnitude")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    from core.outputs import FIGURE, output_file, png_signature_metadata
+    with output_file(path, FIGURE) as tmp:
+        fig.savefig(tmp, dpi=110, format="png", metadata=png_signature_metadata())
     plt.close(fig)
 
 
 def install_zoo(runs: Path, zoo: Path, presets=ZOO_PRESETS) -> list[str]:
-    """Copy the shipped checkpoints into `zoo`, each validated by loading and renamed into place."""
+    """Copy the shipped checkpoints into `zoo`, each validated by loading and written atomically
+    (the checkpoint files and the log; not the resume state)."""
+    from core.errors import UserError
     done = []
     for name in presets:
         src = runs / name
@@ -132,33 +136,33 @@ def install_zoo(runs: Path, zoo: Path, presets=ZOO_PRESETS) -> list[str]:
             continue
         model = load_checkpoint(src)
         if model.cfg.norm == "taper" and model.gate.value != 0.0:
-            raise ValueError(f"{src}: gate {model.gate.value}; the zoo ships finished tapers only (train to the end)")
-        zoo.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=zoo))
-        shutil.rmtree(tmp)
-        shutil.copytree(src, tmp)
-        tmp.chmod(0o755)                      # mkdtemp makes 0700; a zoo is read by everyone
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        replace_dir(tmp, zoo / name)
+            raise UserError(f"{src}: gate {model.gate.value}; the zoo ships finished tapers only (train to the end)")
+        with output_dir(zoo / name, CHECKPOINT, inputs=[src]) as tmp:
+            for f in (CONFIG, WEIGHTS, TOKENIZER, LOG_NAME):
+                if (src / f).is_file() or f != LOG_NAME:
+                    shutil.copyfile(src / f, tmp / f)
         done.append(name)
     return done
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.report", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def run(argv: list[str]) -> int:
+    from core.errors import ArgumentParser, UserError
+    from core.outputs import FIGURE, REPORT_JSON, check_output_file, write_json
+    p = ArgumentParser(prog="python -m train.report", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", required=True)
-    p.add_argument("--figure")
+    p.add_argument("--figure", help="write the pre-logit RMS figure (PNG) here")
     p.add_argument("--json", help="write table numbers and growth to this JSON file")
     p.add_argument("--install-zoo")
     p.add_argument("--presets", default=",".join(ZOO_PRESETS), help="which runs --install-zoo copies (comma-separated)")
     a = p.parse_args(argv)
     runs = Path(a.runs)
+    for path, kind in ((a.figure, FIGURE), (a.json, REPORT_JSON)):
+        if path:
+            check_output_file(path, kind, inputs=[runs])
     logs = read_logs(runs)
     if not logs:
-        print(f"error: {runs}: no <preset>/{LOG_NAME} found; expected the --out directories of python -m train", file=sys.stderr)
-        return 1
+        raise UserError(f"{runs}: no <preset>/{LOG_NAME} found; expected the --out directories of python -m train")
     print(table(logs))
     ch = chasing(logs)
     aux0 = _compare(logs, "all-taper-aux0")
@@ -175,15 +179,17 @@ def main(argv=None) -> int:
         plot(logs, Path(a.figure))
         print(f"wrote {a.figure}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"final": {k: v["evals"][-1] for k, v in logs.items()}, "chasing": ch, "aux0": aux0}, indent=1) + "\n")
+        write_json(a.json, {"final": {k: v["evals"][-1] for k, v in logs.items()}, "chasing": ch, "aux0": aux0},
+                   inputs=[runs])
     if a.install_zoo:
-        try:
-            done = install_zoo(runs, Path(a.install_zoo), [n for n in a.presets.split(",") if n])
-        except ValueError as e:  # CheckpointError is a ValueError
-            print(f"error: {e}", file=sys.stderr)
-            return 1
+        done = install_zoo(runs, Path(a.install_zoo), [n for n in a.presets.split(",") if n])
         print(f"installed {', '.join(done)} into {a.install_zoo}")
     return 0
+
+
+def main(argv=None) -> int:
+    from core.errors import run_cli
+    return run_cli(run, argv)
 
 
 if __name__ == "__main__":

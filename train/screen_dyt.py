@@ -23,8 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from train.config import TrainConfig, TrainError
-from train.corpus import CorpusError
+from train.config import TrainConfig
 from train.presets import SIZES
 
 THRESHOLD = 0.43       # the paper's classification threshold on overall saturation
@@ -98,45 +97,44 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        print(f"error: {self.prog}: {message}; see --help", file=sys.stderr)
-        sys.exit(2)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = _Parser(prog="python -m train.screen_dyt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run_cli_body(argv: list[str]) -> int:
+    from core.errors import ArgumentParser, int_in, positive_int, seed_int
+    from core.outputs import REPORT_JSON, check_output_file, write_json
+    p = ArgumentParser(prog="python -m train.screen_dyt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="tiny", help=f"one of: {', '.join(SIZES)}")
-    p.add_argument("--steps", type=int, default=500, help="length of the calibration run (default 500)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int_in(1, 10_000_000), default=500, help="length of the calibration run (default 500)")
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--corpus", default="generated")
-    p.add_argument("--corpus-stories", type=int, default=6000)
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--d-model", type=int)
-    p.add_argument("--n-layer", type=int)
-    p.add_argument("--n-head", type=int)
+    p.add_argument("--corpus-stories", type=int_in(1, 10_000_000), default=6000)
+    p.add_argument("--batch-size", type=int_in(1, 65536))
+    p.add_argument("--seq-len", type=int_in(1, 65536))
+    p.add_argument("--eval-batches", type=int_in(1, 100_000), default=8)
+    p.add_argument("--d-model", type=positive_int)
+    p.add_argument("--n-layer", type=positive_int)
+    p.add_argument("--n-head", type=positive_int)
     p.add_argument("--json", help="also write the result as JSON here")
-    p.add_argument("--keep", help="keep the trained DyT checkpoint in this directory")
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--keep", help="keep the trained DyT run in this directory (new or empty)")
+    p.add_argument("--threads", type=int_in(0, 256), default=0)
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     run = TrainConfig(preset="dyt", size=a.size, steps=a.steps, seed=a.seed, corpus=a.corpus,
                       corpus_stories=a.corpus_stories, batch_size=a.batch_size, seq_len=a.seq_len,
-                      eval_batches=a.eval_batches, eval_every=max(1, a.steps) if a.steps and a.steps > 0 else None,
+                      eval_batches=a.eval_batches, eval_every=a.steps,
                       model=dict(d_model=a.d_model, n_layer=a.n_layer, n_head=a.n_head),
                       threads=a.threads, progress=not a.quiet)
-    try:
-        run.resolve()                 # cheap checks first, before torch is imported
-        r = screen(run, keep=a.keep)
-    except (TrainError, CorpusError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    run.resolve()                 # cheap checks first, before torch is imported
+    if a.json:
+        check_output_file(a.json, REPORT_JSON)
+    r = screen(run, keep=a.keep)
     print(format_report(r))
     if a.json:
-        Path(a.json).write_text(json.dumps(r, indent=1) + "\n")
+        write_json(a.json, r)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from core.errors import run_cli
+    return run_cli(run_cli_body, argv)
 
 
 if __name__ == "__main__":

@@ -48,18 +48,28 @@ def encode_stories(tok, stories: list[str]) -> list[int]:
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.tokenizer", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(DEFAULT_TOKENIZER))
-    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB)
-    p.add_argument("--stories", type=int, default=DEFAULT_GENERATED_STORIES)
+def run(argv: list[str]) -> int:
+    from core.errors import ArgumentParser, int_in
+    from core.outputs import TOKENIZER, output_file
+    p = ArgumentParser(prog="python -m train.tokenizer", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True,
+                   help=f"tokenizer.json to write (a new file; the shipped one is {DEFAULT_TOKENIZER})")
+    p.add_argument("--vocab-size", type=int_in(256 + 1, 1_000_000), default=DEFAULT_VOCAB)
+    p.add_argument("--stories", type=int_in(10, 10_000_000), default=DEFAULT_GENERATED_STORIES)
     a = p.parse_args(argv)
+    from core.outputs import check_output_file
+    check_output_file(a.out, TOKENIZER)
     tok = train_tokenizer(generate_stories(a.stories), a.vocab_size)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    tok.save(a.out)
+    with output_file(a.out, TOKENIZER) as tmp:
+        tok.save(str(tmp))
     print(f"wrote {a.out} (vocab {tok.get_vocab_size()})")
     return 0
+
+
+def main(argv=None) -> int:
+    from core.errors import run_cli
+    return run_cli(run, argv)
 
 
 if __name__ == "__main__":

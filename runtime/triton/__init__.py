@@ -9,17 +9,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.triton.repository import RepositoryError, check_repository, write_repository
-
 
 def write_triton_repository(build: str | Path, repo: str | Path, **options) -> Path:
     """Write a Triton model repository for a finished build directory; returns its path.
 
     options: engine, max_batch_size (8), instances (1), kind ("cpu" | "gpu"),
     max_new_tokens (32), intra_op_threads (0), validate (True); see repository.write_repository.
-    Raises RepositoryError (a RuntimeUserError: one line for the user).
+    Raises RepositoryError (a UserError: one line for the user). Imported lazily: the
+    package itself stays light, so the server's Python backend loads only what it runs.
     """
+    from runtime.triton.repository import write_repository
     return write_repository(build, repo, **options)
 
 
-__all__ = ["write_triton_repository", "write_repository", "check_repository", "RepositoryError"]
+__all__ = ["write_triton_repository"]

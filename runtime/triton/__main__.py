@@ -14,45 +14,49 @@ prints the generated text on stdout, as python -m runtime.generate does.
 """
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 import threading
 
-from runtime.session import run_cli
+from core.errors import ArgumentParser, float_in, int_in, nonnegative_int, positive_int, run_cli, seed_int
+
+port = int_in(1, 65535)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m runtime.triton", description=__doc__.split("\n\n")[0])
+def _parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m runtime.triton", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("repo", help="write a model repository for a build directory")
     r.add_argument("--build", required=True, help="build directory from python -m export.build")
-    r.add_argument("--out", required=True, help="repository directory to write (replaced atomically)")
+    r.add_argument("--out", required=True,
+                   help="repository directory to write (atomically; replaces only a repository this command wrote)")
     r.add_argument("--engine", help="TensorRT engine built from the build's fused graph; default: the newest <graph stem>.<key>.engine in BUILD")
-    r.add_argument("--max-batch-size", type=int, default=8, help="decoder models: sequences per step (default 8)")
-    r.add_argument("--instances", type=int, default=1, help="instance_group count of every model (default 1)")
+    r.add_argument("--max-batch-size", type=int_in(1, 4096), default=8, help="decoder models: sequences per step (default 8)")
+    r.add_argument("--instances", type=int_in(1, 256), default=1, help="instance_group count of every model (default 1)")
     r.add_argument("--kind", choices=("cpu", "gpu"), default="cpu", help="instance kind of decoder_onnx (default cpu)")
-    r.add_argument("--max-new-tokens", type=int, default=32, help="generate model: default when a request omits it")
-    r.add_argument("--intra-op-threads", type=int, default=0, help="generate model: ORT threads (0: ORT's default)")
+    r.add_argument("--max-new-tokens", type=positive_int, default=32, help="generate model: default when a request omits it")
+    r.add_argument("--intra-op-threads", type=int_in(0, 256), default=0, help="generate model: ORT threads (0: ORT's default)")
     c = sub.add_parser("check", help="parse and verify every config.pbtxt of a repository")
     c.add_argument("--repo", required=True)
     s = sub.add_parser("serve", help="run a Triton server over a repository (Ctrl-C stops it)")
     s.add_argument("--repo", required=True)
     s.add_argument("--host", default="127.0.0.1", help="address HTTP and gRPC bind to (default 127.0.0.1)")
-    s.add_argument("--http-port", type=int, default=8000)
-    s.add_argument("--grpc-port", type=int, default=8001)
-    s.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the server to be ready")
-    s.add_argument("--log-verbose", type=int, default=0)
+    s.add_argument("--http-port", type=port, default=8000)
+    s.add_argument("--grpc-port", type=port, default=8001)
+    s.add_argument("--startup-timeout", type=float_in(1.0, 3600.0), default=120.0,
+                   help="seconds to wait for the server to be ready")
+    s.add_argument("--log-verbose", type=int_in(0, 10), default=0)
     k = sub.add_parser("client", help="generate text with a running server")
     k.add_argument("--url", required=True, help="HOST:PORT (the HTTP port for http, the gRPC port for grpc)")
     k.add_argument("--prompt", required=True)
-    k.add_argument("--max-new-tokens", type=int, default=None, help="default: the model's (32)")
+    k.add_argument("--max-new-tokens", type=positive_int, default=None, help="default: the model's (32)")
     k.add_argument("--protocol", choices=("http", "grpc"), default="http")
     k.add_argument("--model", default="generate")
-    k.add_argument("--temperature", type=float, default=None, help="0 (default) is greedy")
-    k.add_argument("--top-k", type=int, default=None)
-    k.add_argument("--top-p", type=float, default=None)
-    k.add_argument("--seed", type=int, default=None)
+    k.add_argument("--temperature", type=float_in(0.0), default=None, help="0 (default) is greedy")
+    k.add_argument("--top-k", type=nonnegative_int, default=None)
+    k.add_argument("--top-p", type=float_in(0.0, 1.0), default=None)
+    k.add_argument("--seed", type=seed_int, default=None)
+    k.add_argument("--timeout", type=float_in(0.1, 3600.0), default=120.0, help="seconds to wait for the answer")
     k.add_argument("--ignore-eos", action="store_true", help="no stop token: always generate --max-new-tokens")
     k.add_argument("--tokens", action="store_true", help="also print the token ids on stderr")
     return p
@@ -97,11 +101,13 @@ def run(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "serve":
         return _serve(args)
+    from core.inputs import check_text
     from runtime.triton.client import generate_remote
+    check_text(args.prompt, "--prompt")
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
                 "ignore_eos": True if args.ignore_eos else None}
     text, tokens = generate_remote(args.url, args.prompt, args.max_new_tokens, protocol=args.protocol,
-                                   model=args.model, **sampling)
+                                   model=args.model, timeout_s=args.timeout, **sampling)
     print(text)
     if args.tokens:
         print(" ".join(map(str, tokens)), file=sys.stderr)

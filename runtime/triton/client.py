@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from core.errors import first_line
 from runtime.session import MissingExtraError, RuntimeUserError
 
 PROTOCOLS = ("http", "grpc")
@@ -49,10 +50,22 @@ def build_inputs(m, prompt: str, max_new_tokens: int | None = None, temperature:
     return inputs
 
 
+def check_url(url: str) -> str:
+    """HOST:PORT with a port in 1..65535 (what both tritonclient protocols take), or ClientError."""
+    host, sep, port = url.rpartition(":")
+    ok = bool(sep) and host.strip("[]") != "" and port.isdigit() and 1 <= int(port) <= 65535 \
+        and all(c.isalnum() or c in ".-_[]:" for c in host)
+    if not ok:
+        raise ClientError(f"--url {url!r}: expected HOST:PORT of a Triton server (e.g. 127.0.0.1:8000), "
+                          "found something else; pass the server's address")
+    return url
+
+
 def generate_remote(url: str, prompt: str, max_new_tokens: int | None = None, protocol: str = "http",
                     model: str = "generate", timeout_s: float = 120.0, **sampling) -> tuple[str, list[int]]:
     """(text, new tokens) from the server's generate model; raises ClientError with the server's message."""
     m = _module(protocol)
+    check_url(url)
     from tritonclient.utils import InferenceServerException
     try:
         if protocol == "http":
@@ -72,8 +85,12 @@ def generate_remote(url: str, prompt: str, max_new_tokens: int | None = None, pr
     except InferenceServerException as e:
         raise ClientError(f"triton {url} model {model!r}: {_one_line(e)}") from None
     except (ConnectionError, OSError) as e:
-        raise ClientError(f"triton {url}: expected a server there, found none ({e}); "
+        raise ClientError(f"triton {url}: expected a server there, found none ({first_line(e)}); "
                           "start one with python -m runtime.triton serve --repo REPO") from None
+    except Exception as e:  # a non-Triton answer, e.g. HTTP sent to the gRPC port: the client libraries raise anything
+        raise ClientError(f"triton {url}: expected a Triton {protocol} endpoint, found an answer the {protocol} "
+                          f"client cannot read ({type(e).__name__}: {first_line(e)}); check --url and --protocol "
+                          "(the HTTP and gRPC ports differ)") from None
     finally:
         client.close()
 

@@ -31,11 +31,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from models.checkpoint import replace_dir
+from core.contract import ContractError, load_onnx, onnx_io as _proto_io, read_contract
+from core.outputs import TRITON_REPOSITORY, output_dir
 from runtime.session import RuntimeUserError
 
 DECODER_ONNX, DECODER_TRT, GENERATE = "decoder_onnx", "decoder_trt", "generate"
@@ -72,33 +72,28 @@ class OnnxIO:
 
 def onnx_io(path: str | Path) -> OnnxIO:
     """Graph inputs and outputs (weights not loaded)."""
-    import onnx
     try:
-        proto = onnx.load(str(path), load_external_data=False)
-    except Exception as e:  # DecodeError, OSError
-        raise RepositoryError(f"{path}: expected an ONNX model, found an unreadable file "
-                              f"({(str(e).splitlines() or [type(e).__name__])[0]}); re-run python -m export.build") from None
-    return _io_of(proto)
+        return _io_of(load_onnx(path, load_weights=False))
+    except ContractError as e:
+        raise RepositoryError(str(e)) from None
 
 
 def _io_of(proto) -> OnnxIO:
     def tensors(values):
-        out = {}
-        for v in values:
-            t = v.type.tensor_type
-            dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim)
-            out[v.name] = OnnxTensor(v.name, t.elem_type, dims)
-        return out
-    return OnnxIO(tensors(proto.graph.input), tensors(proto.graph.output))
+        return {n: OnnxTensor(n, t, tuple(d if isinstance(d, int) and d > 0 else -1 for d in dims))
+                for n, (dims, t) in values.items()}
+    ins, outs = _proto_io(proto)
+    return OnnxIO(tensors(ins), tensors(outs))
 
 
 def _check_contract(where: Path, io: OnnxIO) -> None:
-    need = ["input_ids", "position"] + [n for i in range(io.n_layer()) for n in (f"key_{i}", f"value_{i}")]
-    missing = [n for n in need if n not in io.inputs] + [n for n in ["logits"] + [f"present_{n}" for n in need[2:]]
-                                                       if n not in io.outputs]
-    if io.n_layer() == 0 or missing:
-        raise RepositoryError(f"{where}: expected the decode-step contract (input_ids, position, key_i/value_i -> logits, "
-                              f"present_*), found it missing {missing or ['key_0']}; re-export with python -m export.build")
+    """The decode-step contract (core.contract) plus what Triton needs: known types, a dynamic batch axis."""
+    def as_io(tensors):
+        return {n: (list(t.dims), t.elem_type) for n, t in tensors.items()}
+    try:
+        read_contract(where, as_io(io.inputs), as_io(io.outputs))
+    except ContractError as e:
+        raise RepositoryError(str(e)) from None
     for t in list(io.inputs.values()) + list(io.outputs.values()):
         if t.elem_type not in ONNX_TO_TRITON:
             raise RepositoryError(f"{where}: tensor {t.name} has ONNX element type {t.elem_type}; expected one of "
@@ -228,7 +223,7 @@ def have_tritonclient() -> bool:
         return False
 
 
-def parse_config(text: str):
+def parse_config(text: str, where="config.pbtxt"):
     """ModelConfig protobuf from config.pbtxt text (needs tritonclient); raises RepositoryError."""
     try:
         from google.protobuf import text_format
@@ -239,7 +234,8 @@ def parse_config(text: str):
     try:
         return text_format.Parse(text, model_config_pb2.ModelConfig())
     except text_format.ParseError as e:
-        raise RepositoryError(f"config.pbtxt: expected a ModelConfig in protobuf text format, found an error ({e})") from None
+        raise RepositoryError(f"{where}: expected a ModelConfig in protobuf text format, found an error "
+                              f"({' '.join(str(e).split())}); fix it or write the repository again") from None
 
 
 def verify_config(config, io: OnnxIO) -> list[str]:
@@ -298,10 +294,14 @@ def check_repository(repo: str | Path) -> dict[str, object]:
     A tensorrt_plan config is checked against <model>/1/source.onnx (the graph the engine
     was built from, copied there for this purpose).
     """
+    from core.inputs import read_text_file
     repo = Path(repo)
+    if not repo.is_dir():
+        raise RepositoryError(f"{repo}: expected a Triton model repository directory, found "
+                              f"{'a file' if repo.exists() else 'nothing'}; write one with python -m runtime.triton repo")
     configs, errors = {}, []
     for cfg_path in sorted(repo.glob("*/config.pbtxt")):
-        config = parse_config(cfg_path.read_text())
+        config = parse_config(read_text_file(cfg_path, "config", max_bytes=1 << 20), cfg_path)
         if config.name != cfg_path.parent.name:
             errors.append(f"{cfg_path}: name {config.name!r} differs from its folder {cfg_path.parent.name!r}")
         configs[config.name] = config
@@ -370,9 +370,7 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
     io = onnx_io(onnx_path)
     _check_contract(onnx_path, io)
 
-    repo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{repo.name}.", dir=repo.parent))
-    try:
+    with output_dir(repo, TRITON_REPOSITORY, inputs=[build] + ([Path(engine)] if engine else [])) as tmp:
         d = tmp / DECODER_ONNX / "1"
         d.mkdir(parents=True)
         ort_io = add_control_inputs(onnx_path, d / "model.onnx")
@@ -397,8 +395,4 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
              "models": [m for m in (DECODER_ONNX, DECODER_TRT if engine else None, GENERATE) if m]}, indent=2) + "\n")
         if validate and have_tritonclient():
             check_repository(tmp)
-        replace_dir(tmp, repo)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return repo

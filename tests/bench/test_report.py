@@ -84,7 +84,9 @@ def test_torch_1m_criterion():
 
 
 def test_write_reports_and_regenerate(tmp_path):
+    from core.outputs import BENCH_RESULTS, claim_dir
     res = _results()
+    claim_dir(tmp_path, BENCH_RESULTS)          # a results directory of bench.decode (marked)
     report.write_reports(res, tmp_path)
     for name in ("results.json", "results.md", "tokens_per_s.png", "ratio_vs_strong.png"):
         assert (tmp_path / name).stat().st_size > 0
@@ -97,6 +99,7 @@ def test_write_reports_and_regenerate(tmp_path):
     assert report.main([str(tmp_path)]) == 0
     assert (tmp_path / "results.md").is_file()
     assert report.main([str(tmp_path / "nothing")]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".tapernorm-output.json"]
 
 
 def test_clean_makes_json_safe():

@@ -40,7 +40,9 @@ def test_build_fuse_end_to_end(ckpts, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.startswith("[1/6] load checkpoint") and "[6/6] write" in r.stdout
     files = {p.name for p in out.iterdir()}
-    assert files == {"model.onnx", "model.fused.onnx", "config.json", "tokenizer.json", "report.json"}
+    assert files == {"model.onnx", "model.fused.onnx", "config.json", "tokenizer.json", "report.json",
+                     ".tapernorm-output.json"}
+    assert all(p.stat().st_mode & 0o777 == 0o644 for p in out.iterdir()) and out.stat().st_mode & 0o777 == 0o755
     report = json.loads((out / "report.json").read_text())
     assert report["norm_ops"] == {"unfused": 1, "fused": 1}
     assert [f["layer"] for f in report["folded"] if f["pass"] == "taper_scale"] == \
@@ -66,7 +68,7 @@ def test_gate_above_zero_one_line_and_nothing_written(ckpts, tmp_path):
 
 def test_missing_and_corrupt_checkpoint(ckpts, tmp_path):
     line = _one_error_line(_build("--checkpoint", tmp_path / "nope", "--out", tmp_path / "o"))
-    assert "no such checkpoint directory" in line
+    assert "expected a checkpoint directory, found nothing" in line
     bad = tmp_path / "bad"
     bad.mkdir()
     for f in ("config.json", "tokenizer.json"):
@@ -81,7 +83,7 @@ def test_output_path_not_writable(ckpts, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     line = _one_error_line(_build("--checkpoint", ckpts["taper"], "--out", blocker / "out"))
-    assert "not a directory" in line and "--out" in line
+    assert "is a file" in line and "--out" in line
 
 
 def test_out_that_would_destroy_other_files_is_refused(ckpts, tmp_path):
@@ -89,9 +91,9 @@ def test_out_that_would_destroy_other_files_is_refused(ckpts, tmp_path):
     other.mkdir()
     (other / "keep.txt").write_text("precious")
     line = _one_error_line(_build("--checkpoint", ckpts["taper"], "--out", other))
-    assert "not an earlier build" in line and (other / "keep.txt").read_text() == "precious"
+    assert "did not write" in line and (other / "keep.txt").read_text() == "precious"
     line = _one_error_line(_build("--checkpoint", ckpts["taper"], "--out", ckpts["taper"].parent))
-    assert "contains the checkpoint" in line
+    assert "holds the command's own input" in line
 
 
 def test_disabled_norm_in_fp16_is_refused(ckpts, tmp_path):
@@ -102,15 +104,17 @@ def test_disabled_norm_in_fp16_is_refused(ckpts, tmp_path):
 
 def test_interrupted_build_leaves_nothing(ckpts, tmp_path, monkeypatch):
     import export.build as build_mod
+    from core.outputs import BUILD, write_marker
     out = tmp_path / "out"
     out.mkdir()
     (out / "model.onnx").write_text("previous build")
+    write_marker(out, BUILD)                                                 # an earlier build of ours
 
     def interrupted_export(model, path, dtype="fp32"):
         Path(path).write_bytes(b"half a model")     # a partial file in the temp dir, then Ctrl-C
         raise KeyboardInterrupt
     monkeypatch.setattr("export.onnx_export.export_onnx", interrupted_export)
     assert build_mod.main(["--checkpoint", str(ckpts["taper"]), "--out", str(out)]) == 130
-    assert [p.name for p in out.iterdir()] == ["model.onnx"]                 # the previous build, untouched
+    assert sorted(p.name for p in out.iterdir()) == [".tapernorm-output.json", "model.onnx"]   # untouched
     assert (out / "model.onnx").read_text() == "previous build"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]                   # no temp dir left

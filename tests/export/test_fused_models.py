@@ -30,7 +30,7 @@ def test_fused_matches_torch_and_unfused(kind):
         c = compare(ref, fus, "fp32", f"fused vs torch, {label}")
         compare(unf, fus, "fp32", f"fused vs unfused, {label}")
         assert c.max_abs_diff["logits"] <= ATOL_FP32
-        assert set(c.max_abs_diff) == {"logits", *(f"present_{n}" for n in iface.cache_names)}
+        assert set(c.max_abs_diff) == {"logits", *(f"present_{n}" for n in iface.cache_names())}
 
 
 def _taper_nodes(proto):

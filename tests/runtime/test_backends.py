@@ -17,7 +17,7 @@ def test_every_backend_has_a_test_module(name):
 
 
 def test_missing_extra_names_the_extra_and_the_install_line():
-    fake = Backend("x", "runtime.nope", "Nope", "no_such_package_tapernorm", "tensorrt", "a file", "cuda")
+    fake = Backend("x", "runtime.nope", "Nope", "no_such_package_tapernorm", "tensorrt", "a file", "cuda", ("cuda",))
     with pytest.raises(MissingExtraError) as e:
         require(fake)
     assert str(e.value) == ("backend 'x' needs the tensorrt extra (no_such_package_tapernorm is not importable); "
@@ -25,5 +25,8 @@ def test_missing_extra_names_the_extra_and_the_install_line():
 
 
 def test_unknown_backend():
-    with pytest.raises(ValueError, match="expected one of ort, torch, trt"):
+    from runtime.session import RuntimeUserError
+    with pytest.raises(RuntimeUserError, match="expected one of ort, torch, trt"):
         open_session("onnx", "x")
+    with pytest.raises(RuntimeUserError, match="--device 'bogus': backend 'ort' expected one of cpu, cuda, tensorrt"):
+        open_session("ort", "x", device="bogus")

@@ -8,7 +8,7 @@ from runtime.trt_engine import (DECODE_PROFILE, PREFILL_PROFILE, BuildOptions, c
                                 engine_cache_key, engine_path, file_digest, io_mapping, profile_shapes,
                                 timing_cache_path)
 
-SPEC = ModelSpec(n_layer=2, n_head=4, head_dim=8, capacity=64, vocab_size=320)
+SPEC = ModelSpec(n_layer=2, n_kv_head=4, head_dim=8, capacity=64, vocab_size=320)
 
 
 def test_profiles_cover_decode_and_prefill():

@@ -26,7 +26,7 @@ def _run(*args, module="train"):
     (["--preset", "all-taper", "--taper-steps", "-5", "--out", "{out}"], "--taper-steps -5: expected a positive"),
     (["--preset", "all-taper", "--aux-lambda", "-0.1", "--out", "{out}"], "--aux-lambda -0.1: expected a number >= 0"),
     (["--preset", "baseline", "--d-model", "30", "--n-head", "4", "--out", "{out}"], "n_head = 4; expected a divisor of d_model (30)"),
-    (["--preset", "baseline", "--steps", "many", "--out", "{out}"], "invalid int value"),
+    (["--preset", "baseline", "--steps", "many", "--out", "{out}"], "'many' is not an integer"),
     (["--preset", "dyt", "--embed-std", "-1", "--out", "{out}"], "--embed-std -1.0: expected a positive number"),
     (["--preset", "all-taper", "--s-tgt", "big", "--out", "{out}"], "--s-tgt 'big': expected 'calib' or a positive number"),
 ])

@@ -23,7 +23,8 @@ def _run(tmp_path, preset, steps=6, **kw):
 def test_every_preset_trains_saves_and_loads(tmp_path, preset):
     log, out = _run(tmp_path, preset)
     model = load_checkpoint(out)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json", "train_log.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".tapernorm-output.json", "config.json", "model.safetensors",
+                                                     "tokenizer.json", "train_log.json", "train_state.pt"]
     assert [e["step"] for e in log["evals"]] == [0, 2, 4, 6]
     for e in log["evals"]:
         assert math.isfinite(e["val_loss"]) and e["prelogit_rms"] > 0 and e["max_abs_logit"] > 0
@@ -69,6 +70,7 @@ def test_same_seed_same_data_order_across_presets(tmp_path):
 def test_out_that_is_not_a_checkpoint_is_refused(tmp_path):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "notes.txt").write_text("keep me")
-    with pytest.raises(TrainError, match="not a checkpoint directory"):
+    from core.errors import UserError
+    with pytest.raises(UserError, match="did not write"):
         train(TrainConfig(**dict(TINY, preset="baseline", out=str(tmp_path / "x"), steps=1)))
     assert (tmp_path / "x" / "notes.txt").read_text() == "keep me"

@@ -34,6 +34,7 @@ def test_table_and_growth(runs, tmp_path):
     assert ch["whole run"]["growth_ratio"] == pytest.approx((4.0 / 0.05) / 1.32)
     assert ch["from calibration"]["all-taper"]["ratio"] == pytest.approx(1.1)
     assert ch["from calibration"]["growth_ratio"] == pytest.approx(4.0 / 1.1)
+    (tmp_path / "fig").mkdir()
     plot(logs, tmp_path / "fig" / "rms.png")
     assert (tmp_path / "fig" / "rms.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -47,7 +48,8 @@ def test_cli_prints_table_and_growth(runs, capsys, tmp_path):
 
 def test_zoo_refuses_an_unfinished_taper(tmp_path):
     write_checkpoint(tmp_path / "runs" / "internal-taper", random_model(norm="taper", taper_scope="internal", gate=0.3))
-    with pytest.raises(ValueError, match="gate 0.3"):
+    from core.errors import UserError
+    with pytest.raises(UserError, match="gate 0.3"):
         install_zoo(tmp_path / "runs", tmp_path / "zoo")
     assert not (tmp_path / "zoo" / "internal-taper").exists()
     write_checkpoint(tmp_path / "runs" / "dyt", random_model(norm="dyt"))

@@ -156,7 +156,8 @@ def test_export_build_triton_repo_flag_writes_the_same_repository(triton_build, 
     from tests.triton.conftest import export_build_has_triton_repo
     if not export_build_has_triton_repo():
         pytest.skip("export.build has no --triton-repo flag yet (see docs/triton.md)")
-    from runtime.triton import check_repository, write_triton_repository
+    from runtime.triton import write_triton_repository
+    from runtime.triton.repository import check_repository
     built = triton_build.parent / "build_repo"
     assert set(check_repository(built)) == {"decoder_onnx", "generate"}
     mine = write_triton_repository(triton_build, tmp_path / "repo")

@@ -1,0 +1,14 @@
+"""The torch-free bottom layer every package builds on.
+
+    core.errors     UserError (the one user-error type), ArgumentParser, run_cli (the CLI runner),
+                    range-checked argparse types
+    core.outputs    output ownership markers and the one atomic writer (directories and files)
+    core.contract   the decode-step contract: graph I/O names, dims, dtypes, capacity; ONNX file checks
+    core.inputs     boundary checks: text files, memory estimates
+
+Layers, bottom to top (tests/test_layers.py enforces them): core; models, graph_passes;
+train, export; runtime; bench. Nothing here imports torch or a package above.
+"""
+from core.errors import UserError, run_cli
+
+__all__ = ["UserError", "run_cli"]

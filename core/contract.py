@@ -1,0 +1,235 @@
+"""The decode-step contract: graph I/O names, dims, dtypes and cache capacity, read in one place.
+
+One graph serves prefill and decode (export/onnx_export.py writes it):
+
+    inputs   input_ids   int64 [batch, seq]
+             position    int64 [batch]                      cache slot of each sequence's first new token
+             key_{i}     fp32|fp16 [batch, H_kv, S_max, D]  layer i key cache (value_{i} alike)
+    outputs  logits      fp32|fp16 [batch, seq, vocab]
+             present_key_{i}, present_value_{i}             the caches with the new tokens written
+
+`read_contract` checks a graph's I/O against it and returns a DecodeContract;
+export.verify, the runtime sessions, runtime.triton and bench all read it here.
+`load_onnx` opens an ONNX file with one clear line for every way it can be broken
+(missing, empty, truncated, external data missing). Torch-free; onnx is imported
+only by the functions that read files.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from core.errors import UserError, first_line
+
+# ONNX TensorProto element types, ONNX Runtime type strings and numpy names -> one short name
+_ONNX_ELEM = {1: "fp32", 10: "fp16", 16: "bf16", 11: "fp64", 7: "int64", 6: "int32", 9: "bool", 2: "uint8",
+              3: "int8", 8: "string"}
+_ORT_TYPES = {"tensor(float)": "fp32", "tensor(float16)": "fp16", "tensor(bfloat16)": "bf16",
+              "tensor(double)": "fp64", "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(bool)": "bool",
+              "tensor(uint8)": "uint8", "tensor(int8)": "int8", "tensor(string)": "string"}
+_NUMPY = {"float32": "fp32", "float16": "fp16", "float64": "fp64", "int64": "int64", "int32": "int32",
+          "bool": "bool", "uint8": "uint8", "int8": "int8"}
+CACHE_DTYPES = ("fp32", "fp16")
+ONNX_ELEM_OF = {v: k for k, v in _ONNX_ELEM.items()}
+REEXPORT = "re-export with python -m export.build"
+
+
+class ContractError(UserError):
+    """A graph that is not the decode-step contract, or an ONNX file that cannot be read."""
+
+
+def dtype_name(t) -> str:
+    """Short dtype name (fp32, fp16, int64, ...) from an ONNX elem type, an ORT type string or a numpy dtype."""
+    if isinstance(t, int):
+        return _ONNX_ELEM.get(t, f"onnx-type-{t}")
+    s = str(t)
+    return _ORT_TYPES.get(s) or _NUMPY.get(s) or s
+
+
+def _dim(d) -> int | None:
+    """A static dimension as int, a dynamic one (symbolic name, None, 0 or negative) as None."""
+    return d if isinstance(d, int) and d > 0 else None
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str                      # short name: fp32, fp16, int64, ...
+    shape: tuple                    # ints for static axes, None for dynamic ones
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.dtype}[{', '.join('?' if d is None else str(d) for d in self.shape)}]"
+
+
+@dataclass(frozen=True)
+class DecodeContract:
+    """Shapes of the decode-step contract: every cache is [batch, n_kv_head, capacity, head_dim]."""
+    n_layer: int
+    n_kv_head: int
+    head_dim: int
+    capacity: int
+    vocab_size: int
+    dtype: str = "fp32"                                     # cache and logits dtype: fp32 | fp16
+    inputs: tuple[TensorSpec, ...] = field(default=(), compare=False)
+    outputs: tuple[TensorSpec, ...] = field(default=(), compare=False)
+
+    @property
+    def np_dtype(self):
+        import numpy as np
+        return np.dtype({"fp32": np.float32, "fp16": np.float16}[self.dtype])
+
+    @property
+    def itemsize(self) -> int:
+        return {"fp32": 4, "fp16": 2}[self.dtype]
+
+    def cache_shape(self, batch: int) -> tuple[int, int, int, int]:
+        return (batch, self.n_kv_head, self.capacity, self.head_dim)
+
+    def cache_names(self) -> list[str]:
+        """key_0, value_0, key_1, ... in graph input order."""
+        return [n for i in range(self.n_layer) for n in (f"key_{i}", f"value_{i}")]
+
+    @staticmethod
+    def present_name(cache: str) -> str:
+        return f"present_{cache}"
+
+    def cache_bytes(self, batch: int) -> int:
+        b, h, s, d = self.cache_shape(batch)
+        return 2 * self.n_layer * b * h * s * d * self.itemsize
+
+    def input(self, name: str) -> TensorSpec:
+        return next(t for t in self.inputs if t.name == name)
+
+    def output(self, name: str) -> TensorSpec:
+        return next(t for t in self.outputs if t.name == name)
+
+    @classmethod
+    def from_config(cls, cfg, dtype: str = "fp32") -> "DecodeContract":
+        """From a models.decoder.DecoderConfig (read by attribute: no import of models)."""
+        n_kv = getattr(cfg, "n_kv_head", None) or cfg.n_head
+        return cls(cfg.n_layer, n_kv, cfg.head_dim, cfg.max_seq_len, cfg.vocab_size, dtype)
+
+
+def _specs(values) -> tuple[TensorSpec, ...]:
+    """TensorSpecs from {name: (shape, dtype)} (any of the dtype spellings dtype_name reads)."""
+    return tuple(TensorSpec(n, dtype_name(t), tuple(_dim(d) for d in (shape or ()))) for n, (shape, t) in values.items())
+
+
+def read_contract(where, inputs: dict, outputs: dict) -> DecodeContract:
+    """The DecodeContract of a graph from its I/O ({name: (shape, dtype)}); ContractError if it is not one.
+
+    The I/O is what actually runs; model metadata is descriptive and not read here.
+    """
+    ins, outs = _specs(inputs), _specs(outputs)
+    by_in, by_out = {t.name: t for t in ins}, {t.name: t for t in outs}
+
+    def fail(expected: str, found: str):
+        raise ContractError(f"{where}: expected {expected}, found {found}; {REEXPORT}")
+
+    for name in ("input_ids", "position"):
+        if name not in by_in:
+            fail(f"a decode-step graph with input {name!r}", f"inputs {sorted(by_in)[:8]}")
+        if by_in[name].dtype != "int64":
+            fail(f"{name} of type int64", str(by_in[name]))
+    if "logits" not in by_out:
+        fail("output 'logits'", f"outputs {sorted(by_out)[:8]}")
+    n_layer = sum(1 for n in by_in if n.startswith("key_"))
+    if n_layer == 0:
+        fail("cache inputs key_0, value_0, ...", f"inputs {sorted(by_in)[:8]}")
+    for i in range(n_layer):
+        for n in (f"key_{i}", f"value_{i}"):
+            if n not in by_in or f"present_{n}" not in by_out:
+                fail(f"input {n} and output present_{n} for each of {n_layer} layers",
+                     f"inputs {sorted(by_in)[:8]}..., outputs {sorted(by_out)[:8]}...")
+    key = by_in["key_0"]
+    if len(key.shape) != 4 or any(d is None for d in key.shape[1:]):
+        fail("key_0 of shape [batch, H, S_max, D] with static H, S_max, D", str(key))
+    if key.dtype not in CACHE_DTYPES:
+        fail(f"caches of type {' or '.join(CACHE_DTYPES)}", str(key))
+    for i in range(n_layer):
+        for n in (f"key_{i}", f"value_{i}"):
+            for t in (by_in[n], by_out[f"present_{n}"]):
+                if t.dtype != key.dtype or tuple(t.shape[1:]) != tuple(key.shape[1:]):
+                    fail(f"every cache like key_0 ({key})", str(t))
+    logits = by_out["logits"]
+    if len(logits.shape) != 3 or logits.shape[-1] is None:
+        fail("logits [batch, seq, vocab] with a static vocabulary axis", str(logits))
+    _, h, s, d = key.shape
+    return DecodeContract(n_layer=n_layer, n_kv_head=h, head_dim=d, capacity=s, vocab_size=logits.shape[-1],
+                          dtype=key.dtype, inputs=ins, outputs=outs)
+
+
+# --- ONNX files --------------------------------------------------------------------------------
+
+def onnx_io(proto) -> tuple[dict, dict]:
+    """({name: (dims, elem_type)} for inputs, same for outputs) of a ModelProto."""
+    def io(values):
+        out = {}
+        for v in values:
+            t = v.type.tensor_type
+            out[v.name] = ([d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim], t.elem_type)
+        return out
+    return io(proto.graph.input), io(proto.graph.output)
+
+
+def _external_files(proto) -> dict[str, int]:
+    """External-data file -> bytes it must hold at least, over every initializer (main graph)."""
+    need: dict[str, int] = {}
+    for t in proto.graph.initializer:
+        if t.data_location != 1:          # TensorProto.EXTERNAL
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        loc = info.get("location", "")
+        end = int(info.get("offset", 0) or 0) + int(info.get("length", 0) or 0)
+        need[loc] = max(need.get(loc, 0), end)
+    return need
+
+
+def load_onnx(path: str | os.PathLike, load_weights: bool = True, what: str = "an ONNX model"):
+    """onnx.ModelProto from a file, or ContractError naming exactly what is wrong with it."""
+    import onnx
+    path = Path(path)
+    if not path.exists():
+        raise ContractError(f"{path}: expected {what}, found no such file; check the path")
+    if path.is_dir():
+        raise ContractError(f"{path}: expected {what} file, found a directory; name the .onnx file in it")
+    try:
+        size = path.stat().st_size
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise ContractError(f"{path}: expected a readable {what}, found {e.strerror.lower()}; check its permissions") from None
+    if size == 0:
+        raise ContractError(f"{path}: expected {what}, found an empty file (0 bytes); re-export it")
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # DecodeError on truncated or non-ONNX files
+        raise ContractError(f"{path}: expected {what}, found a file that does not parse as ONNX "
+                            f"({first_line(e)}); it is truncated or not ONNX: re-export it") from None
+    if not proto.graph.node and not proto.graph.output:
+        raise ContractError(f"{path}: expected {what}, found no graph in it ({size} bytes); it is not an ONNX model: re-export it")
+    for loc, end in _external_files(proto).items():
+        data = path.parent / loc
+        if not loc or not data.is_file():
+            raise ContractError(f"{path}: its weights live in the external-data file {loc or '(unnamed)'}, "
+                                f"not found at {data}; copy it beside the model")
+        if data.stat().st_size < end:
+            raise ContractError(f"{path}: its external-data file {data} holds {data.stat().st_size} bytes, "
+                                f"the model needs {end}; it is truncated: copy it again")
+    if load_weights:
+        try:
+            onnx.load_external_data_for_model(proto, str(path.parent))
+        except Exception as e:
+            raise ContractError(f"{path}: its external data could not be read ({first_line(e)}); copy it again") from None
+    return proto
+
+
+def contract_of(proto_or_path, where=None) -> DecodeContract:
+    """DecodeContract of a ModelProto or an .onnx file (weights not loaded for a file)."""
+    proto = proto_or_path
+    if isinstance(proto_or_path, (str, os.PathLike)):
+        where = where or proto_or_path
+        proto = load_onnx(proto_or_path, load_weights=False)
+    ins, outs = onnx_io(proto)
+    return read_contract(where or "graph", ins, outs)

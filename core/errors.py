@@ -1,0 +1,183 @@
+"""One user-error type and one CLI runner for every `python -m` entry point.
+
+    class CheckpointError(UserError): ...          # every package's user errors derive from UserError
+
+    def run(argv):                                 # a command's body
+        args = ArgumentParser(prog="python -m x").parse_args(argv)
+        ...
+        raise UserError(f"{path}: expected a build directory, found a file; choose another --out")
+
+    def main(argv=None) -> int:
+        return run_cli(run, argv)
+
+What the user sees, whatever the command:
+
+    bad input          one `error: ...` line on stderr, exit 1 (EXIT_USER)
+    bad usage          argparse's complaint as one `error: prog: ...; see --help` line, exit 2 (EXIT_USAGE)
+    Ctrl-C / SIGTERM   `interrupted; nothing was written` (or which outputs are complete), exit 130
+    a real bug         the traceback and a line asking to report it, exit 1
+
+The message of a UserError names the object, what was expected, what was found and
+the fix, on one line (shared/design/ARCHITECTURE.md); `details` may follow it as
+indented lines (a verification lists each mismatch).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import signal
+import sys
+import traceback
+
+EXIT_OK, EXIT_USER, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_CODES = (EXIT_OK, EXIT_USER, EXIT_USAGE, EXIT_INTERRUPTED)
+REPORT_BUG = "this is a bug in tapernorm-deploy; please report it with the command and the traceback above"
+# Flags that reach a C int or an INT32 wire field are capped here rather than wrapped around.
+INT32_MAX = 2**31 - 1
+
+
+class UserError(Exception):
+    """A problem the user can fix: str(e) is one line `<object>: <expected>, <found>; <fix>`.
+
+    details: further lines shown under the error line (e.g. one per mismatch).
+    """
+
+    exit_code = EXIT_USER
+
+    def __init__(self, message: str, details: list[str] | None = None):
+        super().__init__(" ".join(str(message).split("\n")))
+        self.details = list(details or [])
+
+
+class UsageError(UserError):
+    """The command line itself is wrong (unknown flag, missing argument, unparsable value)."""
+
+    exit_code = EXIT_USAGE
+
+
+def first_line(e: BaseException) -> str:
+    """The first non-empty line of an exception's text, else its type name (for wrapping foreign errors)."""
+    for line in str(e).splitlines():
+        if line.strip():
+            return line.strip()
+    return type(e).__name__
+
+
+# --- argparse ----------------------------------------------------------------------------
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that raises UsageError (one line) instead of printing its usage block and exiting."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {message}; see --help")
+
+
+def _number(kind, lo, hi, what: str, allow_inf: bool = False):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if kind is float and (math.isnan(value) or (math.isinf(value) and not allow_inf)):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            bounds = f"in [{lo}, {hi}]" if lo is not None and hi is not None else (f">= {lo}" if lo is not None else f"<= {hi}")
+            raise argparse.ArgumentTypeError(f"{text} is out of range; expected {what} {bounds}")
+        return value
+    parse.__name__ = what          # argparse names the type in its message
+    return parse
+
+
+def int_in(lo: int | None = None, hi: int | None = INT32_MAX):
+    """argparse type: an integer in [lo, hi] (default upper bound INT32_MAX: no silent wrap-around)."""
+    return _number(int, lo, hi, "an integer")
+
+
+def float_in(lo: float | None = None, hi: float | None = None):
+    """argparse type: a finite float in [lo, hi]."""
+    return _number(float, lo, hi, "a number")
+
+
+positive_int = int_in(1)
+nonnegative_int = int_in(0)
+seed_int = int_in(0, 2**63 - 1)       # numpy and torch seeds: non-negative, 64-bit
+finite_float = float_in()
+
+
+# --- the runner -----------------------------------------------------------------------------
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def interrupted_message() -> str:
+    from core.outputs import committed_outputs
+    done = committed_outputs()
+    if done:
+        return "interrupted; complete: " + ", ".join(str(p) for p in done) + "; nothing else was written"
+    return "interrupted; nothing was written"
+
+
+def _caused_by_interrupt(e: BaseException) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def run_cli(run, argv: list[str] | None = None) -> int:
+    """Run a command body `run(argv) -> int` with the uniform error contract (module docstring).
+
+    SIGTERM is handled like Ctrl-C (so `kill PID` cleans up the same way); output writers
+    remove their temporary files on the resulting KeyboardInterrupt.
+    """
+    from core.outputs import forget_committed
+    argv = sys.argv[1:] if argv is None else list(argv)
+    forget_committed()          # the interrupt message lists what this command completed
+    previous = None
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    except ValueError:          # not the main thread (a test calling main in a thread)
+        pass
+    try:
+        bad = next((i for i, a in enumerate(argv) if "\0" in a), None)
+        if bad is not None:     # an OS command line cannot carry one; a caller building argv by hand can
+            raise UsageError(f"argument {bad + 1} contains a NUL byte; pass text without one")
+        return run(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        for line in e.details:
+            print(f"  - {line}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"error: {interrupted_message()}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except MemoryError:
+        print("error: out of memory; use a smaller model, batch, capacity or input", file=sys.stderr)
+        return EXIT_USER
+    except BrokenPipeError:     # `cmd | head`: the reader left; not an error of ours
+        return EXIT_OK
+    except OSError as e:        # disk full, permission denied, a path that vanished: the user's to fix
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or first_line(e)}; {interrupted_message().split('; ', 1)[1]}",
+              file=sys.stderr)
+        return EXIT_USER
+    except SystemExit as e:     # a library calling sys.exit: keep its code, never a traceback
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USER)
+        if isinstance(e.code, str):
+            print(e.code if e.code.startswith("error:") else f"error: {e.code}", file=sys.stderr)
+        return code
+    except Exception as e:
+        if _caused_by_interrupt(e):     # a library (torch's exporter) wrapped the Ctrl-C in its own error
+            print(f"error: {interrupted_message()}", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        traceback.print_exc()
+        print(f"error: {REPORT_BUG}", file=sys.stderr)
+        return EXIT_USER
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        sys.stdout.flush()

@@ -1,0 +1,447 @@
+"""Output ownership and the one atomic writer, for files and for directories.
+
+Every directory the project writes carries a marker file, MARKER, naming its kind
+and the writer's version:
+
+    build/internal-taper/.tapernorm-output.json   {"kind": "build", "writer": "tapernorm-deploy 0.2.0"}
+
+A command replaces a directory only when it carries the marker of the kind that
+command writes (OutputKind). Anything else is refused with one line naming the path
+and the fix: a non-empty directory without the marker, a marker of another kind, a
+file where a directory goes, the command's own input, or a parent of it. Nothing is
+guessed from file names. An empty directory holds nothing to lose and may be filled.
+
+Standalone files (a rewritten ONNX graph, a JSON report, a figure) carry their
+signature inside: ONNX metadata `tapernorm.output`, a JSON key `tapernorm_output`,
+a PNG text chunk `tapernorm.output`. An existing file is replaced only if it carries
+the signature of the same kind.
+
+Writing is atomic: into a temporary sibling with a unique name (never a fixed
+`.X.old` that could be the user's), fsync'd, with the modes the user's umask gives
+(0644 / 0755 by default), then swapped into place (one renameat2 RENAME_EXCHANGE on
+Linux, so there is no moment without the old or the new output). The temporary is
+removed on any exception, Ctrl-C and SIGTERM included (core.errors.run_cli turns
+SIGTERM into KeyboardInterrupt); the swap and the removal of the old output run
+with SIGINT/SIGTERM blocked, so an interrupt lands before or after, never between.
+
+    with output_dir("build/dyt", BUILD, inputs=[checkpoint]) as tmp:
+        write files into tmp ...
+    # tmp is now build/dyt, with its marker
+
+    with output_file("m.fused.onnx", FUSED_ONNX, inputs=["m.onnx"]) as tmp:
+        onnx.save(sign_onnx(proto, FUSED_ONNX), tmp)
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import json
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from core.errors import UserError
+
+WRITER = "tapernorm-deploy"
+VERSION = "0.2.0"
+MARKER = ".tapernorm-output.json"
+SIGNATURE_KEY = "tapernorm.output"       # ONNX metadata key and PNG text keyword
+JSON_SIGNATURE_KEY = "tapernorm_output"
+
+
+@dataclass(frozen=True)
+class OutputKind:
+    name: str          # stored in the marker / signature
+    what: str          # for messages: "a build directory"
+    writer: str        # the command that writes it, for the fix in messages
+
+
+CHECKPOINT = OutputKind("checkpoint", "a checkpoint directory", "python -m models.convert")
+TRAINING_RUN = OutputKind("training-run", "a training run directory", "python -m train")
+BUILD = OutputKind("build", "a build directory", "python -m export.build")
+TRITON_REPOSITORY = OutputKind("triton-repository", "a Triton model repository", "python -m runtime.triton repo")
+BENCH_RESULTS = OutputKind("bench-results", "a benchmark results directory", "python -m bench.decode")
+BENCH_CACHE = OutputKind("bench-cache", "a benchmark build cache", "python -m bench.decode --cache")
+FUSED_ONNX = OutputKind("onnx", "an ONNX graph", "python -m graph_passes")
+REPORT_JSON = OutputKind("report-json", "a JSON report", "tapernorm-deploy")
+FIGURE = OutputKind("figure", "a figure", "tapernorm-deploy")
+TOKENIZER = OutputKind("tokenizer", "a tokenizer file", "python -m train.tokenizer")
+
+_committed: list[Path] = []
+_lock = threading.Lock()
+
+
+def forget_committed() -> None:
+    with _lock:
+        _committed.clear()
+
+
+def committed_outputs() -> list[Path]:
+    """Outputs this process has finished writing (for the interrupt message)."""
+    with _lock:
+        return list(_committed)
+
+
+def _umask() -> int:
+    try:        # Linux >= 4.7 reports it without the set-and-restore race
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    return 0o666 & ~_umask()
+
+
+def dir_mode() -> int:
+    return 0o777 & ~_umask()
+
+
+# --- ownership -------------------------------------------------------------------------------
+
+def read_marker(path: Path) -> dict | None:
+    """The marker of a directory, or None when it has none (or an unreadable one)."""
+    try:
+        data = json.loads((Path(path) / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("writer", "").startswith(WRITER) else None
+
+
+def marker_kind(path: Path) -> str | None:
+    m = read_marker(path)
+    return None if m is None else m.get("kind")
+
+
+def _related(out: Path, inputs) -> str | None:
+    """Why `out` may not be replaced given the command's inputs, or None."""
+    o = out.resolve()
+    for inp in inputs or ():
+        if inp is None:
+            continue
+        i = Path(inp).resolve()
+        if o == i:
+            return f"it is the command's own input {inp}"
+        if o in i.parents:
+            return f"it holds the command's own input {inp}"
+    return None
+
+
+def check_output_dir(out: str | os.PathLike, kind: OutputKind, inputs=()) -> None:
+    """Refuse (UserError) an output directory the command may not create or replace; see the module docstring."""
+    out = Path(out)
+    fix = "choose another --out"
+    why = _related(out, inputs)
+    if why:
+        raise UserError(f"{out}: {why}, and writing {kind.what} there would replace it; {fix}")
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise UserError(f"{out}: expected {kind.what} or a new path, found a file; {fix} (it is not ours to replace)")
+    if out.is_dir():
+        found = marker_kind(out)
+        if found is None:
+            try:
+                empty = not any(out.iterdir())
+            except OSError as e:
+                raise UserError(f"{out}: cannot be read ({e.strerror}); {fix}") from None
+            if not empty:
+                raise UserError(f"{out}: exists and holds files tapernorm-deploy did not write (no {MARKER}); "
+                                f"{fix}, or move those files away yourself")
+        elif found != kind.name:
+            raise UserError(f"{out}: holds a {found} written by tapernorm-deploy, not {kind.what}; {fix}")
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"{out}: cannot be created ({parent} is a file); {fix}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{out}: cannot be created (no write permission on {parent}); {fix}")
+
+
+def file_signature(path: Path) -> str | None:
+    """The kind signed into a file we wrote (ONNX / JSON / PNG), else None."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+        if head.startswith(b"\x89PNG"):
+            return _png_signature(path)
+        if path.suffix == ".json":
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return data.get(JSON_SIGNATURE_KEY) if isinstance(data, dict) else None
+        if path.suffix == ".onnx":
+            import onnx
+            proto = onnx.load(str(path), load_external_data=False)
+            return next((p.value for p in proto.metadata_props if p.key == SIGNATURE_KEY), None)
+    except Exception:  # unreadable, not JSON, not ONNX: not ours
+        return None
+    return None
+
+
+def _png_signature(path: Path) -> str | None:
+    import struct
+    data = path.read_bytes()
+    i = 8
+    while i + 8 <= len(data):
+        length, ctype = struct.unpack(">I4s", data[i:i + 8])
+        if ctype == b"tEXt":
+            key, _, value = data[i + 8:i + 8 + length].partition(b"\0")
+            if key.decode("latin-1") == SIGNATURE_KEY:
+                return value.decode("latin-1")
+        if ctype == b"IEND":
+            break
+        i += 12 + length
+    return None
+
+
+def check_output_file(out: str | os.PathLike, kind: OutputKind, inputs=()) -> None:
+    """Refuse (UserError) an output file the command may not create or replace."""
+    out = Path(out)
+    fix = "choose another output path"
+    why = _related(out, inputs)
+    if why:
+        raise UserError(f"{out}: {why}; writing {kind.what} there would replace it; {fix}")
+    if out.is_dir():
+        raise UserError(f"{out}: expected a file path for {kind.what}, found a directory; {fix} (e.g. {out / 'out'}"
+                        f"{'.onnx' if kind is FUSED_ONNX else ''})")
+    if out.is_symlink() or (out.exists() and file_signature(out) != kind.name):
+        raise UserError(f"{out}: exists and was not written by tapernorm-deploy as {kind.what}; {fix}, "
+                        "or move the file away yourself")
+    if not out.parent.is_dir():
+        raise UserError(f"{out}: its folder {out.parent} does not exist; create it or {fix}")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise UserError(f"{out}: cannot be written (no write permission on {out.parent}); {fix}")
+
+
+def sign_json(data: dict, kind: OutputKind) -> dict:
+    return {JSON_SIGNATURE_KEY: kind.name, "written_by": f"{WRITER} {VERSION}", **data}
+
+
+def sign_onnx(proto, kind: OutputKind = FUSED_ONNX):
+    """Set the ONNX metadata signature (in place; returns proto)."""
+    for p in list(proto.metadata_props):
+        if p.key == SIGNATURE_KEY:
+            proto.metadata_props.remove(p)
+    proto.metadata_props.add(key=SIGNATURE_KEY, value=kind.name)
+    return proto
+
+
+def png_signature_metadata(kind: OutputKind = FIGURE) -> dict:
+    """matplotlib savefig(metadata=...) for a signed PNG."""
+    return {SIGNATURE_KEY: kind.name, "Software": f"{WRITER} {VERSION}"}
+
+
+# --- the atomic writer -------------------------------------------------------------------------
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            p = os.path.join(dirpath, name)
+            if os.path.islink(p):
+                continue
+            try:
+                fd = os.open(p, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+@contextlib.contextmanager
+def _signals_blocked():
+    """Hold SIGINT/SIGTERM until the block ends (main thread only; a no-op elsewhere)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _commit_dir(tmp: Path, out: Path) -> None:
+    """Put the finished tmp at `out`; an existing `out` (already checked to be ours) is removed after."""
+    with _signals_blocked():
+        if out.exists():
+            if _exchange(tmp, out):
+                shutil.rmtree(tmp, ignore_errors=True)     # tmp now holds the old output
+            else:
+                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))  # unique, empty
+                os.replace(out, old)                      # rename(2) may replace an empty directory
+                os.replace(tmp, out)
+                shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+        _fsync_dir(out.parent)
+        with _lock:
+            _committed.append(out)
+
+
+def write_marker(directory: Path, kind: OutputKind, extra: dict | None = None) -> None:
+    data = {"kind": kind.name, "writer": f"{WRITER} {VERSION}", **(extra or {})}
+    p = Path(directory) / MARKER
+    p.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    os.chmod(p, file_mode())
+
+
+def new_temp_dir(out: Path) -> Path:
+    """A unique, empty temporary sibling of `out`, mode as the umask gives."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    os.chmod(tmp, dir_mode())
+    return tmp
+
+
+def _fix_modes(root: Path) -> None:
+    """Files created through mkstemp/mkdtemp-like APIs come out 0600/0700: give them the umask's modes."""
+    fm, dm = file_mode(), dir_mode()
+    for dirpath, dirs, files in os.walk(root):
+        for d in dirs:
+            p = os.path.join(dirpath, d)
+            if not os.path.islink(p) and (os.stat(p).st_mode & 0o777) != dm:
+                os.chmod(p, dm)
+        for f in files:
+            p = os.path.join(dirpath, f)
+            if not os.path.islink(p) and (os.stat(p).st_mode & 0o777) != fm and os.stat(p).st_nlink == 1:
+                os.chmod(p, fm)
+
+
+@contextlib.contextmanager
+def output_dir(out: str | os.PathLike, kind: OutputKind, inputs=(), marker: dict | None = None):
+    """Write a directory atomically: yields a temporary sibling; on success it becomes `out`.
+
+    `out` is checked first (check_output_dir) and again just before the swap, so a
+    directory that changed hands meanwhile is still refused.
+    """
+    out = Path(out)
+    check_output_dir(out, kind, inputs)
+    tmp = new_temp_dir(out)
+    try:
+        yield tmp
+        write_marker(tmp, kind, marker)
+        _fix_modes(tmp)
+        _fsync_tree(tmp)
+        check_output_dir(out, kind, inputs)
+        _commit_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def output_file(out: str | os.PathLike, kind: OutputKind, inputs=()):
+    """Write one file atomically: yields a temporary path beside `out`; on success it replaces `out`.
+
+    The caller signs the content (sign_onnx / sign_json / png_signature_metadata) so a
+    later run may replace it.
+    """
+    out = Path(out)
+    check_output_file(out, kind, inputs)
+    fd, name = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.chmod(tmp, file_mode())
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        check_output_file(out, kind, inputs)
+        with _signals_blocked():
+            os.replace(tmp, out)
+            _fsync_dir(out.parent)
+            with _lock:
+                _committed.append(out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        for extra in out.parent.glob(f"{tmp.name}*"):   # e.g. external data written beside it
+            extra.unlink(missing_ok=True)
+        raise
+
+
+def write_json(out: str | os.PathLike, data: dict, kind: OutputKind = REPORT_JSON, inputs=()) -> Path:
+    """A signed JSON file, written atomically."""
+    with output_file(out, kind, inputs) as tmp:
+        tmp.write_text(json.dumps(sign_json(data, kind), indent=1) + "\n", encoding="utf-8")
+    return Path(out)
+
+
+def claim_dir(out: str | os.PathLike, kind: OutputKind, inputs=()) -> Path:
+    """A directory the command fills file by file (each file atomically, replace_file_in), e.g.
+    benchmark results that must survive an interrupted run: created (or reused when it carries
+    our marker of this kind) and marked at once. Returns the directory."""
+    out = Path(out)
+    check_output_dir(out, kind, inputs)
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    if created:
+        os.chmod(out, dir_mode())
+    if marker_kind(out) is None:
+        write_marker(out, kind)
+    return out
+
+
+def replace_file_in(directory: Path, name: str, data: bytes | str) -> Path:
+    """Atomically (re)write one file inside a directory we own (a marked one)."""
+    directory = Path(directory)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, file_mode())
+        with _signals_blocked():
+            os.replace(tmp, directory / name)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return directory / name

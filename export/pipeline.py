@@ -1,0 +1,306 @@
+"""The build pipeline behind `python -m export.build`, in named stages with a typed report.
+
+    load_checkpoint_stage ─▶ export_stage ─▶ verify_stage(model.onnx vs torch)
+        ─▶ [fuse_stage ─▶ verify_stage(model.fused.onnx vs torch and vs model.onnx)] ─▶ write_stage
+
+Each stage takes what the previous ones produced (objects and paths, nothing is
+recomputed) and records its time in the BuildReport. The whole build writes into a
+temporary sibling of OUT that core.outputs.output_dir swaps into place at the end:
+an interrupted or failed build leaves OUT as it was, and OUT is replaced only when
+it is an earlier build (it carries the build marker), never when it is or holds the
+checkpoint.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from core.errors import UserError
+from core.outputs import BUILD, check_output_dir, output_dir, sign_onnx
+
+NORM_OPS = ("RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization")
+REAL_TEXT = ("Once upon a time there was a little girl named Lily. She loved to play in the garden "
+             "with her red ball, and one day she saw a big dog under the tall tree.")
+UNFUSED, FUSED, REPORT = "model.onnx", "model.fused.onnx", "report.json"
+
+
+class BuildError(UserError):
+    """A build that cannot proceed; the message is one line for the user."""
+
+
+@dataclass
+class ModelSummary:
+    norm: str
+    taper_scope: str | None
+    gate: float | None
+    n_layer: int
+    d_model: int
+    n_head: int
+    vocab_size: int
+    capacity: int
+    tie_embeddings: bool
+    params: int
+
+
+@dataclass
+class Fold:
+    pass_name: str      # the graph pass that folded it
+    layer: str
+    detail: str
+
+
+@dataclass
+class BuildReport:
+    """What one build did; written as OUT/report.json (layout in docs/export.md)."""
+    checkpoint: str
+    out: str
+    dtype: str
+    fuse: bool
+    model: ModelSummary | None = None
+    files: list[str] = field(default_factory=list)
+    op_counts: dict[str, dict[str, int]] = field(default_factory=dict)      # unfused / fused -> op -> count
+    norm_layers: dict[str, list[str]] = field(default_factory=dict)         # layers whose norm op remains
+    folded: list[Fold] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    trt_lint: list[str] = field(default_factory=list)
+    atol: float = 0.0
+    scale_tol: float = 0.0
+    max_abs_diff: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # pair -> session -> output
+    timings_s: dict[str, float] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def norm_ops(self) -> dict[str, int]:
+        return {k: sum(v.get(op, 0) for op in NORM_OPS) for k, v in self.op_counts.items()}
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["folded"] = [{"pass": f.pass_name, "layer": f.layer, "detail": f.detail} for f in self.folded]
+        d["norm_ops"] = self.norm_ops
+        return d
+
+
+@dataclass
+class Loaded:
+    model: object                # models.decoder.Decoder, fp32
+    reference: object            # the torch reference in the build dtype
+    tokens: list[int] | None     # real text, tokenized (None when the tokenizer yields nothing usable)
+
+
+class Stages:
+    """Progress lines `[i/n] what` and per-stage timings, in the report."""
+
+    def __init__(self, report: BuildReport, n: int, log):
+        self.report, self.n, self.log, self.i = report, n, log, 0
+
+    def start(self, msg: str) -> float:
+        self.i += 1
+        self.log(f"[{self.i}/{self.n}] {msg}")
+        return time.perf_counter()
+
+    def done(self, key: str, t0: float, extra: str = "") -> None:
+        self.report.timings_s[key] = round(time.perf_counter() - t0, 3)
+        self.log(f"      {self.report.timings_s[key]:.1f} s{extra}")
+
+
+# --- stages ------------------------------------------------------------------------------------
+
+def check_model(model, fuse: bool, dtype: str) -> None:
+    """Refuse, before anything is written, what the build cannot do."""
+    from models.checkpoint import DISABLED_NORM_EPS
+    cfg = model.cfg
+    if fuse and cfg.norm == "taper" and model.gate.value != 0.0:
+        names = ", ".join(model.taper_layers())
+        raise BuildError(f"{names}: TaperNorm gate {model.gate.value:g}; --fuse needs gate 0 "
+                         "(finish the taper, or build without --fuse)")
+    if dtype == "fp16":
+        eps = {name or "model": m.eps for name, m in model.named_modules()
+               if isinstance(getattr(m, "eps", None), (int, float)) and m.eps >= DISABLED_NORM_EPS}
+        if eps:
+            raise BuildError(f"{', '.join(eps)}: norm eps {max(eps.values()):g} >= {DISABLED_NORM_EPS:g} is a disabled "
+                             f"(FakeLN-style) norm and overflows fp16 (max 65504); build with --dtype fp32")
+
+
+def load_checkpoint_stage(checkpoint: Path, fuse: bool, dtype: str) -> Loaded:
+    import torch
+    from models.checkpoint import load_checkpoint, load_tokenizer
+    model = load_checkpoint(checkpoint)
+    check_model(model, fuse, dtype)
+    ids = [i for i in load_tokenizer(checkpoint).encode(REAL_TEXT).ids if i < model.cfg.vocab_size]
+    reference = model if dtype == "fp32" else copy.deepcopy(model).to(torch.float16)
+    return Loaded(model, reference, ids or None)
+
+
+def export_stage(loaded: Loaded, path: Path, dtype: str):
+    import logging
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    from export.onnx_export import export_onnx
+    return export_onnx(loaded.model, path, dtype)
+
+
+class Verifier:
+    """The decode sessions of a build, with the torch reference and each graph's outputs computed once."""
+
+    def __init__(self, loaded: Loaded, proto, seeds=(0, 1)):
+        from export.verify import read_interface, run_torch, session_steps
+        self.iface = read_interface(proto)
+        self.sessions = [(f"random tokens, seed {s}", session_steps(self.iface, seed=s)) for s in seeds]
+        if loaded.tokens:
+            self.sessions.append(("real tokens", session_steps(self.iface, tokens=loaded.tokens)))
+        self.torch = [run_torch(loaded.reference, self.iface, steps) for _, steps in self.sessions]
+
+    def run(self, proto) -> list:
+        from export.verify import ort_session, run_onnx
+        sess = ort_session(proto)
+        return [run_onnx(sess, self.iface, steps) for _, steps in self.sessions]
+
+    def compare(self, ref_runs, runs, what: str) -> dict:
+        """session label -> output -> max abs diff; raises VerificationError on any mismatch."""
+        from export.verify import compare_sessions
+        results = compare_sessions([(label, ref, got) for (label, _), ref, got in zip(self.sessions, ref_runs, runs)],
+                                   self.iface.dtype, what)
+        return {c.what: c.max_abs_diff for c in results}
+
+
+def fuse_stage(proto, report: BuildReport):
+    """Run the default passes; every TaperNorm must fold (a leftover one is an error, with the reasons)."""
+    from graph_passes import DEFAULT_PASSES, run_passes
+    fused, results = run_passes(proto, DEFAULT_PASSES)
+    for r in results:
+        if r.name == "fold_constants":
+            report.notes += [f"fold_constants: {d}" for _, d in r.rewrites]
+            continue
+        report.folded += [Fold(r.name, layer, detail) for layer, detail in r.rewrites]
+        report.notes += [n for n in r.notes if not n.startswith("trt: ")]
+        report.trt_lint += [n[len("trt: "):] for n in r.notes if n.startswith("trt: ")]
+    leftover = _leftover_taper(fused)
+    if leftover:
+        why = "; ".join(report.notes) or "no matching pattern"
+        raise BuildError(f"{', '.join(leftover)}: TaperNorm left unfolded ({why})")
+    return fused
+
+
+def _norm_layers(proto) -> list[str]:
+    """Layer names of the normalization ops left in a graph."""
+    from graph_passes.base import PassContext
+    ctx = PassContext(proto)
+    return [ctx.layer_name(n) for n in ctx.graph.nodes if n.op in NORM_OPS]
+
+
+def _leftover_taper(proto) -> list[str]:
+    """TaperNorm nodes still in a fused graph (by torch provenance)."""
+    from graph_passes.base import PassContext
+    ctx = PassContext(proto)
+    return sorted({ctx.layer_name(n) for n in ctx.graph.nodes
+                   if any(c.endswith(".TaperNorm") for c in ctx.module_class(n))})
+
+
+def _graph_stats(report: BuildReport, kind: str, proto) -> None:
+    from graph_passes.base import op_counts
+    report.op_counts[kind] = op_counts(proto)
+    report.norm_layers[kind] = _norm_layers(proto)
+
+
+def worst(per_session: dict, name: str | None = None) -> float:
+    vals = [v for d in per_session.values() for k, v in d.items() if name is None or k == name]
+    return max(vals, default=0.0)
+
+
+def _versions() -> dict:
+    import onnx
+    import onnxruntime
+    import torch
+    return {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}
+
+
+# --- the driver ----------------------------------------------------------------------------------
+
+def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=print) -> BuildReport:
+    """Run every stage; returns the report (also written to OUT/report.json)."""
+    import onnx
+    from export.verify import ATOL, SCALE_TOL, VerificationError, interface_mismatches, read_interface
+    checkpoint, out = Path(checkpoint), Path(out)
+    check_output_dir(out, BUILD, inputs=[checkpoint])
+    t_start = time.perf_counter()
+    report = BuildReport(str(checkpoint), str(out), dtype, fuse, atol=ATOL[dtype], scale_tol=SCALE_TOL[dtype])
+    stages = Stages(report, 6 if fuse else 4, log)
+
+    t0 = time.perf_counter()          # announced once loaded and checked: a refusal prints only its error line
+    loaded = load_checkpoint_stage(checkpoint, fuse, dtype)
+    cfg, model = loaded.model.cfg, loaded.model
+    gate = model.gate.value if cfg.norm == "taper" else None
+    report.model = ModelSummary(cfg.norm, cfg.taper_scope, gate, cfg.n_layer, cfg.d_model, cfg.n_head,
+                                cfg.vocab_size, cfg.max_seq_len, cfg.tie_embeddings, model.num_params())
+    stages.start(f"load checkpoint {checkpoint}")
+    stages.done("load", t0, f": {cfg.norm}{' (' + cfg.taper_scope + ')' if cfg.taper_scope else ''}, "
+                f"{model.num_params():,} params, gate {'-' if gate is None else gate}")
+
+    with output_dir(out, BUILD, inputs=[checkpoint]) as tmp:
+        t0 = stages.start(f"export {dtype} ONNX (opset 24, KV cache via TensorScatter)")
+        proto = export_stage(loaded, tmp / UNFUSED, dtype)
+        _graph_stats(report, "unfused", proto)
+        stages.done("export", t0, f": {len(proto.graph.node)} nodes")
+
+        t0 = stages.start("verify model.onnx vs torch (prefill + 3 decode steps, random and real tokens)")
+        verifier = Verifier(loaded, proto)
+        unfused_runs = verifier.run(proto)
+        report.max_abs_diff["unfused_vs_torch"] = verifier.compare(verifier.torch, unfused_runs, "model.onnx vs torch")
+        stages.done("verify_unfused", t0, f": max |d logits| {worst(report.max_abs_diff['unfused_vs_torch'], 'logits'):.3g}")
+
+        if fuse:
+            from graph_passes import DEFAULT_PASSES
+            t0 = stages.start(f"fuse: {', '.join(DEFAULT_PASSES)}")
+            fused = fuse_stage(proto, report)
+            onnx.save(sign_onnx(fused), str(tmp / FUSED))
+            _graph_stats(report, "fused", fused)
+            stages.done("fuse", t0, f": {len(report.folded)} layer(s) folded, nodes {len(proto.graph.node)} -> "
+                        f"{len(fused.graph.node)}")
+
+            t0 = stages.start("verify model.fused.onnx vs torch and vs model.onnx")
+            bad = interface_mismatches(read_interface(proto), read_interface(fused))
+            if bad:
+                raise VerificationError("model.fused.onnx vs model.onnx interfaces", bad)
+            fused_runs = verifier.run(fused)
+            report.max_abs_diff["fused_vs_torch"] = verifier.compare(verifier.torch, fused_runs, "model.fused.onnx vs torch")
+            report.max_abs_diff["fused_vs_unfused"] = verifier.compare(unfused_runs, fused_runs,
+                                                                       "model.fused.onnx vs model.onnx")
+            stages.done("verify_fused", t0, f": max |d logits| vs torch "
+                        f"{worst(report.max_abs_diff['fused_vs_torch'], 'logits'):.3g}")
+
+        t0 = stages.start(f"write {out}")
+        from models.checkpoint import CONFIG, TOKENIZER
+        shutil.copyfile(checkpoint / CONFIG, tmp / CONFIG)
+        shutil.copyfile(checkpoint / TOKENIZER, tmp / TOKENIZER)
+        report.versions = _versions()
+        report.timings_s["total"] = round(time.perf_counter() - t_start, 3)
+        report.files = sorted(p.name for p in tmp.iterdir()) + [REPORT]
+        (tmp / REPORT).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    stages.done("write", t0)
+    summary(report, log)
+    return report
+
+
+def summary(r: BuildReport, log) -> None:
+    m = r.model
+    log(f"built {r.out} in {r.timings_s['total']:.1f} s: {m.norm}"
+        f"{' (' + m.taper_scope + ')' if m.taper_scope else ''}, {r.dtype}")
+    norm_ops = r.norm_ops
+    for kind, counts in r.op_counts.items():
+        names = r.norm_layers[kind]
+        shown = f" ({', '.join(names)})" if 0 < len(names) <= 3 else ""
+        log(f"  {kind:8s} {sum(counts.values())} nodes, {norm_ops[kind]} norm op(s){shown}, "
+            f"{counts.get('MatMul', 0)} MatMul, {counts.get('Mul', 0)} Mul, {counts.get('Add', 0)} Add")
+    if r.fuse:
+        by_pass: dict[str, int] = {}
+        for f in r.folded:
+            by_pass[f.pass_name] = by_pass.get(f.pass_name, 0) + 1
+        log(f"  folded   {len(r.folded)} layer(s): " + ", ".join(f"{p} {n}" for p, n in by_pass.items()))
+    for key, per in r.max_abs_diff.items():
+        tol = f"atol {r.atol:g}" + (f" + {r.scale_tol:g} x max|ref|" if r.scale_tol else "")
+        log(f"  {key:17s} max |d logits| {worst(per, 'logits'):.3g}, all outputs {worst(per):.3g} ({tol})")
+    if r.trt_lint:
+        log(f"  trt_lint {len(r.trt_lint)} issue(s): {r.trt_lint[0]}" + (" ..." if len(r.trt_lint) > 1 else ""))

@@ -1,0 +1,347 @@
+"""The catalog of bad and careless input, across every command (issue: "Nothing lost, one clear line").
+
+Every case runs the command's main(argv) in-process and asserts: exactly one `error:` line on
+stderr, no traceback, the expected exit code (1 bad input, 2 bad usage), and every file under
+the scratch folder byte-for-byte as it was (nothing written, nothing replaced, nothing deleted).
+Cases that must succeed (a replace of our own output) check what they must keep.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.cli.conftest import cli, copy_tree
+from tests.helpers import random_model, snapshot, tiny_tokenizer_json, write_checkpoint
+
+TINY_TRAIN = ["--d-model", "16", "--n-layer", "1", "--n-head", "2", "--batch-size", "2", "--seq-len", "16",
+              "--eval-batches", "1", "--calib-batches", "1", "--corpus-stories", "100", "--quiet", "--threads", "1",
+              "--steps", "2"]
+
+
+def _hf_folder(s: Path) -> Path:
+    hf = s / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 16}))
+    (hf / "pytorch_model.bin").write_bytes(os.urandom(256))
+    (hf / "README.md").write_text("# my model\n")
+    return hf
+
+
+def _user_repo(s: Path) -> Path:
+    repo = s / "repo" / "my_model"
+    repo.mkdir(parents=True)
+    (repo / "config.pbtxt").write_text('name: "my_model"\nbackend: "python"\n')
+    (repo / "1").mkdir()
+    (repo / "1" / "model.py").write_text("# the user's model\n")
+    return repo.parent
+
+
+def _project(s: Path) -> Path:
+    p = s / "project"
+    (p / "src").mkdir(parents=True)
+    (p / "src" / "main.py").write_text("print('hi')\n")
+    (p / "README.md").write_text("mine\n")
+    return p
+
+
+def _plain_file(s: Path) -> Path:
+    f = s / "X"
+    f.write_text("a plain file\n")
+    return f
+
+
+def _onnx_named(s: Path) -> Path:
+    o = s / "o"
+    o.mkdir()
+    (o / "model.onnx").write_text("")
+    (o / "notes.md").write_text("my notes\n")
+    return o
+
+
+def _binary(s: Path, name: str = "bin.dat") -> Path:
+    p = s / name
+    p.write_bytes(bytes(range(256)) * 4)
+    return p
+
+
+def _ckpt_with(s: Path, tiny_ckpt: Path, name: str, edit) -> Path:
+    ck = copy_tree(tiny_ckpt, s / name)
+    edit(ck)
+    return ck
+
+
+def _config_edit(key, value):
+    def edit(ck):
+        cfg = json.loads((ck / "config.json").read_text())
+        cfg[key] = value
+        (ck / "config.json").write_text(json.dumps(cfg))
+    return edit
+
+
+def _weights_dtype(dtype):
+    def edit(ck):
+        from safetensors.torch import load_file, save_file
+        import torch
+        t = load_file(str(ck / "model.safetensors"))
+        name = next(k for k in t if k.endswith("ln_f.weight"))
+        t[name] = t[name].to(getattr(torch, dtype))
+        save_file(t, str(ck / "model.safetensors"))
+    return edit
+
+
+def _big_tokenizer(s: Path) -> Path:
+    ck = s / "small_vocab"
+    return write_checkpoint(ck, random_model(seed=0, vocab_size=100, n_layer=1, max_seq_len=16))
+
+
+def _external_data_missing(s: Path, build: Path) -> Path:
+    import onnx
+    d = s / "ext"
+    d.mkdir()
+    onnx.save(onnx.load(str(build / "model.onnx")), str(d / "m.onnx"), save_as_external_data=True,
+              location="m.onnx.data", size_threshold=0)
+    (d / "m.onnx.data").unlink()
+    return d / "m.onnx"
+
+
+class _Garbage:
+    """A TCP server on loopback answering every connection with bytes no HTTP client can read
+    (what a Triton HTTP client sees when pointed at the gRPC port)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            try:
+                conn.recv(4096)
+                conn.sendall(b"\x00\x00\x12\x04\x00\x00\x00\x00\x00\x00\x03\x7f\xff\xff\xff")  # an HTTP/2 SETTINGS frame
+            finally:
+                conn.close()
+
+    def close(self):
+        self.sock.close()
+
+
+# (id, command, argv; {s} scratch, {ckpt}, {build}, {run}; setup(s, fx) -> None, exit code, needle in the error line)
+CASES = [
+    # --- data loss: refused, the user's files unchanged -----------------------------------------
+    ("triton-repo-over-checkpoint", "runtime.triton", ["repo", "--build", "{build}", "--out", "{s}/ck"],
+     lambda s, fx: copy_tree(fx["ckpt"], s / "ck"), 1, "holds a checkpoint written by tapernorm-deploy, not a Triton"),
+    ("triton-repo-over-users-repository", "runtime.triton", ["repo", "--build", "{build}", "--out", "{s}/repo"],
+     lambda s, fx: _user_repo(s), 1, "did not write"),
+    ("triton-repo-over-its-build", "runtime.triton", ["repo", "--build", "{s}/b", "--out", "{s}/b"],
+     lambda s, fx: copy_tree(fx["build"], s / "b"), 1, "own input"),
+    ("triton-repo-over-parent-of-build", "runtime.triton", ["repo", "--build", "{s}/b", "--out", "{s}"],
+     lambda s, fx: copy_tree(fx["build"], s / "b"), 1, "own input"),
+    ("triton-repo-over-project", "runtime.triton", ["repo", "--build", "{build}", "--out", "{s}/project"],
+     lambda s, fx: _project(s), 1, "did not write"),
+    ("triton-repo-over-plain-file", "runtime.triton", ["repo", "--build", "{build}", "--out", "{s}/X"],
+     lambda s, fx: _plain_file(s), 1, "found a file"),
+    ("build-triton-repo-over-checkpoint", "export.build",
+     ["--checkpoint", "{ckpt}", "--out", "{s}/b2", "--triton-repo", "{s}/ck"],
+     lambda s, fx: copy_tree(fx["ckpt"], s / "ck"), 1, "not a Triton model repository"),
+    ("train-over-hf-folder", "train", ["--preset", "baseline", "--out", "{s}/hf", *TINY_TRAIN],
+     lambda s, fx: _hf_folder(s), 1, "did not write"),
+    ("train-over-zoo-copy", "train", ["--preset", "baseline", "--out", "{s}/zoo", *TINY_TRAIN],
+     lambda s, fx: copy_tree(Path("models/zoo/baseline").resolve(), s / "zoo"), 1, "holds a checkpoint"),
+    ("train-lr-inf-over-zoo-copy", "train", ["--preset", "baseline", "--out", "{s}/zoo", "--lr", "inf", *TINY_TRAIN],
+     lambda s, fx: copy_tree(Path("models/zoo/baseline").resolve(), s / "zoo"), 1, "--lr inf"),
+    ("train-new-run-over-held-run", "train", ["--preset", "baseline", "--out", "{s}/run", *TINY_TRAIN],
+     lambda s, fx: copy_tree(fx["run"], s / "run"), 1, "holds a training run at step 4"),
+    ("build-over-folder-with-model-onnx", "export.build", ["--fuse", "--checkpoint", "{ckpt}", "--out", "{s}/o"],
+     lambda s, fx: _onnx_named(s), 1, "did not write"),
+    ("build-over-its-checkpoint", "export.build", ["--checkpoint", "{s}/ck", "--out", "{s}/ck"],
+     lambda s, fx: copy_tree(fx["ckpt"], s / "ck"), 1, "own input"),
+    ("graph-passes-over-its-input", "graph_passes", ["{s}/m.onnx", "-o", "{s}/m.onnx"],
+     lambda s, fx: shutil.copy(fx["build"] / "model.onnx", s / "m.onnx"), 1, "own input"),
+    ("graph-passes-over-users-file", "graph_passes", ["{build}/model.onnx", "-o", "{s}/X"],
+     lambda s, fx: _plain_file(s), 1, "not written by tapernorm-deploy"),
+    ("bench-report-into-users-folder", "bench.report", ["{s}/project"],
+     lambda s, fx: _project(s), 1, "results.json"),
+    ("train-tokenizer-over-users-file", "train.tokenizer", ["--out", "{s}/X", "--stories", "10"],
+     lambda s, fx: _plain_file(s), 1, "not written by tapernorm-deploy"),
+    # --- wrong output with exit 0, before ---------------------------------------------------------
+    ("graph-passes-empty-onnx", "graph_passes", ["{s}/e.onnx", "-o", "{s}/o.onnx"],
+     lambda s, fx: (s / "e.onnx").write_bytes(b""), 1, "empty file"),
+    ("verify-empty-onnx", "export.verify", ["{s}/e.onnx", "{build}/model.onnx"],
+     lambda s, fx: (s / "e.onnx").write_bytes(b""), 1, "empty file"),
+    ("generate-empty-onnx", "runtime.generate", ["--model", "{s}/e.onnx", "--prompt", "hi"],
+     lambda s, fx: (s / "e.onnx").write_bytes(b""), 1, "e.onnx"),
+    ("checkpoint-tokenizer-larger-than-vocab", "models.checkpoint", ["{s}/small_vocab"],
+     lambda s, fx: _big_tokenizer(s), 1, "vocab_size is 100"),
+    ("build-tokenizer-larger-than-vocab", "export.build", ["--checkpoint", "{s}/small_vocab", "--out", "{s}/b"],
+     lambda s, fx: _big_tokenizer(s), 1, "vocab_size is 100"),
+    ("checkpoint-int32-weight", "models.checkpoint", ["{s}/ck"],
+     lambda s, fx: _ckpt_with(s, fx["ckpt"], "ck", _weights_dtype("int32")), 1, "dtype int32"),
+    ("checkpoint-bool-weight", "models.checkpoint", ["{s}/ck"],
+     lambda s, fx: _ckpt_with(s, fx["ckpt"], "ck", _weights_dtype("bool")), 1, "dtype bool"),
+    ("verify-negative-atol", "export.verify", ["{build}/model.onnx", "{build}/model.fused.onnx", "--atol", "-1"],
+     None, 2, "--atol"),
+    ("triton-repo-negative-max-new-tokens", "runtime.triton",
+     ["repo", "--build", "{build}", "--out", "{s}/r", "--max-new-tokens", "-5"], None, 2, "--max-new-tokens"),
+    # --- tracebacks, before -----------------------------------------------------------------------------
+    ("generate-stop-id-not-a-number", "runtime.generate", ["--model", "{build}", "--prompt", "hi", "--stop", "id:abc"],
+     None, 1, "--stop 'id:abc'"),
+    ("generate-stop-id-out-of-vocab", "runtime.generate", ["--model", "{build}", "--prompt", "hi", "--stop", "id:99999"],
+     None, 1, "--stop 'id:99999'"),
+    ("generate-bogus-device", "runtime.generate", ["--model", "{build}", "--prompt", "hi", "--device", "bogus"],
+     None, 1, "--device 'bogus'"),
+    ("generate-bogus-torch-device", "runtime.generate",
+     ["--model", "{ckpt}", "--backend", "torch", "--prompt", "hi", "--device", "bogus"], None, 1, "--device 'bogus'"),
+    ("generate-negative-seed", "runtime.generate",
+     ["--model", "{build}", "--prompt", "hi", "--seed", "-1", "--temperature", "1"], None, 2, "--seed"),
+    ("generate-binary-batch-file", "runtime.generate", ["--model", "{build}", "--batch-file", "{s}/bin.dat"],
+     lambda s, fx: _binary(s), 1, "binary data"),
+    ("generate-batch-file-is-a-directory", "runtime.generate", ["--model", "{build}", "--batch-file", "{s}"],
+     None, 1, "found a directory"),
+    ("generate-20000-line-batch-file", "runtime.generate", ["--model", "{build}", "--batch-file", "{s}/many.txt"],
+     lambda s, fx: (s / "many.txt").write_text("once upon a time\n" * 20000), 1, "at most 256 prompts"),
+    ("generate-non-utf8-prompt", "runtime.generate", ["--model", "{build}", "--prompt", "bad \udcff byte"],
+     None, 1, "UTF-8"),
+    ("generate-max-new-tokens-2-40", "runtime.generate", ["--model", "{build}", "--prompt", "hi", "--max-new-tokens",
+                                                           str(2**40)], None, 2, "out of range"),
+    ("generate-usage-without-model", "runtime.generate", ["--prompt", "hi"], None, 2, "--model"),
+    ("checkpoint-config-is-a-directory", "models.checkpoint", ["{s}/ck"],
+     lambda s, fx: _ckpt_with(s, fx["ckpt"], "ck", lambda ck: ((ck / "config.json").unlink(), (ck / "config.json").mkdir())),
+     1, "found a directory"),
+    ("checkpoint-config-not-utf8", "models.checkpoint", ["{s}/ck"],
+     lambda s, fx: _ckpt_with(s, fx["ckpt"], "ck", lambda ck: (ck / "config.json").write_bytes(b"{\xff\xfe}")),
+     1, "UTF-8"),
+    ("checkpoint-capacity-1e9", "models.checkpoint", ["{s}/ck"],
+     lambda s, fx: _ckpt_with(s, fx["ckpt"], "ck", _config_edit("max_seq_len", 1_000_000_000)), 1, "needs"),
+    ("graph-passes-output-is-a-directory", "graph_passes", ["{build}/model.onnx", "-o", "{s}"],
+     None, 1, "found a directory"),
+    ("graph-passes-missing-external-data", "graph_passes", ["{s}/ext/m.onnx", "-o", "{s}/o.onnx"],
+     lambda s, fx: _external_data_missing(s, fx["build"]), 1, "external-data file m.onnx.data"),
+    ("verify-missing-external-data", "export.verify", ["{s}/ext/m.onnx", "{build}/model.onnx"],
+     lambda s, fx: _external_data_missing(s, fx["build"]), 1, "external-data file m.onnx.data"),
+    ("train-binary-corpus", "train", ["--preset", "baseline", "--out", "{s}/new", "--corpus", "{s}/bin.dat",
+                                      *TINY_TRAIN], lambda s, fx: _binary(s), 1, "binary data"),
+    ("triton-check-binary-config", "runtime.triton", ["check", "--repo", "{s}/repo"],
+     lambda s, fx: (_user_repo(s) / "my_model" / "config.pbtxt").write_bytes(bytes(range(256))), 1, "config"),
+    ("triton-check-not-a-directory", "runtime.triton", ["check", "--repo", "{s}/X"],
+     lambda s, fx: _plain_file(s), 1, "found a file"),
+    ("triton-client-non-utf8-prompt", "runtime.triton",
+     ["client", "--url", "127.0.0.1:9", "--prompt", "bad \udcff"], None, 1, "UTF-8"),
+    ("triton-client-max-new-tokens-2-40", "runtime.triton",
+     ["client", "--url", "127.0.0.1:9", "--prompt", "hi", "--max-new-tokens", str(2**40)], None, 2, "out of range"),
+    ("triton-client-nothing-listening", "runtime.triton",
+     ["client", "--url", "127.0.0.1:{closed_port}", "--prompt", "hi", "--timeout", "5"], None, 1, "127.0.0.1"),
+    ("triton-client-http-to-a-non-http-port", "runtime.triton",
+     ["client", "--url", "127.0.0.1:{garbage_port}", "--prompt", "hi", "--timeout", "5"], None, 1, "127.0.0.1"),
+    ("triton-usage-unknown-subcommand", "runtime.triton", ["bogus"], None, 2, "invalid choice"),
+    ("bench-decode-usage-bad-batches", "bench.decode", ["--out", "{s}/r", "--batches", "0,x"], None, 1, "--batches"),
+    ("bench-decode-unknown-size", "bench.decode", ["--out", "{s}/r", "--sizes", "9T"], None, 1, "unknown size"),
+    ("screen-dyt-zero-steps", "train.screen_dyt", ["--steps", "0"], None, 2, "--steps"),
+    ("train-report-no-runs", "train.report", ["--runs", "{s}"], None, 1, "no <preset>/train_log.json"),
+]
+
+
+@pytest.fixture
+def fx(tiny_ckpt, tiny_build, tiny_run):
+    return {"ckpt": tiny_ckpt, "build": tiny_build, "run": tiny_run}
+
+
+@pytest.fixture(scope="module")
+def ports():
+    garbage = _Garbage()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = sock.getsockname()[1]
+    yield {"garbage_port": garbage.port, "closed_port": closed}
+    garbage.close()
+
+
+@pytest.mark.parametrize("case_id, command, argv, setup, code, needle", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_one_line_nothing_changed(tmp_path, fx, ports, case_id, command, argv, setup, code, needle):
+    s = tmp_path / "s"
+    s.mkdir()
+    if setup is not None:
+        setup(s, fx)
+    before = snapshot(tmp_path)
+    args = [a.format(s=s, ckpt=fx["ckpt"], build=fx["build"], run=fx["run"], **ports) for a in argv]
+    r = cli(command, args)
+    assert "Traceback" not in r.err, r.err
+    assert r.code == code, (r.code, r.err)
+    assert len(r.error_lines) == 1 and r.err.startswith("error: "), r.err
+    assert needle in r.error_lines[0], r.error_lines[0]
+    assert snapshot(tmp_path) == before
+
+
+def test_unreadable_config_and_weights_are_named(tmp_path, fx, monkeypatch):
+    """Permission denied (simulated: the tests may run as root, which reads anything)."""
+    ck = copy_tree(fx["ckpt"], tmp_path / "ck")
+    real = Path.read_bytes
+
+    def deny(self):
+        if self.name == "config.json":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+    with monkeypatch.context() as m:
+        m.setattr(Path, "read_bytes", deny)
+        r = cli("models.checkpoint", [ck])
+    assert r.code == 1 and r.error_lines == [r.err.strip()] and "config.json: expected a readable file, found permission denied" in r.err
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p).endswith("model.safetensors") else real_access(p, mode))
+    r = cli("models.checkpoint", [ck])
+    assert r.code == 1 and "model.safetensors: expected a readable file, found permission denied" in r.err
+
+
+def test_replacing_our_own_build_keeps_the_users_dot_old_and_gives_readable_modes(tmp_path, fx):
+    out = copy_tree(fx["build"], tmp_path / "b")
+    mine = tmp_path / ".b.old"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("the user's")
+    old = os.umask(0o022)
+    try:
+        r = cli("runtime.triton", ["repo", "--build", out, "--out", tmp_path / "repo"])
+        assert r.code == 0, r.err
+        r = cli("runtime.triton", ["repo", "--build", out, "--out", tmp_path / "repo"])   # ours: replaced
+        assert r.code == 0, r.err
+    finally:
+        os.umask(old)
+    assert (mine / "keep.txt").read_text() == "the user's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".b.old", "b", "repo"]
+    for p in [tmp_path / "repo", *(tmp_path / "repo").rglob("*")]:
+        if p.is_dir():
+            assert p.stat().st_mode & 0o777 == 0o755, p
+        elif p.stat().st_nlink == 1:        # hard links share the build's own file
+            assert p.stat().st_mode & 0o777 == 0o644, p
+
+
+def test_broadcasting_mul_is_not_folded_and_the_graph_stays_loadable(tmp_path):
+    """x[B, 1] * s[4] -> MatMul W[4, 3]: folding s into W would drop the broadcast."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    s = numpy_helper.from_array(np.array([1.0, 2.0, 3.0, 4.0], np.float32), "s")
+    w = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(4, 3), "w")
+    g = helper.make_graph([helper.make_node("Mul", ["x", "s"], ["h"], name="scale"),
+                           helper.make_node("MatMul", ["h", "w"], ["y"], name="mm")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 3])], [s, w])
+    src = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]), src)
+    r = cli("graph_passes", [src, "-o", tmp_path / "o.onnx"])
+    assert r.code == 0, r.err
+    assert "taper_scale: 0 rewrite(s)" in r.out
+    x = np.array([[2.0], [3.0]], np.float32)
+    ref = ort.InferenceSession(str(src)).run(None, {"x": x})[0]
+    got = ort.InferenceSession(str(tmp_path / "o.onnx")).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(ref, got)

@@ -1,0 +1,71 @@
+"""core.errors: the one CLI runner and its exit codes; range-checked argparse types."""
+import pytest
+
+from core.errors import ArgumentParser, UserError, float_in, int_in, positive_int, run_cli
+
+
+def _run(capsys, body, argv=()):
+    code = run_cli(body, list(argv))
+    return code, capsys.readouterr()
+
+
+def test_user_error_is_one_line_exit_1(capsys):
+    def body(argv):
+        raise UserError("thing: expected a, found b; do c", details=["one", "two"])
+    code, out = _run(capsys, body)
+    assert code == 1
+    assert out.err.splitlines() == ["error: thing: expected a, found b; do c", "  - one", "  - two"]
+
+
+def test_usage_error_is_one_line_exit_2(capsys):
+    def body(argv):
+        p = ArgumentParser(prog="python -m x")
+        p.add_argument("--n", type=positive_int, required=True)
+        p.parse_args(argv)
+        return 0
+    for argv, needle in ((["--n", "0"], "out of range"), (["--n", "x"], "not an integer"), ([], "required"),
+                         (["--n", "1", "--bogus"], "unrecognized")):
+        code, out = _run(capsys, body, argv)
+        assert code == 2 and len(out.err.splitlines()) == 1 and out.err.startswith("error: python -m x:"), out.err
+        assert needle in out.err and "usage:" not in out.err
+
+
+def test_interrupt_is_130_and_says_nothing_was_written(capsys):
+    def body(argv):
+        raise KeyboardInterrupt
+    code, out = _run(capsys, body)
+    assert code == 130 and out.err.strip() == "error: interrupted; nothing was written"
+
+
+def test_a_bug_prints_the_traceback_and_asks_for_a_report(capsys):
+    def body(argv):
+        return {}["missing"]
+    code, out = _run(capsys, body)
+    assert code == 1 and "Traceback" in out.err and "please report it" in out.err
+
+
+def test_oserror_is_one_line(capsys):
+    def body(argv):
+        raise OSError(28, "No space left on device", "/x/y")
+    code, out = _run(capsys, body)
+    assert code == 1 and out.err.strip() == "error: /x/y: No space left on device; nothing was written"
+
+
+@pytest.mark.parametrize("text, ok", [("5", True), ("-1", False), ("2147483648", False), ("1e3", False)])
+def test_int_in_never_wraps(text, ok):
+    import argparse
+    parse = int_in(0)
+    if ok:
+        assert parse(text) == int(text)
+    else:
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(text)
+
+
+def test_float_in_refuses_nan_inf_and_out_of_range():
+    import argparse
+    parse = float_in(0.0, 1.0)
+    assert parse("0.5") == 0.5
+    for bad in ("nan", "inf", "-0.1", "1.5", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(bad)
