@@ -400,4 +400,5 @@ def run(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from core.errors import exit_after
+    exit_after(main())

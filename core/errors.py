@@ -118,6 +118,18 @@ def interrupted_message() -> str:
     return "interrupted; nothing was written"
 
 
+def exit_after(code: int):
+    """sys.exit(code) for a `python -m` entry point, deaf to Ctrl-C from here on.
+
+    The command is done (its outputs complete, its message printed); interpreter shutdown
+    resets SIGINT to the default action, so a Ctrl-C in that last fraction of a second
+    would otherwise kill the process by signal and hide the real exit code.
+    """
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    sys.exit(code)
+
+
 def _caused_by_interrupt(e: BaseException) -> bool:
     seen = set()
     while e is not None and id(e) not in seen:

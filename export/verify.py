@@ -295,4 +295,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from core.errors import exit_after
+    exit_after(main())

@@ -131,4 +131,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from core.errors import exit_after
+    exit_after(main())
