@@ -126,11 +126,15 @@ def test_spec_from_the_graph(tiny):
         assert s.spec == ModelSpec.from_config(load_checkpoint(ckpt).cfg)
 
 
+def _has_ort_cuda() -> bool:
+    import onnxruntime as ort
+    return "CUDAExecutionProvider" in ort.get_available_providers()
+
+
 @pytest.mark.gpu
+@pytest.mark.skipif(not _has_ort_cuda(),   # decided before the `tiny` fixture exports anything
+                    reason="onnxruntime-gpu (CUDAExecutionProvider) is not installed: pip install 'tapernorm-deploy[gpu]'")
 def test_ort_cuda_provider_matches_cpu(tiny):
-    ort = pytest.importorskip("onnxruntime")
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime-gpu (CUDAExecutionProvider) is not installed: pip install 'tapernorm-deploy[gpu]'")
     _, build = tiny
     ids = np.array([[1, 2, 3], [4, 5, 6]])
     with OrtSession(build, device="cuda") as g, OrtSession(build) as c:
