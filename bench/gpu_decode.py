@@ -62,13 +62,15 @@ def summarize_cell(per_round: dict, batch: int) -> dict:
 
 
 def run_benchmark(sizes, dtypes, batches, prompt: int, steps: int, warmup: int, rounds: int, seed: int,
-                  log=print) -> dict:
+                  log=print, device: str = "cuda") -> dict:
+    """Every (size, dtype, batch) cell; device="cpu" runs the same code without CUDA graphs (tests)."""
     import torch
 
     from bench.variants import VARIANTS, base_model, capacity_for, torch_variant, weight_bytes_torch
     from runtime.torch_session import TorchSession
     capacity = capacity_for(prompt, warmup + steps + 1)
-    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+    gpu = torch.cuda.get_device_name(0) if device.startswith("cuda") else None
+    results = {"device": gpu or device, "torch": torch.__version__, "cuda": torch.version.cuda,
                "prompt": prompt, "steps": steps, "warmup": warmup, "rounds": rounds, "capacity": capacity,
                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cells": []}
     names = (BASELINE, *FUSED)
@@ -83,22 +85,23 @@ def run_benchmark(sizes, dtypes, batches, prompt: int, steps: int, warmup: int, 
         weight_bytes = {n: weight_bytes_torch(m) for n, m in models.items()}        # fp32, before any cast
         for dtype in dtypes:
             # TorchSession moves and casts the module in place; each dtype starts from the fp32 weights
-            sessions = {n: TorchSession(copy.deepcopy(m), device="cuda", dtype=dtype).activate()
+            sessions = {n: TorchSession(copy.deepcopy(m), device=device, dtype=dtype).activate()
                         for n, m in models.items()}
             try:
                 for batch in batches:
                     cell = summarize_cell(time_cell(sessions, batch, prompt, steps, warmup, rounds), batch)
                     results["cells"].append({"size": size, "dtype": dtype, "batch": batch, "variants": cell,
                                              "sources": sources, "weight_bytes_fp32": weight_bytes})
-                    log(format_cell(size, dtype, batch, cell))
+                    log(format_cell(size, dtype, batch, cell, device))
             finally:
                 for s in sessions.values():
                     s.deactivate()
-                torch.cuda.empty_cache()
+                if gpu:
+                    torch.cuda.empty_cache()
     return results
 
 
-def format_cell(size: str, dtype: str, batch: int, cell: dict) -> str:
+def format_cell(size: str, dtype: str, batch: int, cell: dict, device: str = "cuda") -> str:
     parts = []
     for name, row in cell.items():
         text = f"{name} {row['step_p50_s'] * 1e6:.1f} us ({row['tokens_per_s']:.0f} tok/s)"
@@ -106,7 +109,7 @@ def format_cell(size: str, dtype: str, batch: int, cell: dict) -> str:
             s = row["speedup_vs_baseline"]
             text += f" x{s['median']:.3f} [{s['min']:.3f}, {s['max']:.3f}]"
         parts.append(text)
-    return f"torch-cuda {size} {dtype} b{batch}: " + "; ".join(parts)
+    return f"torch-{device.split(':')[0]} {size} {dtype} b{batch}: " + "; ".join(parts)
 
 
 def _csv(value: str, known, what: str) -> list[str]:
