@@ -245,7 +245,7 @@ class EngineFromOnnx:
         self.built = False
         self.key: str | None = None
         self.tensorrt_version: str | None = None
-        self.kv_cache_layers: int | None = None   # counted in the parsed network when this call builds
+        self.kv_cache_layers: int | None = None   # counted in the parsed network (a reused engine: its record)
 
     def __call__(self) -> bytes:
         import tensorrt as trt
@@ -255,6 +255,7 @@ class EngineFromOnnx:
         self.path = engine_path(self.onnx_path, key)
         if self.path.is_file() and not self.rebuild:
             self.built = False
+            self.kv_cache_layers = (read_engine_info(self.path) or {}).get("kv_cache_layers")   # as counted at build
             return self.path.read_bytes()
         data = self._build(trt, timing_cache_path(self.onnx_path, device))
         write_atomic(self.path, data)

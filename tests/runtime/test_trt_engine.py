@@ -112,6 +112,7 @@ def test_build_clears_tf32_unless_asked_and_keys_the_engine_by_it(with_fake_trt)
     assert info["device"] == "nvidia-h200-sm90" and trt_engine.read_engine_info(onnx_path) is None
     again = EngineFromOnnx(onnx_path, SPEC, BuildOptions(max_batch=4))
     assert again() == b"engine tf32=0" and not again.built and again.path == parity.path
+    assert again.report()["kv_cache_layers"] == 4                          # read back from the build record
     assert len(trt.configs) == 2                                          # reused, not rebuilt
     assert timing_cache_path(onnx_path, "nvidia-h200-sm90").read_bytes() == b"timing"
 
