@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import signal
 import sys
 import traceback
@@ -127,7 +128,28 @@ def exit_after(code: int):
     """
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    if code == EXIT_INTERRUPTED:
+        _forget_interrupt_seen_by_c_code()
     sys.exit(code)
+
+
+def _forget_interrupt_seen_by_c_code():
+    """Tell CPython the Ctrl-C was handled, so the exit code stays 130.
+
+    A KeyboardInterrupt that passes through Python code run by a C extension with
+    PyRun_String (e.g. pybind11's py::exec; torch is built on pybind11) sets CPython's
+    _Py_UnhandledKeyboardInterrupt even when our handler catches it later; at exit
+    CPython then kills the process with SIGINT (exit -2 instead of 130). Seen in CI on
+    `python -m train` interrupted mid-step. Where the flag cannot be reached (not
+    CPython), exit at once: outputs are complete and temporaries gone by now.
+    """
+    try:
+        import ctypes
+        ctypes.c_int.in_dll(ctypes.pythonapi, "_Py_UnhandledKeyboardInterrupt").value = 0
+    except (ImportError, AttributeError, ValueError, OSError):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_INTERRUPTED)
 
 
 def _caused_by_interrupt(e: BaseException) -> bool:

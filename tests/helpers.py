@@ -72,3 +72,12 @@ def snapshot(root: Path) -> dict[str, object]:
             else:
                 out[rel] = p.read_bytes()
     return out
+
+
+def default_sigint():
+    """preexec_fn for a child that must react to Ctrl-C as under a terminal: a shell starts
+    background jobs with SIGINT ignored, and Python then never installs its handler (nor
+    dies by SIGINT), which would hide exactly what the interrupt tests check."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli.conftest import copy_tree
-from tests.helpers import snapshot
+from tests.helpers import default_sigint, snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _start(*args):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, "-m", *map(str, args)], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint)
 
 
 def _interrupt_when(proc, line_prefix: str | None = None, temp_in: Path | None = None, after_s: float = 0.0):
