@@ -17,7 +17,7 @@ from __future__ import annotations
 import onnx
 import onnx_graphsurgeon as gs
 
-from graph_passes.base import GraphPass, PassContext, Rewrite, is_graph_output
+from graph_passes.base import Finding, GraphPass, PassContext, PassResult
 
 # Operators of the TensorRT 10.x/11 ONNX parser (onnx-tensorrt docs/operators.md), default domain.
 TRT_ONNX_OPS = frozenset("""
@@ -58,7 +58,7 @@ def lint_graph(ctx: PassContext) -> list[str]:
             issues.append(f"{where}: custom domain '{domain}' is unknown to the TensorRT parser")
         elif domain != "trt" and node.op not in TRT_ONNX_OPS:
             issues.append(f"{where}: op not supported by the TensorRT 11 ONNX parser")
-        if node.op == "If" and any(is_graph_output(graph, o) for o in node.outputs):
+        if node.op == "If" and any(ctx.is_graph_output(o) for o in node.outputs):
             issues.append(f"{where}: If node produces a graph output (merged decoder); export one graph for prefill and decode")
         if node.op == "Attention":
             past = [t for t in node.inputs[4:6] if t is not None and t.name]
@@ -99,7 +99,7 @@ class TensorRTLint(GraphPass):
     #     If ──▶ graph output            Attention(q, k, v, mask, past_k, past_v) ──▶ present_k, present_v
     #     <op not in TRT_ONNX_OPS>       tensor of dtype float64 / string / complex / uint16-64
 
-    def find(self, ctx: PassContext) -> list[Rewrite]:
-        for issue in lint_graph(ctx):
-            ctx.note(f"trt: {issue}")
-        return []
+    def run(self, ctx: PassContext) -> PassResult:
+        """Not a matching pass: one typed lint finding per issue, nothing rewritten."""
+        where_why = (issue.split(": ", 1) for issue in lint_graph(ctx))
+        return PassResult(self.name, findings=[Finding(self.name, where, why, kind="lint") for where, why in where_why])

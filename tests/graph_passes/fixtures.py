@@ -110,3 +110,47 @@ def scale_to_linears(scale=None, shift=None, n_linear=3, bias=True, scale_shape=
     inputs = (("x", [6, D]),) if gemm else (("x", [2, 3, D]),)
     return model(nodes, inits, outputs=outs, inputs=inputs, meta={"tapernorm.gate": "0.0"} if meta else None,
                  node_meta=node_meta)
+
+
+def exploded_rmsnorm(cls: str | None = "transformers.models.llama.modeling_llama.LlamaRMSNorm", extra=(),
+                     reshape=None, x_shape=(2, 3, D)) -> onnx.ModelProto:
+    """HF RMSNorm as torch's exporter writes it, then q/k/v projections:
+
+        x ─▶ Pow(2) ─▶ ReduceMean(-1) ─▶ Add(eps) ─▶ Sqrt ─▶ Reciprocal ─┐
+        x ──────────────────────────────────────────────────────────────┴▶ Mul ─▶ Mul(gamma) ─▶ n
+        n ─▶ MatMul(W_i) (i < 3); n ─▶ Shape ─▶ shape_out
+
+    cls: the gamma Mul's provenance class (None: no provenance). extra: op types that
+    also read n. reshape: a target shape for a Reshape between n and the MatMuls.
+    """
+    nodes = [helper.make_node("Pow", ["x", "two"], ["sq"], name="pow"),
+             helper.make_node("ReduceMean", ["sq", "axes"], ["var"], name="mean", keepdims=1),
+             helper.make_node("Add", ["var", "eps"], ["ve"], name="add_eps"),
+             helper.make_node("Sqrt", ["ve"], ["std"], name="sqrt"),
+             helper.make_node("Reciprocal", ["std"], ["inv"], name="rsqrt"),
+             helper.make_node("Mul", ["x", "inv"], ["xn"], name="normalize"),
+             helper.make_node("Mul", ["g", "xn"], ["n"], name="gamma_mul"),
+             helper.make_node("Shape", ["n"], ["shape_out"], name="shape")]
+    inits = [init("two", np.float32(2.0)), init("axes", np.array([-1], np.int64)), init("eps", np.float32(1e-6)),
+             init("g", rng_vec(4))]
+    src, width = "n", D
+    if reshape is not None:
+        nodes.append(helper.make_node("Reshape", ["n", "rs"], ["nr"], name="view"))
+        inits.append(init("rs", np.array(reshape, np.int64)))
+        src, width = "nr", reshape[-1]
+    outs = []
+    for i in range(3):
+        nodes.append(helper.make_node("MatMul", [src, f"W{i}"], [f"y{i}"], name=f"proj{i}"))
+        inits.append(init(f"W{i}", rng_mat(10 + i, (width, OUT))))
+        outs.append(f"y{i}")
+    for j, op in enumerate(extra):
+        nodes.append(helper.make_node(op, ["n"], [f"z{j}"], name=f"extra{j}"))
+        outs.append(f"z{j}")
+    meta = {}
+    if cls:
+        meta["gamma_mul"] = {"pkg.torch.onnx.name_scopes": repr(["", "model", "model.layers.0", "model.layers.0.input_layernorm", "mul_1"]),
+                             "pkg.torch.onnx.class_hierarchy": repr(["transformers.models.llama.modeling_llama.LlamaModel",
+                                                                     cls, "aten.mul.Tensor"])}
+    m = model(nodes, inits, outputs=outs, inputs=(("x", list(x_shape)),), node_meta=meta)
+    m.graph.output.append(helper.make_tensor_value_info("shape_out", TensorProto.INT64, None))
+    return m

@@ -18,7 +18,7 @@ def test_cli_folds_and_reports(tmp_path):
     r = _cli(src, "-o", dst)
     assert r.returncode == 0, r.stderr
     assert "detected 1 TaperNorm layer(s), gate 0: blocks.0.ln_1" in r.stdout
-    assert "taper_scale: 1 rewrite(s)" in r.stdout and "blocks.0.ln_1: scale+shift -> mm0, mm1, mm2" in r.stdout
+    assert "taper_scale: 1 folded, 0 skipped" in r.stdout and "blocks.0.ln_1: scale+shift -> mm0, mm1, mm2" in r.stdout
     assert "Mul 1->0" in r.stdout
     out = onnx.load(dst)
     assert {p.key: p.value for p in out.metadata_props}["tapernorm.gate"] == "0.0"   # metadata kept
