@@ -154,3 +154,22 @@ def exploded_rmsnorm(cls: str | None = "transformers.models.llama.modeling_llama
     m = model(nodes, inits, outputs=outs, inputs=(("x", list(x_shape)),), node_meta=meta)
     m.graph.output.append(helper.make_tensor_value_info("shape_out", TensorProto.INT64, None))
     return m
+
+
+def merged_decoder(n_scales: int = 2) -> onnx.ModelProto:
+    """Optimum's merged-decoder layout, reduced: If(use_cache_branch) whose two branches
+    each scale x per channel (a norm gain) and project it; the weights live in the main graph.
+
+        use_cache_branch ─▶ If ─┬─ then: x ─▶ Mul(s_a) ─▶ MatMul(W_a) ─▶ y
+                                └─ else: x ─▶ Mul(s_b) ─▶ MatMul(W_b) ─▶ y
+    """
+    def branch(tag: str, seed: int):
+        nodes = [helper.make_node("Mul", ["x", f"s_{tag}"], [f"h_{tag}"], name=f"norm_{tag}"),
+                 helper.make_node("MatMul", [f"h_{tag}", f"W_{tag}"], [f"y_{tag}"], name=f"proj_{tag}")]
+        return helper.make_graph(nodes, f"branch_{tag}", [], [helper.make_tensor_value_info(f"y_{tag}", TensorProto.FLOAT, [2, 3, OUT])])
+    node = helper.make_node("If", ["use_cache_branch"], ["y"], name="optimum::if",
+                            then_branch=branch("a", 1), else_branch=branch("b", 2))
+    inits = [init("s_a", rng_vec(1)), init("W_a", rng_mat(2)), init("s_b", rng_vec(3)), init("W_b", rng_mat(4))]
+    m = model([node], inits)
+    m.graph.input.append(helper.make_tensor_value_info("use_cache_branch", TensorProto.BOOL, [1]))
+    return m
