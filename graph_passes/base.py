@@ -245,12 +245,22 @@ def save_graph(ctx: PassContext, template: onnx.ModelProto | None = None) -> onn
         proto.ir_version = template.ir_version
         proto.producer_name = template.producer_name
         proto.producer_version = template.producer_version
+        _keep_declared_io(proto.graph, template.graph)
     for k, v in ctx.model_meta.items():
         proto.metadata_props.add(key=k, value=v)
     for node in _all_nodes(proto.graph):
         for k, v in ctx.node_meta.get(node.name, {}).items():
             node.metadata_props.add(key=k, value=v)
     return proto
+
+
+def _keep_declared_io(graph: onnx.GraphProto, template: onnx.GraphProto) -> None:
+    """The graph's inputs and outputs as the template declared them: shape inference may have
+    refined a dynamic axis (batch -> 1) in a declaration, which would change the interface."""
+    declared = {v.name: v for v in list(template.input) + list(template.output)}
+    for v in list(graph.input) + list(graph.output):
+        if v.name in declared:
+            v.CopyFrom(declared[v.name])
 
 
 # --- the pass base class -----------------------------------------------------------------------

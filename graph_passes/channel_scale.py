@@ -6,7 +6,7 @@ Reciprocal / Mul followed by Mul(gamma) (the "exploded" RMSNorm, with provenance
 LlamaRMSNorm, Qwen2RMSNorm, ...), a user's own norm class alike, and a graph
 from another exporter carries no provenance at all. Folding y = x * s (+ t) into
 the linear layers that consume y is exact whatever the Mul came from, so the
-candidates are the Muls by a constant whose provenance names a norm class (any
+candidates are the Muls by a constant (not x * 1/rms inside the norm) whose provenance names a norm class (any
 class with "Norm" in its name, TaperNorm excepted: that one is taper_scale's) or
 that carry no provenance. A Mul fed by a Tanh is DyT's gamma (dyt_affine's).
 
@@ -101,9 +101,11 @@ class FoldChannelScale(GraphPass):
         if cls is None:
             return None                                   # provenance names no norm
         data = [t for t in node.inputs if const_value(t) is None]
-        pattern = exploded_norm(data[0]) if len(data) == 1 else None
-        scale = [const_value(t) for t in node.inputs if const_value(t) is not None]
-        vector = len(scale) == 1 and scale[0].size > 1
+        if len(data) != 1 or len(node.inputs) != 2:
+            return None                                   # not a Mul by a constant (x * 1/rms, gate * up)
+        pattern = exploded_norm(data[0])
+        scale = [const_value(t) for t in node.inputs if t is not data[0]]
+        vector = scale[0].size > 1
         looks_like_norm = bool(cls) or pattern is not None or vector
         m = match_scale_shift(ctx, node)
         if isinstance(m, Skip):
