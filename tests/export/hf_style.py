@@ -119,3 +119,66 @@ def logits_only(model: onnx.ModelProto) -> onnx.ModelProto:
     del out.graph.output[:]
     out.graph.output.extend(keep)
     return out
+
+
+# --- tiny transformers models exported by torch.onnx (dynamo) ---------------------------------------
+
+HF_KINDS = ("gpt2", "llama", "qwen2")
+N_LAYER = 2
+NORMS_PER_MODEL = 2 * N_LAYER + 1          # two pre-norms per block and the final norm
+
+
+def hf_model(kind: str, ln_eps: float | None = None):
+    """A tiny random-init transformers causal LM with randomized norm gains (and GPT-2 biases), in eval mode.
+
+    ln_eps (GPT-2 only): the LayerNorm eps; 1e12 with gains scaled by 1e6 is the
+    LN-free (FakeLN) checkpoint layout, whose norms are a fixed linear map.
+    """
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(HF_KINDS.index(kind))
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=N_LAYER, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=32)
+    if kind == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=N_LAYER, n_head=2,
+                                           layer_norm_epsilon=ln_eps or 1e-5))
+    elif kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**small))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**small))
+    gain = 1.0 if ln_eps is None else float(np.sqrt(ln_eps))     # LN-free: gamma' = gamma * sqrt(eps) keeps the scale
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln_" in name or "norm" in name:                  # something to fold: not ones and zeros
+                if name.endswith("weight"):
+                    p.copy_((torch.randn_like(p) * 0.2 + 1.0) * gain)
+                else:
+                    p.copy_(torch.randn_like(p) * 0.2)
+            elif name.endswith("bias"):                           # GPT-2 initializes them to 0: a trained model's are not
+                p.copy_(torch.randn_like(p) * 0.02)
+    model.config.use_cache = False
+    return model.eval()
+
+
+@functools.lru_cache(maxsize=None)
+def hf_export(kind: str, opset: int, ln_eps: float | None = None) -> onnx.ModelProto:
+    """input_ids [batch, seq] -> logits, exported by torch.onnx.export(dynamo=True) as a user would."""
+    import logging
+
+    import torch
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+
+    class LogitsOnly(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids):
+            return self.model(input_ids=input_ids, use_cache=False).logits
+
+    wrapper = LogitsOnly(hf_model(kind, ln_eps)).eval()
+    ids = torch.randint(0, 64, (2, 5))                           # sizes other than 0 and 1: not specialized
+    dims = {"input_ids": {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq")}}
+    program = torch.onnx.export(wrapper, (ids,), dynamo=True, opset_version=opset, input_names=["input_ids"],
+                                output_names=["logits"], dynamic_shapes=dims, verbose=False)
+    return program.model_proto

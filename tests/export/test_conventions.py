@@ -1,0 +1,96 @@
+"""export.verify on the I/O conventions of other exporters: detection, driving, one-line refusals."""
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+
+from core.contract import ContractError
+from export.conventions import detect
+from export.verify import VerificationError, ort_session, verify_pair
+from graph_passes import run_passes
+from tests.export.exported import save
+from tests.export.hf_style import kv_cache_decoder, logits_only
+
+VARIANTS = {"kv-cache": dict(past=True), "prefill-only": dict(past=False), "merged": dict(merged=True)}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS) + ["logits-only"])
+def test_each_convention_is_detected_folded_and_equal(variant):
+    m = logits_only(kv_cache_decoder(past=False)) if variant == "logits-only" else kv_cache_decoder(**VARIANTS[variant])
+    conv = detect(m)
+    assert conv.name == ("kv-cache" if variant == "merged" else variant)
+    assert conv.merged == (variant == "merged")
+    fused, results = run_passes(m)
+    assert sum(len(r.folded) for r in results if r.name == "channel_scale") == (2 if variant == "merged" else 1)
+    outputs = {"logits"} if variant == "logits-only" else {"logits", "present.0.key", "present.0.value"}
+    for c in verify_pair(m, fused):
+        assert set(c.max_abs_diff) == outputs and c.worst <= 1e-5
+    with pytest.raises(VerificationError, match="logits: max abs diff"):
+        verify_pair(m, kv_cache_decoder(**VARIANTS.get(variant, dict(past=False)), gamma_scale=1.001)
+                    if variant != "logits-only" else logits_only(kv_cache_decoder(past=False, gamma_scale=1.001)))
+
+
+def test_decode_steps_feed_the_presents_back():
+    """The kv-cache driver's last-token logits equal a full recompute of the same prefix."""
+    with_past, prefill = detect(kv_cache_decoder(past=True)), detect(kv_cache_decoder(past=False))
+    (_, plan), = with_past.sessions(seeds=(3,))
+    steps = with_past.run(ort_session(kv_cache_decoder(past=True)), plan)
+    full = prefill.run(ort_session(kv_cache_decoder(past=False)), plan)
+    assert len(steps) == len(full) == 4                      # prefill + 3 decode steps
+    for s, f in zip(steps, full):
+        np.testing.assert_allclose(s["logits"][:, -1], f["logits"][:, -1], atol=1e-5)
+        np.testing.assert_allclose(s["present.0.key"], f["present.0.key"], atol=0)
+
+
+def test_merged_runs_both_branches():
+    """use_cache_branch False at the prefill, True after: the merged toy equals the kv-cache one."""
+    merged, plain = detect(kv_cache_decoder(merged=True)), detect(kv_cache_decoder(past=True))
+    (_, plan), = merged.sessions(seeds=(0,))
+    a = merged.run(ort_session(kv_cache_decoder(merged=True)), plan)
+    b = plain.run(ort_session(kv_cache_decoder(past=True)), plan)
+    for x, y in zip(a, b):
+        for name in x:
+            np.testing.assert_allclose(x[name], y[name], atol=1e-6, err_msg=name)
+
+
+def test_unknown_convention_is_one_line_naming_what_it_found():
+    m = kv_cache_decoder(past=False)
+    m.graph.input[1].name = "attn_mask"
+    for node in m.graph.node:
+        node.input[:] = ["attn_mask" if i == "attention_mask" else i for i in node.input]
+    with pytest.raises(ContractError) as e:
+        detect(m, "other.onnx")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("other.onnx: unknown decoder I/O convention")
+    assert "attn_mask" in msg and "known conventions: ours" in msg and "Optimum / ONNX Runtime GenAI" in msg
+
+
+def test_different_conventions_are_not_equal():
+    with pytest.raises(VerificationError, match="second graph is Optimum without past"):
+        verify_pair(kv_cache_decoder(past=True), kv_cache_decoder(past=False))
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "export.verify", *map(str, args)], capture_output=True, text=True)
+
+
+def test_cli_detects_drives_and_compares_against_a_reference():
+    m = kv_cache_decoder(merged=True)
+    fused, _ = run_passes(m)
+    a, b = save(m, "toy_merged.onnx"), save(fused, "toy_merged.fused.onnx")
+    r = _cli(a, b, "--reference", a)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "convention: Optimum/GenAI kv-cache (1 layers, merged with use_cache_branch, fp32)" in r.stdout
+    assert "second graph vs reference: random tokens, seed 0: 3 output(s)" in r.stdout and "EQUAL" in r.stdout
+    bad = save(kv_cache_decoder(merged=True, gamma_scale=1.01), "toy_merged.bad.onnx")
+    r = _cli(a, b, "--reference", bad)
+    assert r.returncode == 1 and "first graph vs reference: random tokens, seed 0: logits" in r.stdout
+    odd = onnx.ModelProto()
+    odd.CopyFrom(m)
+    odd.graph.output[0].name = "scores"
+    odd.graph.node[0].output[0] = "scores"
+    r = _cli(save(odd, "toy_odd.onnx"), b)
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
+    assert "unknown decoder I/O convention" in r.stderr and "scores" in r.stderr

@@ -1,0 +1,106 @@
+"""graph_passes + export.verify on graphs other tools wrote: tiny random-init GPT-2, Llama and Qwen2
+(transformers, built here) exported by torch.onnx (dynamo, opset 18 and 24), then optionally
+rewritten by ONNX Runtime's transformers optimizer first.
+
+Every norm gain / shift must fold (counted), the folded graph must match the
+unfolded one within FOLD_ATOL_FP32 with ORT optimizations off, and export.verify
+must call the pair EQUAL. The default run covers each exporter pattern once
+(GPT-2 opset 18: LayerNormalization, Conv1D as Reshape -> Gemm -> Reshape, the view
+before the head; Llama opset 24: the exploded RMSNorm with LlamaRMSNorm
+provenance); the other model / opset pairs are marked slow.
+"""
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+pytest.importorskip("transformers")
+
+from export.verify import verify_pair                                          # noqa: E402
+from graph_passes import run_passes                                             # noqa: E402
+from tests.export.hf_style import NORMS_PER_MODEL, hf_export                    # noqa: E402
+
+# fp32: a fold reorders one per-channel product per linear layer ((x*s)@W vs x@(sW)):
+# a few ulp on logits of magnitude ~1 in these tiny models; 1e-5 catches any
+# wrong or missing scale (a gain of 1 +- 0.2 moves logits by > 1e-2).
+FOLD_ATOL_FP32 = 1e-5
+# which pass folds the norms of each model as torch.onnx writes it
+FOLDING_PASS = {"gpt2": "norm_gamma", "llama": "channel_scale", "qwen2": "channel_scale"}
+
+CASES = [pytest.param("gpt2", 18), pytest.param("llama", 24),
+         pytest.param("gpt2", 24, marks=pytest.mark.slow), pytest.param("llama", 18, marks=pytest.mark.slow),
+         pytest.param("qwen2", 18, marks=pytest.mark.slow), pytest.param("qwen2", 24, marks=pytest.mark.slow)]
+
+
+def _folds(results):
+    return {r.name: len(r.folded) for r in results if r.folded and r.name != "fold_constants"}
+
+
+def _equal(before, after):
+    """export.verify (prefill + growing prefix, every output) within FOLD_ATOL_FP32."""
+    comparisons = verify_pair(before, after, atol=FOLD_ATOL_FP32)
+    assert comparisons and all(c.worst <= FOLD_ATOL_FP32 for c in comparisons)
+    return max(c.worst for c in comparisons)
+
+
+@pytest.mark.parametrize("kind,opset", CASES)
+def test_every_norm_folds_and_verifies_equal(kind, opset):
+    proto = hf_export(kind, opset)
+    fused, results = run_passes(proto)
+    assert _folds(results) == {FOLDING_PASS[kind]: NORMS_PER_MODEL}
+    assert [str(f) for r in results for f in r.skipped] == []
+    if kind == "gpt2":       # LayerNormalization stays, with gamma = 1 and no beta
+        norms = [n for n in fused.graph.node if n.op_type == "LayerNormalization"]
+        assert len(norms) == NORMS_PER_MODEL and all(len(n.input) == 2 for n in norms)
+    else:                    # no Mul by a constant vector is left: the gains are in the weights
+        inits = {i.name: numpy_helper.to_array(i) for i in fused.graph.initializer}
+        vec_muls = [n for n in fused.graph.node if n.op_type == "Mul"
+                    and any(i in inits and inits[i].size == 16 for i in n.input)]
+        assert vec_muls == []
+    _equal(proto, fused)
+    again, rerun = run_passes(fused)                          # idempotent
+    assert _folds(rerun) == {} and again.SerializeToString() == run_passes(fused)[0].SerializeToString()
+
+
+def _disable_norms(proto: onnx.ModelProto, eps: float = 1e12) -> onnx.ModelProto:
+    """The same graph with every LayerNormalization at eps 1e12 and gain * 1e6 (the LN-free GPT-2 layout)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    inits = {i.name: i for i in out.graph.initializer}
+    scaled = set()
+    for node in out.graph.node:
+        if node.op_type != "LayerNormalization":
+            continue
+        next(a for a in node.attribute if a.name == "epsilon").f = eps
+        if node.input[1] not in scaled:
+            g = inits[node.input[1]]
+            g.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(g) * np.float32(np.sqrt(eps)), g.name))
+            scaled.add(node.input[1])
+    return out
+
+
+@pytest.mark.parametrize("source", ["edited", pytest.param("exported", marks=pytest.mark.slow)])
+def test_ln_free_gpt2_builds_with_zero_norm_ops(source):
+    """disabled_norm folds each eps = 1e12 LayerNorm whole (centering included): no norm op is left."""
+    proto = _disable_norms(hf_export("gpt2", 18)) if source == "edited" else hf_export("gpt2", 18, ln_eps=1e12)
+    fused, results = run_passes(proto)
+    assert _folds(results) == {"disabled_norm": NORMS_PER_MODEL}
+    assert not [n for n in fused.graph.node if "Normalization" in n.op_type]
+    _equal(proto, fused)
+
+
+@pytest.mark.parametrize("kind,opset,fused_ops", [
+    ("gpt2", 18, {"SkipLayerNormalization", "LayerNormalization"}),
+    pytest.param("llama", 24, {"SimplifiedLayerNormalization"}, marks=pytest.mark.slow)])
+def test_ort_optimizer_first_then_gamma_fold(kind, opset, fused_ops, tmp_path):
+    """ONNX Runtime's transformers optimizer fuses the norms into its contrib ops; norm_gamma folds their gamma."""
+    from onnxruntime.transformers import optimizer
+    src = tmp_path / "model.onnx"
+    onnx.save(hf_export(kind, opset), src)
+    ort_opt = optimizer.optimize_model(str(src), model_type="gpt2", num_heads=2, hidden_size=16, opt_level=2).model
+    norm_ops = {n.op_type for n in ort_opt.graph.node if "Normalization" in n.op_type}
+    assert norm_ops == fused_ops
+    fused, results = run_passes(ort_opt)
+    assert _folds(results) == {"norm_gamma": NORMS_PER_MODEL}
+    _equal(ort_opt, fused)
+    verify_pair(ort_opt, fused, atol=FOLD_ATOL_FP32, reference=hf_export(kind, opset))   # vs the unfused export
