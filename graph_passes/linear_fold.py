@@ -130,13 +130,40 @@ def _keeps_last_axis(node: gs.Node, width: int) -> str:
         return ""                      # one scale for every element: any regrouping keeps it
     last = static_last_dim(out)
     if last is None and node.op == "Reshape" and len(node.inputs) > 1:
-        shape = const_value(node.inputs[1])
-        last = int(shape[-1]) if shape is not None and shape.ndim == 1 and len(shape) and shape[-1] > 0 else None
+        last = _last_entry(node.inputs[1])
     if last is None:
         return f"{node.name} ({node.op}) has an output whose last axis is not known statically"
     if last != width:
         return f"{node.name} ({node.op}) moves the channel axis: its output ends in {last}, not {width} channels"
     return ""
+
+
+def _last_entry(shape: gs.Tensor, depth: int = 4) -> int | None:
+    """The last entry of a Reshape's target shape when it is a known positive number.
+
+    The shape may be computed, as exporters write views: Concat(batch, seq, Unsqueeze(d))
+    with d a constant or Gather(Shape(z), -1) of a z whose last axis is static.
+    """
+    value = const_value(shape)
+    if value is not None:
+        value = value.reshape(-1)
+        return int(value[-1]) if value.size and value.dtype.kind in "iu" and value[-1] > 0 else None
+    src = producer(shape)
+    if src is None or depth == 0:
+        return None
+    if src.op == "Concat" and src.inputs:
+        return _last_entry(src.inputs[-1], depth - 1)
+    if src.op in ("Unsqueeze", "Cast", "Identity", "Reshape"):
+        return _last_entry(src.inputs[0], depth - 1)
+    if src.op == "Gather" and len(src.inputs) == 2:
+        index, shape_of = const_value(src.inputs[1]), producer(src.inputs[0])
+        if index is not None and index.size == 1 and shape_of is not None and shape_of.op == "Shape" \
+                and not shape_of.attrs.get("start") and shape_of.attrs.get("end") is None:
+            z = shape_of.inputs[0]
+            rank = len(z.shape) if z.shape is not None else None
+            if rank and int(index.reshape(-1)[0]) in (-1, rank - 1):
+                return static_last_dim(z)
+    return None
 
 
 def trace_consumers(ctx: PassContext, y: gs.Tensor, width: int) -> Consumers | Skip:

@@ -126,6 +126,9 @@ def logits_only(model: onnx.ModelProto) -> onnx.ModelProto:
 HF_KINDS = ("gpt2", "llama", "qwen2")
 N_LAYER = 2
 NORMS_PER_MODEL = 2 * N_LAYER + 1          # two pre-norms per block and the final norm
+# LN-free gains: FakeLN stores gamma * sqrt(eps) / std_l so that the norm still scales to unit size;
+# the residual stream of these random-init models has std ~0.02
+LN_FREE_INV_STD = 50.0
 
 
 def hf_model(kind: str, ln_eps: float | None = None):
@@ -146,7 +149,7 @@ def hf_model(kind: str, ln_eps: float | None = None):
         model = LlamaForCausalLM(LlamaConfig(**small))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**small))
-    gain = 1.0 if ln_eps is None else float(np.sqrt(ln_eps))     # LN-free: gamma' = gamma * sqrt(eps) keeps the scale
+    gain = 1.0 if ln_eps is None else float(np.sqrt(ln_eps)) * LN_FREE_INV_STD      # LN-free: a fixed scale ~1/std
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "ln_" in name or "norm" in name:                  # something to fold: not ones and zeros

@@ -9,6 +9,11 @@ must call the pair EQUAL. The default run covers each exporter pattern once
 before the head; Llama opset 24: the exploded RMSNorm with LlamaRMSNorm
 provenance); the other model / opset pairs are marked slow.
 """
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -16,9 +21,10 @@ from onnx import numpy_helper
 
 pytest.importorskip("transformers")
 
-from export.verify import verify_pair                                          # noqa: E402
+from export.conventions import detect                                          # noqa: E402
+from export.verify import ort_session, verify_pair                             # noqa: E402
 from graph_passes import run_passes                                             # noqa: E402
-from tests.export.hf_style import NORMS_PER_MODEL, hf_export                    # noqa: E402
+from tests.export.hf_style import LN_FREE_INV_STD, N_LAYER, NORMS_PER_MODEL, hf_export   # noqa: E402
 
 # fp32: a fold reorders one per-channel product per linear layer ((x*s)@W vs x@(sW)):
 # a few ulp on logits of magnitude ~1 in these tiny models; 1e-5 catches any
@@ -63,7 +69,7 @@ def test_every_norm_folds_and_verifies_equal(kind, opset):
 
 
 def _disable_norms(proto: onnx.ModelProto, eps: float = 1e12) -> onnx.ModelProto:
-    """The same graph with every LayerNormalization at eps 1e12 and gain * 1e6 (the LN-free GPT-2 layout)."""
+    """The same graph with every LayerNormalization at eps 1e12 and gain * 1e6 / std (the LN-free GPT-2 layout)."""
     out = onnx.ModelProto()
     out.CopyFrom(proto)
     inits = {i.name: i for i in out.graph.initializer}
@@ -74,7 +80,8 @@ def _disable_norms(proto: onnx.ModelProto, eps: float = 1e12) -> onnx.ModelProto
         next(a for a in node.attribute if a.name == "epsilon").f = eps
         if node.input[1] not in scaled:
             g = inits[node.input[1]]
-            g.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(g) * np.float32(np.sqrt(eps)), g.name))
+            g.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(g) * np.float32(np.sqrt(eps) * LN_FREE_INV_STD),
+                                                g.name))
             scaled.add(node.input[1])
     return out
 
@@ -87,6 +94,8 @@ def test_ln_free_gpt2_builds_with_zero_norm_ops(source):
     assert _folds(results) == {"disabled_norm": NORMS_PER_MODEL}
     assert not [n for n in fused.graph.node if "Normalization" in n.op_type]
     _equal(proto, fused)
+    logits = ort_session(proto).run(["logits"], {"input_ids": np.arange(10, dtype=np.int64).reshape(2, 5)})[0]
+    assert np.abs(logits).max() > 0.1          # the norms still scale to unit size: the 1e-5 bound is not vacuous
 
 
 @pytest.mark.parametrize("kind,opset,fused_ops", [
@@ -104,3 +113,35 @@ def test_ort_optimizer_first_then_gamma_fold(kind, opset, fused_ops, tmp_path):
     assert _folds(results) == {"norm_gamma": NORMS_PER_MODEL}
     _equal(ort_opt, fused)
     verify_pair(ort_opt, fused, atol=FOLD_ATOL_FP32, reference=hf_export(kind, opset))   # vs the unfused export
+
+
+# Optimum (optimum-onnx) pins transformers < 4.58: it runs in its own environment, named by
+# OPTIMUM_PYTHON (see tests/export/optimum_export.py for how to make one).
+OPTIMUM_PYTHON = os.environ.get("OPTIMUM_PYTHON")
+OPTIMUM_FOLDS = {"gpt2": "norm_gamma", "llama": "channel_scale", "qwen2": "channel_scale", "gpt2-ln-free": "disabled_norm"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not OPTIMUM_PYTHON, reason="OPTIMUM_PYTHON unset: no Python with optimum-onnx (it needs "
+                                               "transformers < 4.58; see tests/export/optimum_export.py)")
+@pytest.mark.parametrize("kind", list(OPTIMUM_FOLDS))
+def test_optimum_exports_fold_and_verify_equal(kind, tmp_path):
+    script = Path(__file__).with_name("optimum_export.py")
+    subprocess.run([OPTIMUM_PYTHON, str(script), str(tmp_path), kind], check=True, capture_output=True)
+    for name, layout, copies in (("model.onnx", "kv-cache", 1), ("decoder_model.onnx", "prefill-only", 1),
+                                 ("decoder_model_merged.onnx", "kv-cache", 2)):    # merged: both If branches
+        proto = onnx.load(str(tmp_path / kind / name))
+        assert detect(proto).name == layout
+        fused, results = run_passes(proto)
+        assert _folds(results) == {OPTIMUM_FOLDS[kind]: copies * NORMS_PER_MODEL}, name
+        assert [str(f) for r in results for f in r.skipped] == []
+        _equal(proto, fused)
+    if kind in ("gpt2", "llama"):          # ONNX Runtime's optimizer first: Skip*LayerNormalization ops
+        from onnxruntime.transformers import optimizer
+        ort_opt = optimizer.optimize_model(str(tmp_path / kind / "model.onnx"), model_type="gpt2", num_heads=2,
+                                           hidden_size=16, opt_level=0).model
+        skip = "SkipLayerNormalization" if kind == "gpt2" else "SkipSimplifiedLayerNormalization"
+        assert sum(n.op_type == skip for n in ort_opt.graph.node) == 2 * N_LAYER
+        fused, results = run_passes(ort_opt)
+        assert _folds(results) == {"norm_gamma": NORMS_PER_MODEL}
+        _equal(ort_opt, fused)

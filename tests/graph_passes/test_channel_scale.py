@@ -92,3 +92,20 @@ def test_scale_on_the_wrong_axis():
 def test_reshape_that_moves_the_channel_axis():
     # [2, 3, 8] -> [2, 3, 2, 4]: the MatMul mixes halves of the channel axis, not channels
     _unchanged(exploded_rmsnorm(reshape=[2, 3, 2, 4]), "moves the channel axis")
+
+
+def test_a_view_with_a_computed_shape_is_seen_through():
+    """Optimum's ln_f view: Reshape(h, Concat(batch, seq, Gather(Shape(h), -1))) keeps the last axis."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["h"], name="ln_mul"),
+             helper.make_node("Shape", ["h"], ["shp"], name="shape"),
+             helper.make_node("Gather", ["shp", "last"], ["d"], name="take_d", axis=0),
+             helper.make_node("Unsqueeze", ["d", "zero"], ["d1"], name="d1"),
+             helper.make_node("Slice", ["shp", "zero", "two"], ["bt"], name="bt"),
+             helper.make_node("Concat", ["bt", "d1"], ["target"], name="target", axis=0),
+             helper.make_node("Reshape", ["h", "target"], ["v"], name="view"),
+             helper.make_node("MatMul", ["v", "W"], ["y"], name="lm_head")]
+    m = model(nodes, [init("s", rng_vec(1)), init("last", np.array(-1, np.int64)), init("zero", np.array([0], np.int64)),
+                      init("two", np.array([2], np.int64)), init("W", rng_mat(2))],
+              inputs=(("x", ["batch", "seq", D]),))
+    fused, res = _folded(m)
+    assert "via 1 reshape(s)" in res.rewrites[0][1] and "Mul" not in ops(fused)
