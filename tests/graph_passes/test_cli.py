@@ -40,3 +40,17 @@ def test_cli_errors_are_one_line(tmp_path):
     r = _cli(tmp_path / "gate.onnx", "-o", tmp_path / "o.onnx")
     assert r.returncode == 1 and "TaperNorm gate 0.5" in r.stderr
     assert not (tmp_path / "o.onnx").exists()
+
+
+def test_cli_output_is_byte_identical_and_a_rerun_changes_nothing(tmp_path):
+    from tests.graph_passes.fixtures import exploded_rmsnorm
+    src = tmp_path / "in.onnx"
+    onnx.save(exploded_rmsnorm(), src)
+    for out in ("a.onnx", "b.onnx"):
+        r = _cli(src, "-o", tmp_path / out)
+        assert r.returncode == 0, r.stderr
+    assert "channel_scale: 1 folded, 0 skipped" in r.stdout and "folded 1, skipped 0" in r.stdout
+    assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
+    r = _cli(tmp_path / "a.onnx", "-o", tmp_path / "c.onnx")
+    assert r.returncode == 0 and "folded 0, skipped 0" in r.stdout
+    assert (tmp_path / "c.onnx").read_bytes() == (tmp_path / "a.onnx").read_bytes()
