@@ -7,7 +7,8 @@ unfolded one within FOLD_ATOL_FP32 with ORT optimizations off, and export.verify
 must call the pair EQUAL. The default run covers each exporter pattern once
 (GPT-2 opset 18: LayerNormalization, Conv1D as Reshape -> Gemm -> Reshape, the view
 before the head; Llama opset 24: the exploded RMSNorm with LlamaRMSNorm
-provenance); the other model / opset pairs are marked slow.
+provenance); the other model / opset pairs are marked slow and run only when
+selected (`pytest -m slow tests/export/test_other_exporters.py`).
 """
 import os
 import subprocess
@@ -36,6 +37,13 @@ FOLDING_PASS = {"gpt2": "norm_gamma", "llama": "channel_scale", "qwen2": "channe
 CASES = [pytest.param("gpt2", 18), pytest.param("llama", 24),
          pytest.param("gpt2", 24, marks=pytest.mark.slow), pytest.param("llama", 18, marks=pytest.mark.slow),
          pytest.param("qwen2", 18, marks=pytest.mark.slow), pytest.param("qwen2", 24, marks=pytest.mark.slow)]
+
+
+@pytest.fixture(autouse=True)
+def _heavy_variants_only_when_asked(request):
+    """The slow variants export more models (minutes on 2 cores): they run when -m selects slow."""
+    if request.node.get_closest_marker("slow") and "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("heavy exporter variant: run with -m slow")
 
 
 def _folds(results):
