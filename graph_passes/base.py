@@ -111,6 +111,13 @@ class Skip:
 
 # --- the context -------------------------------------------------------------------------------
 
+@dataclass
+class _Naming:
+    """The per-model name counter: the same input always gets the same new names."""
+    count: int = 0
+    used: set[str] | None = None            # every tensor and node name, read on first use
+
+
 class PassContext:
     """The graph being rewritten plus what graphsurgeon does not carry.
 
@@ -128,13 +135,18 @@ class PassContext:
                 self.node_meta.setdefault(node.name, {p.key: p.value for p in node.metadata_props})
         self.root = gs.import_onnx(_with_shapes(proto))
         self.graph = self.root
-        self._names: set[str] | None = None
-        self._count = [0]
+        self._naming = _Naming()            # shared by every scoped view
 
     def scoped(self, graph: gs.Graph) -> "PassContext":
         view = copy.copy(self)
-        view.graph = graph
+        view.graph, view._owned = graph, None
         return view
+
+    def owns(self, node: gs.Node) -> bool:
+        """Whether `node` belongs to this scope's graph (not to a subgraph reading an outer tensor)."""
+        if getattr(self, "_owned", None) is None:
+            self._owned = {id(n) for n in self.graph.nodes}
+        return id(node) in self._owned
 
     def graphs(self) -> Iterator[gs.Graph]:
         """The main graph, then every If / Loop / Scan body, depth first, in node order."""
@@ -148,14 +160,15 @@ class PassContext:
 
     def fresh_name(self, base: str) -> str:
         """A tensor or node name not used anywhere in the model: base__folded<n>, n from a per-model counter."""
-        if self._names is None:
-            self._names = {name for g in self.graphs() for name in g.tensors()} | \
+        naming = self._naming
+        if naming.used is None:
+            naming.used = {name for g in self.graphs() for name in g.tensors()} | \
                           {n.name for g in self.graphs() for n in g.nodes}
         while True:
-            self._count[0] += 1
-            name = f"{base}__folded{self._count[0]}"
-            if name not in self._names:
-                self._names.add(name)
+            naming.count += 1
+            name = f"{base}__folded{naming.count}"
+            if name not in naming.used:
+                naming.used.add(name)
                 return name
 
     def const(self, base: str, value: np.ndarray) -> gs.Constant:

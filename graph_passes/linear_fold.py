@@ -178,6 +178,8 @@ def trace_consumers(ctx: PassContext, y: gs.Tensor, width: int) -> Consumers | S
         if ctx.is_graph_output(t):
             return Skip(f"{t.name} is a graph output")
         for node in t.outputs:
+            if not ctx.owns(node):
+                return Skip(f"{node.name} ({node.op}) reads it from inside a subgraph")
             if t is y:
                 found.direct.append(node)
             if node.op in SHAPE_READERS:
