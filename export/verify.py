@@ -20,8 +20,6 @@ compared is the graph as written, not what ORT's own fusions make of it.
 """
 from __future__ import annotations
 
-import argparse
-import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -179,7 +177,7 @@ def verify_pair(a, b, atol: float | None = None, seeds=(0, 1), tokens=None, refe
         if type(c) is not type(conv[0]) or c.name != conv[0].name:
             bad.append(f"{label} is {c.describe()}, the first graph {conv[0].describe()}")
         else:
-            bad += c.mismatches(conv[0]) if label == "reference" else conv[0].mismatches(c)
+            bad += [f"{label}: {m}" if label == "reference" else m for m in conv[0].mismatches(c)]
     if bad:
         raise VerificationError("interfaces", bad)
     sessions = conv[0].sessions(seeds, tokens)
