@@ -221,7 +221,7 @@ def _hf_style(where, ins: tuple[TensorSpec, ...], outs: tuple[TensorSpec, ...], 
         t = by_in[n]
         if PAST.match(n) and (len(t.shape) != 4 or t.shape[1] is None or t.shape[3] is None):
             raise ContractError(f"{where}: expected {n} of shape [batch, heads, past, head_dim] with static heads "
-                                f"and head_dim, found {t}")
+                                f"and head_dim (or a GroupQueryAttention that shows them), found {t}")
     if vocab_size is None:
         raise ContractError(f"{where}: expected logits [batch, seq, vocab] with a static vocabulary axis (or an "
                             f"embedding Gather of input_ids), found {by_out['logits']}")
@@ -240,13 +240,40 @@ def _vocab_size(proto, logits: TensorSpec) -> int | None:
     return None
 
 
+def _with_head_dims(proto, specs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+    """Past specs with a symbolic head_dim filled in from the attention op that reads them.
+
+    ONNX Runtime GenAI declares past_key_values.N as [batch, H, past, 'kv_cache_dim'];
+    its GroupQueryAttention(query, key, value, past_key, past_value, ...) reads them, with
+    attributes num_heads / kv_num_heads and, when key is empty, a packed QKV projection
+    MatMul(x, W [hidden, (num_heads + 2 kv_num_heads) * head_dim]) as its query.
+    """
+    inits = {t.name: list(t.dims) for t in proto.graph.initializer}
+    producers = {o: n for n in proto.graph.node for o in n.output}
+    head_dim = {}
+    for node in proto.graph.node:
+        if node.op_type != "GroupQueryAttention" or len(node.input) < 5:
+            continue
+        attrs = {a.name: a.i for a in node.attribute}
+        qkv = producers.get(node.input[0])
+        if qkv is None or qkv.op_type != "MatMul" or len(inits.get(qkv.input[1], [])) != 2:
+            continue
+        width = inits[qkv.input[1]][1]
+        heads = attrs.get("num_heads", 0) + (2 * attrs.get("kv_num_heads", 0) if not node.input[1] else 0)
+        if heads and width % heads == 0:
+            head_dim[node.input[3]] = head_dim[node.input[4]] = width // heads
+    return tuple(TensorSpec(t.name, t.dtype, t.shape[:3] + (head_dim[t.name],))
+                 if PAST.match(t.name) and len(t.shape) == 4 and t.shape[3] is None and t.name in head_dim else t
+                 for t in specs)
+
+
 def detect(proto, where: str = "graph"):
     """Ours or HuggingFaceStyle for a ModelProto; ContractError (one line) for anything else."""
     ins, outs = onnx_io(proto)
     names = set(ins)
     if "position" in names or any(n.startswith("key_") for n in names):
         return Ours(read_contract(where, ins, outs))          # ours, or one clear line of what is off
-    spec_in, spec_out = tensor_specs(ins), tensor_specs(outs)
+    spec_in, spec_out = _with_head_dims(proto, tensor_specs(ins)), tensor_specs(outs)
     logits = next((t for t in spec_out if t.name == "logits"), None)
     vocab = _vocab_size(proto, logits) if logits is not None else None
     return _hf_style(where, spec_in, spec_out, vocab)

@@ -181,7 +181,7 @@ def verify_pair(a, b, atol: float | None = None, seeds=(0, 1), tokens=None, refe
     if bad:
         raise VerificationError("interfaces", bad)
     sessions = conv[0].sessions(seeds, tokens)
-    outs = [[c.run(ort_session(p), plan) for _, plan in sessions] for c, p in zip(conv, protos)]
+    outs = [_run_all(c, p, label, sessions) for c, p, label in zip(conv, protos, labels)]
     dtype = conv[0].dtype if conv[0].dtype in ATOL else "fp32"
     pairs = [("second graph vs first", 0, 1)]
     if reference is not None:
@@ -197,6 +197,19 @@ def verify_pair(a, b, atol: float | None = None, seeds=(0, 1), tokens=None, refe
     if problems:
         raise VerificationError(", ".join(what for what, _, _ in pairs), problems)
     return results
+
+
+def _run_all(conv, proto, label: str, sessions) -> list[list[dict]]:
+    """Every session's outputs of one graph; ONNX Runtime refusing the graph or its inputs is one line."""
+    try:
+        sess = ort_session(proto)
+        return [conv.run(sess, plan) for _, plan in sessions]
+    except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+            ort.capi.onnxruntime_pybind11_state.RuntimeException, ort.capi.onnxruntime_pybind11_state.InvalidGraph,
+            ort.capi.onnxruntime_pybind11_state.NotImplemented) as e:
+        from core.errors import first_line
+        raise UserError(f"{label}: ONNX Runtime could not run it as {conv.describe()} (prefill + one-token steps, "
+                        f"batch 2): {first_line(e)}; check that it runs on the CPU provider with these inputs") from None
 
 
 def compare_sessions(runs, dtype: str, what: str, atol: float | None = None) -> list[Comparison]:

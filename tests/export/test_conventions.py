@@ -94,3 +94,25 @@ def test_cli_detects_drives_and_compares_against_a_reference():
     r = _cli(save(odd, "toy_odd.onnx"), b)
     assert r.returncode == 1 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
     assert "unknown decoder I/O convention" in r.stderr and "scores" in r.stderr
+
+
+def test_genai_head_dim_is_read_from_its_group_query_attention():
+    """ONNX Runtime GenAI declares the cache [batch, H, past, 'kv_cache_dim']: the head size comes
+    from GroupQueryAttention(packed QKV MatMul [hidden, (num_heads + 2 kv_num_heads) * head_dim])."""
+    from onnx import TensorProto, helper, numpy_helper
+    ins = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"]),
+           helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["b", "t"])] + \
+          [helper.make_tensor_value_info(f"past_key_values.0.{kv}", TensorProto.FLOAT, ["b", 1, "p", "kv_cache_dim"])
+           for kv in ("key", "value")]
+    outs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", 7])] + \
+           [helper.make_tensor_value_info(f"present.0.{kv}", TensorProto.FLOAT, ["b", 1, "t", "kv_cache_dim"])
+            for kv in ("key", "value")]
+    nodes = [helper.make_node("Gather", ["E", "input_ids"], ["e"]),
+             helper.make_node("MatMul", ["e", "Wqkv"], ["qkv"]),
+             helper.make_node("GroupQueryAttention", ["qkv", "", "", "past_key_values.0.key", "past_key_values.0.value"],
+                              ["a", "present.0.key", "present.0.value"], domain="com.microsoft", num_heads=2, kv_num_heads=1),
+             helper.make_node("MatMul", ["a", "W"], ["logits"])]
+    inits = [numpy_helper.from_array(np.zeros(shape, np.float32), n)
+             for n, shape in (("E", (7, 32)), ("Wqkv", (32, 4 * 16)), ("W", (32, 7)))]
+    conv = detect(helper.make_model(helper.make_graph(nodes, "genai", ins, outs, inits)))
+    assert conv.name == "kv-cache" and [t.shape for t in conv.past] == [(None, 1, None, 16)] * 2
