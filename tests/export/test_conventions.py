@@ -1,6 +1,5 @@
 """export.verify on the I/O conventions of other exporters: detection, driving, one-line refusals."""
 import subprocess
-import sys
 
 import numpy as np
 import onnx
@@ -72,26 +71,31 @@ def test_different_conventions_are_not_equal():
         verify_pair(kv_cache_decoder(past=True), kv_cache_decoder(past=False))
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "export.verify", *map(str, args)], capture_output=True, text=True)
+def _cli(capsys, *args):
+    """python -m export.verify ARGS, in this process (a subprocess would pay polygraphy's torch import each time)."""
+    from export.verify import main
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
 
 
-def test_cli_detects_drives_and_compares_against_a_reference():
+def test_cli_detects_drives_and_compares_against_a_reference(capsys):
     m = kv_cache_decoder(merged=True)
     fused, _ = run_passes(m)
     a, b = save(m, "toy_merged.onnx"), save(fused, "toy_merged.fused.onnx")
-    r = _cli(a, b, "--reference", a)
+    r = _cli(capsys, a, b, "--reference", a)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "convention: Optimum/GenAI kv-cache (1 layers, merged with use_cache_branch, fp32)" in r.stdout
     assert "second graph vs reference: random tokens, seed 0: 3 output(s)" in r.stdout and "EQUAL" in r.stdout
     bad = save(kv_cache_decoder(merged=True, gamma_scale=1.01), "toy_merged.bad.onnx")
-    r = _cli(a, b, "--reference", bad)
+    r = _cli(capsys, a, b, "--reference", bad)
     assert r.returncode == 1 and "first graph vs reference: random tokens, seed 0: logits" in r.stdout
+    assert "NOT EQUAL" in r.stdout
     odd = onnx.ModelProto()
     odd.CopyFrom(m)
     odd.graph.output[0].name = "scores"
     odd.graph.node[0].output[0] = "scores"
-    r = _cli(save(odd, "toy_odd.onnx"), b)
+    r = _cli(capsys, save(odd, "toy_odd.onnx"), b)
     assert r.returncode == 1 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
     assert "unknown decoder I/O convention" in r.stderr and "scores" in r.stderr
 
