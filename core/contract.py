@@ -111,7 +111,7 @@ class DecodeContract:
         return cls(cfg.n_layer, n_kv, cfg.head_dim, cfg.max_seq_len, cfg.vocab_size, dtype)
 
 
-def _specs(values) -> tuple[TensorSpec, ...]:
+def tensor_specs(values) -> tuple[TensorSpec, ...]:
     """TensorSpecs from {name: (shape, dtype)} (any of the dtype spellings dtype_name reads)."""
     return tuple(TensorSpec(n, dtype_name(t), tuple(_dim(d) for d in (shape or ()))) for n, (shape, t) in values.items())
 
@@ -121,7 +121,7 @@ def read_contract(where, inputs: dict, outputs: dict) -> DecodeContract:
 
     The I/O is what actually runs; model metadata is descriptive and not read here.
     """
-    ins, outs = _specs(inputs), _specs(outputs)
+    ins, outs = tensor_specs(inputs), tensor_specs(outputs)
     by_in, by_out = {t.name: t for t in ins}, {t.name: t for t in outs}
 
     def fail(expected: str, found: str):

@@ -174,9 +174,9 @@ def fuse_stage(proto, report: BuildReport):
         if r.name == "fold_constants":
             report.notes += [f"fold_constants: {d}" for _, d in r.rewrites]
             continue
-        report.folded += [Fold(r.name, layer, detail) for layer, detail in r.rewrites]
-        report.notes += [n for n in r.notes if not n.startswith("trt: ")]
-        report.trt_lint += [n[len("trt: "):] for n in r.notes if n.startswith("trt: ")]
+        report.folded += [Fold(r.name, f.where, f.detail) for f in r.folded]
+        report.notes += [str(f) for f in r.skipped]
+        report.trt_lint += [str(f) for f in r.lint]
     leftover = _leftover_taper(fused)
     if leftover:
         why = "; ".join(report.notes) or "no matching pattern"

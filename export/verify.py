@@ -2,24 +2,24 @@
 decode session and compare every output.
 
 A session is a prefill of a few tokens followed by several one-token decode
-steps, the present caches of each step fed back as the next step's past (the
-runtime's contract, export/onnx_export.py). Every output of every step is
-compared (logits and each present_key_i / present_value_i); each failure is
-collected and one VerificationError lists them all:
+steps, the present caches of each step fed back as the next step's past. The
+graphs may follow our contract (export/onnx_export.py), Optimum's / ONNX Runtime
+GenAI's (past_key_values.N -> present.N, merged or not, with or without past) or
+return logits only: export/conventions.py detects which and drives it. Every
+output of every step is compared; each failure is collected and one
+VerificationError lists them all:
 
     export verification failed (model.fused.onnx vs torch):
     - random tokens, seed 0: logits: max abs diff 0.003 > atol 0.0001
     - real tokens: present_key_1: max abs diff ...
 
-    python -m export.verify A.onnx B.onnx   # exit 0: same outputs; 1: not (or bad input); 2: bad usage
+    python -m export.verify A.onnx B.onnx [--reference R.onnx]   # exit 0: same outputs; 1: not (or bad input); 2: bad usage
 
 ONNX Runtime runs with graph optimizations off (ORT_DISABLE_ALL), so what is
 compared is the graph as written, not what ORT's own fusions make of it.
 """
 from __future__ import annotations
 
-import argparse
-import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +28,7 @@ import onnxruntime as ort
 
 from core.contract import DecodeContract, contract_of, load_onnx
 from core.errors import ArgumentParser, UserError, float_in, run_cli
+from export.conventions import NP_DTYPES, Step, detect, interface_mismatches, run_onnx, session_steps  # noqa: F401
 
 # Per-dtype absolute tolerances. fp32: the fold only reorders a per-channel
 # product (x*s)@W vs x@(sW), a few ulp per MatMul; 1e-4 on logits leaves room for
@@ -42,7 +43,6 @@ ATOL_FP16 = 1e-2
 SCALE_TOL_FP16 = 4e-3
 ATOL = {"fp32": ATOL_FP32, "fp16": ATOL_FP16}
 SCALE_TOL = {"fp32": 0.0, "fp16": SCALE_TOL_FP16}
-NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
 
 class VerificationError(UserError):
@@ -61,37 +61,6 @@ def read_interface(model: onnx.ModelProto, where: str = "graph") -> DecodeContra
     return contract_of(model, where)
 
 
-@dataclass
-class Step:
-    input_ids: np.ndarray    # int64 [B, T]
-    position: np.ndarray     # int64 [B]
-
-
-def session_steps(iface: DecodeContract, seed: int = 0, batch: int = 2, prompt: int = 5, decode: int = 3,
-                  tokens: list[int] | None = None) -> list[Step]:
-    """Prefill `prompt` tokens then `decode` one-token steps.
-
-    Random tokens: the sequences of the batch start at different cache slots
-    (0 and 2), so per-sequence positions are exercised. Real tokens (`tokens`,
-    e.g. a tokenized sentence): every sequence reads the same text from slot 0,
-    teacher-forced, so all steps are independent of the outputs compared.
-    """
-    prompt = max(1, min(prompt, iface.capacity - decode - 2))
-    total = prompt + decode
-    if tokens is not None:
-        toks = np.resize(np.asarray(tokens, dtype=np.int64) % iface.vocab_size, total)
-        ids = np.tile(toks, (batch, 1))
-        start = np.zeros(batch, dtype=np.int64)
-    else:
-        rng = np.random.default_rng(seed)
-        ids = rng.integers(0, iface.vocab_size, size=(batch, total), dtype=np.int64)
-        start = np.minimum(np.arange(batch, dtype=np.int64) * 2, iface.capacity - total)
-    steps = [Step(ids[:, :prompt], start.copy())]
-    for t in range(prompt, total):
-        steps.append(Step(ids[:, t:t + 1], start + t))
-    return steps
-
-
 def ort_session(path_or_proto, optimize: bool = False) -> ort.InferenceSession:
     opts = ort.SessionOptions()
     opts.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
@@ -100,21 +69,6 @@ def ort_session(path_or_proto, optimize: bool = False) -> ort.InferenceSession:
     opts.log_severity_level = 3
     src = path_or_proto.SerializeToString() if isinstance(path_or_proto, onnx.ModelProto) else str(path_or_proto)
     return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
-
-
-def run_onnx(sess: ort.InferenceSession, iface: DecodeContract, steps: list[Step]) -> list[dict[str, np.ndarray]]:
-    """Outputs of every step; the present caches of one step are the next step's past."""
-    batch = steps[0].input_ids.shape[0]
-    shape = iface.cache_shape(batch)
-    caches = {n: np.zeros(shape, NP_DTYPES[iface.dtype]) for n in iface.cache_names()}
-    out_names = [o.name for o in sess.get_outputs()]
-    results = []
-    for step in steps:
-        feeds = {"input_ids": step.input_ids, "position": step.position, **caches}
-        outs = dict(zip(out_names, sess.run(out_names, feeds)))
-        caches = {n: outs[f"present_{n}"] for n in iface.cache_names()}
-        results.append(outs)
-    return results
 
 
 def run_torch(model, iface: DecodeContract, steps: list[Step]) -> list[dict[str, np.ndarray]]:
@@ -206,32 +160,56 @@ def compare(ref: list[dict], got: list[dict], dtype: str, what: str, atol: float
     return cmp
 
 
-def interface_mismatches(a: DecodeContract, b: DecodeContract) -> list[str]:
-    out = []
-    for kind, xa, xb in (("input", a.inputs, b.inputs), ("output", a.outputs, b.outputs)):
-        if [x.name for x in xa] != [x.name for x in xb]:
-            out.append(f"{kind} names differ: {[x.name for x in xa]} vs {[x.name for x in xb]}")
-            continue
-        for ta, tb in zip(xa, xb):
-            if ta != tb:
-                out.append(f"{kind} {ta} vs {tb}")
-    return out
+def verify_pair(a, b, atol: float | None = None, seeds=(0, 1), tokens=None, reference=None) -> list[Comparison]:
+    """Compare two graphs (paths or ModelProtos) of the same I/O convention on the same sessions.
 
-
-def verify_pair(a, b, atol: float | None = None, seeds=(0, 1), tokens=None) -> list[Comparison]:
-    """Compare two graphs (paths or ModelProtos) of the same interface on the same sessions."""
-    pa = a if isinstance(a, onnx.ModelProto) else onnx.load(str(a))
-    pb = b if isinstance(b, onnx.ModelProto) else onnx.load(str(b))
-    ia, ib = read_interface(pa), read_interface(pb)
-    bad = interface_mismatches(ia, ib)
+    With `reference` (a third graph, e.g. the unfused export), A and B are each
+    compared against it as well. Every graph runs with ORT optimizations off.
+    """
+    protos = [p if isinstance(p, onnx.ModelProto) else onnx.load(str(p)) for p in (a, b)]
+    labels = ["first graph", "second graph"]
+    if reference is not None:
+        protos.append(reference if isinstance(reference, onnx.ModelProto) else onnx.load(str(reference)))
+        labels.append("reference")
+    conv = [detect(p, label) for p, label in zip(protos, labels)]
+    bad = []
+    for c, label in zip(conv[1:], labels[1:]):
+        if type(c) is not type(conv[0]) or c.name != conv[0].name:
+            bad.append(f"{label} is {c.describe()}, the first graph {conv[0].describe()}")
+        else:
+            bad += [f"{label}: {m}" if label == "reference" else m for m in conv[0].mismatches(c)]
     if bad:
         raise VerificationError("interfaces", bad)
-    sa, sb = ort_session(pa), ort_session(pb)
-    sessions = [(f"random tokens, seed {s}", session_steps(ia, seed=s)) for s in seeds]
-    if tokens is not None:
-        sessions.append(("real tokens", session_steps(ia, tokens=tokens)))
-    return compare_sessions([(what, run_onnx(sa, ia, st), run_onnx(sb, ib, st)) for what, st in sessions],
-                            ia.dtype, "second graph vs first", atol)
+    sessions = conv[0].sessions(seeds, tokens)
+    outs = [_run_all(c, p, label, sessions) for c, p, label in zip(conv, protos, labels)]
+    dtype = conv[0].dtype if conv[0].dtype in ATOL else "fp32"
+    pairs = [("second graph vs first", 0, 1)]
+    if reference is not None:
+        pairs += [("first graph vs reference", 2, 0), ("second graph vs reference", 2, 1)]
+    results, problems = [], []
+    for what, r, g in pairs:
+        prefix = f"{what}: " if reference is not None else ""
+        try:
+            results += compare_sessions([(prefix + label, ref, got) for (label, _), ref, got
+                                         in zip(sessions, outs[r], outs[g])], dtype, what, atol)
+        except VerificationError as e:
+            problems += e.mismatches
+    if problems:
+        raise VerificationError(", ".join(what for what, _, _ in pairs), problems)
+    return results
+
+
+def _run_all(conv, proto, label: str, sessions) -> list[list[dict]]:
+    """Every session's outputs of one graph; ONNX Runtime refusing the graph or its inputs is one line."""
+    try:
+        sess = ort_session(proto)
+        return [conv.run(sess, plan) for _, plan in sessions]
+    except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+            ort.capi.onnxruntime_pybind11_state.RuntimeException, ort.capi.onnxruntime_pybind11_state.InvalidGraph,
+            ort.capi.onnxruntime_pybind11_state.NotImplemented) as e:
+        from core.errors import first_line
+        raise UserError(f"{label}: ONNX Runtime could not run it as {conv.describe()} (prefill + one-token steps, "
+                        f"batch 2): {first_line(e)}; check that it runs on the CPU provider with these inputs") from None
 
 
 def compare_sessions(runs, dtype: str, what: str, atol: float | None = None) -> list[Comparison]:
@@ -249,8 +227,9 @@ def compare_sessions(runs, dtype: str, what: str, atol: float | None = None) -> 
 
 def run(argv: list[str]) -> int:
     ap = ArgumentParser(prog="python -m export.verify",
-                        description="Compare two exported decoder graphs of the same interface on prefill + "
-                                    "decode sessions (exit 0 equal; 1 not equal, or bad input with an error: line).")
+                        description="Compare two exported decoder graphs of the same I/O convention (ours, "
+                                    "Optimum / ORT GenAI with or without past, merged or not, logits-only) on prefill "
+                                    "+ decode sessions (exit 0 equal; 1 not equal, or bad input with an error: line).")
     ap.add_argument("a")
     ap.add_argument("b")
     ap.add_argument("--atol", type=float_in(0.0), default=None,
@@ -259,6 +238,9 @@ def run(argv: list[str]) -> int:
                     help="tokenizer.json (or a build directory holding one): also compare on real text")
     ap.add_argument("--text", default="Once upon a time there was a little cat named Tom. He liked to play.",
                     help="the text tokenized for --tokenizer")
+    ap.add_argument("--reference", default=None,
+                    help="a third graph (e.g. the unfused export) run with ORT optimizations off: A and B are each "
+                         "also compared against it")
     args = ap.parse_args(argv)
     tokens = None
     if args.tokenizer:
@@ -276,16 +258,21 @@ def run(argv: list[str]) -> int:
             raise UserError(f"{tok_path}: expected a readable tokenizer.json, found an error ({first_line(e)}); "
                             "pass the model's tokenizer.json") from None
     pa, pb = load_onnx(args.a), load_onnx(args.b)
-    read_interface(pa, args.a), read_interface(pb, args.b)
+    pr = load_onnx(args.reference) if args.reference else None
+    conv = detect(pa, args.a)
+    detect(pb, args.b)
+    if pr is not None:
+        detect(pr, args.reference)
+    print(f"convention: {conv.describe()}")
     try:
-        results = verify_pair(pa, pb, args.atol, tokens=tokens)
+        results = verify_pair(pa, pb, args.atol, tokens=tokens, reference=pr)
     except VerificationError as e:
         print(str(e))
         print(f"NOT EQUAL: {args.a} vs {args.b}")
         return 1
     for c in results:
-        print(f"{c.what}: max abs diff {c.worst:.3g}, logits {c.max_abs_diff.get('logits', 0):.3g} "
-              f"<= tolerance {c.tolerance.get('logits', c.atol):.3g}")
+        print(f"{c.what}: {len(c.max_abs_diff)} output(s), max abs diff {c.worst:.3g}, "
+              f"logits {c.max_abs_diff.get('logits', 0):.3g} <= tolerance {c.tolerance.get('logits', c.atol):.3g}")
     print(f"EQUAL: {args.a} vs {args.b}")
     return 0
 

@@ -4,7 +4,7 @@
 
 graph_passes depends on onnx, onnx-graphsurgeon and numpy only (never torch).
 """
-from graph_passes.base import GraphPass, PassError, PassResult
+from graph_passes.base import Finding, Folded, GraphPass, Match, PassError, PassResult, Skip
 from graph_passes.registry import DEFAULT_PASSES, PASSES, run_passes
 
-__all__ = ["GraphPass", "PassError", "PassResult", "PASSES", "DEFAULT_PASSES", "run_passes"]
+__all__ = ["GraphPass", "Match", "Skip", "Folded", "Finding", "PassError", "PassResult", "PASSES", "DEFAULT_PASSES", "run_passes"]

@@ -1,14 +1,15 @@
-"""python -m graph_passes IN.onnx -o OUT.onnx [--passes a,b,...] [--strict] [--list]
+"""python -m graph_passes IN.onnx -o OUT.onnx [--passes a,b,...] [--strict] [--verbose] [--list]
 
-Runs the passes on any ONNX decoder (ours, a user's own, an Optimum export) and
-prints what each folded. Exit 0 on success, 1 on a user error (one line on
-stderr) and, with --strict, when the TensorRT lint found something (OUT is still
-written: the graph is correct, only not TensorRT-parsable). OUT is written to a
-temporary file and renamed into place, and replaced only if this command wrote it.
+Runs the passes on any ONNX decoder (ours, a user's own, a torch.onnx or Optimum
+export, an ONNX Runtime-optimized graph, If/Loop bodies included) and prints,
+per pass, what it folded and every candidate it left alone and why. Exit 0 on
+success, 1 on a user error (one line on stderr) and, with --strict, when the
+TensorRT lint found something (OUT is still written: the graph is correct, only
+not TensorRT-parsable). OUT is written to a temporary file and renamed into
+place, and replaced only if this command wrote it.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from core.contract import load_onnx
@@ -16,6 +17,8 @@ from core.errors import ArgumentParser, UsageError, UserError, run_cli
 from core.outputs import FUSED_ONNX, output_file, sign_onnx
 from graph_passes.base import op_counts
 from graph_passes.registry import DEFAULT_PASSES, PASSES, run_passes
+
+SHOWN_FINDINGS = 10      # per pass without --verbose
 
 
 def run(argv: list[str]) -> int:
@@ -25,6 +28,8 @@ def run(argv: list[str]) -> int:
     ap.add_argument("--passes", default=",".join(DEFAULT_PASSES),
                     help=f"comma-separated pass names, in order (default: {','.join(DEFAULT_PASSES)})")
     ap.add_argument("--strict", action="store_true", help="exit 1 if trt_lint finds anything")
+    ap.add_argument("--verbose", action="store_true",
+                    help=f"print every candidate left alone (default: the first {SHOWN_FINDINGS} per pass)")
     ap.add_argument("--list", action="store_true", help="list the registered passes and exit")
     args = ap.parse_args(argv)
     if args.list:
@@ -55,21 +60,26 @@ def run(argv: list[str]) -> int:
         onnx.save(sign_onnx(fused), str(tmp))
     lint = []
     for r in results:
-        print(f"{r.name}: {len(r.rewrites)} rewrite(s)")
-        for label, detail in r.rewrites:
-            print(f"  {label}: {detail}")
-        for note in r.notes:
-            print(f"  note: {note}")
-            if note.startswith("trt: "):
-                lint.append(note)
+        lint += r.lint
+        counts = f"{len(r.lint)} issue(s)" if r.lint else f"{len(r.folded)} folded, {len(r.skipped)} skipped"
+        print(f"{r.name}: {counts}")
+        for f in r.folded:
+            print(f"  {f.where}: {f.detail}")
+        shown = r.findings if args.verbose else r.findings[:SHOWN_FINDINGS]
+        for f in shown:
+            print(f"  {'lint' if f.kind == 'lint' else 'note'}: {f}")
+        if len(shown) < len(r.findings):
+            print(f"  ... {len(r.findings) - len(shown)} more (--verbose prints all)")
+    folded = sum(len(r.folded) for r in results if r.name != "fold_constants")
+    skipped = sum(len(r.skipped) for r in results)
     after = op_counts(fused)
     changed = {op: (before.get(op, 0), after.get(op, 0)) for op in sorted(set(before) | set(after))
                if before.get(op, 0) != after.get(op, 0)}
-    print(f"nodes {sum(before.values())} -> {sum(after.values())}" +
+    print(f"folded {folded}, skipped {skipped}; nodes {sum(before.values())} -> {sum(after.values())}" +
           ("; " + ", ".join(f"{op} {a}->{b}" for op, (a, b) in changed.items()) if changed else ""))
     print(f"wrote {out}")
     if args.strict and lint:
-        raise UserError(f"{out}: {len(lint)} TensorRT parser issue(s) (the trt: notes above); --strict "
+        raise UserError(f"{out}: {len(lint)} TensorRT parser issue(s) (the lint lines above); --strict "
                         "refuses them: rewrite those nodes, or drop --strict")
     return 0
 

@@ -1,26 +1,33 @@
-"""The pass driver: one pass = one class; the driver lives here, in the base class.
+"""The pass driver: one pass = one class; the walk lives here, in the base class.
 
-    proto ──load_graph──▶ PassContext(graph, model/node metadata)
-                              │  for each pass:  rewrites = pass.find(ctx)   (records only)
-                              │                  for r in rewrites: r.apply()  (edits once, at the end)
-                              │                  graph.cleanup().toposort()
+    proto ──load_graph──▶ PassContext(graph, model/node metadata, name counter)
+                              │  for each pass, for every graph (main, then If/Loop/Scan bodies):
+                              │      for node of an anchor op type:  match(scope, node) -> Match | Skip | None
+                              │  then, once every match is recorded:  rewrite(scope, match)
+                              │  graph.cleanup().toposort()   (subgraphs included)
                               ▼
                           save_graph ──▶ proto (model metadata and surviving node metadata restored)
 
-A subclass implements `find(ctx)`: it walks candidate nodes, checks a pattern
-exactly, and returns `Rewrite` records; it never edits the graph while matching
-(ONNX Runtime's fusion_base.py does the same). Findings that are not rewrites
-(a candidate left alone and why, a lint issue) go to `ctx.note`.
+A subclass names its `anchors` (op types) and implements `match` (check a
+pattern exactly; never edit the graph) and `rewrite` (apply one recorded
+match). ONNX Runtime's transformers optimizer (fusion_base.py) works the same
+way. A match is a typed object (a `Match` subclass of the pass's own); a
+candidate left alone is a `Skip` naming the node and why, and becomes a typed
+`Finding` in the pass's result; nothing is reported as a parsed string.
+
+Names of new tensors and nodes come from a per-graph counter (`ctx.fresh_name`),
+so the same input always gives the same output file.
 
 onnx-graphsurgeon drops `metadata_props` on import, so the context keeps them
-(model-level, and per node name) and `save_graph` writes them back.
+(model-level, and per node name, subgraphs included) and `save_graph` writes them back.
 """
 from __future__ import annotations
 
 import ast
+import copy
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import ClassVar, Iterator
 
 import numpy as np
 import onnx
@@ -30,42 +37,149 @@ from core.errors import UserError
 
 NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 CLASS_HIERARCHY = "pkg.torch.onnx.class_hierarchy"
+SUBGRAPH_OPS = ("If", "Loop", "Scan")
 
 
 class PassError(UserError):
     """A graph a pass refuses to rewrite; the message is one line meant for the user."""
 
 
-@dataclass
-class Rewrite:
-    """One recorded rewrite: what it is (for the log) and the edit itself."""
-    label: str                 # the layer or node it concerns, e.g. "blocks.0.ln_1"
-    detail: str                # what it does, e.g. "scale -> q_proj, k_proj, v_proj"
-    apply: Callable[[], None]
+# --- what a pass reports -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Folded:
+    """One rewrite, for the log: where ('blocks.0.ln_1') and what ('scale -> q_proj, k_proj')."""
+    where: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A candidate a pass left alone (kind 'skipped') or a lint issue (kind 'lint'): one line each."""
+    pass_name: str
+    where: str                 # the layer or node, e.g. 'model.layers.0.input_layernorm' or 'node_Mul_12'
+    why: str                   # what stopped it, e.g. 'node_Relu_3 is a Relu, not a MatMul/Gemm'
+    kind: str = "skipped"      # 'skipped' | 'lint'
+
+    def __str__(self) -> str:
+        return f"{self.where}: {'left unfolded: ' if self.kind == 'skipped' else ''}{self.why}"
 
 
 @dataclass
 class PassResult:
     name: str
-    rewrites: list[tuple[str, str]] = field(default_factory=list)   # (label, detail)
-    notes: list[str] = field(default_factory=list)
+    folded: list[Folded] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def rewrites(self) -> list[tuple[str, str]]:
+        """(where, detail) per rewrite."""
+        return [(f.where, f.detail) for f in self.folded]
+
+    @property
+    def notes(self) -> list[str]:
+        """One line per finding."""
+        return [str(f) for f in self.findings]
+
+    @property
+    def lint(self) -> list[Finding]:
+        return [f for f in self.findings if f.kind == "lint"]
+
+    @property
+    def skipped(self) -> list[Finding]:
+        return [f for f in self.findings if f.kind == "skipped"]
 
     def summary(self) -> str:
-        return f"{self.name}: {len(self.rewrites)} rewrite(s)"
+        return f"{self.name}: {len(self.folded)} folded, {len(self.skipped)} skipped"
+
+
+@dataclass
+class Match:
+    """Base of a pass's typed matches. `where` names the layer or node; `detail` says what the rewrite does."""
+    where: str
+
+    @property
+    def detail(self) -> str:
+        return type(self).__name__
+
+
+@dataclass(frozen=True)
+class Skip:
+    """match()'s answer for a candidate that must be left alone, and why (one line)."""
+    why: str
+
+
+# --- the context -------------------------------------------------------------------------------
+
+@dataclass
+class _Naming:
+    """The per-model name counter: the same input always gets the same new names."""
+    count: int = 0
+    used: set[str] | None = None            # every tensor and node name, read on first use
 
 
 class PassContext:
-    """The graph being rewritten plus the metadata graphsurgeon does not carry."""
+    """The graph being rewritten plus what graphsurgeon does not carry.
+
+    One context per model. `scoped(graph)` gives a view of the same context on
+    one subgraph: the metadata, the name counter and the findings are shared;
+    `graph` is the (sub)graph whose nodes are being matched, so that "is a graph
+    output" and new nodes refer to the right scope.
+    """
 
     def __init__(self, proto: onnx.ModelProto):
         self.model_meta = {p.key: p.value for p in proto.metadata_props}
-        self.node_meta = {n.name: {p.key: p.value for p in n.metadata_props}
-                          for n in proto.graph.node if n.metadata_props}
-        self.graph = gs.import_onnx(_with_shapes(proto))
-        self.notes: list[str] = []
+        self.node_meta: dict[str, dict[str, str]] = {}
+        for node in _all_nodes(proto.graph):
+            if node.metadata_props:
+                self.node_meta.setdefault(node.name, {p.key: p.value for p in node.metadata_props})
+        self.root = gs.import_onnx(_with_shapes(proto))
+        self.graph = self.root
+        self._naming = _Naming()            # shared by every scoped view
 
-    def note(self, msg: str) -> None:
-        self.notes.append(msg)
+    def scoped(self, graph: gs.Graph) -> "PassContext":
+        view = copy.copy(self)
+        view.graph, view._owned = graph, None
+        return view
+
+    def owns(self, node: gs.Node) -> bool:
+        """Whether `node` belongs to this scope's graph (not to a subgraph reading an outer tensor)."""
+        if getattr(self, "_owned", None) is None:
+            self._owned = {id(n) for n in self.graph.nodes}
+        return id(node) in self._owned
+
+    def graphs(self) -> Iterator[gs.Graph]:
+        """The main graph, then every If / Loop / Scan body, depth first, in node order."""
+        def walk(g: gs.Graph):
+            yield g
+            for node in g.nodes:
+                for value in node.attrs.values():
+                    if isinstance(value, gs.Graph):
+                        yield from walk(value)
+        yield from walk(self.root)
+
+    def fresh_name(self, base: str) -> str:
+        """A tensor or node name not used anywhere in the model: base__folded<n>, n from a per-model counter."""
+        naming = self._naming
+        if naming.used is None:
+            naming.used = {name for g in self.graphs() for name in g.tensors()} | \
+                          {n.name for g in self.graphs() for n in g.nodes}
+        while True:
+            naming.count += 1
+            name = f"{base}__folded{naming.count}"
+            if name not in naming.used:
+                naming.used.add(name)
+                return name
+
+    def const(self, base: str, value: np.ndarray) -> gs.Constant:
+        """A NEW constant (never an edit of a shared one)."""
+        return gs.Constant(self.fresh_name(base), np.ascontiguousarray(value))
+
+    def is_graph_output(self, t: gs.Tensor) -> bool:
+        return any(o is t for o in self.graph.outputs)
+
+    def cleanup(self) -> None:
+        self.root.cleanup(recurse_subgraphs=True).toposort(recurse_subgraphs=True)
 
     # --- node provenance (torch exporter metadata) -------------------------
 
@@ -110,6 +224,16 @@ class PassContext:
             return None
 
 
+def _all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _all_nodes(attr.g)
+            for g in attr.graphs:
+                yield from _all_nodes(g)
+
+
 def _with_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
     """The model with inferred intermediate shapes (the broadcast checks need them); as is if inference fails."""
     try:
@@ -119,7 +243,8 @@ def _with_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def op_counts(proto: onnx.ModelProto) -> dict[str, int]:
-    return dict(sorted(Counter(n.op_type for n in proto.graph.node).items()))
+    """Op type -> count over the main graph and every subgraph."""
+    return dict(sorted(Counter(n.op_type for n in _all_nodes(proto.graph)).items()))
 
 
 def load_graph(proto: onnx.ModelProto) -> PassContext:
@@ -128,35 +253,69 @@ def load_graph(proto: onnx.ModelProto) -> PassContext:
 
 def save_graph(ctx: PassContext, template: onnx.ModelProto | None = None) -> onnx.ModelProto:
     """gs graph -> ModelProto with the model metadata and surviving node metadata put back."""
-    proto = gs.export_onnx(ctx.graph)
+    proto = gs.export_onnx(ctx.root)
     if template is not None:
         proto.ir_version = template.ir_version
         proto.producer_name = template.producer_name
         proto.producer_version = template.producer_version
+        _keep_declared_io(proto.graph, template.graph)
     for k, v in ctx.model_meta.items():
         proto.metadata_props.add(key=k, value=v)
-    for node in proto.graph.node:
+    for node in _all_nodes(proto.graph):
         for k, v in ctx.node_meta.get(node.name, {}).items():
             node.metadata_props.add(key=k, value=v)
     return proto
 
 
+def _keep_declared_io(graph: onnx.GraphProto, template: onnx.GraphProto) -> None:
+    """The graph's inputs and outputs as the template declared them: shape inference may have
+    refined a dynamic axis (batch -> 1) in a declaration, which would change the interface."""
+    declared = {v.name: v for v in list(template.input) + list(template.output)}
+    for v in list(graph.input) + list(graph.output):
+        if v.name in declared:
+            v.CopyFrom(declared[v.name])
+
+
+# --- the pass base class -----------------------------------------------------------------------
+
 class GraphPass:
-    """Base class. Subclasses set `name` and `summary` and implement `find`."""
+    """Base class: owns the walk. Subclasses set `name`, `summary`, `anchors` and implement
+    `match(ctx, node)` (no edits) and `rewrite(ctx, match)` (one edit)."""
 
-    name: str = ""
-    summary: str = ""
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    anchors: ClassVar[tuple[str, ...]] = ()        # op types whose nodes are candidates
 
-    def find(self, ctx: PassContext) -> list[Rewrite]:
+    def match(self, ctx: PassContext, node: gs.Node) -> Match | Skip | None:
+        """A Match to rewrite, a Skip (a candidate left alone, and why), or None (not a candidate)."""
         raise NotImplementedError
 
+    def rewrite(self, ctx: PassContext, match: Match) -> None:
+        raise NotImplementedError
+
+    def prepare(self, ctx: PassContext) -> None:
+        """Checks over the whole model before the walk (e.g. refuse a graph); nothing by default."""
+
     def run(self, ctx: PassContext) -> PassResult:
-        notes_before = len(ctx.notes)
-        rewrites = self.find(ctx)          # record every match first ...
-        for r in rewrites:                 # ... then edit the graph once
-            r.apply()
-        ctx.graph.cleanup().toposort()
-        return PassResult(self.name, [(r.label, r.detail) for r in rewrites], ctx.notes[notes_before:])
+        result = PassResult(self.name)
+        self.prepare(ctx)
+        recorded: list[tuple[PassContext, Match]] = []
+        for graph in list(ctx.graphs()):            # record every match first ...
+            scope = ctx.scoped(graph)
+            for node in list(graph.nodes):
+                if node.op not in self.anchors:
+                    continue
+                found = self.match(scope, node)
+                if isinstance(found, Skip):
+                    result.findings.append(Finding(self.name, scope.layer_name(node), found.why))
+                elif found is not None:
+                    recorded.append((scope, found))
+        for scope, m in recorded:                   # ... then edit the graph once
+            self.rewrite(scope, m)
+            result.folded.append(Folded(m.where, m.detail))
+        if recorded:
+            ctx.cleanup()
+        return result
 
 
 # --- helpers shared by the passes ---------------------------------------------
@@ -177,10 +336,6 @@ def producer(t: gs.Tensor) -> gs.Node | None:
     return t.inputs[0] if len(t.inputs) == 1 else None
 
 
-def is_graph_output(graph: gs.Graph, t: gs.Tensor) -> bool:
-    return any(o is t for o in graph.outputs)
-
-
 def channel_vector(value: np.ndarray | None) -> np.ndarray | None:
     """A per-channel vector from a value that broadcasts along the LAST axis only.
 
@@ -196,13 +351,9 @@ def channel_vector(value: np.ndarray | None) -> np.ndarray | None:
     return value.reshape(-1)
 
 
-_counter = [0]
-
-
-def fresh_name(graph: gs.Graph, base: str) -> str:
-    names = set(graph.tensors().keys())
-    while True:
-        _counter[0] += 1
-        name = f"{base}__folded{_counter[0]}"
-        if name not in names:
-            return name
+def static_last_dim(t: gs.Tensor) -> int | None:
+    shape = t.shape
+    if not shape:
+        return None
+    last = shape[-1]
+    return int(last) if isinstance(last, (int, np.integer)) and last >= 0 else None

@@ -6,13 +6,16 @@ a norm's do (shared/design/METHOD.md section 2).
 """
 from __future__ import annotations
 
-from graph_passes.base import GraphPass, PassContext, Rewrite, producer
-from graph_passes.linear_fold import fold_later, match_linear_consumers, match_scale_shift
+import onnx_graphsurgeon as gs
+
+from graph_passes.base import GraphPass, PassContext, Skip, producer
+from graph_passes.linear_fold import AffineFold, ChannelAffine, fold_affine, match_scale_shift, trace_consumers
 
 
 class FoldDyTAffine(GraphPass):
     name = "dyt_affine"
     summary = "fold DyT gamma/beta (the Mul and Add after its Tanh) into the following MatMul/Gemm weights"
+    anchors = ("Mul",)
 
     # Pattern (exact):
     #
@@ -21,24 +24,19 @@ class FoldDyTAffine(GraphPass):
     #   ==>
     #     x ──▶ Mul(alpha) ──▶ Tanh ──▶ MatMul(diag(gamma) W) ▶ Add(b + beta W)
 
-    def find(self, ctx: PassContext) -> list[Rewrite]:
-        rewrites = []
-        for node in list(ctx.graph.nodes):
-            if node.op != "Mul":
-                continue
-            srcs = [producer(t) for t in node.inputs]
-            if not any(p is not None and p.op == "Tanh" for p in srcs):
-                continue
-            label = ctx.layer_name(node)
-            m, why = match_scale_shift(ctx, node)
-            if m is None or producer(m["x"]) is None or producer(m["x"]).op != "Tanh":
-                ctx.note(f"{label}: left unfolded: {why or 'the Tanh output is not the scaled operand'}")
-                continue
-            uses, why = match_linear_consumers(ctx, m["y"], len(m["scale"]))
-            if not uses:
-                ctx.note(f"{label}: left unfolded: {why}")
-                continue
-            detail = f"DyT gamma{'+beta' if m['shift'] is not None else ''} -> " + ", ".join(u.label for u in uses)
-            rewrites.append(Rewrite(label, detail, fold_later(ctx, m, uses)))
-        return rewrites
+    def match(self, ctx: PassContext, node: gs.Node) -> AffineFold | Skip | None:
+        if not any(producer(t) is not None and producer(t).op == "Tanh" for t in node.inputs):
+            return None
+        m = match_scale_shift(ctx, node)
+        if isinstance(m, Skip):
+            return m
+        if producer(m.x) is None or producer(m.x).op != "Tanh":
+            return Skip("the Tanh output is not the scaled operand")
+        consumers = trace_consumers(ctx, m.y, len(m.scale))
+        if isinstance(consumers, Skip):
+            return consumers
+        what = f"DyT gamma{'+beta' if m.shift is not None else ''}"
+        return AffineFold(ctx.layer_name(node), m.x, ChannelAffine(m.scale, m.shift), consumers, what)
 
+    def rewrite(self, ctx: PassContext, match: AffineFold) -> None:
+        fold_affine(ctx, match.x, match.consumers, match.affine)

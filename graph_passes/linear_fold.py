@@ -1,49 +1,102 @@
 """Shared matching and folding of a per-channel affine map into the linear layers after it.
 
-Not a pass itself: taper_scale, norm_gamma and dyt_affine all end in the same
-fold. For a tensor y = x * s + t (s, t per-channel vectors [d] on the last axis)
-feeding only linear layers:
+Not a pass itself: every folding pass ends in the same fold. For a tensor
+y = (x [C]) * s + t (s, t per-channel vectors [d] on the last axis; C the
+optional centering I - 11^T/d of a disabled LayerNorm) feeding only linear layers:
 
-    y @ W + b  =  x @ (diag(s) W)  +  (b + t @ W)
+    y @ W + b  =  x @ (C diag(s) W)  +  (b + t @ W)
 
-    x ──▶ [Mul(s)] ──▶ [Add(t)] ──┬──▶ MatMul(W_q) ──▶ Add(b_q)        x ──┬──▶ MatMul(W_q') ──▶ Add(b_q')
-                                  ├──▶ MatMul(W_k) ──▶ Add(b_k)    ==>     ├──▶ MatMul(W_k') ──▶ Add(b_k')
-                                  └──▶ Gemm(B, C)                          └──▶ Gemm(B', C')
+    x ──▶ [Mul(s)] ──▶ [Add(t)] ──┬──▶ MatMul(W_q) ──▶ Add(b_q)               x ──┬──▶ MatMul(W_q') ──▶ Add(b_q')
+                                  ├──▶ Reshape[-1, d] ──▶ Gemm(B, C)    ==>       ├──▶ Reshape[-1, d] ──▶ Gemm(B', C')
+                                  └──▶ Shape                                      └──▶ Shape
 
-Every consumer must be a linear layer with a constant 2-D weight taking y as its
-data input: MatMul(y, W) with W [in, out] constant or Transpose(constant), or
-Gemm(y, B[, C]) with transA = 0. Folded weights and biases are written as NEW
-constants (an initializer may be shared: the exporter deduplicates identical
-tensors, and a tied LM head shares the embedding), so a node that is not
-rewritten keeps seeing the original values.
+What the consumers of y may be (`trace_consumers`, anything else stops the fold
+with one line saying which node and why):
+- a linear layer with a constant 2-D weight taking y as its data input:
+  MatMul(y, W) with W [in, out] constant or Transpose(constant), or Gemm(y, B[, C])
+  with transA = 0;
+- a reshape that keeps the last axis (Reshape, Flatten, Squeeze, Unsqueeze,
+  Identity whose input and output both end in d): it only regroups whole
+  channel rows, so the scale rides through it (GPT-2's Conv1D exports as
+  Reshape -> Gemm -> Reshape; ln_f feeds a view before the head); its own
+  consumers must pass the same test;
+- Shape / Size: they read only the shape, which x shares (the broadcast check
+  proved y has x's shape), so they read x instead.
+
+Folded weights and biases are written as NEW constants (an initializer may be
+shared: the exporter deduplicates identical tensors, and a tied LM head shares
+the embedding), so a node that is not rewritten keeps seeing the original values.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from graph_passes.base import PassContext, channel_vector, const_value, fresh_name, is_graph_output, producer
+from graph_passes.base import Match, PassContext, Skip, channel_vector, const_value, producer, static_last_dim
+
+RESHAPES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")
+SHAPE_READERS = ("Shape", "Size")
 
 
 @dataclass
 class LinearUse:
     node: gs.Node          # the MatMul or Gemm
     weight: np.ndarray     # effective weight [in, out] (a view of the original: never written)
-    label: str            # short name for the log ('q_proj', 'lm_head' or the node name)
+    label: str             # short name for the log ('q_proj', 'lm_head' or the node name)
 
 
-def _short(ctx: PassContext, node: gs.Node) -> str:
+@dataclass
+class Consumers:
+    """Every use of a scaled tensor y, seen through reshapes that keep the last axis."""
+    y: gs.Tensor
+    linears: list[LinearUse] = field(default_factory=list)
+    direct: list[gs.Node] = field(default_factory=list)       # nodes reading y itself: they read x after the fold
+    through: list[gs.Node] = field(default_factory=list)      # channel-keeping reshapes on the way
+    shape_only: list[gs.Node] = field(default_factory=list)   # Shape / Size consumers
+
+    def labels(self) -> str:
+        via = f" (via {len(self.through)} reshape(s))" if self.through else ""
+        return ", ".join(u.label for u in self.linears) + via
+
+
+@dataclass(frozen=True)
+class ChannelAffine:
+    """y = (x [C]) * scale + shift over the last axis; float64 vectors [d] (or [1]); center: x - mean x first."""
+    scale: np.ndarray | None
+    shift: np.ndarray | None = None
+    center: bool = False
+
+    def describe(self) -> str:
+        parts = (["centering"] if self.center else []) + (["scale"] if self.scale is not None else []) + \
+                (["shift"] if self.shift is not None else [])
+        return "+".join(parts)
+
+
+@dataclass
+class AffineFold(Match):
+    """A per-channel affine map on x, folded into every linear layer that consumes its output."""
+    x: gs.Tensor
+    affine: ChannelAffine
+    consumers: Consumers
+    what: str = ""                    # e.g. 'RMSNorm (exploded) gamma'
+
+    @property
+    def detail(self) -> str:
+        return f"{self.what or self.affine.describe()} -> {self.consumers.labels()}"
+
+
+def short_label(ctx: PassContext, node: gs.Node) -> str:
     name = ctx.layer_name(node)
     return name.rsplit(".", 1)[-1] if name != node.name else name
 
 
-def match_linear(ctx: PassContext, y: gs.Tensor, node: gs.Node) -> tuple[LinearUse | None, str]:
-    """`node` as a linear layer consuming y as its data input, or (None, why not)."""
+def match_linear(ctx: PassContext, y: gs.Tensor, node: gs.Node) -> LinearUse | Skip:
+    """`node` as a linear layer consuming y as its data input, or Skip(why not)."""
     if node.op == "MatMul":
         if len(node.inputs) != 2 or node.inputs[0] is not y or node.inputs[1] is y:
-            return None, f"{node.name} uses it as a MatMul weight, not as the data input"
+            return Skip(f"{node.name} uses it as a MatMul weight, not as the data input")
         w_in = node.inputs[1]
         w = const_value(w_in)
         if w is None:
@@ -53,42 +106,106 @@ def match_linear(ctx: PassContext, y: gs.Tensor, node: gs.Node) -> tuple[LinearU
                 w = const_value(src.inputs[0])
                 w = None if w is None or w.ndim != 2 else w.T
         if w is None or w.ndim != 2 or w.dtype.kind != "f":
-            return None, f"{node.name} is a MatMul without a constant 2-D weight"
-        return LinearUse(node, w, _short(ctx, node)), ""
+            return Skip(f"{node.name} is a MatMul without a constant 2-D weight")
+        return LinearUse(node, w, short_label(ctx, node))
     if node.op == "Gemm":
         if node.inputs[0] is not y or any(t is y for t in node.inputs[1:]):
-            return None, f"{node.name} uses it as a Gemm weight or bias"
+            return Skip(f"{node.name} uses it as a Gemm weight or bias")
         if node.attrs.get("transA", 0):
-            return None, f"{node.name} is a Gemm with transA = 1"
+            return Skip(f"{node.name} is a Gemm with transA = 1")
         b = const_value(node.inputs[1])
         if b is None or b.ndim != 2 or b.dtype.kind != "f":
-            return None, f"{node.name} is a Gemm without a constant 2-D weight"
-        if len(node.inputs) > 2 and node.inputs[2] is not None and const_value(node.inputs[2]) is None \
-                and not (isinstance(node.inputs[2], gs.Variable) and node.inputs[2].name == ""):
-            return None, f"{node.name} is a Gemm with a non-constant bias"
+            return Skip(f"{node.name} is a Gemm without a constant 2-D weight")
+        if len(node.inputs) > 2 and node.inputs[2].name and const_value(node.inputs[2]) is None:
+            return Skip(f"{node.name} is a Gemm with a non-constant bias")
         w = b.T if node.attrs.get("transB", 0) else b
-        return LinearUse(node, w, _short(ctx, node)), ""
-    return None, f"{node.name} is a {node.op}, not a MatMul/Gemm"
+        return LinearUse(node, w, short_label(ctx, node))
+    return Skip(f"{node.name} is a {node.op}, not a MatMul/Gemm")
 
 
-def match_linear_consumers(ctx: PassContext, y: gs.Tensor, width: int) -> tuple[list[LinearUse], str]:
-    """All consumers of y as linear layers with input width `width` (1 = any), or ([], why not)."""
-    if is_graph_output(ctx.graph, y):
-        return [], f"{y.name} is a graph output"
+def _keeps_last_axis(node: gs.Node, width: int) -> str:
+    """Why `node` (a reshape-like op) might move the channel axis, or "" when it provably keeps it."""
+    out = node.outputs[0]
+    if width == 1:
+        return ""                      # one scale for every element: any regrouping keeps it
+    last = static_last_dim(out)
+    if last is None and node.op == "Reshape" and len(node.inputs) > 1:
+        last = _last_entry(node.inputs[1])
+    if last is None:
+        return f"{node.name} ({node.op}) has an output whose last axis is not known statically"
+    if last != width:
+        return f"{node.name} ({node.op}) moves the channel axis: its output ends in {last}, not {width} channels"
+    return ""
+
+
+def _last_entry(shape: gs.Tensor, depth: int = 4) -> int | None:
+    """The last entry of a Reshape's target shape when it is a known positive number.
+
+    The shape may be computed, as exporters write views: Concat(batch, seq, Unsqueeze(d))
+    with d a constant or Gather(Shape(z), -1) of a z whose last axis is static.
+    """
+    value = const_value(shape)
+    if value is not None:
+        value = value.reshape(-1)
+        return int(value[-1]) if value.size and value.dtype.kind in "iu" and value[-1] > 0 else None
+    src = producer(shape)
+    if src is None or depth == 0:
+        return None
+    if src.op == "Concat" and src.inputs:
+        return _last_entry(src.inputs[-1], depth - 1)
+    if src.op in ("Unsqueeze", "Cast", "Identity", "Reshape"):
+        return _last_entry(src.inputs[0], depth - 1)
+    if src.op == "Gather" and len(src.inputs) == 2:
+        index, shape_of = const_value(src.inputs[1]), producer(src.inputs[0])
+        if index is not None and index.size == 1 and shape_of is not None and shape_of.op == "Shape" \
+                and not shape_of.attrs.get("start") and shape_of.attrs.get("end") is None:
+            z = shape_of.inputs[0]
+            rank = len(z.shape) if z.shape is not None else None
+            if rank and int(index.reshape(-1)[0]) in (-1, rank - 1):
+                return static_last_dim(z)
+    return None
+
+
+def trace_consumers(ctx: PassContext, y: gs.Tensor, width: int) -> Consumers | Skip:
+    """Every consumer of y as a linear layer of input width `width` (1 = any), through
+    channel-keeping reshapes and past Shape/Size readers; or Skip(why not)."""
     if not y.outputs:
-        return [], f"{y.name} has no consumers"
-    uses = []
-    for node in y.outputs:
-        use, why = match_linear(ctx, y, node)
-        if use is None:
-            return [], why
-        if width != 1 and use.weight.shape[0] != width:
-            return [], f"{node.name} has input width {use.weight.shape[0]}, the scale has {width} channels"
-        uses.append(use)
-    return uses, ""
+        return Skip(f"{y.name} has no consumers")
+    found = Consumers(y)
+    todo = [y]
+    while todo:
+        t = todo.pop(0)
+        if ctx.is_graph_output(t):
+            return Skip(f"{t.name} is a graph output")
+        for node in t.outputs:
+            if not ctx.owns(node):
+                return Skip(f"{node.name} ({node.op}) reads it from inside a subgraph")
+            if t is y:
+                found.direct.append(node)
+            if node.op in SHAPE_READERS:
+                found.shape_only.append(node)
+                continue
+            if node.op in RESHAPES:
+                if node.inputs[0] is not t or any(i is t for i in node.inputs[1:]):
+                    return Skip(f"{node.name} ({node.op}) reads it as a shape, not as data")
+                why = _keeps_last_axis(node, width)
+                if why:
+                    return Skip(why)
+                found.through.append(node)
+                todo.append(node.outputs[0])
+                continue
+            use = match_linear(ctx, t, node)
+            if isinstance(use, Skip):
+                return use
+            if width != 1 and use.weight.shape[0] != width:
+                return Skip(f"{node.name} has input width {use.weight.shape[0]}, the scale has {width} channels")
+            found.linears.append(use)
+    if not found.linears:
+        return Skip(f"{y.name} feeds no linear layer")
+    return found
 
 
-def _broadcast_problem(x: gs.Tensor, raw: np.ndarray, vector: np.ndarray) -> str:
+def broadcast_problem(x: gs.Tensor, raw: np.ndarray, vector: np.ndarray) -> str:
     """Why x * raw is not provably x scaled per channel (same shape as x), or "".
 
     The product must keep x's shape: the constant may not add axes (rank <= x's) and
@@ -102,115 +219,112 @@ def _broadcast_problem(x: gs.Tensor, raw: np.ndarray, vector: np.ndarray) -> str
         return f"the shape of {x.name} is unknown, so the scale's broadcast cannot be proved per-channel"
     if raw.ndim > len(shape):
         return f"scale of rank {raw.ndim} broadcasts {x.name} of rank {len(shape)} to a higher rank"
-    last = shape[-1]
-    if not isinstance(last, (int, np.integer)):
-        return f"the last axis of {x.name} is dynamic ({last}), so the scale's broadcast cannot be proved per-channel"
-    if int(last) != len(vector):
+    last = static_last_dim(x)
+    if last is None:
+        return f"the last axis of {x.name} is dynamic ({shape[-1]}), so the scale's broadcast cannot be proved per-channel"
+    if last != len(vector):
         return f"scale of {len(vector)} channels broadcasts {x.name}, whose last axis has {last}: not a per-channel scale"
     return ""
 
 
-def match_scale_shift(ctx: PassContext, mul: gs.Node) -> tuple[dict | None, str]:
-    """Mul(x, s) [-> Add(., t)] with s, t constant per-channel vectors.
+@dataclass
+class ScaleShift:
+    """x ──▶ Mul(x, s) ──▶ [Add(·, t)] ──▶ y, with s, t constant per-channel vectors."""
+    mul: gs.Node
+    x: gs.Tensor
+    scale: np.ndarray                    # [d] or [1], the graph's dtype
+    shift: np.ndarray | None
+    y: gs.Tensor
+    add: gs.Node | None = None
 
-        x ──▶ Mul(x, s) ──▶ [Add(·, t)] ──▶ y
 
-    Returns {x, scale, shift, y, nodes} or (None, why not). Either operand
-    order is accepted for Mul and Add; the vector must broadcast along the
-    last axis only.
+def match_scale_shift(ctx: PassContext, mul: gs.Node, with_shift: bool = True) -> ScaleShift | Skip:
+    """Mul(x, s) [-> Add(., t)] with s, t constant per-channel vectors, either operand order.
+
+    The vector must broadcast along the last axis only and keep x's shape. The
+    Add is taken when it is the Mul's only consumer and adds a constant.
     """
     if mul.op != "Mul" or len(mul.inputs) != 2:
-        return None, f"{mul.name} is not a two-input Mul"
+        return Skip(f"{mul.name} is not a two-input Mul")
     a, b = mul.inputs
     va, vb = const_value(a), const_value(b)
     if (va is None) == (vb is None):
-        return None, f"{mul.name}: the scale is not a constant" if va is None else f"{mul.name}: both operands are constants"
+        return Skip(f"{mul.name}: the scale is not a constant" if va is None else f"{mul.name}: both operands are constants")
     x, raw = (b, va) if va is not None else (a, vb)
     scale = channel_vector(raw)
     if scale is None:
-        return None, f"{mul.name}: scale of shape {list(raw.shape)} is not per-channel on the last axis"
-    why = _broadcast_problem(x, raw, scale)
+        return Skip(f"{mul.name}: scale of shape {list(raw.shape)} is not per-channel on the last axis")
+    why = broadcast_problem(x, raw, scale)
     if why:
-        return None, f"{mul.name}: {why}"
+        return Skip(f"{mul.name}: {why}")
     out = mul.outputs[0]
-    nodes, shift = [mul], None
-    if len(out.outputs) == 1 and out.outputs[0].op == "Add" and not is_graph_output(ctx.graph, out):
-        add = out.outputs[0]
-        others = [t for t in add.inputs if t is not out]
-        if len(add.inputs) == 2 and len(others) == 1:
-            raw_t = const_value(others[0])
-            if raw_t is not None:
-                shift = channel_vector(raw_t)
-                if shift is None:
-                    return None, f"{add.name}: shift of shape {list(raw_t.shape)} is not per-channel on the last axis"
-                if len(shift) != 1 and len(scale) != 1 and len(shift) != len(scale):
-                    return None, f"{add.name}: shift has {len(shift)} channels, the scale {len(scale)}"
-                out = add.outputs[0]
-                nodes.append(add)
-    return {"x": x, "scale": scale, "shift": shift, "y": out, "nodes": nodes}, ""
+    match = ScaleShift(mul, x, scale, None, out)
+    if not with_shift or len(out.outputs) != 1 or out.outputs[0].op != "Add" or ctx.is_graph_output(out):
+        return match
+    add = out.outputs[0]
+    others = [t for t in add.inputs if t is not out]
+    if len(add.inputs) != 2 or len(others) != 1:
+        return match
+    raw_t = const_value(others[0])
+    if raw_t is None:
+        return match
+    shift = channel_vector(raw_t)
+    if shift is None or broadcast_problem(x, raw_t, shift):
+        return Skip(f"{add.name}: shift of shape {list(raw_t.shape)} is not per-channel on the last axis")
+    match.shift, match.y, match.add = shift, add.outputs[0], add
+    return match
 
 
-def _const(graph: gs.Graph, base: str, value: np.ndarray) -> gs.Constant:
-    return gs.Constant(fresh_name(graph, base), np.ascontiguousarray(value))
+def fold_affine(ctx: PassContext, x: gs.Tensor, consumers: Consumers, affine: ChannelAffine) -> None:
+    """Rewire every direct consumer of y to read x; every linear layer carries
+    W' = C diag(scale) W and b' = b + shift @ W. Float64, cast back to the weight's dtype."""
+    for use in consumers.linears:
+        _fold_weight(ctx, use, affine)
+    for node in consumers.direct:
+        for i, t in enumerate(node.inputs):
+            if t is consumers.y:
+                node.inputs[i] = x
 
 
-def fold_into_linear(graph: gs.Graph, x: gs.Tensor, uses: list[LinearUse],
-                     scale: np.ndarray | None, shift: np.ndarray | None, center: bool = False) -> None:
-    """Rewire every use to read x and carry W' = diag(scale) W, b' = b + shift @ W.
-
-    center: x is centered first (x - mean x = x C, C = I - 11^T/d), so
-    W' = C diag(scale) W: the scaled weight minus its mean over the input axis.
-    Computed in float64 and cast back to the weight's dtype. New constants only.
-    """
-    for use in uses:
-        node, w = use.node, use.weight
-        w64 = w.astype(np.float64)
-        s = np.ones(w.shape[0]) if scale is None else np.broadcast_to(scale.astype(np.float64), (w.shape[0],))
-        w_scaled = s[:, None] * w64                                         # [in, out]
-        if center:
-            w_scaled = w_scaled - w_scaled.mean(axis=0, keepdims=True)
-        w_new = w_scaled.astype(w.dtype)                                    # [in, out]
-        delta = None if shift is None else np.broadcast_to(shift.astype(np.float64), (w.shape[0],)) @ w64  # [out]
-        base = node.name or "linear"
-        if node.op == "MatMul":
-            node.inputs[0] = x
-            node.inputs[1] = _const(graph, f"{base}.weight", w_new)
-            if delta is not None:
-                _add_bias(graph, node, delta.astype(w.dtype))
-        else:  # Gemm
-            trans_b = node.attrs.get("transB", 0)
-            node.inputs[0] = x
-            node.inputs[1] = _const(graph, f"{base}.weight", w_new.T if trans_b else w_new)
-            if delta is not None:
-                alpha = float(node.attrs.get("alpha", 1.0))
-                beta = float(node.attrs.get("beta", 1.0))
-                c_in = node.inputs[2] if len(node.inputs) > 2 else None
-                c = None if c_in is None else const_value(c_in)
-                if c is None or beta == 0.0:
-                    c_new, node.attrs["beta"] = alpha * delta, 1.0
-                else:
-                    c_new = c.astype(np.float64) + (alpha / beta) * delta
-                c_const = _const(graph, f"{base}.bias", np.asarray(c_new).astype(w.dtype))
-                if len(node.inputs) > 2:
-                    node.inputs[2] = c_const
-                else:
-                    node.inputs.append(c_const)
+def _fold_weight(ctx: PassContext, use: LinearUse, affine: ChannelAffine) -> None:
+    node, w = use.node, use.weight
+    rows = w.shape[0]
+    w64 = w.astype(np.float64)
+    s = np.ones(rows) if affine.scale is None else np.broadcast_to(affine.scale.astype(np.float64), (rows,))
+    w_new = s[:, None] * w64                                               # [in, out]
+    if affine.center:                                                      # C diag(s) W
+        w_new = w_new - w_new.mean(axis=0, keepdims=True)
+    w_new = w_new.astype(w.dtype)
+    delta = None if affine.shift is None else \
+        np.broadcast_to(affine.shift.astype(np.float64), (rows,)) @ w64      # [out]
+    base = node.name or "linear"
+    if node.op == "MatMul":
+        node.inputs[1] = ctx.const(f"{base}.weight", w_new)
+        if delta is not None:
+            _add_bias(ctx, node, delta.astype(w.dtype))
+        return
+    trans_b = node.attrs.get("transB", 0)                                  # Gemm
+    node.inputs[1] = ctx.const(f"{base}.weight", w_new.T if trans_b else w_new)
+    if delta is not None:
+        alpha = float(node.attrs.get("alpha", 1.0))
+        beta = float(node.attrs.get("beta", 1.0))
+        c_in = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2].name else None
+        c = None if c_in is None else const_value(c_in)
+        if c is None or beta == 0.0:
+            c_new, node.attrs["beta"] = alpha * delta, 1.0
+        else:
+            c_new = c.astype(np.float64) + (alpha / beta) * delta
+        c_const = ctx.const(f"{base}.bias", np.asarray(c_new).astype(w.dtype))
+        if len(node.inputs) > 2:
+            node.inputs[2] = c_const
+        else:
+            node.inputs.append(c_const)
 
 
-def fold_later(ctx: PassContext, match: dict, uses: list[LinearUse]):
-    """The deferred apply() of a Rewrite: fold a match_scale_shift result into `uses`
-    once every match has been recorded (the graph never changes mid-walk)."""
-    def apply():
-        shift = match["shift"]
-        fold_into_linear(ctx.graph, match["x"], uses, match["scale"].astype(np.float64),
-                         None if shift is None else shift.astype(np.float64))
-    return apply
-
-
-def _add_bias(graph: gs.Graph, matmul: gs.Node, delta: np.ndarray) -> None:
+def _add_bias(ctx: PassContext, matmul: gs.Node, delta: np.ndarray) -> None:
     """MatMul ▶ Add(b) becomes MatMul ▶ Add(b + delta); a MatMul without one gets Add(delta)."""
     out = matmul.outputs[0]
-    if len(out.outputs) == 1 and out.outputs[0].op == "Add" and not is_graph_output(graph, out):
+    if len(out.outputs) == 1 and out.outputs[0].op == "Add" and not ctx.is_graph_output(out):
         add = out.outputs[0]
         others = [(i, t) for i, t in enumerate(add.inputs) if t is not out]
         if len(add.inputs) == 2 and len(others) == 1:
@@ -219,10 +333,10 @@ def _add_bias(graph: gs.Graph, matmul: gs.Node, delta: np.ndarray) -> None:
             if b is not None and b.dtype.kind == "f" and b.reshape(-1).shape[0] in (1, delta.shape[0]) \
                     and all(s == 1 for s in b.shape[:-1]):
                 b_new = np.broadcast_to(b.reshape(-1).astype(np.float64), delta.shape) + delta
-                add.inputs[i] = _const(graph, f"{add.name or 'bias'}.bias", b_new.astype(b.dtype))
+                add.inputs[i] = ctx.const(f"{add.name or 'bias'}.bias", b_new.astype(b.dtype))
                 return
     # no bias Add of its own: put one between the MatMul and its consumers
-    mid = gs.Variable(fresh_name(graph, out.name), dtype=out.dtype, shape=out.shape)
+    mid = gs.Variable(ctx.fresh_name(out.name), dtype=out.dtype, shape=out.shape)
     matmul.outputs[0] = mid
-    graph.nodes.append(gs.Node("Add", name=fresh_name(graph, f"{matmul.name}.bias_add"),
-                               inputs=[mid, _const(graph, f"{matmul.name}.bias", delta)], outputs=[out]))
+    ctx.graph.nodes.append(gs.Node("Add", name=ctx.fresh_name(f"{matmul.name}.bias_add"),
+                                   inputs=[mid, ctx.const(f"{matmul.name}.bias", delta)], outputs=[out]))

@@ -4,26 +4,54 @@ FlashNorm (arXiv 2407.09577): W* = diag(gamma) W. Applied to the baseline too, s
 that a TaperNorm speedup is never an artefact of a weak baseline. The norm op
 stays (it still divides by rms / standardizes); its gamma becomes a constant
 vector of ones and its beta is dropped.
+
+Norm ops: ONNX RMSNormalization and LayerNormalization, and ONNX Runtime's
+contrib ops that its transformers optimizer writes: SimplifiedLayerNormalization,
+SkipLayerNormalization and SkipSimplifiedLayerNormalization (gamma is their third
+input; beta the fourth of SkipLayerNormalization, whose fifth, the bias added
+before the norm, stays). Only output 0 carries gamma: the mean / inv-std
+outputs and the Skip ops' residual sum (output 3) do not depend on it.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from graph_passes.base import GraphPass, PassContext, Rewrite, const_value, fresh_name
-from graph_passes.linear_fold import fold_into_linear, match_linear_consumers
+from graph_passes.base import GraphPass, PassContext, Skip, const_value
+from graph_passes.linear_fold import AffineFold, ChannelAffine, fold_affine, trace_consumers
 
-NORM_OPS = ("RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization")
+# op -> (gamma input index, beta input index or None)
+NORM_OPS = {
+    "RMSNormalization": (1, None),
+    "LayerNormalization": (1, 2),
+    "SimplifiedLayerNormalization": (1, None),
+    "SkipLayerNormalization": (2, 3),
+    "SkipSimplifiedLayerNormalization": (2, None),
+}
+
+
+def _optional(node: gs.Node, i: int | None) -> gs.Tensor | None:
+    return node.inputs[i] if i is not None and len(node.inputs) > i and node.inputs[i].name else None
+
+
+@dataclass
+class GammaFold(AffineFold):
+    """AffineFold of a norm op's own gamma/beta; the op stays with gamma = 1, no beta."""
+    norm: gs.Node = None
 
 
 class FoldNormGamma(GraphPass):
     name = "norm_gamma"
-    summary = "FlashNorm: fold RMSNorm/LayerNorm gamma (and beta) into the following MatMul/Gemm weights"
+    summary = "FlashNorm: fold RMSNorm/LayerNorm (and ORT Skip*LayerNorm) gamma/beta into the following MatMul/Gemm"
+    anchors = tuple(NORM_OPS)
 
     # Pattern (exact):
     #
     #     x ──▶ RMSNormalization(x, gamma, axis=-1)        ──┬──▶ MatMul(W) [▶ Add(b)]
-    #     x ──▶ LayerNormalization(x, gamma, beta, axis=-1) ──┘    ... every consumer a MatMul/Gemm
+    #     x ──▶ LayerNormalization(x, gamma, beta, axis=-1) ──┤    ... every consumer a MatMul/Gemm
+    #     x, skip ──▶ Skip[Simplified]LayerNormalization(x, skip, gamma[, beta, bias]) ──┘ (output 0)
     #           gamma, beta: constant [d]
     #   ==>
     #     x ──▶ Norm(x, ones) ──▶ MatMul(diag(gamma) W) ▶ Add(b + beta W)
@@ -32,45 +60,38 @@ class FoldNormGamma(GraphPass):
     # beta that is not constant, an output that feeds anything but a linear layer
     # or is a graph output, and a norm already at gamma = 1, beta = 0.
 
-    def find(self, ctx: PassContext) -> list[Rewrite]:
-        rewrites = []
-        for node in list(ctx.graph.nodes):
-            if node.op not in NORM_OPS or len(node.inputs) < 2 or len(node.outputs) < 1:
-                continue
-            label = ctx.layer_name(node)
-            x, out = node.inputs[0], node.outputs[0]
-            axis = node.attrs.get("axis", -1)
-            rank = len(x.shape) if x.shape is not None else None
-            if axis != -1 and (rank is None or axis != rank - 1):
-                ctx.note(f"{label}: left unfolded: {node.op} over axis {axis}, not the last")
-                continue
-            if any(o.outputs for o in node.outputs[1:]):
-                ctx.note(f"{label}: left unfolded: mean/inv-std outputs are used")
-                continue
-            gamma = const_value(node.inputs[1])
-            beta_in = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2].name else None
-            beta = None if beta_in is None else const_value(beta_in)
-            if gamma is None or gamma.ndim != 1 or (beta_in is not None and (beta is None or beta.ndim != 1)):
-                ctx.note(f"{label}: left unfolded: gamma/beta not a constant vector")
-                continue
-            if np.all(gamma == 1) and (beta is None or np.all(beta == 0)):
-                continue  # nothing to fold
-            uses, why = match_linear_consumers(ctx, out, gamma.shape[0])
-            if not uses:
-                ctx.note(f"{label}: left unfolded: {why}")
-                continue
-            shift = None if beta is None or np.all(beta == 0) else beta
-            detail = f"{node.op} gamma{'+beta' if shift is not None else ''} -> " + ", ".join(u.label for u in uses)
-            rewrites.append(Rewrite(label, detail, _folder(ctx, node, gamma, shift, uses)))
-        return rewrites
+    def match(self, ctx: PassContext, node: gs.Node) -> GammaFold | Skip | None:
+        g_idx, b_idx = NORM_OPS[node.op]
+        if len(node.inputs) <= g_idx or not node.outputs:
+            return None
+        x, out = node.inputs[0], node.outputs[0]
+        axis = node.attrs.get("axis", -1)
+        rank = len(x.shape) if x.shape is not None else None
+        if axis != -1 and (rank is None or axis != rank - 1):
+            return Skip(f"{node.op} over axis {axis}, not the last")
+        gamma = const_value(node.inputs[g_idx])
+        beta_in = _optional(node, b_idx)
+        beta = None if beta_in is None else const_value(beta_in)
+        if gamma is None or gamma.ndim != 1 or (beta_in is not None and (beta is None or beta.ndim != 1)):
+            return Skip(f"{node.op} gamma/beta not a constant vector")
+        if np.all(gamma == 1) and (beta is None or np.all(beta == 0)):
+            return None  # nothing to fold
+        consumers = trace_consumers(ctx, out, gamma.shape[0])
+        if isinstance(consumers, Skip):
+            return consumers
+        shift = None if beta is None or np.all(beta == 0) else beta
+        what = f"{node.op} gamma{'+beta' if shift is not None else ''}"
+        return GammaFold(ctx.layer_name(node), out, ChannelAffine(gamma, shift), consumers, what, node)
 
-
-def _folder(ctx, node, gamma, beta, uses):
-    def apply():
-        fold_into_linear(ctx.graph, node.outputs[0], uses, gamma.astype(np.float64),
-                         None if beta is None else beta.astype(np.float64))
-        ones = gs.Constant(fresh_name(ctx.graph, f"{node.name}.ones"), np.ones_like(gamma))
-        node.inputs[1] = ones
-        while len(node.inputs) > 2:
-            node.inputs.pop()
-    return apply
+    def rewrite(self, ctx: PassContext, match: GammaFold) -> None:
+        # the norm's output stays the input of its consumers: only the weights change
+        fold_affine(ctx, match.x, match.consumers, match.affine)
+        node = match.norm
+        g_idx, b_idx = NORM_OPS[node.op]
+        gamma = const_value(node.inputs[g_idx])
+        node.inputs[g_idx] = ctx.const(f"{node.name}.ones", np.ones_like(gamma))
+        if b_idx is not None and len(node.inputs) > b_idx:
+            if len(node.inputs) == b_idx + 1:
+                node.inputs.pop()
+            else:                                           # keep the bias after it (SkipLayerNormalization)
+                node.inputs[b_idx] = gs.Variable.empty()

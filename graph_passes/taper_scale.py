@@ -6,26 +6,32 @@ linear layer it feeds: Q, K, V (or fused QKV), MLP up (and gate), and, with
 All-Taper, the LM head (cloned first when it is tied to the embedding).
 
 Which Muls are TaperNorms: nodes whose torch provenance (node metadata
-pkg.torch.onnx.class_hierarchy) names models.norms.TaperNorm; in a graph from
-another exporter (no provenance), any Mul by a constant per-channel vector whose
-input does not come from a Tanh (that one is DyT's: see dyt_affine). The gate
+pkg.torch.onnx.class_hierarchy) names models.norms.TaperNorm. Per-channel Muls
+of other norms (or of graphs without provenance) are channel_scale's. The gate
 comes from the model metadata tapernorm.gate: a TaperNorm graph whose gate is
 not 0 still has its normalized branch, and the pass refuses it with one line.
 """
 from __future__ import annotations
 
-from graph_passes.base import GraphPass, PassContext, PassError, Rewrite, producer
-from graph_passes.linear_fold import fold_later, match_linear_consumers, match_scale_shift
+import onnx_graphsurgeon as gs
+
+from graph_passes.base import GraphPass, PassContext, PassError, Skip
+from graph_passes.linear_fold import AffineFold, ChannelAffine, fold_affine, match_scale_shift, trace_consumers
 
 TAPER_CLASS = "TaperNorm"
+
+
+def is_taper_node(ctx: PassContext, node: gs.Node) -> bool:
+    return any(c.rsplit(".", 1)[-1] == TAPER_CLASS for c in ctx.module_class(node))
 
 
 def taper_layers(ctx: PassContext) -> dict[str, list[str]]:
     """Layer name -> op types of the nodes the exporter attributed to a TaperNorm."""
     layers: dict[str, list[str]] = {}
-    for node in ctx.graph.nodes:
-        if any(c.rsplit(".", 1)[-1] == TAPER_CLASS for c in ctx.module_class(node)):
-            layers.setdefault(ctx.layer_name(node), []).append(node.op)
+    for graph in ctx.graphs():
+        for node in graph.nodes:
+            if is_taper_node(ctx, node):
+                layers.setdefault(ctx.layer_name(node), []).append(node.op)
     return layers
 
 
@@ -45,54 +51,37 @@ def detect_taper(ctx: PassContext) -> dict:
 class FoldTaperScale(GraphPass):
     name = "taper_scale"
     summary = "fold g=0 TaperNorm scales (and affine shifts) into the following MatMul/Gemm weights"
+    anchors = ("Mul",)
 
     # Pattern (exact; anything else is left alone with a note):
     #
     #     h ──▶ Mul(h, s) ──▶ [Add(·, beta)] ──┬──▶ MatMul(W_q) [▶ Add(b_q)]
-    #           s: constant [d]   beta: [d]     ├──▶ MatMul(W_k) [▶ Add(b_k)]
-    #                                           └──▶ ... every consumer a MatMul/Gemm, constant W [d, out]
+    #           s: constant [d]   beta: [d]     ├──▶ Reshape[-1, d] ──▶ Gemm(W_k)     (reshapes keeping the last axis)
+    #           (provenance: TaperNorm)         └──▶ ... every consumer a MatMul/Gemm, constant W [d, out]; Shape/Size
     #   ==>
     #     h ──▶ MatMul(diag(s) W) ▶ Add(b + beta W)     (new constants; Mul and Add removed)
 
-    def _selects(self, ctx: PassContext, node) -> bool:
-        if node.op != "Mul":
-            return False
-        if ctx.has_provenance(node):
-            return any(c.rsplit(".", 1)[-1] == TAPER_CLASS for c in ctx.module_class(node))
-        src = [producer(t) for t in node.inputs]
-        return not any(p is not None and p.op == "Tanh" for p in src)
-
-    def find(self, ctx: PassContext) -> list[Rewrite]:
+    def prepare(self, ctx: PassContext) -> None:
         info = detect_taper(ctx)
         if info["layers"] and not info["foldable"]:
             names = ", ".join(sorted(info["layers"]))
             gate = info["gate"] if info["gate"] is not None else "above 0 (normalized branch present)"
             raise PassError(f"{names}: TaperNorm gate {gate}; folding needs gate 0 "
                             "(finish the taper, or build without --fuse)")
-        rewrites = []
-        tagged = bool(info["layers"])
-        for node in list(ctx.graph.nodes):
-            if not self._selects(ctx, node):
-                continue
-            label = ctx.layer_name(node)
-            m, why = match_scale_shift(ctx, node)
-            if m is None:
-                if tagged or "broadcast" in why:     # a per-channel-looking scale that is not one: say so
-                    ctx.note(f"{label}: left unfolded: {why}")
-                continue
-            if ctx.has_provenance(node) and len(m["nodes"]) == 2 and \
-                    ctx.layer_name(m["nodes"][1]) != label:
-                m["shift"], m["y"], m["nodes"] = None, node.outputs[0], m["nodes"][:1]
-            uses, why = match_linear_consumers(ctx, m["y"], len(m["scale"]))
-            if not uses:
-                if tagged or ctx.has_provenance(node):
-                    ctx.note(f"{label}: left unfolded: {why}")
-                continue
-            if m["shift"] is not None and len(m["shift"]) not in (1, uses[0].weight.shape[0]):
-                ctx.note(f"{label}: left unfolded: shift width {len(m['shift'])} does not match")
-                continue
-            detail = ("scale+shift" if m["shift"] is not None else "scale") + " -> " + \
-                ", ".join(u.label for u in uses)
-            rewrites.append(Rewrite(label, detail, fold_later(ctx, m, uses)))
-        return rewrites
 
+    def match(self, ctx: PassContext, node: gs.Node) -> AffineFold | Skip | None:
+        if not is_taper_node(ctx, node):
+            return None
+        label = ctx.layer_name(node)
+        m = match_scale_shift(ctx, node)
+        if isinstance(m, Skip):
+            return m
+        if m.add is not None and ctx.layer_name(m.add) != label:     # an Add of another module: not its shift
+            m.shift, m.y, m.add = None, node.outputs[0], None
+        consumers = trace_consumers(ctx, m.y, len(m.scale))
+        if isinstance(consumers, Skip):
+            return consumers
+        return AffineFold(label, m.x, ChannelAffine(m.scale, m.shift), consumers)
+
+    def rewrite(self, ctx: PassContext, match: AffineFold) -> None:
+        fold_affine(ctx, match.x, match.consumers, match.affine)

@@ -17,7 +17,7 @@ anything; without --strict the findings are printed and recorded only.
 """
 from __future__ import annotations
 
-from graph_passes.base import GraphPass, PassContext, Rewrite
+from graph_passes.base import Finding, GraphPass, PassContext, PassResult
 from graph_passes.trt_ops import TARGET_TRT, graph_issues
 
 
@@ -36,7 +36,7 @@ class TensorRTLint(GraphPass):
     #     <op not in trt_ops' table>     tensor of dtype float64 / string / complex / uint16-64
     #     TensorScatter(cache rank != 4 or axis != -2)
 
-    def find(self, ctx: PassContext) -> list[Rewrite]:
-        for issue in lint_graph(ctx):
-            ctx.note(f"trt: {issue}")
-        return []
+    def run(self, ctx: PassContext) -> PassResult:
+        """Not a matching pass: one typed lint finding per issue, nothing rewritten."""
+        where_why = (issue.split(": ", 1) for issue in lint_graph(ctx))
+        return PassResult(self.name, findings=[Finding(self.name, where, why, kind="lint") for where, why in where_why])

@@ -65,6 +65,17 @@ def _onnx_named(s: Path) -> Path:
     return o
 
 
+def _foreign_graph(s: Path) -> Path:
+    """An ONNX model that is no decoder: x -> Relu -> y."""
+    import onnx
+    from onnx import TensorProto, helper
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    onnx.save(helper.make_model(g), s / "relu.onnx")
+    return s / "relu.onnx"
+
+
 def _binary(s: Path, name: str = "bin.dat") -> Path:
     p = s / name
     p.write_bytes(bytes(range(256)) * 4)
@@ -191,6 +202,10 @@ CASES = [
      lambda s, fx: _ckpt_with(s, fx["ckpt"], "ck", _weights_dtype("int32")), 1, "dtype int32"),
     ("checkpoint-bool-weight", "models.checkpoint", ["{s}/ck"],
      lambda s, fx: _ckpt_with(s, fx["ckpt"], "ck", _weights_dtype("bool")), 1, "dtype bool"),
+    ("verify-unknown-io-convention", "export.verify", ["{s}/relu.onnx", "{build}/model.onnx"],
+     lambda s, fx: _foreign_graph(s), 1, "unknown decoder I/O convention"),
+    ("verify-reference-missing", "export.verify", ["{build}/model.onnx", "{build}/model.fused.onnx", "--reference",
+                                                   "{s}/none.onnx"], None, 1, "no such file"),
     ("verify-negative-atol", "export.verify", ["{build}/model.onnx", "{build}/model.fused.onnx", "--atol", "-1"],
      None, 2, "--atol"),
     ("triton-repo-negative-max-new-tokens", "runtime.triton",
@@ -345,7 +360,7 @@ def test_broadcasting_mul_is_not_folded_and_the_graph_stays_loadable(tmp_path):
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]), src)
     r = cli("graph_passes", [src, "-o", tmp_path / "o.onnx"])
     assert r.code == 0, r.err
-    assert "taper_scale: 0 rewrite(s)" in r.out
+    assert "channel_scale: 0 folded, 1 skipped" in r.out and "not a per-channel scale" in r.out
     x = np.array([[2.0], [3.0]], np.float32)
     ref = ort.InferenceSession(str(src)).run(None, {"x": x})[0]
     got = ort.InferenceSession(str(tmp_path / "o.onnx")).run(None, {"x": x})[0]

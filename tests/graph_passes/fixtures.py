@@ -110,3 +110,66 @@ def scale_to_linears(scale=None, shift=None, n_linear=3, bias=True, scale_shape=
     inputs = (("x", [6, D]),) if gemm else (("x", [2, 3, D]),)
     return model(nodes, inits, outputs=outs, inputs=inputs, meta={"tapernorm.gate": "0.0"} if meta else None,
                  node_meta=node_meta)
+
+
+def exploded_rmsnorm(cls: str | None = "transformers.models.llama.modeling_llama.LlamaRMSNorm", extra=(),
+                     reshape=None, x_shape=(2, 3, D)) -> onnx.ModelProto:
+    """HF RMSNorm as torch's exporter writes it, then q/k/v projections:
+
+        x ─▶ Pow(2) ─▶ ReduceMean(-1) ─▶ Add(eps) ─▶ Sqrt ─▶ Reciprocal ─┐
+        x ──────────────────────────────────────────────────────────────┴▶ Mul ─▶ Mul(gamma) ─▶ n
+        n ─▶ MatMul(W_i) (i < 3); n ─▶ Shape ─▶ shape_out
+
+    cls: the gamma Mul's provenance class (None: no provenance). extra: op types that
+    also read n. reshape: a target shape for a Reshape between n and the MatMuls.
+    """
+    nodes = [helper.make_node("Pow", ["x", "two"], ["sq"], name="pow"),
+             helper.make_node("ReduceMean", ["sq", "axes"], ["var"], name="mean", keepdims=1),
+             helper.make_node("Add", ["var", "eps"], ["ve"], name="add_eps"),
+             helper.make_node("Sqrt", ["ve"], ["std"], name="sqrt"),
+             helper.make_node("Reciprocal", ["std"], ["inv"], name="rsqrt"),
+             helper.make_node("Mul", ["x", "inv"], ["xn"], name="normalize"),
+             helper.make_node("Mul", ["g", "xn"], ["n"], name="gamma_mul"),
+             helper.make_node("Shape", ["n"], ["shape_out"], name="shape")]
+    inits = [init("two", np.float32(2.0)), init("axes", np.array([-1], np.int64)), init("eps", np.float32(1e-6)),
+             init("g", rng_vec(4))]
+    src, width = "n", D
+    if reshape is not None:
+        nodes.append(helper.make_node("Reshape", ["n", "rs"], ["nr"], name="view"))
+        inits.append(init("rs", np.array(reshape, np.int64)))
+        src, width = "nr", reshape[-1]
+    outs = []
+    for i in range(3):
+        nodes.append(helper.make_node("MatMul", [src, f"W{i}"], [f"y{i}"], name=f"proj{i}"))
+        inits.append(init(f"W{i}", rng_mat(10 + i, (width, OUT))))
+        outs.append(f"y{i}")
+    for j, op in enumerate(extra):
+        nodes.append(helper.make_node(op, ["n"], [f"z{j}"], name=f"extra{j}"))
+        outs.append(f"z{j}")
+    meta = {}
+    if cls:
+        meta["gamma_mul"] = {"pkg.torch.onnx.name_scopes": repr(["", "model", "model.layers.0", "model.layers.0.input_layernorm", "mul_1"]),
+                             "pkg.torch.onnx.class_hierarchy": repr(["transformers.models.llama.modeling_llama.LlamaModel",
+                                                                     cls, "aten.mul.Tensor"])}
+    m = model(nodes, inits, outputs=outs, inputs=(("x", list(x_shape)),), node_meta=meta)
+    m.graph.output.append(helper.make_tensor_value_info("shape_out", TensorProto.INT64, None))
+    return m
+
+
+def merged_decoder(n_scales: int = 2) -> onnx.ModelProto:
+    """Optimum's merged-decoder layout, reduced: If(use_cache_branch) whose two branches
+    each scale x per channel (a norm gain) and project it; the weights live in the main graph.
+
+        use_cache_branch ─▶ If ─┬─ then: x ─▶ Mul(s_a) ─▶ MatMul(W_a) ─▶ y
+                                └─ else: x ─▶ Mul(s_b) ─▶ MatMul(W_b) ─▶ y
+    """
+    def branch(tag: str, seed: int):
+        nodes = [helper.make_node("Mul", ["x", f"s_{tag}"], [f"h_{tag}"], name=f"norm_{tag}"),
+                 helper.make_node("MatMul", [f"h_{tag}", f"W_{tag}"], [f"y_{tag}"], name=f"proj_{tag}")]
+        return helper.make_graph(nodes, f"branch_{tag}", [], [helper.make_tensor_value_info(f"y_{tag}", TensorProto.FLOAT, [2, 3, OUT])])
+    node = helper.make_node("If", ["use_cache_branch"], ["y"], name="optimum::if",
+                            then_branch=branch("a", 1), else_branch=branch("b", 2))
+    inits = [init("s_a", rng_vec(1)), init("W_a", rng_mat(2)), init("s_b", rng_vec(3)), init("W_b", rng_mat(4))]
+    m = model([node], inits)
+    m.graph.input.append(helper.make_tensor_value_info("use_cache_branch", TensorProto.BOOL, [1]))
+    return m

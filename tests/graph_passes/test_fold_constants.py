@@ -15,7 +15,7 @@ def computed_scale_graph():
 
 def test_constant_subgraph_folds_then_scale_folds():
     m = computed_scale_graph()
-    fused, (fc, ts) = run_passes(m, ["fold_constants", "taper_scale"])
+    fused, (fc, ts) = run_passes(m, ["fold_constants", "channel_scale"])
     assert len(fc.rewrites) == 1 and len(ts.rewrites) == 1
     assert ops(fused) == ["MatMul"]
     assert_same(m, fused)
@@ -23,7 +23,7 @@ def test_constant_subgraph_folds_then_scale_folds():
 
 def test_without_folding_first_the_scale_is_not_a_constant():
     m = computed_scale_graph()
-    fused, (ts,) = run_passes(m, ["taper_scale"])
+    fused, (ts,) = run_passes(m, ["channel_scale"])
     assert ts.rewrites == [] and ops(fused) == ops(m)
 
 
