@@ -41,7 +41,8 @@ def choice(*values):
 OPTIONS = {
     "models.checkpoint": ([PATH], {}),
     "export.build": ([], {"--checkpoint": PATH, "--out": OUT, "--fuse": FLAG, "--dtype": choice("fp32", "fp16"),
-                          "--triton-repo": OUT}),
+                          "--triton-repo": OUT, "--quantize": choice("int8", "int4", "int2"), "--block-size": INT,
+                          "--accuracy-level": INT, "--algo": choice("rtn", "hqq", "x")}),
     "export.verify": ([PATH, PATH], {"--atol": FLOAT, "--tokenizer": PATH, "--text": TEXT}),
     "graph_passes": ([PATH], {"-o": OUT, "--passes": choice("fold_constants,taper_scale", "nope", "trt_lint"),
                               "--strict": FLAG, "--list": FLAG}),
