@@ -6,7 +6,8 @@ import torch
 
 from bench.decode import timed_rounds
 from bench.runners import Timing, ort_norm_share
-from bench.variants import VARIANTS, capacity_for, fold_norms, naive_rmsnorm, torch_variant, weight_bytes_torch
+from bench.variants import VARIANTS, capacity_for, naive_rmsnorm, torch_variant, weight_bytes_torch
+from models.fold import fold_norms
 from tests.helpers import random_model
 
 
@@ -65,26 +66,6 @@ def test_capacity_is_rounded_up():
     assert capacity_for(16, 128) == 160
     assert capacity_for(16, 32) == 64
     assert capacity_for(16, 16) == 32
-
-
-@pytest.mark.parametrize("kind", [dict(norm="rmsnorm"), dict(norm="taper", taper_scope="internal"),
-                                  dict(norm="taper", taper_scope="all"), dict(norm="dyt"),
-                                  dict(norm="layernorm")])
-def test_torch_fold_keeps_logits(kind):
-    gate = 0.0 if kind["norm"] == "taper" else None
-    model = random_model(seed=3, gate=gate, **kind)
-    ids = torch.randint(0, model.cfg.vocab_size, (2, 7))
-    with torch.no_grad():
-        ref = model(ids)
-        folded = fold_norms(model)
-        got = folded(ids)
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)        # fp32 reassociation only
-    assert not any(type(m).__name__ in ("TaperNorm", "RMSNorm", "DyT") for m in folded.modules())
-    assert model(ids).shape == ref.shape                               # the original is left alone
-    cache = folded.cfg.cache_layout().allocate(2)
-    with torch.no_grad():
-        step, _ = folded(ids, torch.zeros(2, dtype=torch.long), cache)
-    torch.testing.assert_close(step, ref, atol=1e-5, rtol=1e-4)
 
 
 def test_naive_rmsnorm_matches_and_variants_map():
