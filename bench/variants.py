@@ -212,7 +212,8 @@ NORM_OP_TYPES = ("RMSNormalization", "SimplifiedLayerNormalization", "SkipSimpli
 
 
 def onnx_weight_bytes(proto) -> int:
-    """Initializer bytes a step reads: all but tensors consumed only by Gather (embeddings)."""
+    """Initializer bytes a step reads: all but tensors consumed only by Gather (embeddings,
+    GatherBlockQuantized when quantized: one row per token)."""
     import numpy as np
     from onnx.helper import tensor_dtype_to_np_dtype
     consumers: dict[str, set] = {}
@@ -221,7 +222,7 @@ def onnx_weight_bytes(proto) -> int:
             consumers.setdefault(i, set()).add(n.op_type)
     total = 0
     for t in proto.graph.initializer:
-        if consumers.get(t.name, set()) == {"Gather"}:
+        if consumers.get(t.name, set()) <= {"Gather", "GatherBlockQuantized"} and t.name in consumers:
             continue
         total += int(np.prod(t.dims, dtype=np.int64)) * tensor_dtype_to_np_dtype(t.data_type).itemsize
     return total
@@ -245,9 +246,23 @@ def norm_nodes(proto) -> dict[str, str]:
     return out
 
 
-def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed: int = 0, log=print) -> dict:
+def quantized_name(name: str, dtype: str) -> str:
+    """The runner name of a variant's weight-quantized graph: rmsnorm-strong.int4."""
+    return name if dtype == "fp32" else f"{name}.{dtype}"
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """(variant, dtype) of a runner name: 'rmsnorm-strong.int4' -> ('rmsnorm-strong', 'int4')."""
+    base, _, dtype = name.partition(".")
+    return base, dtype or "fp32"
+
+
+def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed: int = 0, log=print,
+               dtypes=("fp32",)) -> dict:
     """Export (and fuse) each variant once into `cache`; returns name -> info (path, source,
-    weight bytes, op counts, norm nodes). Files already built for the same weights are reused."""
+    weight bytes, op counts, norm nodes). Files already built for the same weights are reused.
+    Each fused variant is also quantized (export.quantize, rtn, block 32, accuracy level 4) to
+    every dtype in `dtypes` other than fp32, as '<variant>.<dtype>'."""
     import logging
     import onnx
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
@@ -265,6 +280,7 @@ def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed:
         meta_path = path.with_suffix(".json")
         if path.is_file() and meta_path.is_file():
             out[name] = json.loads(meta_path.read_text())
+            _quantized_variants(out, name, v, path, None, dtypes, log)
             continue
         t0 = time.perf_counter()
         tmp = path.with_suffix(".tmp.onnx")
@@ -286,7 +302,35 @@ def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed:
         meta_path.write_text(json.dumps(info, indent=1))
         out[name] = info
         log(f"  built {size} {name} ({source.split(' ')[0]}): {info['nodes']} nodes in {info['build_s']:.1f} s")
+        _quantized_variants(out, name, v, path, proto, dtypes, log)
     return out
+
+
+def _quantized_variants(out: dict, name: str, v: Variant, path: Path, proto, dtypes, log) -> None:
+    """out['<name>.<dtype>'] for each quantized dtype of a fused variant (built once, then reused)."""
+    import onnx
+    from export.quantize import QuantConfig, quantize_weights
+    for dtype in dtypes:
+        if dtype == "fp32" or not v.fuse:
+            continue
+        qname = quantized_name(name, dtype)
+        qpath = path.with_name(path.name.replace(f"-{name}-", f"-{qname}-"))
+        meta = qpath.with_suffix(".json")
+        if qpath.is_file() and meta.is_file():
+            out[qname] = json.loads(meta.read_text())
+            continue
+        t0 = time.perf_counter()
+        fp32 = proto if proto is not None else onnx.load(str(path))
+        q, summary = quantize_weights(fp32, QuantConfig(dtype))
+        tmp = qpath.with_suffix(".tmp.onnx")
+        onnx.save(q, str(tmp))
+        tmp.replace(qpath)
+        info = dict(out[name], path=str(qpath), weight_bytes=onnx_weight_bytes(q), nodes=len(q.graph.node),
+                    norm_nodes=norm_nodes(q), build_s=round(time.perf_counter() - t0, 2), op_counts=_op_counts(q),
+                    quantized=summary.config)
+        meta.write_text(json.dumps(info, indent=1))
+        out[qname] = info
+        log(f"  built {qname}: {summary.matmuls_quantized} MatMulNBits in {info['build_s']:.1f} s")
 
 
 def _op_counts(proto) -> dict[str, int]:

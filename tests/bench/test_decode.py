@@ -93,3 +93,27 @@ def test_read_bandwidth_reports_every_kernel_and_the_best():
     bw = read_bandwidth(gib=0.01, repeats=2, threads=2)
     assert set(bw) == {"max_1thread", "max_2threads", "gemv_blas", "best"}
     assert bw["best"] == max(v for k, v in bw.items() if k != "best") > 0
+
+
+def test_genai_peer_is_skipped_with_a_reason_when_not_installed(monkeypatch):
+    import importlib.util
+    from bench import genai
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m == "onnxruntime_genai" else real(m, *a))
+    assert genai.genai_status() == "onnxruntime-genai is not installed (pip install onnxruntime-genai)"
+
+
+def test_genai_llama_has_our_weight_bytes():
+    """Three d x h Llama MLP matrices hold about the bytes of our two d x 4d ones (within 3 %)."""
+    from bench.genai import llama_mlp_hidden
+    for d in (128, 384, 768):
+        assert abs(3 * d * llama_mlp_hidden(d) - 8 * d * d) / (8 * d * d) < 0.03
+        assert llama_mlp_hidden(d) % 32 == 0
+
+
+def test_quantized_runner_names():
+    from bench.variants import quantized_name, split_name
+    assert quantized_name("rmsnorm-strong", "int4") == "rmsnorm-strong.int4"
+    assert quantized_name("rmsnorm-strong", "fp32") == "rmsnorm-strong"
+    assert split_name("internal-taper-fused.int8") == ("internal-taper-fused", "int8")
+    assert split_name("dyt") == ("dyt", "fp32")
