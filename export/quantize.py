@@ -138,7 +138,7 @@ def quantize_weights(proto: onnx.ModelProto, cfg: QuantConfig) -> tuple[onnx.Mod
     # int8 Gather and HQQ Gather are not implemented by ORT's quantizer: MatMul only there
     op_types = ("MatMul", "Gather") if cfg.bits == 4 and cfg.algo == "rtn" else ("MatMul",)
     if "Gather" not in op_types:
-        summary.notes.append(f"token embedding kept fp32 (ONNX Runtime quantizes Gather only in int4 with rtn)")
+        summary.notes.append("token embedding kept fp32 (ONNX Runtime quantizes Gather only in int4 with rtn)")
     model = onnx.ModelProto()
     model.CopyFrom(proto)
     quiet = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
