@@ -4,7 +4,7 @@ builder, generated with GenAI's C++ loop.
     python -m onnxruntime_genai.models.builder -i HF_DIR -o OUT -p fp32|int4 -e cpu
 
 HF_DIR is a transformers LlamaForCausalLM with our size's d_model, layers, heads and vocab,
-a tied head, and an MLP hidden size of 8 d / 3 (rounded up to a multiple of 16) so that its
+a tied head, and an MLP hidden size of 8 d / 3 (rounded up to a multiple of 8) so that its
 three MLP matrices hold the bytes of our two 4 d ones: the same weight bytes per token within
 a few percent (RoPE instead of a position table, no biases). Random init (seeded): speed
 does not depend on the values. The builder gives GroupQueryAttention (past and present
@@ -40,8 +40,8 @@ def genai_status() -> str | None:
 
 
 def llama_mlp_hidden(d_model: int) -> int:
-    """8 d / 3 rounded up to a multiple of 16: three d x h matrices ~ two d x 4d ones."""
-    return -(-(8 * d_model // 3) // 16) * 16
+    """8 d / 3 rounded up to a multiple of 8: three d x h matrices ~ two d x 4d ones."""
+    return -(-(8 * d_model // 3) // 8) * 8
 
 
 def write_llama(shape: dict, capacity: int, out: Path, seed: int = 0) -> Path:
