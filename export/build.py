@@ -1,5 +1,6 @@
 """python -m export.build [--fuse] [--checkpoint DIR] [--out DIR] [--dtype fp32|fp16] [--triton-repo DIR]
                         [--quantize int8|int4 [--block-size N] [--accuracy-level N] [--algo rtn|hqq]]
+                        [--attention plain|fused]
 
 checkpoint ──export──▶ model.onnx ──verify vs torch──▶ [graph_passes ──▶ model.fused.onnx ──verify──▶] report.json
 
@@ -38,6 +39,9 @@ def _parser() -> ArgumentParser:
                     help="output directory (default: build/<checkpoint name>/); replaced only if it is an earlier build")
     ap.add_argument("--fuse", action="store_true", help="also fold norms/scales into weights (model.fused.onnx)")
     ap.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
+    ap.add_argument("--attention", choices=("plain", "fused"), default="plain",
+                    help="plain: attention as MatMul/Softmax/... ops (portable, default); fused: one ONNX "
+                         "Attention op per layer (opset 24; ONNX Runtime runs it as one kernel)")
     ap.add_argument("--quantize", choices=tuple(QUANT_BITS), default=None,
                     help="with --fuse: also write model.<int8|int4>.onnx, the folded weights quantized "
                          "(weight-only, ONNX Runtime MatMulNBits)")
@@ -68,7 +72,7 @@ def run(argv: list[str]) -> int:
         check_output_dir(args.triton_repo, TRITON_REPOSITORY, inputs=[ckpt, out])
     from export.pipeline import build, check_quantize
     check_quantize(quantize, args.fuse, args.dtype)
-    build(ckpt, out, args.fuse, args.dtype, quantize=quantize)
+    build(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=args.attention)
     if args.triton_repo is not None:
         cmd = [sys.executable, "-m", "runtime.triton", "repo", "--build", str(out), "--out", str(args.triton_repo)]
         return subprocess.run(cmd).returncode      # its own one-line error, if any; the build stays

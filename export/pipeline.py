@@ -64,6 +64,7 @@ class BuildReport:
     out: str
     dtype: str
     fuse: bool
+    attention: str = "plain"                # plain ops | fused (one ONNX Attention op per layer)
     model: ModelSummary | None = None
     files: list[str] = field(default_factory=list)
     op_counts: dict[str, dict[str, int]] = field(default_factory=dict)      # unfused / fused -> op -> count
@@ -140,11 +141,11 @@ def load_checkpoint_stage(checkpoint: Path, fuse: bool, dtype: str) -> Loaded:
     return Loaded(model, reference, ids or None)
 
 
-def export_stage(loaded: Loaded, path: Path, dtype: str):
+def export_stage(loaded: Loaded, path: Path, dtype: str, attention: str = "plain"):
     import logging
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     from export.onnx_export import export_onnx
-    return export_onnx(loaded.model, path, dtype)
+    return export_onnx(loaded.model, path, dtype, attention=attention)
 
 
 class Verifier:
@@ -272,8 +273,10 @@ def _versions() -> dict:
 
 # --- the driver ----------------------------------------------------------------------------------
 
-def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=print, quantize=None) -> BuildReport:
+def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=print, quantize=None,
+          attention: str = "plain") -> BuildReport:
     """Run every stage; returns the report (also written to OUT/report.json).
+    `attention`: "plain" ops (portable) or "fused" (one ONNX Attention op per layer).
     `quantize`: an export.quantize.QuantConfig (needs fuse and fp32): also model.<int8|int4>.onnx."""
     import onnx
     from export.verify import ATOL, SCALE_TOL, VerificationError, interface_mismatches, read_interface
@@ -281,7 +284,8 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
     check_output_dir(out, BUILD, inputs=[checkpoint])
     check_quantize(quantize, fuse, dtype)
     t_start = time.perf_counter()
-    report = BuildReport(str(checkpoint), str(out), dtype, fuse, atol=ATOL[dtype], scale_tol=SCALE_TOL[dtype])
+    report = BuildReport(str(checkpoint), str(out), dtype, fuse, atol=ATOL[dtype], scale_tol=SCALE_TOL[dtype],
+                         attention=attention)
     stages = Stages(report, (6 if fuse else 4) + (2 if quantize else 0), log)
 
     t0 = time.perf_counter()          # announced once loaded and checked: a refusal prints only its error line
@@ -295,8 +299,8 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
                 f"{model.num_params():,} params, gate {'-' if gate is None else gate}")
 
     with output_dir(out, BUILD, inputs=[checkpoint]) as tmp:
-        t0 = stages.start(f"export {dtype} ONNX (opset 24, KV cache via TensorScatter)")
-        proto = export_stage(loaded, tmp / UNFUSED, dtype)
+        t0 = stages.start(f"export {dtype} ONNX (opset 24, KV cache via TensorScatter, {attention} attention)")
+        proto = export_stage(loaded, tmp / UNFUSED, dtype, attention)
         _graph_stats(report, "unfused", proto)
         stages.done("export", t0, f": {len(proto.graph.node)} nodes")
 
