@@ -225,9 +225,9 @@ def run_worker(spec: dict, workdir: Path) -> dict:
 # --- builds -------------------------------------------------------------------------------------------
 
 def _build_task(args):
-    size, names, cap, cache, seed, dtypes = args
+    size, names, cap, cache, seed, dtypes, attention = args
     from bench.variants import build_onnx
-    return size, build_onnx(size, names, cap, Path(cache), seed, dtypes=dtypes)
+    return size, build_onnx(size, names, cap, Path(cache), seed, dtypes=dtypes, attention=attention)
 
 
 def build_genai_all(sizes, dtypes, cap, cache: Path, seed: int) -> tuple[dict, dict]:
@@ -247,7 +247,7 @@ def build_genai_all(sizes, dtypes, cap, cache: Path, seed: int) -> tuple[dict, d
     return out, skipped
 
 
-def build_all(sizes, names, cap, cache: Path, seed: int, jobs: int, dtypes=("fp32",)) -> dict:
+def build_all(sizes, names, cap, cache: Path, seed: int, jobs: int, dtypes=("fp32",), attention="plain") -> dict:
     """ONNX for every (size, variant), `jobs` export processes at a time; grouped by kind so
     internal-taper's unfused and fused graphs share one export."""
     import multiprocessing as mp
@@ -256,7 +256,7 @@ def build_all(sizes, names, cap, cache: Path, seed: int, jobs: int, dtypes=("fp3
         by_kind: dict[str, list[str]] = {}
         for n in names:
             by_kind.setdefault(VARIANTS[n].kind + ("-naive" if VARIANTS[n].naive else ""), []).append(n)
-        groups += [(size, g, cap, str(cache), seed, list(dtypes)) for g in by_kind.values()]
+        groups += [(size, g, cap, str(cache), seed, list(dtypes), attention) for g in by_kind.values()]
     out: dict[str, dict] = {s: {} for s in sizes}
     if jobs <= 1:
         for size, infos in map(_build_task, groups):
@@ -283,6 +283,8 @@ def _parser():
     p.add_argument("--dtypes", help=f"comma list of {', '.join(DTYPES)}: weight dtypes of the fused variants "
                                     "(int8/int4: export.quantize, ort only; default fp32)")
     p.add_argument("--batches", help="comma list of batch sizes in [1, 256] (default 1,8; quick: 1)")
+    p.add_argument("--attention", choices=("plain", "fused"), default="plain",
+                   help="ONNX graphs with plain attention ops (default) or one fused Attention op per layer")
     p.add_argument("--prompt", type=int_in(1, 4096), default=16, help="prompt tokens (default 16)")
     p.add_argument("--new-tokens", type=int_in(2, 8192), help="new tokens per sequence (default 128; quick: 32)")
     p.add_argument("--rounds", type=int_in(3, 1000), help="timed rounds, >= 3 (default 3)")
@@ -386,7 +388,8 @@ def run(argv) -> int:
     print("  read bandwidth: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bw.items()), flush=True)
     t0 = time.perf_counter()
     need_onnx = any(b in ONNX_BACKENDS for b in backends)
-    onnx = build_all(sizes, names, cap, cache, args.seed, args.jobs, dtypes) if need_onnx else {s: {} for s in sizes}
+    onnx = (build_all(sizes, names, cap, cache, args.seed, args.jobs, dtypes, args.attention) if need_onnx
+            else {s: {} for s in sizes})
     genai = {s: {} for s in sizes}
     if "genai" in peers:
         genai, why_not = build_genai_all(sizes, dtypes, cap, cache, args.seed)
@@ -414,7 +417,8 @@ def run(argv) -> int:
             "settings": {"sizes": sizes, "variants": names, "backends": backends, "skipped_backends": skipped,
                          "peers": peers, "batches": batches, "prompt": args.prompt, "new_tokens": new_tokens,
                          "rounds": rounds, "threads": threads, "capacity": cap, "profile_steps": args.profile_steps,
-                         "quick": q, "seed": args.seed, "dtype": "fp32", "dtypes": dtypes},
+                         "quick": q, "seed": args.seed, "dtype": "fp32", "dtypes": dtypes,
+                         "attention": args.attention},
             "models": {s: {n: {k: i[k] for k in ("source", "params", "weight_bytes", "nodes", "op_counts", "build_s")}
                            for n, i in onnx[s].items()} for s in sizes},
             "genai_models": genai,

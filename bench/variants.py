@@ -258,11 +258,12 @@ def split_name(name: str) -> tuple[str, str]:
 
 
 def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed: int = 0, log=print,
-               dtypes=("fp32",)) -> dict:
+               dtypes=("fp32",), attention: str = "plain") -> dict:
     """Export (and fuse) each variant once into `cache`; returns name -> info (path, source,
     weight bytes, op counts, norm nodes). Files already built for the same weights are reused.
     Each fused variant is also quantized (export.quantize, rtn, block 32, accuracy level 4) to
-    every dtype in `dtypes` other than fp32, as '<variant>.<dtype>'."""
+    every dtype in `dtypes` other than fp32, as '<variant>.<dtype>'. attention: "plain" ops or
+    "fused" (one ONNX Attention op per layer, export_onnx(attention=...))."""
     import logging
     import onnx
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
@@ -276,7 +277,8 @@ def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed:
             models[v.kind] = base_model(size, v.kind, capacity, seed)
         model, source = models[v.kind]
         tag = source.split(" ")[0].replace(":", "-").replace("@", "-")
-        path = cache / f"{size}-cap{capacity}-{name}-{tag}.onnx"
+        att = "" if attention == "plain" else f"-{attention}att"
+        path = cache / f"{size}-cap{capacity}{att}-{name}-{tag}.onnx"
         meta_path = path.with_suffix(".json")
         if path.is_file() and meta_path.is_file():
             out[name] = json.loads(meta_path.read_text())
@@ -287,7 +289,7 @@ def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed:
         key = (v.kind, v.naive)
         if key not in exported:        # internal-taper's unfused and fused graphs share one export
             src = naive_rmsnorm(model) if v.naive else model
-            exported[key] = export_onnx(src, tmp, "fp32")
+            exported[key] = export_onnx(src, tmp, "fp32", attention=attention)
         proto = exported[key]
         t_export = time.perf_counter() - t0
         if v.fuse:
