@@ -67,6 +67,8 @@ OPTIONS = {
                           "--cache": OUT, "--peers": choice("none", "x", "genai"), "--build-only": FLAG,
                           "--dtypes": choice("fp32", "int4", "int2"), "--attention": choice("plain", "fused", "x")}),
     "bench.report": ([PATH], {"--out": OUT}),
+    "bench.quant_quality": ([], {"--json": OUT, "--kinds": choice("baseline", "gpt9", ""),
+                                 "--dtypes": choice("int8", "int2"), "--stories": INT}),
     "train": ([], {"--preset": choice("baseline", "dyt", "x"), "--out": OUT, "--resume": FLAG, "--steps": INT,
                    "--lr": FLOAT, "--corpus": PATH, "--tokenizer": PATH, "--d-model": INT, "--n-layer": INT,
                    "--n-head": INT, "--seq-len": INT, "--batch-size": INT, "--eval-every": INT, "--seed": INT,
