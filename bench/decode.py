@@ -288,6 +288,9 @@ def _parser():
     p.add_argument("--prompt", type=int_in(1, 4096), default=16, help="prompt tokens (default 16)")
     p.add_argument("--new-tokens", type=int_in(2, 8192), help="new tokens per sequence (default 128; quick: 32)")
     p.add_argument("--rounds", type=int_in(3, 1000), help="timed rounds, >= 3 (default 3)")
+    p.add_argument("--capacity", type=int_in(2, 65536), default=None,
+                   help="KV-cache capacity of the graphs (default: prompt + new tokens rounded up to 32); "
+                        "e.g. to time fewer tokens on graphs already built for more")
     p.add_argument("--threads", type=int_in(1, 256), default=1,
                    help="intra-op threads for ORT and torch (default 1: see docs/bench.md)")
     p.add_argument("--profile-steps", type=nonnegative_int, default=16, help="decode steps profiled per runner (0: no profile)")
@@ -332,7 +335,7 @@ def main(argv=None) -> int:
 
 
 def run(argv) -> int:
-    from core.errors import UsageError
+    from core.errors import UsageError, UserError
     from core.outputs import BENCH_CACHE, BENCH_RESULTS, claim_dir
     args = _parser().parse_args(argv)
     if args.worker:
@@ -375,7 +378,10 @@ def run(argv) -> int:
             peers.remove("genai")
             skipped["genai"] = why
     backends = [b for b in wanted if b not in skipped]
-    cap = capacity_for(args.prompt, new_tokens)
+    cap = args.capacity or capacity_for(args.prompt, new_tokens)
+    if cap < args.prompt + new_tokens:
+        raise UserError(f"--capacity {cap}: expected at least --prompt + --new-tokens = {args.prompt + new_tokens}; "
+                        "raise it or drop it")
     out = claim_dir(args.out, BENCH_RESULTS)
     cache = claim_dir(args.cache, BENCH_CACHE) if args.cache is not None else out / "cache"
     from bench.runners import versions

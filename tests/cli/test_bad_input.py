@@ -250,6 +250,8 @@ CASES = [
     ("bench-decode-unknown-size", "bench.decode", ["--out", "{s}/r", "--sizes", "9T"], None, 1, "unknown size"),
     ("bench-decode-unknown-dtype", "bench.decode", ["--out", "{s}/r", "--dtypes", "fp32,int2"], None, 1, "unknown dtype"),
     ("bench-decode-unknown-attention", "bench.decode", ["--out", "{s}/r", "--attention", "flash"], None, 2, "invalid choice"),
+    ("bench-decode-capacity-below-prompt-plus-new-tokens", "bench.decode",
+     ["--out", "{s}/r", "--capacity", "64", "--new-tokens", "128"], None, 1, "--capacity 64"),
     ("quant-quality-unknown-kind", "bench.quant_quality", ["--json", "{s}/q.json", "--kinds", "gpt9"], None, 1, "gpt9"),
     ("build-quantize-without-fuse", "export.build", ["--checkpoint", "{ckpt}", "--out", "{s}/b", "--quantize", "int4"],
      None, 2, "add --fuse"),
