@@ -1,4 +1,5 @@
 """python -m bench.quant_quality --json OUT.json [--kinds baseline,...] [--dtypes int8,int4] [--stories N]
+                                  [--block-size N] [--accuracy-level N] [--algo rtn|hqq]
 
 What weight-only int8 / int4 quantization (export/quantize.py) costs in quality on the trained
 zoo models, and whether folding the scales BEFORE quantizing costs accuracy compared with
@@ -55,7 +56,8 @@ def val_metrics(sess, iface, seqs, ref_argmax=None) -> tuple[float, list[np.ndar
     return nll / n, argmax
 
 
-def evaluate_kind(kind: str, dtypes: list[str], stories: int, log=print) -> dict:
+def evaluate_kind(kind: str, dtypes: list[str], stories: int, log=print, **quant) -> dict:
+    """`quant`: QuantConfig fields other than dtype (block_size, accuracy_level, algo)."""
     from export.onnx_export import export_onnx
     from export.pipeline import REAL_TEXT
     from export.quantize import GREEDY_TOKENS, QuantConfig, fit_prompt, quantize_weights, top1_agreement
@@ -78,7 +80,7 @@ def evaluate_kind(kind: str, dtypes: list[str], stories: int, log=print) -> dict
            "fp32_val_loss": ref_loss, "greedy_prompt_tokens": len(prompt), "results": []}
     for dtype in dtypes:
         for order, src in (("fused, then quantized", graphs["fused"]), ("quantized unfolded", graphs["unfolded"])):
-            q, summary = quantize_weights(src, QuantConfig(dtype))
+            q, summary = quantize_weights(src, QuantConfig(dtype, **quant))
             sess = ort_session(q)
             greedy, n = top1_agreement(ref, sess, iface, prompt, GREEDY_TOKENS)
             loss, argmax = val_metrics(sess, iface, seqs)
@@ -107,11 +109,17 @@ def markdown(rows: list[dict]) -> str:
 def run(argv: list[str]) -> int:
     from core.errors import ArgumentParser, UserError, int_in
     from core.outputs import write_json
+    from export.quantize import ALGOS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, QuantConfig
     p = ArgumentParser(prog="python -m bench.quant_quality", description=__doc__.split("\n\n")[1])
     p.add_argument("--json", type=Path, required=True, help="where the numbers go (a JSON report)")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of zoo models ({', '.join(KINDS)})")
     p.add_argument("--dtypes", default="int8,int4", help="comma list of int8, int4")
     p.add_argument("--stories", type=int_in(1, 300), default=64, help="held-out stories (default 64)")
+    p.add_argument("--block-size", type=int_in(16, 4096), default=DEFAULT_BLOCK_SIZE,
+                   help=f"MatMulNBits block size (default {DEFAULT_BLOCK_SIZE})")
+    p.add_argument("--accuracy-level", type=int_in(0, 4), default=DEFAULT_ACCURACY_LEVEL,
+                   help=f"MatMulNBits compute type, 4 = int8 activations, 0/1 = fp32 (default {DEFAULT_ACCURACY_LEVEL})")
+    p.add_argument("--algo", choices=ALGOS, default="rtn", help="rtn (default) or hqq (int4 only)")
     args = p.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     dtypes = [d for d in args.dtypes.split(",") if d]
@@ -121,9 +129,12 @@ def run(argv: list[str]) -> int:
                         f"expected kinds from {', '.join(KINDS)} and dtypes from int8, int4")
     command = "python -m bench.quant_quality " + " ".join(argv)
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    rows = [evaluate_kind(k, dtypes, args.stories) for k in kinds]
+    quant = {"block_size": args.block_size, "accuracy_level": args.accuracy_level, "algo": args.algo}
+    for d in dtypes:
+        QuantConfig(d, **quant).validate()      # one error line before minutes of work
+    rows = [evaluate_kind(k, dtypes, args.stories, **quant) for k in kinds]
     import onnxruntime
-    write_json(args.json, {"command": command, "started": started, "onnxruntime": onnxruntime.__version__,
+    write_json(args.json, {"command": command, "started": started, "onnxruntime": onnxruntime.__version__, "quant": quant,
                            "models": rows})
     print(markdown(rows))
     print(f"wrote {args.json}", file=sys.stderr)

@@ -319,20 +319,44 @@ def _quantized_variants(out: dict, name: str, v: Variant, path: Path, proto, dty
         qpath = path.with_name(path.name.replace(f"-{name}-", f"-{qname}-"))
         meta = qpath.with_suffix(".json")
         if qpath.is_file() and meta.is_file():
-            out[qname] = json.loads(meta.read_text())
+            info = json.loads(meta.read_text())
+            if "verified" not in info:     # built before builds were verified: verify once, keep the figure
+                fp32 = proto if proto is not None else onnx.load(str(path))
+                info["verified"] = _verify_quantized(fp32, onnx.load(str(qpath)))
+                meta.write_text(json.dumps(info, indent=1))
+                log(f"  verified {qname}: {_verified_line(info['verified'])}")
+            out[qname] = info
             continue
         t0 = time.perf_counter()
         fp32 = proto if proto is not None else onnx.load(str(path))
         q, summary = quantize_weights(fp32, QuantConfig(dtype))
+        verified = _verify_quantized(fp32, q)
         tmp = qpath.with_suffix(".tmp.onnx")
         onnx.save(q, str(tmp))
         tmp.replace(qpath)
         info = dict(out[name], path=str(qpath), weight_bytes=onnx_weight_bytes(q), nodes=len(q.graph.node),
                     norm_nodes=norm_nodes(q), build_s=round(time.perf_counter() - t0, 2), op_counts=_op_counts(q),
-                    quantized=summary.config)
+                    quantized=summary.config, verified=verified)
         meta.write_text(json.dumps(info, indent=1))
         out[qname] = info
-        log(f"  built {qname}: {summary.matmuls_quantized} MatMulNBits in {info['build_s']:.1f} s")
+        log(f"  built {qname}: {summary.matmuls_quantized} MatMulNBits in {info['build_s']:.1f} s, "
+            f"{_verified_line(verified)}")
+
+
+def _verify_quantized(fp32, q) -> dict:
+    """export.verify's check of a quantized graph against the fp32 graph it came from, with the
+    weight dtype's tolerance (export.verify ATOL / SCALE_TOL); raises VerificationError beyond it."""
+    from export.verify import ATOL, SCALE_TOL, tolerance_key, verify_pair
+    key = tolerance_key(fp32, q)
+    results = verify_pair(fp32, q)
+    return {"tolerance": {"dtype": key, "atol": ATOL[key], "scale_tol": SCALE_TOL[key]},
+            "logits_max_abs_diff": max(c.max_abs_diff["logits"] for c in results),
+            "logits_tolerance": min(c.tolerance["logits"] for c in results)}
+
+
+def _verified_line(v: dict) -> str:
+    return (f"verified vs fp32 ({v['tolerance']['dtype']} tolerance): logits max abs diff "
+            f"{v['logits_max_abs_diff']:.3g} <= {v['logits_tolerance']:.3g}")
 
 
 def _op_counts(proto) -> dict[str, int]:

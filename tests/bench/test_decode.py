@@ -117,3 +117,25 @@ def test_quantized_runner_names():
     assert quantized_name("rmsnorm-strong", "fp32") == "rmsnorm-strong"
     assert split_name("internal-taper-fused.int8") == ("internal-taper-fused", "int8")
     assert split_name("dyt") == ("dyt", "fp32")
+
+
+def test_quantized_bench_graphs_are_verified_against_fp32_and_old_cache_entries_once(tmp_path):
+    """bench's int8 graph passes export.verify with the int8 tolerance (the figure is kept in its
+    metadata); a cached entry from before verification is verified on reuse."""
+    import json
+    from bench.variants import build_onnx
+    from export.verify import ATOL, SCALE_TOL
+    lines = []
+    info = build_onnx("1M", ["rmsnorm-strong"], 32, tmp_path, log=lines.append, dtypes=("fp32", "int8"))
+    v = info["rmsnorm-strong.int8"]["verified"]
+    assert v["tolerance"] == {"dtype": "int8", "atol": ATOL["int8"], "scale_tol": SCALE_TOL["int8"]}
+    assert 0 < v["logits_max_abs_diff"] <= v["logits_tolerance"]
+    assert any("verified vs fp32 (int8 tolerance)" in line for line in lines)
+    meta = next(tmp_path.glob("*rmsnorm-strong.int8*.json"))
+    old = json.loads(meta.read_text())
+    del old["verified"]
+    meta.write_text(json.dumps(old))
+    lines.clear()
+    again = build_onnx("1M", ["rmsnorm-strong"], 32, tmp_path, log=lines.append, dtypes=("fp32", "int8"))
+    assert again["rmsnorm-strong.int8"]["verified"]["logits_max_abs_diff"] == pytest.approx(v["logits_max_abs_diff"])
+    assert [line for line in lines if "verified" in line] and "verified" in json.loads(meta.read_text())
