@@ -1,5 +1,5 @@
 """python -m bench.quant_quality --json OUT.json [--kinds baseline,...] [--dtypes int8,int4] [--stories N]
-                                  [--block-size N] [--accuracy-level N] [--algo rtn|hqq]
+                                  [--block-size N] [--accuracy-level N] [--algo rtn|hqq] [--head int8|int4|fp32]
 
 What weight-only int8 / int4 quantization (export/quantize.py) costs in quality on the trained
 zoo models, and whether folding the scales BEFORE quantizing costs accuracy compared with
@@ -87,7 +87,7 @@ def evaluate_kind(kind: str, dtypes: list[str], stories: int, log=print, **quant
             teacher = float(np.mean(np.concatenate([a == b for a, b in zip(argmax, ref_argmax)])))
             out["results"].append({"dtype": dtype, "order": order, "top1_greedy": greedy, "greedy_tokens": n,
                                    "top1_val": teacher, "val_loss": loss, "val_loss_delta": loss - ref_loss,
-                                   "weight_MB": summary.weight_bytes_after / 1e6,
+                                   "weight_MB": summary.weight_bytes_after / 1e6, "head": summary.head,
                                    "mul_nodes": sum(nd.op_type == "Mul" for nd in q.graph.node)})
     out["seconds"] = round(time.perf_counter() - t0, 1)
     log(f"  {kind}: {out['seconds']:.0f} s")
@@ -100,7 +100,8 @@ def markdown(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for k in rows:
         for r in k["results"]:
-            lines.append(f"| {k['kind']} | {r['dtype']} | {r['order']} | {r['top1_greedy']:.1%} | {r['top1_val']:.1%} "
+            dtype = r["dtype"] + (f" (head {r['head']})" if r.get("head", r["dtype"]) != r["dtype"] else "")
+            lines.append(f"| {k['kind']} | {dtype} | {r['order']} | {r['top1_greedy']:.1%} | {r['top1_val']:.1%} "
                          f"| {k['fp32_val_loss']:.4f} | {r['val_loss']:.4f} | {r['val_loss_delta']:+.4f} "
                          f"| {r['weight_MB']:.2f} | {r['mul_nodes']} |")
     return "\n".join(lines)
@@ -109,7 +110,7 @@ def markdown(rows: list[dict]) -> str:
 def run(argv: list[str]) -> int:
     from core.errors import ArgumentParser, UserError, int_in
     from core.outputs import write_json
-    from export.quantize import ALGOS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, QuantConfig
+    from export.quantize import ALGOS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, HEAD_DTYPES, QuantConfig
     p = ArgumentParser(prog="python -m bench.quant_quality", description=__doc__.split("\n\n")[1])
     p.add_argument("--json", type=Path, required=True, help="where the numbers go (a JSON report)")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of zoo models ({', '.join(KINDS)})")
@@ -120,6 +121,7 @@ def run(argv: list[str]) -> int:
     p.add_argument("--accuracy-level", type=int_in(0, 4), default=DEFAULT_ACCURACY_LEVEL,
                    help=f"MatMulNBits compute type, 4 = int8 activations, 0/1 = fp32 (default {DEFAULT_ACCURACY_LEVEL})")
     p.add_argument("--algo", choices=ALGOS, default="rtn", help="rtn (default) or hqq (int4 only)")
+    p.add_argument("--head", choices=HEAD_DTYPES, default=None, help="the LM head's weight dtype (default: the dtype)")
     args = p.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     dtypes = [d for d in args.dtypes.split(",") if d]
@@ -129,7 +131,8 @@ def run(argv: list[str]) -> int:
                         f"expected kinds from {', '.join(KINDS)} and dtypes from int8, int4")
     command = "python -m bench.quant_quality " + " ".join(argv)
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    quant = {"block_size": args.block_size, "accuracy_level": args.accuracy_level, "algo": args.algo}
+    quant = {"block_size": args.block_size, "accuracy_level": args.accuracy_level, "algo": args.algo,
+             "head": args.head}
     for d in dtypes:
         QuantConfig(d, **quant).validate()      # one error line before minutes of work
     rows = [evaluate_kind(k, dtypes, args.stories, **quant) for k in kinds]

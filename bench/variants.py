@@ -346,9 +346,13 @@ def _quantized_variants(out: dict, name: str, v: Variant, path: Path, proto, dty
 def _verify_quantized(fp32, q) -> dict:
     """export.verify's check of a quantized graph against the fp32 graph it came from, with the
     weight dtype's tolerance (export.verify ATOL / SCALE_TOL); raises VerificationError beyond it."""
-    from export.verify import ATOL, SCALE_TOL, tolerance_key, verify_pair
+    from export.quantize import QuantizeError
+    from export.verify import ATOL, SCALE_TOL, VerificationError, tolerance_key, verify_pair
     key = tolerance_key(fp32, q)
-    results = verify_pair(fp32, q)
+    try:
+        results = verify_pair(fp32, q)
+    except VerificationError as e:      # re-raised as a one-message error: the build pool pickles it
+        raise QuantizeError(f"bench: the {key} graph fails verification against its fp32 graph; {e}") from None
     return {"tolerance": {"dtype": key, "atol": ATOL[key], "scale_tol": SCALE_TOL[key]},
             "logits_max_abs_diff": max(c.max_abs_diff["logits"] for c in results),
             "logits_tolerance": min(c.tolerance["logits"] for c in results)}

@@ -1,5 +1,5 @@
 """python -m export.build [--fuse] [--checkpoint DIR] [--out DIR] [--dtype fp32|fp16] [--triton-repo DIR]
-                        [--quantize int8|int4 [--block-size N] [--accuracy-level N] [--algo rtn|hqq]]
+                        [--quantize int8|int4 [--block-size N] [--accuracy-level N] [--algo rtn|hqq] [--head int8|int4|fp32]]
                         [--attention plain|fused]
 
 checkpoint ──export──▶ model.onnx ──verify vs torch──▶ [graph_passes ──▶ model.fused.onnx ──verify──▶] report.json
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from core.errors import ArgumentParser, UsageError, UserError, int_in, run_cli
 from core.outputs import BUILD, TRITON_REPOSITORY, check_output_dir
-from export.quantize import ALGOS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, QUANT_BITS, QuantConfig
+from export.quantize import ALGOS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, HEAD_DTYPES, QUANT_BITS, QuantConfig
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "models" / "zoo" / "internal-taper"
 
@@ -52,6 +52,9 @@ def _parser() -> ArgumentParser:
                          f"(default {DEFAULT_ACCURACY_LEVEL})")
     ap.add_argument("--algo", choices=ALGOS, default="rtn",
                     help="--quantize: rtn (round to nearest, default) or hqq (int4 only)")
+    ap.add_argument("--head", choices=HEAD_DTYPES, default=None,
+                    help="--quantize: the LM head's weight dtype (default: the --quantize dtype); "
+                         "--quantize int4 --head int8 keeps top-1 agreement higher for more bytes per token")
     ap.add_argument("--triton-repo", type=Path, default=None,
                     help="also write a Triton model repository for the build (python -m runtime.triton repo)")
     return ap
@@ -84,12 +87,12 @@ def _quant_config(args) -> QuantConfig | None:
     if args.quantize is None:
         given = [o for o, v, d in (("--block-size", args.block_size, DEFAULT_BLOCK_SIZE),
                                    ("--accuracy-level", args.accuracy_level, DEFAULT_ACCURACY_LEVEL),
-                                   ("--algo", args.algo, "rtn")) if v != d]
+                                   ("--algo", args.algo, "rtn"), ("--head", args.head, None)) if v != d]
         if given:
             raise UsageError(f"{', '.join(given)}: expected --quantize int8|int4 with it, found none; "
                              "add --quantize int4 (or drop the option)")
         return None
-    return QuantConfig(args.quantize, args.block_size, args.accuracy_level, args.algo)
+    return QuantConfig(args.quantize, args.block_size, args.accuracy_level, args.algo, args.head)
 
 
 def main(argv=None) -> int:

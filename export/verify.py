@@ -44,12 +44,15 @@ SCALE_TOL_FP16 = 4e-3
 # against the fp32 graph they came from. Rounding every weight to 255 (int8) or 15 (int4)
 # levels per block of 32 moves outputs by a share of their scale, not by ulps: measured on
 # the 1M zoo models, logits moved by up to ~1.5% (int8) and ~11% (int4) of max |logits|,
-# the caches by ~0.6% and ~7% of max |cache|. The bounds (atol 1e-2 plus 5% / 30% of the
-# largest |reference| value of that output) leave room for other models and still catch a
-# wrong block layout or axis, which moves outputs by about their whole scale.
+# the caches by ~0.6% and ~7% of max |cache|. Deeper models drift further: the bench's 124M
+# (12 layers, random init, int4 with int8 activations) moved its logits by 33% and its deepest
+# caches by 40% of max |reference| (bench-i13 drift_by_size, 2026-11-30). The bounds (atol 1e-2
+# plus 5% / 50% of the largest |reference| value of that output) leave room for that and still
+# catch a wrong block layout, axis or scale, which moves outputs by about their whole scale or
+# more (scales x 3: ~200%, tests/export/test_quantize.py).
 ATOL_QUANT = 1e-2
 SCALE_TOL_INT8 = 0.05
-SCALE_TOL_INT4 = 0.30
+SCALE_TOL_INT4 = 0.50
 ATOL = {"fp32": ATOL_FP32, "fp16": ATOL_FP16, "int8": ATOL_QUANT, "int4": ATOL_QUANT}
 SCALE_TOL = {"fp32": 0.0, "fp16": SCALE_TOL_FP16, "int8": SCALE_TOL_INT8, "int4": SCALE_TOL_INT4}
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}

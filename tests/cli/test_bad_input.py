@@ -257,6 +257,8 @@ CASES = [
      None, 2, "add --fuse"),
     ("build-quantize-fp16", "export.build",
      ["--fuse", "--checkpoint", "{ckpt}", "--out", "{s}/b", "--quantize", "int4", "--dtype", "fp16"], None, 2, "--dtype fp32"),
+    ("build-head-without-quantize", "export.build",
+     ["--fuse", "--checkpoint", "{ckpt}", "--out", "{s}/b", "--head", "int8"], None, 2, "--head"),
     ("build-quantize-block-size-not-power-of-2", "export.build",
      ["--fuse", "--checkpoint", "{ckpt}", "--out", "{s}/b", "--quantize", "int4", "--block-size", "48"], None, 1, "power of 2"),
     ("build-quantize-hqq-int8", "export.build",

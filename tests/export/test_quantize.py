@@ -37,6 +37,27 @@ def test_every_constant_matmul_quantized_and_within_tolerance(dtype):
     assert max(c.max_abs_diff["logits"] for c in results) > 0       # it did change the graph
 
 
+@pytest.mark.parametrize("head", ["int8", "fp32"])
+def test_the_head_in_other_bits(head):
+    """--head: the LM head MatMul alone in int8 (a MatMulNBits with bits 8) or fp32 (a MatMul),
+    every other weight int4; within the int4 tolerance, and bytes between all-int4 and fp32."""
+    from export.quantize import _head_matmul
+    _, _, fused, _ = exported("internal-taper")
+    head_name = _head_matmul(fused)
+    q, summary = quantize_weights(fused, QuantConfig("int4", head=head))
+    all4, s4 = quantize_weights(fused, QuantConfig("int4"))
+    assert summary.head == head and s4.head == "int4"
+    nbits = {n.name: next(a.i for a in n.attribute if a.name == "bits") for n in q.graph.node if n.op_type == "MatMulNBits"}
+    if head == "int8":
+        assert len(nbits) == 13 and list(nbits.values()).count(8) == 1 and list(nbits.values()).count(4) == 12
+        assert [n for n in nbits if nbits[n] == 8][0].startswith(head_name)
+    else:
+        assert len(nbits) == 12 and set(nbits.values()) == {4} and _constant_matmuls(q) == 1
+    assert s4.weight_bytes_after < summary.weight_bytes_after < summary.weight_bytes_before
+    verify_pair(fused, q, tokens=list(range(3, 40)))                   # int4 tolerance (metadata dtype int4)
+    assert quantized_config(q).head_dtype == head
+
+
 def test_int8_is_closer_than_int4():
     _, _, fused, _ = exported("baseline")
     worst = {d: max(c.max_abs_diff["logits"] for c in verify_pair(fused, quantize_weights(fused, QuantConfig(d))[0]))
@@ -73,6 +94,7 @@ def test_top1_agreement_is_one_against_itself_and_measures_drift():
     (QuantConfig("int4", accuracy_level=7), "0..4"),
     (QuantConfig("int4", algo="gptq"), "one of rtn, hqq"),
     (QuantConfig("int8", algo="hqq"), "4-bit only"),
+    (QuantConfig("int4", head="int2"), "--head 'int2'"),
 ])
 def test_bad_configs_are_one_line_user_errors(cfg, match):
     with pytest.raises(QuantizeError, match=match):
