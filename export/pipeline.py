@@ -223,7 +223,7 @@ def verify_quantized(verifier: "Verifier", loaded: Loaded, fused, fused_runs, qu
     if agree < MIN_TOP1[cfg.dtype]:
         raise VerificationError(f"{cfg.file_name()} vs {FUSED}", [
             f"top-1 agreement {agree:.3f} over {n} greedy tokens < {MIN_TOP1[cfg.dtype]} (the {cfg.dtype} floor); "
-            "try --block-size 16, --algo hqq, or int8"])
+            "try --head int8, --block-size 16, --algo hqq, or int8"])
 
 
 def save_onnx(proto, path: Path) -> None:

@@ -105,14 +105,16 @@ def test_build_quantize_and_fused_attention_end_to_end(tmp_path):
     ckpt = write_checkpoint(tmp_path / "ckpt", random_model(seed=3, norm="taper", taper_scope="internal", gate=0.0,
                                                             max_seq_len=160))
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "export.build", "--fuse", "--quantize", "int4", "--attention", "fused",
-                        "--checkpoint", str(ckpt), "--out", str(out)], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-m", "export.build", "--fuse", "--quantize", "int4", "--head", "int8",
+                        "--attention", "fused", "--checkpoint", str(ckpt), "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[8/8] write" in r.stdout and "top-1 agreement" in r.stdout
     assert (out / "model.int4.onnx").is_file() and (out / "model.fused.onnx").is_file()
     report = json.loads((out / "report.json").read_text())
     q = report["quantized"]
     assert q["file"] == "model.int4.onnx" and q["config"]["dtype"] == "int4" and q["matmuls_quantized"] == 13
+    assert q["config"]["head"] == "int8" and q["head"] == "int8"            # 12 MatMulNBits in 4 bits, the head in 8
     assert q["drift"]["top1_positions"] == 128 and q["drift"]["top1_agreement"] >= q["tolerance"]["min_top1"]
     assert q["drift"]["logits_mean_abs_diff"] <= q["drift"]["logits_max_abs_diff"]
     assert "int4_vs_fused" in report["max_abs_diff"] and "int4" in report["op_counts"]
