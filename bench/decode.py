@@ -35,7 +35,8 @@ from bench.variants import BASELINE, SIZES, VARIANTS, capacity_for
 
 ONNX_BACKENDS = ("ort", "trt")
 ALL_BACKENDS = ("ort", "torch", "torch-cuda", "trt")
-PEERS = ("hf-generate", "ort-plain")
+PEERS = ("hf-generate", "ort-plain", "genai")
+DTYPES = ("fp32", "int8", "int4")
 
 
 # --- machine ----------------------------------------------------------------------------------
@@ -111,11 +112,15 @@ def backend_status(name: str) -> str | None:
 
 def _runners(spec: dict) -> list:
     from bench.runners import HFRunner, PlainOrtRunner, SessionRunner, make_ort_session
-    from bench.variants import base_model, torch_variant, weight_bytes_torch
+    from bench.variants import base_model, quantized_name, torch_variant, weight_bytes_torch
     size, backend, threads, cap = spec["size"], spec["backend"], spec["threads"], spec["capacity"]
     out = []
     if backend in ONNX_BACKENDS:
-        for name in spec["variants"]:
+        # quantized graphs (com.microsoft MatMulNBits) run on ONNX Runtime only
+        dtypes = spec.get("dtypes", ["fp32"]) if backend == "ort" else ["fp32"]
+        names = [quantized_name(n, d) for n in spec["variants"] for d in dtypes
+                 if quantized_name(n, d) in spec["onnx"]]
+        for name in names:
             info = spec["onnx"][name]
             if backend == "ort":
                 make = make_ort_session(info["path"], "cpu", threads)
@@ -143,6 +148,9 @@ def _runners(spec: dict) -> list:
     if "ort-plain" in spec["peers"] and backend == "ort":
         info = spec["onnx"][BASELINE]
         out.append(PlainOrtRunner(info["path"], threads, info["weight_bytes"]))
+    if "genai" in spec["peers"] and backend == "ort":
+        from bench.genai import GenAIRunner
+        out += [GenAIRunner(info, threads) for info in spec.get("genai", {}).values()]
     return out
 
 
@@ -150,9 +158,10 @@ def timed_rounds(runners, prompts: np.ndarray, n: int, rounds: int, log=None) ->
     """One untimed warm-up generation per runner, then `rounds` rounds in which every runner
     generates once, in the order round_order(names, r). Returns (per-runner rounds and pooled
     decode-step times, the order actually run)."""
+    batch = prompts.shape[0]
+    runners = [r for r in runners if getattr(r, "max_batch", None) is None or batch <= r.max_batch]
     names = [r.name for r in runners]
     by_name = {r.name: r for r in runners}
-    batch = prompts.shape[0]
     for r in runners:
         r.generate(prompts, n)
     cell = {name: {"rounds": [], "step_s": []} for name in names}
@@ -162,7 +171,7 @@ def timed_rounds(runners, prompts: np.ndarray, n: int, rounds: int, log=None) ->
         for name in order[-1]:
             t = by_name[name].generate(prompts, n)
             cell[name]["rounds"].append({"ttft_s": t.ttft_s, "total_s": t.total_s, "decode_s": float(sum(t.step_s)),
-                                         "steps": len(t.step_s)})
+                                         "steps": len(t.step_s), "run_s": t.run_s})
             cell[name]["step_s"] += [round(s, 7) for s in t.step_s]
         if log:
             log(f"round {rnd + 1}/{rounds} tokens/s: " + ", ".join(
@@ -216,12 +225,29 @@ def run_worker(spec: dict, workdir: Path) -> dict:
 # --- builds -------------------------------------------------------------------------------------------
 
 def _build_task(args):
-    size, names, cap, cache, seed = args
+    size, names, cap, cache, seed, dtypes, attention = args
     from bench.variants import build_onnx
-    return size, build_onnx(size, names, cap, Path(cache), seed)
+    return size, build_onnx(size, names, cap, Path(cache), seed, dtypes=dtypes, attention=attention)
 
 
-def build_all(sizes, names, cap, cache: Path, seed: int, jobs: int) -> dict:
+def build_genai_all(sizes, dtypes, cap, cache: Path, seed: int) -> tuple[dict, dict]:
+    """GenAI builds per size for the dtypes its builder has (fp32, int4); ({size: {precision: info}},
+    {what: why not} for what could not be built)."""
+    from bench.genai import PRECISIONS, build_genai
+    out, skipped = {s: {} for s in sizes}, {}
+    for size in sizes:
+        for precision in [d for d in dtypes if d in PRECISIONS]:
+            try:
+                out[size][precision] = build_genai(size, SIZES[size], cap, precision, cache, seed)
+            except Exception as e:      # a peer that cannot be built is skipped, with the reason
+                skipped[f"genai-{precision} {size}"] = str(e).splitlines()[0][:300]
+    for d in dtypes:
+        if d not in PRECISIONS:
+            skipped[f"genai-{d}"] = f"the GenAI builder's CPU precisions are {', '.join(PRECISIONS)}"
+    return out, skipped
+
+
+def build_all(sizes, names, cap, cache: Path, seed: int, jobs: int, dtypes=("fp32",), attention="plain") -> dict:
     """ONNX for every (size, variant), `jobs` export processes at a time; grouped by kind so
     internal-taper's unfused and fused graphs share one export."""
     import multiprocessing as mp
@@ -230,7 +256,7 @@ def build_all(sizes, names, cap, cache: Path, seed: int, jobs: int) -> dict:
         by_kind: dict[str, list[str]] = {}
         for n in names:
             by_kind.setdefault(VARIANTS[n].kind + ("-naive" if VARIANTS[n].naive else ""), []).append(n)
-        groups += [(size, g, cap, str(cache), seed) for g in by_kind.values()]
+        groups += [(size, g, cap, str(cache), seed, list(dtypes), attention) for g in by_kind.values()]
     out: dict[str, dict] = {s: {} for s in sizes}
     if jobs <= 1:
         for size, infos in map(_build_task, groups):
@@ -252,11 +278,19 @@ def _parser():
     p.add_argument("--sizes", help=f"comma list of {', '.join(SIZES)} (default: all; quick: 1M,8M)")
     p.add_argument("--variants", help=f"comma list of {', '.join(VARIANTS)} (default: all)")
     p.add_argument("--backends", help=f"comma list of {', '.join(ALL_BACKENDS)} (default: those available here)")
-    p.add_argument("--peers", help=f"comma list of {', '.join(PEERS)}, or none (default: both)")
+    p.add_argument("--peers", help=f"comma list of {', '.join(PEERS)}, or none (default: hf-generate,ort-plain; "
+                                   "genai needs onnxruntime-genai)")
+    p.add_argument("--dtypes", help=f"comma list of {', '.join(DTYPES)}: weight dtypes of the fused variants "
+                                    "(int8/int4: export.quantize, ort only; default fp32)")
     p.add_argument("--batches", help="comma list of batch sizes in [1, 256] (default 1,8; quick: 1)")
+    p.add_argument("--attention", choices=("plain", "fused"), default="plain",
+                   help="ONNX graphs with plain attention ops (default) or one fused Attention op per layer")
     p.add_argument("--prompt", type=int_in(1, 4096), default=16, help="prompt tokens (default 16)")
     p.add_argument("--new-tokens", type=int_in(2, 8192), help="new tokens per sequence (default 128; quick: 32)")
     p.add_argument("--rounds", type=int_in(3, 1000), help="timed rounds, >= 3 (default 3)")
+    p.add_argument("--capacity", type=int_in(2, 65536), default=None,
+                   help="KV-cache capacity of the graphs (default: prompt + new tokens rounded up to 32); "
+                        "e.g. to time fewer tokens on graphs already built for more")
     p.add_argument("--threads", type=int_in(1, 256), default=1,
                    help="intra-op threads for ORT and torch (default 1: see docs/bench.md)")
     p.add_argument("--profile-steps", type=nonnegative_int, default=16, help="decode steps profiled per runner (0: no profile)")
@@ -301,7 +335,7 @@ def main(argv=None) -> int:
 
 
 def run(argv) -> int:
-    from core.errors import UsageError
+    from core.errors import UsageError, UserError
     from core.outputs import BENCH_CACHE, BENCH_RESULTS, claim_dir
     args = _parser().parse_args(argv)
     if args.worker:
@@ -326,7 +360,8 @@ def run(argv) -> int:
     if BASELINE not in names:
         names.insert(0, BASELINE)   # every ratio is taken against it
     wanted = _csv(args.backends, ["ort", "torch"] if q else list(ALL_BACKENDS), ALL_BACKENDS, "backend")
-    peers = [] if args.peers == "none" else _csv(args.peers, list(PEERS), PEERS, "peer")
+    peers = [] if args.peers == "none" else _csv(args.peers, ["hf-generate", "ort-plain"], PEERS, "peer")
+    dtypes = _csv(args.dtypes, ["fp32"], DTYPES, "dtype")
     batches = _batches(args.batches, ["1"] if q else ["1", "8"])
     new_tokens = args.new_tokens or (32 if q else 128)
     rounds = args.rounds or 3
@@ -336,8 +371,17 @@ def run(argv) -> int:
     if "hf-generate" in peers and importlib.util.find_spec("transformers") is None:
         peers.remove("hf-generate")
         skipped["hf-generate"] = "transformers is not installed (pip install 'tapernorm-deploy[hf]')"
+    if "genai" in peers:
+        from bench.genai import genai_status
+        why = genai_status() or (None if "ort" in wanted else "genai runs beside the ort backend, not asked for")
+        if why:
+            peers.remove("genai")
+            skipped["genai"] = why
     backends = [b for b in wanted if b not in skipped]
-    cap = capacity_for(args.prompt, new_tokens)
+    cap = args.capacity or capacity_for(args.prompt, new_tokens)
+    if cap < args.prompt + new_tokens:
+        raise UserError(f"--capacity {cap}: expected at least --prompt + --new-tokens = {args.prompt + new_tokens}; "
+                        "raise it or drop it")
     out = claim_dir(args.out, BENCH_RESULTS)
     cache = claim_dir(args.cache, BENCH_CACHE) if args.cache is not None else out / "cache"
     from bench.runners import versions
@@ -350,7 +394,12 @@ def run(argv) -> int:
     print("  read bandwidth: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bw.items()), flush=True)
     t0 = time.perf_counter()
     need_onnx = any(b in ONNX_BACKENDS for b in backends)
-    onnx = build_all(sizes, names, cap, cache, args.seed, args.jobs) if need_onnx else {s: {} for s in sizes}
+    onnx = (build_all(sizes, names, cap, cache, args.seed, args.jobs, dtypes, args.attention) if need_onnx
+            else {s: {} for s in sizes})
+    genai = {s: {} for s in sizes}
+    if "genai" in peers:
+        genai, why_not = build_genai_all(sizes, dtypes, cap, cache, args.seed)
+        skipped.update(why_not)
     build_s = time.perf_counter() - t0
     print(f"  builds ready in {build_s:.0f} s", flush=True)
     if args.build_only:
@@ -374,9 +423,11 @@ def run(argv) -> int:
             "settings": {"sizes": sizes, "variants": names, "backends": backends, "skipped_backends": skipped,
                          "peers": peers, "batches": batches, "prompt": args.prompt, "new_tokens": new_tokens,
                          "rounds": rounds, "threads": threads, "capacity": cap, "profile_steps": args.profile_steps,
-                         "quick": q, "seed": args.seed, "dtype": "fp32"},
+                         "quick": q, "seed": args.seed, "dtype": "fp32", "dtypes": dtypes,
+                         "attention": args.attention},
             "models": {s: {n: {k: i[k] for k in ("source", "params", "weight_bytes", "nodes", "op_counts", "build_s")}
                            for n, i in onnx[s].items()} for s in sizes},
+            "genai_models": genai,
             "cells": cells,
         }
         write_reports(results, out)
@@ -385,12 +436,12 @@ def run(argv) -> int:
         for size in sizes:
             for backend in backends:
                 cell_peers = [p for p in peers if (p == "hf-generate" and backend != "torch") or
-                              (p == "ort-plain" and backend == "ort")]
+                              (p in ("ort-plain", "genai") and backend == "ort")]
                 print(f"  {size} {backend}: {len(names)} variants + peers {cell_peers or 'none'}", flush=True)
                 spec = {"size": size, "backend": backend, "variants": names, "onnx": onnx[size],
                         "batches": batches, "prompt": args.prompt, "new_tokens": new_tokens, "rounds": rounds,
                         "threads": threads, "profile_steps": args.profile_steps, "peers": peers,
-                        "capacity": cap, "seed": args.seed}
+                        "capacity": cap, "seed": args.seed, "dtypes": dtypes, "genai": genai[size]}
                 cells.append(run_worker(spec, Path(work)))
                 write(complete=len(cells) == len(planned))
     if not cells:

@@ -11,17 +11,24 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 from bench import stats
-from bench.variants import BASELINE, REMOVES
+from bench.variants import BASELINE, REMOVES, quantized_name, split_name
 
 FUSED = "internal-taper-fused"
 SHORT = {"rmsnorm-strong": "strong", "rmsnorm-plain": "plain", "internal-taper-unfused": "int-taper unfused",
          "internal-taper-fused": "int-taper fused", "all-taper-fused": "all-taper fused", "dyt": "dyt",
          "hf-generate": "HF generate", "ort-plain": "ORT plain loop"}
-PEER_NAMES = ("hf-generate", "ort-plain")
+PEER_NAMES = ("hf-generate", "ort-plain", "genai-fp32", "genai-int4")
+
+
+def short(name: str) -> str:
+    """Table label of a runner: 'int-taper fused int4', 'GenAI int4'."""
+    if name.startswith("genai-"):
+        return "GenAI " + name[len("genai-"):]
+    base, dtype = split_name(name)
+    return SHORT.get(base, base) + ("" if dtype == "fp32" else f" {dtype}")
 
 
 # --- summary ------------------------------------------------------------------------------------------
@@ -39,7 +46,9 @@ def _runner_metrics(raw: dict, batch: int, new_tokens: int, weight_bytes: int, b
     sps = [r["steps"] / r["decode_s"] if r["decode_s"] > 0 else float("nan") for r in rounds]
     steps_per_s = stats.median(sps)
     achieved = stats.bytes_per_s(weight_bytes, steps_per_s)
+    loops = [(r["decode_s"] - r["run_s"]) / r["steps"] for r in rounds if r.get("run_s") is not None and r["steps"]]
     m = {"tokens_per_s": stats.Spread.of(tps).as_dict(), "tokens_per_s_rounds": tps,
+         "loop_us_per_token": stats.Spread.of([x * 1e6 for x in loops]).as_dict() if loops else None,
          "ttft_ms": stats.Spread.of([r["ttft_s"] * 1e3 for r in rounds]).as_dict(),
          "tpot_ms": {k: v * 1e3 for k, v in stats.tpot_percentiles(raw["step_s"]).items()},
          "steps_per_s": steps_per_s, "weight_bytes": weight_bytes,
@@ -71,7 +80,7 @@ def summarize(results: dict) -> dict:
                 runners[name] = _runner_metrics(raw, batch, s["new_tokens"], info["weight_bytes"], bw, bw_same)
                 runners[name].update(kind=info["kind"], source=info.get("source"),
                                      rss_load_MB=info["rss_load_bytes"] / 2**20)
-            cell = {"size": c["size"], "backend": c["backend"], "batch": batch,
+            cell = {"size": c["size"], "backend": c["backend"], "batch": batch, "threads": s["threads"],
                     "peak_rss_MB": c["peak_rss_bytes"] / 2**20, "order": data["order"], "runners": runners}
             base = runners.get(BASELINE)
             if base:
@@ -88,9 +97,7 @@ def summarize(results: dict) -> dict:
                         m["share_of_limit"] = stats.share_of_limit(r.median, lim)
                         m["ratio_over_limit"] = r.median / lim if lim == lim else float("nan")
                         m["slower_beyond_noise"] = stats.slower_beyond_noise(r, cell["noise_band"])
-            for peer in PEER_NAMES:
-                if peer not in runners:
-                    continue
+            for peer in [n for n, m in runners.items() if m["kind"] == "peer"]:
                 for name, m in runners.items():
                     if m["kind"] == "ours":
                         m.setdefault("ratio_over_peer", {})[peer] = stats.ratio_summary(
@@ -165,6 +172,52 @@ def acceptance(cells: list[dict], results: dict) -> list[dict]:
                            "over rmsnorm-plain (medians)" if "rmsnorm-plain" in c["runners"] else ""))
             oks.append(r["median"] >= 1.25)
     add("torch eager internal-taper fused >= 1.25x rmsnorm-strong at ~1M", figs, all(oks) if oks else None)
+    out += genai_acceptance(cells, results)
+    return out
+
+
+def _ratio_line(c, name, peer) -> tuple[str, float] | None:
+    m = c["runners"].get(name, {})
+    r = m.get("ratio_over_peer", {}).get(peer)
+    if not r:
+        return None
+    loop = m.get("loop_us_per_token")
+    extra = f", loop {loop['median']:.1f} us/token" if loop else ""
+    return (f"{c['size']} b{c['batch']} {c['threads']}t {short(name)} / {short(peer)}: {r['median']:.2f}x "
+            f"[{r['min']:.2f}-{r['max']:.2f}]{extra}", r["median"])
+
+
+def genai_acceptance(cells: list[dict], results: dict) -> list[dict]:
+    """Issue 13's speed targets, judged on internal-taper fused (the folded deployment), batch 1:
+    int4 and fp32 >= 1.1x GenAI of the same dtype at 30M and 124M; >= 1.0x the plain ORT loop
+    and GenAI fp32 at 1M and 8M."""
+    out = []
+    for dtype in ("int4", "fp32"):
+        figs, oks = [], []
+        for c in _cells(cells, backend="ort", batch=1):
+            if c["size"] not in ("30M", "124M"):
+                continue
+            for name in (quantized_name(FUSED, dtype), quantized_name(BASELINE, dtype)):
+                got = _ratio_line(c, name, f"genai-{dtype}")
+                if got:
+                    figs.append(got[0])
+                    if name.startswith(FUSED):
+                        oks.append(got[1] >= 1.1)
+        out.append({"criterion": f"ours {dtype} >= 1.1x GenAI {dtype} tok/s at 30M and 124M, batch 1 "
+                                 f"(judged on int-taper fused)", "figures": figs, "met": all(oks) if oks else None})
+    figs, oks = [], []
+    for c in _cells(cells, backend="ort", batch=1):
+        if c["size"] not in ("1M", "8M"):
+            continue
+        for peer in ("ort-plain", "genai-fp32"):
+            for name in (FUSED, BASELINE):
+                got = _ratio_line(c, name, peer)
+                if got:
+                    figs.append(got[0])
+                    if name == FUSED:
+                        oks.append(got[1] >= 1.0)
+    out.append({"criterion": "ours fp32 >= 1.0x the plain ORT loop and >= 1.0x GenAI fp32 at 1M and 8M, batch 1 "
+                             "(judged on int-taper fused)", "figures": figs, "met": all(oks) if oks else None})
     return out
 
 
@@ -199,7 +252,7 @@ def headline_table(summary: dict, results: dict) -> str:
             m = c["runners"].get(n)
             row.append(_spread(m["ratio_vs_strong"]) if m else "-")
         row.append(f"{_f(c['limits']['blocks'], 3)} / {_f(c['limits']['all'], 3)}")
-        row += [_f(peers[p]["median"]) + "×" if p in peers else "-" for p in PEER_NAMES]
+        row += [_f(peers[p]["median"]) + "×" if p in peers else "-" for p in ("hf-generate", "ort-plain")]
         rows.append("| " + " | ".join(row) + " |")
     return "\n".join(rows)
 
@@ -221,7 +274,7 @@ def detail_tables(summary: dict, results: dict) -> str:
             p = m.get("profile") or {}
             t = m["tpot_ms"]
             rows.append("| " + " | ".join([
-                SHORT.get(name, name), _spread(m["tokens_per_s"], 1),
+                short(name), _spread(m["tokens_per_s"], 1),
                 _spread(m["ratio_vs_strong"], 3) if "ratio_vs_strong" in m else "-",
                 _f(m["ttft_ms"]["median"], 2), f"{_f(t['p50'], 3)} / {_f(t['p90'], 3)} / {_f(t['p99'], 3)}",
                 f"{_f(m['achieved_Bps'] / 1e9, 2)} ({_f(100 * m['bandwidth_share'], 0)}% / "
@@ -231,6 +284,34 @@ def detail_tables(summary: dict, results: dict) -> str:
                 _f(m["rss_load_MB"], 0)]) + " |")
         parts.append("\n".join(rows) + "\n")
     return "\n".join(parts)
+
+
+def dtype_tables(summary: dict, results: dict) -> str:
+    """Per ort cell: every runner's tok/s, TTFT, TPOT p50/p99, the loop's own cost per token
+    (decode-step time outside the engine call), bytes a token reads and that at the measured
+    rate vs the read bandwidth, and ours over GenAI of the same dtype / over the plain loop."""
+    bw = results["read_bandwidth_Bps"]["best"]
+    parts = []
+    for c in summary["cells"]:
+        if "error" in c or c["backend"] != "ort":
+            continue
+        head = ["runner", "tok/s median [min–max]", "TTFT ms", "TPOT p50 / p99 ms", "loop us/token median [min–max]",
+                "MB/token", f"GB/s (% of {bw / 1e9:.1f})", "/ GenAI same dtype", "/ ORT plain"]
+        rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for name, m in c["runners"].items():
+            peers = m.get("ratio_over_peer", {})
+            same = peers.get(f"genai-{split_name(name)[1]}")
+            loop = m.get("loop_us_per_token")
+            rows.append("| " + " | ".join([
+                short(name), _spread(m["tokens_per_s"], 1), _f(m["ttft_ms"]["median"], 2),
+                f"{_f(m['tpot_ms']['p50'], 3)} / {_f(m['tpot_ms']['p99'], 3)}",
+                _spread(loop, 1) if loop else "-", _f(m["weight_bytes"] / 1e6, 1),
+                f"{_f(m['achieved_Bps'] / 1e9, 2)} ({_f(100 * m['bandwidth_share'], 0)}%)",
+                _spread(same) + "×" if same and m["kind"] == "ours" else "-",
+                _spread(peers["ort-plain"]) + "×" if "ort-plain" in peers and m["kind"] == "ours" else "-"]) + " |")
+        parts.append(f"### {c['size']} / ort / batch {c['batch']} / {c['threads']} thread(s)\n\n"
+                     f"peak RSS of the process {c['peak_rss_MB']:.0f} MB\n\n" + "\n".join(rows) + "\n")
+    return "\n".join(parts) if parts else "(no ort cell)"
 
 
 def markdown(results: dict, summary: dict) -> str:
@@ -281,6 +362,7 @@ def markdown(results: dict, summary: dict) -> str:
         verdict = {True: "MET", False: "NOT MET", None: "NOT RUN"}[a["met"]]
         lines.append(f"- **{verdict}** — {a['criterion']}")
         lines += [f"  - {f}" for f in a["figures"]]
+    lines += ["", "## Speed per dtype, with GenAI and the loop's own cost", "", dtype_tables(summary, results)]
     lines += ["", "## Plots", "", "![tokens/s](tokens_per_s.png)", "", "![ratio](ratio_vs_strong.png)", "",
               "## Per cell", "", detail_tables(summary, results)]
     return "\n".join(lines) + "\n"
@@ -304,7 +386,7 @@ def plots(results: dict, summary: dict, out: Path) -> list[Path]:
     sizes = [s for s in results["settings"]["sizes"] if any(c["size"] == s for c in cells)]
     if not panels or not sizes:
         return []
-    runners = list(results["settings"]["variants"]) + [p for p in PEER_NAMES if p in results["settings"]["peers"]]
+    runners = list(dict.fromkeys(n for c in cells for n in c["runners"]))
     stamp = f"{results['started']}, {results['machine']['cpu']}, {results['settings']['threads']} threads, fp32"
     written = []
 
@@ -331,8 +413,8 @@ def plots(results: dict, summary: dict, out: Path) -> list[Path]:
                     xs.append(i - 0.4 + width * (j + 0.5))
                     _add_errorbar(t, ys, lo, hi)
             if xs:
-                ax.bar(xs, ys, width, yerr=[lo, hi], label=SHORT.get(name, name), capsize=2,
-                       hatch="//" if name in PEER_NAMES else None)
+                ax.bar(xs, ys, width, yerr=[lo, hi], label=short(name), capsize=2,
+                       hatch="//" if name in PEER_NAMES or name.startswith("genai-") else None)
         ax.set_yscale("log")
         ax.set_xticks(range(len(sizes)), sizes)
         ax.set_title(f"{backend}, batch {batch}")

@@ -30,6 +30,30 @@ class Timing:
     ttft_s: float
     step_s: list[float]
     total_s: float
+    run_s: float | None = None     # of the decode steps' time, the part inside the engine call (None: not split)
+
+
+class EngineClock:
+    """Times every call of a bound method (an instance attribute shadows it while installed):
+    what a decode step spends inside ONNX Runtime, the rest being the loop's own cost."""
+
+    def __init__(self, owner, attr: str):
+        self.owner, self.attr, self.calls = owner, attr, []
+        self.fn = getattr(owner, attr)
+
+    def __enter__(self):
+        fn, calls, clock = self.fn, self.calls, time.perf_counter
+
+        def timed(*a, **k):
+            t0 = clock()
+            out = fn(*a, **k)
+            calls.append(clock() - t0)
+            return out
+        setattr(self.owner, self.attr, timed)
+        return self
+
+    def __exit__(self, *exc):
+        delattr(self.owner, self.attr)
 
 
 def rss_bytes() -> int:
@@ -53,6 +77,7 @@ class Runner:
     name = "?"
     kind = "ours"           # ours | peer
     weight_bytes = 0
+    max_batch: int | None = None   # largest batch it runs (None: any)
 
     def activate(self) -> None:
         before = rss_bytes()
@@ -87,8 +112,13 @@ class SessionRunner(Runner):
 
     def generate(self, prompts, n):
         from runtime.generate import GenerationConfig, generate
-        r = generate(self.session, [list(p) for p in prompts], GenerationConfig(max_new_tokens=n))
-        return Timing(r.ttft_s, r.step_s, r.total_s)
+        prompts = [list(p) for p in prompts]
+        if self.session.backend != "ort":
+            r = generate(self.session, prompts, GenerationConfig(max_new_tokens=n))
+            return Timing(r.ttft_s, r.step_s, r.total_s)
+        with EngineClock(self.session.session, "run_with_iobinding") as clock:
+            r = generate(self.session, prompts, GenerationConfig(max_new_tokens=n))
+        return Timing(r.ttft_s, r.step_s, r.total_s, run_s=float(sum(clock.calls[1:])))   # [0]: the prefill
 
     def profile(self, prompts, steps):
         if self.session.backend == "ort":
@@ -126,29 +156,13 @@ class SessionRunner(Runner):
 
 
 def make_ort_session(path: str, device: str, threads: int):
-    """Factory for SessionRunner: an OrtSession, or (profile_dir given) one whose ONNX Runtime
-    session has enable_profiling on (the runtime's own session options otherwise)."""
-    from runtime.ort_session import PROVIDERS, OrtSession
-
-    class _Profiled(OrtSession):
-        def __init__(self, *a, profile_dir: Path, **k):
-            super().__init__(*a, **k)
-            self.profile_dir = profile_dir
-
-        def _activate(self):
-            super()._activate()
-            import onnxruntime as ort
-            so = ort.SessionOptions()
-            so.log_severity_level = self.log_severity
-            so.intra_op_num_threads = self.intra_op_threads
-            so.enable_profiling = True
-            so.profile_file_prefix = str(self.profile_dir / "ort")
-            self.session = ort.InferenceSession(str(self.path), so, providers=PROVIDERS[self.device])
+    """Factory for SessionRunner: an OrtSession, with ONNX Runtime profiling on (its trace under
+    profile_dir, by OrtSession's profile_prefix) when profile_dir is given."""
+    from runtime.ort_session import OrtSession
 
     def make(profile_dir):
-        if profile_dir is None:
-            return OrtSession(path, device=device, intra_op_threads=threads)
-        return _Profiled(path, device=device, intra_op_threads=threads, profile_dir=profile_dir)
+        prefix = None if profile_dir is None else Path(profile_dir) / "ort"
+        return OrtSession(path, device=device, intra_op_threads=threads, profile_prefix=prefix)
     return make
 
 
@@ -282,17 +296,19 @@ class PlainOrtRunner(Runner):
         outs = self.sess.run(self.out_names, feeds)
         tok = outs[0][:, -1].argmax(-1)
         ttft = time.perf_counter() - t0
-        steps = []
+        steps, run_s = [], 0.0
         for k in range(n - 1):
             s0 = time.perf_counter()
             for name, c in zip(self.spec.cache_names(), outs[1:]):
                 feeds[name] = c
             feeds["input_ids"] = tok[:, None].astype(np.int64)
             feeds["position"] = np.full(b, t + k, np.int64)
+            r0 = time.perf_counter()
             outs = self.sess.run(self.out_names, feeds)
+            run_s += time.perf_counter() - r0
             tok = outs[0][:, -1].argmax(-1)
             steps.append(time.perf_counter() - s0)
-        return Timing(ttft, steps, time.perf_counter() - t0)
+        return Timing(ttft, steps, time.perf_counter() - t0, run_s=run_s)
 
 
 class HFRunner(Runner):

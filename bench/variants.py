@@ -16,8 +16,7 @@
 
 ONNX files come from export.onnx_export.export_onnx and graph_passes.run_passes (the same
 library calls export.build makes, without its torch-vs-ORT verification, which
-tests/export covers). The torch-side fold is a thin adapter here: no package owns a
-torch fold of the reference decoder yet.
+tests/export covers). The torch variants fold with models.fold.fold_norms.
 """
 from __future__ import annotations
 
@@ -29,10 +28,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.decoder import Decoder, DecoderConfig
+from models.fold import FOLDED_NORM_CLASSES, fold_norms
 from models.norms import DyT, LayerNorm, RMSNorm, TaperNorm
 
 ZOO = Path(__file__).resolve().parent.parent / "models" / "zoo"
@@ -157,7 +156,7 @@ def base_model(size: str, kind: str, capacity: int, seed: int = 0) -> tuple[Deco
     return _random_model(size, kind, capacity, seed), f"random:seed{seed} ({why})"
 
 
-# --- torch-side variants (thin adapter; see the module docstring) ----------------------------
+# --- torch-side variants --------------------------------------------------------------------
 
 class NaiveRMSNorm(nn.Module):
     """What a hand-written RMSNorm exports as: Pow/ReduceMean/Add/Sqrt/Reciprocal/Mul/Mul."""
@@ -171,38 +170,7 @@ class NaiveRMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-class ScalelessRMSNorm(nn.Module):
-    """x / rms(x) with gamma already folded into the next linear (FlashNorm)."""
-
-    def __init__(self, eps: float):
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, x):
-        return F.rms_norm(x, (x.shape[-1],), None, self.eps)
-
-
-class ScalelessLayerNorm(nn.Module):
-    def __init__(self, eps: float):
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, x):
-        return F.layer_norm(x, (x.shape[-1],), None, None, self.eps)
-
-
-class DyTCore(nn.Module):
-    """tanh(alpha x): DyT with gamma and beta folded into the next linear."""
-
-    def __init__(self, alpha: torch.Tensor):
-        super().__init__()
-        self.alpha = nn.Parameter(alpha.detach().clone())
-
-    def forward(self, x):
-        return torch.tanh(self.alpha * x)
-
-
-NORM_CLASSES = (RMSNorm, LayerNorm, TaperNorm, DyT, NaiveRMSNorm, ScalelessRMSNorm, ScalelessLayerNorm, DyTCore)
+NORM_CLASSES = (RMSNorm, LayerNorm, TaperNorm, DyT, NaiveRMSNorm, *FOLDED_NORM_CLASSES)
 
 
 def naive_rmsnorm(model: Decoder) -> Decoder:
@@ -218,57 +186,6 @@ def naive_rmsnorm(model: Decoder) -> Decoder:
 def _parent(model: nn.Module, name: str):
     path, _, attr = name.rpartition(".")
     return (model.get_submodule(path) if path else model), attr
-
-
-def _split_norm(norm: nn.Module):
-    """(scale [d] or None, shift [d] or None, what stays in the graph) for a norm module."""
-    if isinstance(norm, RMSNorm):
-        return norm.weight, None, ScalelessRMSNorm(norm.eps)
-    if isinstance(norm, LayerNorm):
-        return norm.weight, norm.bias, ScalelessLayerNorm(norm.eps)
-    if isinstance(norm, DyT):
-        return norm.weight, norm.bias, DyTCore(norm.alpha)
-    if isinstance(norm, TaperNorm):
-        if norm.gate.value != 0.0:
-            raise ValueError(f"TaperNorm gate {norm.gate.value:g}; folding needs gate 0")
-        return norm.c * norm.weight_tilde, norm.bias_tilde, nn.Identity()
-    return None, None, norm
-
-
-@torch.no_grad()
-def _fold_into(linear: nn.Linear, scale, shift) -> None:
-    """linear(x * scale + shift) == linear'(x): W' = W diag(scale), b' = b + W shift."""
-    w = linear.weight                                   # [out, in]
-    if shift is not None:
-        extra = w @ shift.detach()
-        if linear.bias is None:
-            linear.bias = nn.Parameter(extra.clone())
-        else:
-            linear.bias.add_(extra)
-    if scale is not None:
-        w.mul_(scale.detach()[None, :])
-
-
-@torch.no_grad()
-def fold_norms(model: Decoder) -> Decoder:
-    """A copy with every norm's affine part (gamma/beta, c*gamma_tilde/beta_tilde) folded into
-    the linears it feeds; the tied head is untied (cloned) when the final norm folds into it."""
-    model = copy.deepcopy(model)
-    targets = []
-    for block in model.blocks:
-        mlp_in = [block.mlp.up_proj] + ([block.mlp.gate_proj] if hasattr(block.mlp, "gate_proj") else [])
-        targets += [(block, "ln_1", [block.attn.q_proj, block.attn.k_proj, block.attn.v_proj]),
-                    (block, "ln_2", mlp_in)]
-    if not isinstance(model.ln_f, nn.Identity):
-        if model.lm_head.weight is model.wte.weight:
-            model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())
-        targets.append((model, "ln_f", [model.lm_head]))
-    for parent, attr, linears in targets:
-        scale, shift, core = _split_norm(getattr(parent, attr))
-        for lin in linears:
-            _fold_into(lin, scale, shift)
-        setattr(parent, attr, core)
-    return model.eval()
 
 
 def torch_variant(variant: Variant, model: Decoder) -> Decoder:
@@ -295,7 +212,8 @@ NORM_OP_TYPES = ("RMSNormalization", "SimplifiedLayerNormalization", "SkipSimpli
 
 
 def onnx_weight_bytes(proto) -> int:
-    """Initializer bytes a step reads: all but tensors consumed only by Gather (embeddings)."""
+    """Initializer bytes a step reads: all but tensors consumed only by Gather (embeddings,
+    GatherBlockQuantized when quantized: one row per token)."""
     import numpy as np
     from onnx.helper import tensor_dtype_to_np_dtype
     consumers: dict[str, set] = {}
@@ -304,7 +222,7 @@ def onnx_weight_bytes(proto) -> int:
             consumers.setdefault(i, set()).add(n.op_type)
     total = 0
     for t in proto.graph.initializer:
-        if consumers.get(t.name, set()) == {"Gather"}:
+        if consumers.get(t.name, set()) <= {"Gather", "GatherBlockQuantized"} and t.name in consumers:
             continue
         total += int(np.prod(t.dims, dtype=np.int64)) * tensor_dtype_to_np_dtype(t.data_type).itemsize
     return total
@@ -328,9 +246,24 @@ def norm_nodes(proto) -> dict[str, str]:
     return out
 
 
-def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed: int = 0, log=print) -> dict:
+def quantized_name(name: str, dtype: str) -> str:
+    """The runner name of a variant's weight-quantized graph: rmsnorm-strong.int4."""
+    return name if dtype == "fp32" else f"{name}.{dtype}"
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """(variant, dtype) of a runner name: 'rmsnorm-strong.int4' -> ('rmsnorm-strong', 'int4')."""
+    base, _, dtype = name.partition(".")
+    return base, dtype or "fp32"
+
+
+def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed: int = 0, log=print,
+               dtypes=("fp32",), attention: str = "plain") -> dict:
     """Export (and fuse) each variant once into `cache`; returns name -> info (path, source,
-    weight bytes, op counts, norm nodes). Files already built for the same weights are reused."""
+    weight bytes, op counts, norm nodes). Files already built for the same weights are reused.
+    Each fused variant is also quantized (export.quantize, rtn, block 32, accuracy level 4) to
+    every dtype in `dtypes` other than fp32, as '<variant>.<dtype>'. attention: "plain" ops or
+    "fused" (one ONNX Attention op per layer, export_onnx(attention=...))."""
     import logging
     import onnx
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
@@ -344,17 +277,19 @@ def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed:
             models[v.kind] = base_model(size, v.kind, capacity, seed)
         model, source = models[v.kind]
         tag = source.split(" ")[0].replace(":", "-").replace("@", "-")
-        path = cache / f"{size}-cap{capacity}-{name}-{tag}.onnx"
+        att = "" if attention == "plain" else f"-{attention}att"
+        path = cache / f"{size}-cap{capacity}{att}-{name}-{tag}.onnx"
         meta_path = path.with_suffix(".json")
         if path.is_file() and meta_path.is_file():
             out[name] = json.loads(meta_path.read_text())
+            _quantized_variants(out, name, v, path, None, dtypes, log)
             continue
         t0 = time.perf_counter()
         tmp = path.with_suffix(".tmp.onnx")
         key = (v.kind, v.naive)
         if key not in exported:        # internal-taper's unfused and fused graphs share one export
             src = naive_rmsnorm(model) if v.naive else model
-            exported[key] = export_onnx(src, tmp, "fp32")
+            exported[key] = export_onnx(src, tmp, "fp32", attention=attention)
         proto = exported[key]
         t_export = time.perf_counter() - t0
         if v.fuse:
@@ -369,7 +304,63 @@ def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed:
         meta_path.write_text(json.dumps(info, indent=1))
         out[name] = info
         log(f"  built {size} {name} ({source.split(' ')[0]}): {info['nodes']} nodes in {info['build_s']:.1f} s")
+        _quantized_variants(out, name, v, path, proto, dtypes, log)
     return out
+
+
+def _quantized_variants(out: dict, name: str, v: Variant, path: Path, proto, dtypes, log) -> None:
+    """out['<name>.<dtype>'] for each quantized dtype of a fused variant (built once, then reused)."""
+    import onnx
+    from export.quantize import QuantConfig, quantize_weights
+    for dtype in dtypes:
+        if dtype == "fp32" or not v.fuse:
+            continue
+        qname = quantized_name(name, dtype)
+        qpath = path.with_name(path.name.replace(f"-{name}-", f"-{qname}-"))
+        meta = qpath.with_suffix(".json")
+        if qpath.is_file() and meta.is_file():
+            info = json.loads(meta.read_text())
+            if "verified" not in info:     # built before builds were verified: verify once, keep the figure
+                fp32 = proto if proto is not None else onnx.load(str(path))
+                info["verified"] = _verify_quantized(fp32, onnx.load(str(qpath)))
+                meta.write_text(json.dumps(info, indent=1))
+                log(f"  verified {qname}: {_verified_line(info['verified'])}")
+            out[qname] = info
+            continue
+        t0 = time.perf_counter()
+        fp32 = proto if proto is not None else onnx.load(str(path))
+        q, summary = quantize_weights(fp32, QuantConfig(dtype))
+        verified = _verify_quantized(fp32, q)
+        tmp = qpath.with_suffix(".tmp.onnx")
+        onnx.save(q, str(tmp))
+        tmp.replace(qpath)
+        info = dict(out[name], path=str(qpath), weight_bytes=onnx_weight_bytes(q), nodes=len(q.graph.node),
+                    norm_nodes=norm_nodes(q), build_s=round(time.perf_counter() - t0, 2), op_counts=_op_counts(q),
+                    quantized=summary.config, verified=verified)
+        meta.write_text(json.dumps(info, indent=1))
+        out[qname] = info
+        log(f"  built {qname}: {summary.matmuls_quantized} MatMulNBits in {info['build_s']:.1f} s, "
+            f"{_verified_line(verified)}")
+
+
+def _verify_quantized(fp32, q) -> dict:
+    """export.verify's check of a quantized graph against the fp32 graph it came from, with the
+    weight dtype's tolerance (export.verify ATOL / SCALE_TOL); raises VerificationError beyond it."""
+    from export.quantize import QuantizeError
+    from export.verify import ATOL, SCALE_TOL, VerificationError, tolerance_key, verify_pair
+    key = tolerance_key(fp32, q)
+    try:
+        results = verify_pair(fp32, q)
+    except VerificationError as e:      # re-raised as a one-message error: the build pool pickles it
+        raise QuantizeError(f"bench: the {key} graph fails verification against its fp32 graph; {e}") from None
+    return {"tolerance": {"dtype": key, "atol": ATOL[key], "scale_tol": SCALE_TOL[key]},
+            "logits_max_abs_diff": max(c.max_abs_diff["logits"] for c in results),
+            "logits_tolerance": min(c.tolerance["logits"] for c in results)}
+
+
+def _verified_line(v: dict) -> str:
+    return (f"verified vs fp32 ({v['tolerance']['dtype']} tolerance): logits max abs diff "
+            f"{v['logits_max_abs_diff']:.3g} <= {v['logits_tolerance']:.3g}")
 
 
 def _op_counts(proto) -> dict[str, int]:

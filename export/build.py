@@ -1,10 +1,14 @@
 """python -m export.build [--fuse] [--checkpoint DIR] [--out DIR] [--dtype fp32|fp16] [--triton-repo DIR]
+                        [--quantize int8|int4 [--block-size N] [--accuracy-level N] [--algo rtn|hqq] [--head int8|int4|fp32]]
+                        [--attention plain|fused]
 
 checkpoint ──export──▶ model.onnx ──verify vs torch──▶ [graph_passes ──▶ model.fused.onnx ──verify──▶] report.json
 
 Writes into OUT (default build/<checkpoint name>/):
     model.onnx         the unfused export (TaperNorm at g=0 as Mul by a constant vector)
     model.fused.onnx   with --fuse: scales and norm gammas folded into the MatMul weights
+    model.int4.onnx    with --fuse --quantize int4 (or model.int8.onnx): the folded weights
+                       quantized (export/quantize.py), verified against model.fused.onnx
     config.json        copied from the checkpoint
     tokenizer.json     copied from the checkpoint
     report.json        op counts before/after, folded layers, max diffs, timings (docs/export.md)
@@ -20,8 +24,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from core.errors import ArgumentParser, UserError, run_cli
+from core.errors import ArgumentParser, UsageError, UserError, int_in, run_cli
 from core.outputs import BUILD, TRITON_REPOSITORY, check_output_dir
+from export.quantize import ALGOS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, HEAD_DTYPES, QUANT_BITS, QuantConfig
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "models" / "zoo" / "internal-taper"
 
@@ -34,6 +39,22 @@ def _parser() -> ArgumentParser:
                     help="output directory (default: build/<checkpoint name>/); replaced only if it is an earlier build")
     ap.add_argument("--fuse", action="store_true", help="also fold norms/scales into weights (model.fused.onnx)")
     ap.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
+    ap.add_argument("--attention", choices=("plain", "fused"), default="plain",
+                    help="plain: attention as MatMul/Softmax/... ops (portable, default); fused: one ONNX "
+                         "Attention op per layer (opset 24; ONNX Runtime runs it as one kernel)")
+    ap.add_argument("--quantize", choices=tuple(QUANT_BITS), default=None,
+                    help="with --fuse: also write model.<int8|int4>.onnx, the folded weights quantized "
+                         "(weight-only, ONNX Runtime MatMulNBits)")
+    ap.add_argument("--block-size", type=int_in(16, 4096), default=DEFAULT_BLOCK_SIZE,
+                    help=f"--quantize: weights per scale, a power of 2 (default {DEFAULT_BLOCK_SIZE})")
+    ap.add_argument("--accuracy-level", type=int_in(0, 4), default=DEFAULT_ACCURACY_LEVEL,
+                    help=f"--quantize: MatMulNBits compute type: 0 default, 1 fp32, 2 fp16, 3 bf16, 4 int8 "
+                         f"(default {DEFAULT_ACCURACY_LEVEL})")
+    ap.add_argument("--algo", choices=ALGOS, default="rtn",
+                    help="--quantize: rtn (round to nearest, default) or hqq (int4 only)")
+    ap.add_argument("--head", choices=HEAD_DTYPES, default=None,
+                    help="--quantize: the LM head's weight dtype (default: the --quantize dtype); "
+                         "--quantize int4 --head int8 keeps top-1 agreement higher for more bytes per token")
     ap.add_argument("--triton-repo", type=Path, default=None,
                     help="also write a Triton model repository for the build (python -m runtime.triton repo)")
     return ap
@@ -41,6 +62,7 @@ def _parser() -> ArgumentParser:
 
 def run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    quantize = _quant_config(args)
     ckpt = args.checkpoint
     out = args.out if args.out is not None else Path("build") / ckpt.resolve().name
     if not ckpt.is_dir():
@@ -51,12 +73,26 @@ def run(argv: list[str]) -> int:
     check_output_dir(out, BUILD, inputs=[ckpt])
     if args.triton_repo is not None:        # refuse before an export that would be wasted
         check_output_dir(args.triton_repo, TRITON_REPOSITORY, inputs=[ckpt, out])
-    from export.pipeline import build
-    build(ckpt, out, args.fuse, args.dtype)
+    from export.pipeline import build, check_quantize
+    check_quantize(quantize, args.fuse, args.dtype)
+    build(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=args.attention)
     if args.triton_repo is not None:
         cmd = [sys.executable, "-m", "runtime.triton", "repo", "--build", str(out), "--out", str(args.triton_repo)]
         return subprocess.run(cmd).returncode      # its own one-line error, if any; the build stays
     return 0
+
+
+def _quant_config(args) -> QuantConfig | None:
+    """--quantize and its options; the options alone are a usage error (they would do nothing)."""
+    if args.quantize is None:
+        given = [o for o, v, d in (("--block-size", args.block_size, DEFAULT_BLOCK_SIZE),
+                                   ("--accuracy-level", args.accuracy_level, DEFAULT_ACCURACY_LEVEL),
+                                   ("--algo", args.algo, "rtn"), ("--head", args.head, None)) if v != d]
+        if given:
+            raise UsageError(f"{', '.join(given)}: expected --quantize int8|int4 with it, found none; "
+                             "add --quantize int4 (or drop the option)")
+        return None
+    return QuantConfig(args.quantize, args.block_size, args.accuracy_level, args.algo, args.head)
 
 
 def main(argv=None) -> int:

@@ -40,8 +40,16 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 META_PREFIX = "tapernorm."
 
 
+ATTENTION = ("plain", "fused")     # plain ops (portable) | one opset-24 Attention op per layer
+
+
 def cache_write_onnx(cache, update, pos):
     return op.TensorScatter(cache, update, pos, axis=-2)
+
+
+def attention_onnx(q, k, v, mask):
+    """models/attention.py's op: softmax(q k^T / sqrt(D) where mask) v, ONNX's default scale."""
+    return op.Attention(q, k, v, mask)[0]      # Y; the optional present / qk outputs are dropped below
 
 
 def io_names(n_layer: int) -> tuple[list[str], list[str]]:
@@ -116,10 +124,25 @@ def explicit_squeeze_axes(proto: onnx.ModelProto) -> int:
     return changed
 
 
-def export_onnx(model: Decoder, path: str | Path, dtype: str = "fp32", verbose: bool = False) -> onnx.ModelProto:
-    """Export `model` (not modified) to `path` and return the ONNX model."""
+def _drop_unused_outputs(proto: onnx.ModelProto, op_type: str) -> None:
+    """Trailing optional outputs nothing reads are removed, so the kernel does not compute
+    them (Attention's present_key / present_value would copy the whole cache each step)."""
+    used = {i for n in proto.graph.node for i in n.input} | {o.name for o in proto.graph.output}
+    for n in proto.graph.node:
+        if n.op_type == op_type:
+            while len(n.output) > 1 and n.output[-1] not in used:
+                n.output.pop()
+
+
+def export_onnx(model: Decoder, path: str | Path, dtype: str = "fp32", verbose: bool = False,
+                attention: str = "plain") -> onnx.ModelProto:
+    """Export `model` (not modified) to `path` and return the ONNX model. attention: "plain"
+    (the portable form) or "fused" (one ONNX Attention op per layer, models/attention.py)."""
+    from models.attention import fused_attention_export
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; expected one of {', '.join(DTYPES)}")
+    if attention not in ATTENTION:
+        raise ValueError(f"attention {attention!r}; expected one of {', '.join(ATTENTION)}")
     model = model.eval()
     torch_dtype = DTYPES[dtype]
     if torch_dtype != torch.float32:
@@ -132,16 +155,19 @@ def export_onnx(model: Decoder, path: str | Path, dtype: str = "fp32", verbose: 
     in_names, out_names = io_names(model.cfg.n_layer)
     # the exporter prints its own progress lines; keep them unless asked
     quiet = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())
-    with warnings.catch_warnings(), quiet:
+    fused = fused_attention_export() if attention == "fused" else contextlib.nullcontext()
+    with warnings.catch_warnings(), quiet, fused:
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             _DecodeStep(model), inputs, dynamo=True, opset_version=OPSET,
             dynamic_shapes=dynamic_shapes, input_names=in_names, output_names=out_names,
-            custom_translation_table={torch.ops.tapernorm.cache_write.default: cache_write_onnx},
+            custom_translation_table={torch.ops.tapernorm.cache_write.default: cache_write_onnx,
+                                      torch.ops.tapernorm.attention.default: attention_onnx},
             verbose=verbose)
     proto = program.model_proto
     explicit_squeeze_axes(proto)
-    for k, v in model_metadata(model, dtype).items():
+    _drop_unused_outputs(proto, "Attention")
+    for k, v in {**model_metadata(model, dtype), META_PREFIX + "attention": attention}.items():
         proto.metadata_props.add(key=k, value=v)
     onnx.save(proto, str(path))
     return proto

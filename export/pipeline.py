@@ -1,7 +1,8 @@
 """The build pipeline behind `python -m export.build`, in named stages with a typed report.
 
     load_checkpoint_stage ─▶ export_stage ─▶ verify_stage(model.onnx vs torch)
-        ─▶ [fuse_stage ─▶ verify_stage(model.fused.onnx vs torch and vs model.onnx)] ─▶ write_stage
+        ─▶ [fuse_stage ─▶ verify_stage(model.fused.onnx vs torch and vs model.onnx)
+            ─▶ [quantize_stage ─▶ verify_quantized(model.<int8|int4>.onnx vs model.fused.onnx)]] ─▶ write_stage
 
 Each stage takes what the previous ones produced (objects and paths, nothing is
 recomputed) and records its time in the BuildReport. The whole build writes into a
@@ -19,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from core.errors import UserError
 from core.outputs import BUILD, check_output_dir, output_dir, sign_onnx
 
@@ -26,6 +29,7 @@ NORM_OPS = ("RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalizat
 REAL_TEXT = ("Once upon a time there was a little girl named Lily. She loved to play in the garden "
              "with her red ball, and one day she saw a big dog under the tall tree.")
 UNFUSED, FUSED, REPORT = "model.onnx", "model.fused.onnx", "report.json"
+PROTOBUF_LIMIT = 2_000_000_000 - (64 << 20)   # bytes of weights above which a graph goes to external data
 
 
 class BuildError(UserError):
@@ -60,6 +64,7 @@ class BuildReport:
     out: str
     dtype: str
     fuse: bool
+    attention: str = "plain"                # plain ops | fused (one ONNX Attention op per layer)
     model: ModelSummary | None = None
     files: list[str] = field(default_factory=list)
     op_counts: dict[str, dict[str, int]] = field(default_factory=dict)      # unfused / fused -> op -> count
@@ -72,6 +77,7 @@ class BuildReport:
     max_abs_diff: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # pair -> session -> output
     timings_s: dict[str, float] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
+    quantized: dict = field(default_factory=dict)      # --quantize: what was quantized, tolerance, drift
 
     @property
     def norm_ops(self) -> dict[str, int]:
@@ -135,11 +141,11 @@ def load_checkpoint_stage(checkpoint: Path, fuse: bool, dtype: str) -> Loaded:
     return Loaded(model, reference, ids or None)
 
 
-def export_stage(loaded: Loaded, path: Path, dtype: str):
+def export_stage(loaded: Loaded, path: Path, dtype: str, attention: str = "plain"):
     import logging
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     from export.onnx_export import export_onnx
-    return export_onnx(loaded.model, path, dtype)
+    return export_onnx(loaded.model, path, dtype, attention=attention)
 
 
 class Verifier:
@@ -158,11 +164,12 @@ class Verifier:
         sess = ort_session(proto)
         return [run_onnx(sess, self.iface, steps) for _, steps in self.sessions]
 
-    def compare(self, ref_runs, runs, what: str) -> dict:
-        """session label -> output -> max abs diff; raises VerificationError on any mismatch."""
+    def compare(self, ref_runs, runs, what: str, tolerance: str | None = None) -> dict:
+        """session label -> output -> max abs diff; raises VerificationError on any mismatch.
+        `tolerance`: the export.verify ATOL / SCALE_TOL entry (default: the graph's dtype)."""
         from export.verify import compare_sessions
         results = compare_sessions([(label, ref, got) for (label, _), ref, got in zip(self.sessions, ref_runs, runs)],
-                                   self.iface.dtype, what)
+                                   tolerance or self.iface.dtype, what)
         return {c.what: c.max_abs_diff for c in results}
 
 
@@ -182,6 +189,53 @@ def fuse_stage(proto, report: BuildReport):
         why = "; ".join(report.notes) or "no matching pattern"
         raise BuildError(f"{', '.join(leftover)}: TaperNorm left unfolded ({why})")
     return fused
+
+
+def quantize_stage(fused, cfg, path: Path, report: BuildReport):
+    """Quantize the folded fp32 graph's weights (export/quantize.py) and write it to `path`."""
+    from export.quantize import quantize_weights
+    quantized, summary = quantize_weights(fused, cfg)
+    save_onnx(sign_onnx(quantized), path)
+    report.quantized = {"file": path.name, **asdict(summary)}
+    _graph_stats(report, cfg.dtype, quantized)
+    return quantized
+
+
+def verify_quantized(verifier: "Verifier", loaded: Loaded, fused, fused_runs, quantized, cfg, report: BuildReport) -> None:
+    """The quantized graph against the fp32 fused graph: every output within the dtype's
+    tolerance (export.verify), logits drift, and top-1 agreement over a greedy run on real text;
+    an agreement below MIN_TOP1[dtype] fails the build."""
+    from export.quantize import GREEDY_TOKENS, MIN_TOP1, fit_prompt, logits_diff, top1_agreement
+    from export.verify import ATOL, SCALE_TOL, VerificationError, ort_session
+    runs = verifier.run(quantized)
+    key = f"{cfg.dtype}_vs_fused"
+    report.max_abs_diff[key] = verifier.compare(fused_runs, runs, f"{cfg.file_name()} vs {FUSED}", cfg.dtype)
+    worst_logits, mean_logits, ref_scale = logits_diff(fused_runs, runs)
+    text = "real text" if loaded.tokens else "random tokens"
+    prompt = loaded.tokens or [int(t) for t in np.random.default_rng(0).integers(0, verifier.iface.vocab_size, 16)]
+    prompt = fit_prompt(prompt, verifier.iface, GREEDY_TOKENS)
+    agree, n = top1_agreement(ort_session(fused), ort_session(quantized), verifier.iface, prompt, GREEDY_TOKENS)
+    report.quantized["tolerance"] = {"atol": ATOL[cfg.dtype], "scale_tol": SCALE_TOL[cfg.dtype],
+                                     "min_top1": MIN_TOP1[cfg.dtype]}
+    report.quantized["drift"] = {"logits_max_abs_diff": worst_logits, "logits_mean_abs_diff": mean_logits,
+                                 "logits_max_abs_fused": ref_scale, "top1_agreement": agree,
+                                 "top1_positions": n, "top1_prompt": f"{text}, {len(prompt)} tokens"}
+    if agree < MIN_TOP1[cfg.dtype]:
+        raise VerificationError(f"{cfg.file_name()} vs {FUSED}", [
+            f"top-1 agreement {agree:.3f} over {n} greedy tokens < {MIN_TOP1[cfg.dtype]} (the {cfg.dtype} floor); "
+            "try --head int8, --block-size 16, --algo hqq, or int8"])
+
+
+def save_onnx(proto, path: Path) -> None:
+    """onnx.save, with the weights in one external file (path + '.data') when the model would
+    pass protobuf's 2 GB limit."""
+    import onnx
+    from export.quantize import initializer_bytes
+    if initializer_bytes(proto) < PROTOBUF_LIMIT:
+        onnx.save(proto, str(path))
+    else:
+        onnx.save(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=path.name + ".data")
 
 
 def _norm_layers(proto) -> list[str]:
@@ -219,15 +273,20 @@ def _versions() -> dict:
 
 # --- the driver ----------------------------------------------------------------------------------
 
-def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=print) -> BuildReport:
-    """Run every stage; returns the report (also written to OUT/report.json)."""
+def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=print, quantize=None,
+          attention: str = "plain") -> BuildReport:
+    """Run every stage; returns the report (also written to OUT/report.json).
+    `attention`: "plain" ops (portable) or "fused" (one ONNX Attention op per layer).
+    `quantize`: an export.quantize.QuantConfig (needs fuse and fp32): also model.<int8|int4>.onnx."""
     import onnx
     from export.verify import ATOL, SCALE_TOL, VerificationError, interface_mismatches, read_interface
     checkpoint, out = Path(checkpoint), Path(out)
     check_output_dir(out, BUILD, inputs=[checkpoint])
+    check_quantize(quantize, fuse, dtype)
     t_start = time.perf_counter()
-    report = BuildReport(str(checkpoint), str(out), dtype, fuse, atol=ATOL[dtype], scale_tol=SCALE_TOL[dtype])
-    stages = Stages(report, 6 if fuse else 4, log)
+    report = BuildReport(str(checkpoint), str(out), dtype, fuse, atol=ATOL[dtype], scale_tol=SCALE_TOL[dtype],
+                         attention=attention)
+    stages = Stages(report, (6 if fuse else 4) + (2 if quantize else 0), log)
 
     t0 = time.perf_counter()          # announced once loaded and checked: a refusal prints only its error line
     loaded = load_checkpoint_stage(checkpoint, fuse, dtype)
@@ -240,8 +299,8 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
                 f"{model.num_params():,} params, gate {'-' if gate is None else gate}")
 
     with output_dir(out, BUILD, inputs=[checkpoint]) as tmp:
-        t0 = stages.start(f"export {dtype} ONNX (opset 24, KV cache via TensorScatter)")
-        proto = export_stage(loaded, tmp / UNFUSED, dtype)
+        t0 = stages.start(f"export {dtype} ONNX (opset 24, KV cache via TensorScatter, {attention} attention)")
+        proto = export_stage(loaded, tmp / UNFUSED, dtype, attention)
         _graph_stats(report, "unfused", proto)
         stages.done("export", t0, f": {len(proto.graph.node)} nodes")
 
@@ -271,6 +330,21 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
             stages.done("verify_fused", t0, f": max |d logits| vs torch "
                         f"{worst(report.max_abs_diff['fused_vs_torch'], 'logits'):.3g}")
 
+            if quantize is not None:
+                q = quantize
+                t0 = stages.start(f"quantize {q.dtype} weights ({q.algo}, block {q.block_size}, accuracy level "
+                                  f"{q.accuracy_level}): {FUSED} -> {q.file_name()}")
+                quantized = quantize_stage(fused, q, tmp / q.file_name(), report)
+                stages.done("quantize", t0, f": {report.quantized['matmuls_quantized']} MatMul(s), "
+                            f"{report.quantized['gathers_quantized']} Gather(s); weights "
+                            f"{report.quantized['weight_bytes_before'] / 1e6:.1f} -> "
+                            f"{report.quantized['weight_bytes_after'] / 1e6:.1f} MB")
+                t0 = stages.start(f"verify {q.file_name()} vs {FUSED} (tolerance per dtype; top-1 over greedy tokens)")
+                verify_quantized(verifier, loaded, fused, fused_runs, quantized, q, report)
+                d = report.quantized["drift"]
+                stages.done("verify_quantized", t0, f": max |d logits| {d['logits_max_abs_diff']:.3g}, top-1 "
+                            f"{d['top1_agreement']:.1%} over {d['top1_positions']} tokens")
+
         t0 = stages.start(f"write {out}")
         from models.checkpoint import CONFIG, TOKENIZER
         shutil.copyfile(checkpoint / CONFIG, tmp / CONFIG)
@@ -282,6 +356,20 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
     stages.done("write", t0)
     summary(report, log)
     return report
+
+
+def check_quantize(quantize, fuse: bool, dtype: str) -> None:
+    """--quantize quantizes the folded fp32 graph: refuse other combinations before any work."""
+    if quantize is None:
+        return
+    from core.errors import UsageError
+    if not fuse:
+        raise UsageError(f"--quantize {quantize.dtype}: expected --fuse too (the folded graph is what gets quantized); "
+                         "add --fuse")
+    if dtype != "fp32":
+        raise UsageError(f"--quantize {quantize.dtype}: expected --dtype fp32 (weights are quantized from fp32), "
+                         f"found --dtype {dtype}; drop --dtype")
+    quantize.validate()
 
 
 def summary(r: BuildReport, log) -> None:
@@ -301,6 +389,15 @@ def summary(r: BuildReport, log) -> None:
         log(f"  folded   {len(r.folded)} layer(s): " + ", ".join(f"{p} {n}" for p, n in by_pass.items()))
     for key, per in r.max_abs_diff.items():
         tol = f"atol {r.atol:g}" + (f" + {r.scale_tol:g} x max|ref|" if r.scale_tol else "")
+        if r.quantized and key.endswith("_vs_fused"):
+            t = r.quantized["tolerance"]
+            tol = f"atol {t['atol']:g} + {t['scale_tol']:g} x max|ref|"
         log(f"  {key:17s} max |d logits| {worst(per, 'logits'):.3g}, all outputs {worst(per):.3g} ({tol})")
+    if r.quantized:
+        q, d = r.quantized, r.quantized["drift"]
+        log(f"  {q['file']}: {q['matmuls_quantized']} MatMulNBits, {q['gathers_quantized']} GatherBlockQuantized, "
+            f"weights {q['weight_bytes_after'] / 1e6:.1f} MB (fp32 {q['weight_bytes_before'] / 1e6:.1f} MB); "
+            f"logits max |d| {d['logits_max_abs_diff']:.3g}, mean {d['logits_mean_abs_diff']:.3g}; "
+            f"top-1 agreement {d['top1_agreement']:.1%} over {d['top1_positions']} greedy tokens")
     if r.trt_lint:
         log(f"  trt_lint {len(r.trt_lint)} issue(s): {r.trt_lint[0]}" + (" ..." if len(r.trt_lint) > 1 else ""))

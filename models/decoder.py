@@ -10,13 +10,13 @@ positions (prompts of different lengths need no attention-mask input).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.attention import attend
 from models.kv_cache import KVCacheLayout, write_cache
 from models.norms import DyT, LayerNorm, NORM_KINDS, RMSNorm, TaperGate, TaperNorm
 
@@ -116,9 +116,7 @@ class Attention(nn.Module):
             k = write_cache(cache[0], k, position)   # [B, H, S_max, D]
             v = write_cache(cache[1], v, position)
             cache = (k, v)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # [B, H, T, S]
-        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(x.shape)
+        y = attend(q, k, v, mask).transpose(1, 2).reshape(x.shape)       # models/attention.py
         return self.out_proj(y), cache
 
 

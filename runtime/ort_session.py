@@ -126,6 +126,7 @@ class OrtSession(DecoderSession):
         self._ids = np.zeros((batch, 1), np.int64)                                             # [B, 1]
         self._pos = np.zeros(batch, np.int64)                                                  # [B]
         self._logits = np.zeros((batch, 1, spec.vocab_size), self._logits_dtype)               # [B, 1, V]
+        self._logits_row = self._logits[:, 0]            # [B, V] view, returned by every CPU decode step
         if dev == "cpu":
             self._ids_ov = ort.OrtValue.ortvalue_from_numpy(self._ids)
             self._pos_ov = ort.OrtValue.ortvalue_from_numpy(self._pos)
@@ -171,7 +172,7 @@ class OrtSession(DecoderSession):
             self._ids[:, 0] = tokens          # the bound OrtValues wrap these arrays
             self._pos[:] = position
             self.session.run_with_iobinding(self.binding, self._run_options)
-            return self._logits[:, 0]
+            return self._logits_row
         self._ids[:, 0] = tokens
         self._pos[:] = position
         self._ids_ov.update_inplace(self._ids)

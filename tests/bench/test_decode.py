@@ -6,7 +6,8 @@ import torch
 
 from bench.decode import timed_rounds
 from bench.runners import Timing, ort_norm_share
-from bench.variants import VARIANTS, capacity_for, fold_norms, naive_rmsnorm, torch_variant, weight_bytes_torch
+from bench.variants import VARIANTS, capacity_for, naive_rmsnorm, torch_variant, weight_bytes_torch
+from models.fold import fold_norms
 from tests.helpers import random_model
 
 
@@ -67,26 +68,6 @@ def test_capacity_is_rounded_up():
     assert capacity_for(16, 16) == 32
 
 
-@pytest.mark.parametrize("kind", [dict(norm="rmsnorm"), dict(norm="taper", taper_scope="internal"),
-                                  dict(norm="taper", taper_scope="all"), dict(norm="dyt"),
-                                  dict(norm="layernorm")])
-def test_torch_fold_keeps_logits(kind):
-    gate = 0.0 if kind["norm"] == "taper" else None
-    model = random_model(seed=3, gate=gate, **kind)
-    ids = torch.randint(0, model.cfg.vocab_size, (2, 7))
-    with torch.no_grad():
-        ref = model(ids)
-        folded = fold_norms(model)
-        got = folded(ids)
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)        # fp32 reassociation only
-    assert not any(type(m).__name__ in ("TaperNorm", "RMSNorm", "DyT") for m in folded.modules())
-    assert model(ids).shape == ref.shape                               # the original is left alone
-    cache = folded.cfg.cache_layout().allocate(2)
-    with torch.no_grad():
-        step, _ = folded(ids, torch.zeros(2, dtype=torch.long), cache)
-    torch.testing.assert_close(step, ref, atol=1e-5, rtol=1e-4)
-
-
 def test_naive_rmsnorm_matches_and_variants_map():
     model = random_model(seed=1, norm="rmsnorm")
     ids = torch.randint(0, model.cfg.vocab_size, (1, 5))
@@ -112,3 +93,49 @@ def test_read_bandwidth_reports_every_kernel_and_the_best():
     bw = read_bandwidth(gib=0.01, repeats=2, threads=2)
     assert set(bw) == {"max_1thread", "max_2threads", "gemv_blas", "best"}
     assert bw["best"] == max(v for k, v in bw.items() if k != "best") > 0
+
+
+def test_genai_peer_is_skipped_with_a_reason_when_not_installed(monkeypatch):
+    import importlib.util
+    from bench import genai
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m == "onnxruntime_genai" else real(m, *a))
+    assert genai.genai_status() == "onnxruntime-genai is not installed (pip install onnxruntime-genai)"
+
+
+def test_genai_llama_has_our_weight_bytes():
+    """Three d x h Llama MLP matrices hold about the bytes of our two d x 4d ones (within 3 %)."""
+    from bench.genai import llama_mlp_hidden
+    for d in (128, 384, 768):
+        assert abs(3 * d * llama_mlp_hidden(d) - 8 * d * d) / (8 * d * d) < 0.03
+        assert llama_mlp_hidden(d) % 8 == 0
+
+
+def test_quantized_runner_names():
+    from bench.variants import quantized_name, split_name
+    assert quantized_name("rmsnorm-strong", "int4") == "rmsnorm-strong.int4"
+    assert quantized_name("rmsnorm-strong", "fp32") == "rmsnorm-strong"
+    assert split_name("internal-taper-fused.int8") == ("internal-taper-fused", "int8")
+    assert split_name("dyt") == ("dyt", "fp32")
+
+
+def test_quantized_bench_graphs_are_verified_against_fp32_and_old_cache_entries_once(tmp_path):
+    """bench's int8 graph passes export.verify with the int8 tolerance (the figure is kept in its
+    metadata); a cached entry from before verification is verified on reuse."""
+    import json
+    from bench.variants import build_onnx
+    from export.verify import ATOL, SCALE_TOL
+    lines = []
+    info = build_onnx("1M", ["rmsnorm-strong"], 32, tmp_path, log=lines.append, dtypes=("fp32", "int8"))
+    v = info["rmsnorm-strong.int8"]["verified"]
+    assert v["tolerance"] == {"dtype": "int8", "atol": ATOL["int8"], "scale_tol": SCALE_TOL["int8"]}
+    assert 0 < v["logits_max_abs_diff"] <= v["logits_tolerance"]
+    assert any("verified vs fp32 (int8 tolerance)" in line for line in lines)
+    meta = next(tmp_path.glob("*rmsnorm-strong.int8*.json"))
+    old = json.loads(meta.read_text())
+    del old["verified"]
+    meta.write_text(json.dumps(old))
+    lines.clear()
+    again = build_onnx("1M", ["rmsnorm-strong"], 32, tmp_path, log=lines.append, dtypes=("fp32", "int8"))
+    assert again["rmsnorm-strong.int8"]["verified"]["logits_max_abs_diff"] == pytest.approx(v["logits_max_abs_diff"])
+    assert [line for line in lines if "verified" in line] and "verified" in json.loads(meta.read_text())

@@ -25,6 +25,7 @@ COMMANDS = {
     "bench.decode": "bench.decode",
     "bench.report": "bench.report",
     "bench.gpu_decode": "bench.gpu_decode",
+    "bench.quant_quality": "bench.quant_quality",
     "train": "train.__main__",
     "train.screen_dyt": "train.screen_dyt",
     "train.report": "train.report",

@@ -110,7 +110,7 @@ def test_interrupted_build_leaves_nothing(ckpts, tmp_path, monkeypatch):
     (out / "model.onnx").write_text("previous build")
     write_marker(out, BUILD)                                                 # an earlier build of ours
 
-    def interrupted_export(model, path, dtype="fp32"):
+    def interrupted_export(model, path, dtype="fp32", **options):
         Path(path).write_bytes(b"half a model")     # a partial file in the temp dir, then Ctrl-C
         raise KeyboardInterrupt
     monkeypatch.setattr("export.onnx_export.export_onnx", interrupted_export)

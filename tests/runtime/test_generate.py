@@ -4,10 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.generate import GenerationConfig, check_capacity, generate, pad_right
+from core.contract import DecodeContract
+from runtime.generate import GenerationConfig, GenerationResult, check_capacity, decode_n_tokens, generate, pad_right
 from runtime.ort_session import OrtSession
 from runtime.sampling import SamplingConfig
-from runtime.session import CapacityError
+from runtime.session import CapacityError, DecoderSession
 from runtime.torch_session import TorchSession
 from tests.runtime.greedy import compare_greedy
 
@@ -89,3 +90,61 @@ def test_generate_fills_the_cache_exactly(tiny):
         cap = s.spec.capacity
         r = generate(s, [[1, 2, 3]], GenerationConfig(max_new_tokens=cap - 3))
     assert len(r.tokens[0]) == cap - 3
+
+
+class ScriptedSession(DecoderSession):
+    """A session without a model: sequence b emits script[b][k] at its k-th new token
+    (prefill picks script[b][0]), so stop handling can be checked token by token."""
+    backend = "scripted"
+
+    def __init__(self, script: list[list[int]], vocab: int = 16, capacity: int = 64):
+        super().__init__()
+        self.script, self.vocab, self.capacity = script, vocab, capacity
+
+    def _activate(self):
+        self.spec = DecodeContract(n_layer=1, n_kv_head=1, head_dim=1, capacity=self.capacity, vocab_size=self.vocab)
+
+    def _deactivate(self):
+        pass
+
+    def _allocate(self, batch):
+        self.calls = 0
+
+    def _logits_for(self, k):
+        out = np.zeros((len(self.script), self.vocab), np.float32)                            # [B, V]
+        for b, s in enumerate(self.script):
+            out[b, s[min(k, len(s) - 1)]] = 1.0
+        return out
+
+    def _run_prefill(self, ids, position):
+        self.calls = 0
+        return np.repeat(self._logits_for(0)[:, None], ids.shape[1], axis=1)                   # [B, T, V]
+
+    def _run_decode(self, tokens, position):
+        self.calls += 1
+        return self._logits_for(self.calls)
+
+
+def test_stop_tokens_token_by_token():
+    """The first new token may itself stop a sequence; each sequence keeps its stop token and
+    nothing after it; the loop ends as soon as every sequence has stopped."""
+    script = [[9, 9, 9, 9, 9, 9], [1, 9, 9, 9, 9, 9], [3, 4, 1, 5, 5, 5], [3, 4, 5, 6, 7, 1]]
+    with ScriptedSession(script) as s:
+        r = generate(s, [[2], [2, 3], [4], [5]], GenerationConfig(max_new_tokens=6, stop_tokens=(1,)))
+        assert r.tokens == [[9, 9, 9, 9, 9, 9], [1], [3, 4, 1], [3, 4, 5, 6, 7, 1]]
+        r = generate(s, [[2], [2, 3], [4], [5]], GenerationConfig(max_new_tokens=4, stop_tokens=(1, 4)))
+        assert r.tokens == [[9, 9, 9, 9], [1], [3, 4], [3, 4]]
+        assert len(r.step_s) == 3
+        script[0][:] = [1] * 6            # every sequence stops by step 2: the loop ends there
+        r = generate(s, [[2], [2, 3], [4], [5]], GenerationConfig(max_new_tokens=6, stop_tokens=(1, 4)))
+        assert r.tokens == [[1], [1], [3, 4], [3, 4]] and len(r.step_s) == 1 and s.calls == 1
+
+
+def test_decode_run_is_checked_once_up_front():
+    """decode_n_tokens checks the whole run's positions before the first step."""
+    with ScriptedSession([[3] * 8]) as s:
+        s.reset(1)
+        result = GenerationResult(tokens=[[3]], prompt_lengths=[60], ttft_s=0.0, step_s=[], total_s=0.0)
+        with pytest.raises(CapacityError, match="capacity"):
+            decode_n_tokens(s, np.array([3]), np.array([60]), 6, GenerationConfig(), np.random.default_rng(0), result)
+        assert s.calls == 0 and result.tokens == [[3]]

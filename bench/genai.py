@@ -1,0 +1,133 @@
+"""The ONNX Runtime GenAI peer: an equal-shape random-init Llama, built by GenAI's own model
+builder, generated with GenAI's C++ loop.
+
+    python -m onnxruntime_genai.models.builder -i HF_DIR -o OUT -p fp32|int4 -e cpu
+
+HF_DIR is a transformers LlamaForCausalLM with our size's d_model, layers, heads and vocab,
+a tied head, and an MLP hidden size of 8 d / 3 (rounded up to a multiple of 8) so that its
+three MLP matrices hold the bytes of our two 4 d ones: the same weight bytes per token within
+a few percent (RoPE instead of a position table, no biases). Random init (seeded): speed
+does not depend on the values. The builder gives GroupQueryAttention (past and present
+share one buffer), SkipSimplifiedLayerNormalization and, for int4, MatMulNBits (block 32,
+accuracy level 4) with the tied embedding as GatherBlockQuantized over the head's weights.
+
+onnxruntime-genai and onnx_ir are optional (`pip install onnxruntime-genai`): without them
+bench.decode skips the peer and says why.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.runners import Runner, Timing
+
+PRECISIONS = ("fp32", "int4")      # what the builder's -p takes that we compare (int8 is not a CPU option)
+TOKENIZER = Path(__file__).resolve().parent.parent / "train" / "data" / "tokenizer.json"
+
+
+def genai_status() -> str | None:
+    """None when the GenAI peer can run here, else why not."""
+    for mod, pkg in (("onnxruntime_genai", "onnxruntime-genai"), ("onnx_ir", "onnx-ir"), ("transformers", "transformers")):
+        if importlib.util.find_spec(mod) is None:
+            return f"{pkg} is not installed (pip install {pkg})"
+    return None
+
+
+def llama_mlp_hidden(d_model: int) -> int:
+    """8 d / 3 rounded up to a multiple of 8: three d x h matrices ~ two d x 4d ones."""
+    return -(-(8 * d_model // 3) // 8) * 8
+
+
+def write_llama(shape: dict, capacity: int, out: Path, seed: int = 0) -> Path:
+    """A random-init transformers Llama folder of our size's shape, with a tokenizer."""
+    import torch
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    transformers.logging.set_verbosity_error()
+    d = shape["d_model"]
+    cfg = LlamaConfig(vocab_size=shape["vocab_size"], hidden_size=d, intermediate_size=llama_mlp_hidden(d),
+                      num_hidden_layers=shape["n_layer"], num_attention_heads=shape["n_head"],
+                      num_key_value_heads=shape["n_head"], max_position_embeddings=capacity,
+                      tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(cfg).eval().save_pretrained(out)
+    PreTrainedTokenizerFast(tokenizer_file=str(TOKENIZER), eos_token="<|endoftext|>",
+                            bos_token="<|endoftext|>").save_pretrained(out)
+    return out
+
+
+def build_genai(size: str, shape: dict, capacity: int, precision: str, cache: Path, seed: int = 0, log=print) -> dict:
+    """The GenAI build of this size and precision in `cache` (reused when present); its info."""
+    from bench.variants import onnx_weight_bytes
+    out = cache / f"genai-{size}-cap{capacity}-{precision}-seed{seed}"
+    info_path = out.with_suffix(".json")
+    if info_path.is_file() and (out / "genai_config.json").is_file():
+        return json.loads(info_path.read_text())
+    t0 = time.perf_counter()
+    hf = write_llama(shape, capacity, cache / f"hf-llama-{size}-cap{capacity}-seed{seed}", seed)
+    tmp = out.with_name(out.name + ".tmp")
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(tmp),
+           "-p", precision, "-e", "cpu", "-c", str(cache / "genai-hf-cache")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not (tmp / "genai_config.json").is_file():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"GenAI builder failed for {size} {precision}: {tail[0][:300]}")
+    tmp.replace(out)
+    import onnx
+    proto = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    from collections import Counter
+    info = {"path": str(out), "precision": precision, "weight_bytes": onnx_weight_bytes(proto),
+            "source": f"random:seed{seed} (transformers LlamaForCausalLM, MLP hidden {llama_mlp_hidden(shape['d_model'])})",
+            "op_counts": dict(sorted(Counter(n.op_type for n in proto.graph.node).items())),
+            "build_s": round(time.perf_counter() - t0, 2), "command": " ".join(cmd[1:])}
+    info_path.write_text(json.dumps(info, indent=1))
+    log(f"  built {size} genai-{precision}: {len(proto.graph.node)} nodes in {info['build_s']:.1f} s")
+    return info
+
+
+class GenAIRunner(Runner):
+    """onnxruntime_genai: append_tokens(prompt), then generate_next_token until exactly n new
+    tokens (min_length = max_length: no early stop), greedy. Batch 1 only."""
+    kind = "peer"
+    max_batch = 1
+
+    def __init__(self, info: dict, threads: int):
+        self.name = f"genai-{info['precision']}"
+        self.path, self.threads, self.weight_bytes = info["path"], threads, info["weight_bytes"]
+        self.source = info["source"]
+
+    def _activate(self):
+        import onnxruntime_genai as og
+        cfg_path = Path(self.path) / "genai_config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["model"]["decoder"]["session_options"]["intra_op_num_threads"] = self.threads
+        cfg_path.write_text(json.dumps(cfg, indent=1))
+        self.og = og
+        self.model = og.Model(self.path)
+
+    def generate(self, prompts, n):
+        og = self.og
+        prompt = np.ascontiguousarray(prompts[0], np.int32)
+        params = og.GeneratorParams(self.model)
+        params.set_search_options(max_length=len(prompt) + n, min_length=len(prompt) + n, do_sample=False)
+        gen = og.Generator(self.model, params)
+        t0 = time.perf_counter()
+        gen.append_tokens(prompt)                    # the prefill
+        stamps = []
+        while not gen.is_done():
+            gen.generate_next_token()                # picks a token, runs the model on it
+            stamps.append(time.perf_counter())
+        total = stamps[-1] - t0
+        got = len(gen.get_sequence(0)) - len(prompt)
+        if got != n:
+            raise RuntimeError(f"GenAI generated {got} tokens, expected {n}")
+        return Timing(stamps[0] - t0, list(np.diff(stamps)), total)
+
+    def close(self):
+        self.model = None

@@ -1,0 +1,270 @@
+"""Weight-only int8 / int4 quantization of a built graph, after the fold, and the drift it causes.
+
+    model.fused.onnx (fp32) ──quantize_weights──▶ model.int4.onnx (or model.int8.onnx)
+
+        MatMul x @ W, W a constant [K, N]  ──▶  com.microsoft MatMulNBits: W in blocks of
+                                                block_size along K, one fp32 scale per block,
+                                                symmetric (no zero point)
+        Gather(E [V, d], input_ids)        ──▶  com.microsoft GatherBlockQuantized, int4 only
+                                                (ORT's quantizer quantizes Gather in 4 bits only)
+
+ONNX Runtime's own quantizer does the work (onnxruntime.quantization.matmul_nbits_quantizer,
+shared/design/METHOD.md "More checked facts"); this module picks what to quantize, records
+what it did and measures the result. The folded scales are in the weights by then, so the
+quantizer sees the weights the graph really multiplies by. MatMuls of two activations
+(attention) stay fp32, and so does the position table (one row read per token).
+
+Algorithms: rtn (round to nearest per block: DefaultWeightOnlyQuantConfig) and hqq
+(half-quadratic, int4, MatMul only). Both need no calibration data.
+
+Drift, measured by `measure_drift` against the fp32 graph the quantized one came from:
+logits max / mean abs diff on the verifier's sessions, and top-1 agreement over a greedy
+run on real text (the fp32 graph generates; both graphs then read the same tokens and
+the share of positions where their argmax agrees is reported).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import onnx
+
+from core.errors import UserError
+
+QUANT_BITS = {"int8": 8, "int4": 4}
+# --head: the LM head's own weight dtype (default: the --quantize dtype). On the 1M zoo the int4
+# head is most of int4's top-1 loss (baseline: 89.8% greedy agreement with every MatMul int4,
+# 96.9% with the head in int8, 96.9% with it fp32; bench.quant_quality), as llama.cpp's
+# mixed Q4 formats also keep the output matrix in more bits. It costs bytes per token: at
+# 124M the head is 38.6M of the 124M parameters.
+HEAD_DTYPES = ("int8", "int4", "fp32")
+ALGOS = ("rtn", "hqq")
+DEFAULT_BLOCK_SIZE = 32        # GenAI's CPU int4 default; MatMulNBits needs a power of 2 >= 16
+# MatMulNBits accuracy_level: the compute type of the CPU kernel. 4 = int8 activations with
+# fp32 accumulation (ORT's fastest CPU path, what GenAI's int4 CPU build uses); 0 = the
+# kernel's default (fp32), 1 fp32, 2 fp16, 3 bf16.
+DEFAULT_ACCURACY_LEVEL = 4
+ACCURACY_LEVELS = (0, 1, 2, 3, 4)
+GREEDY_TOKENS = 128            # length of the greedy run the top-1 agreement is taken over
+# The build fails when the quantized graph's greedy choices agree with the fp32 graph's less
+# often than this (teacher-forced, over GREEDY_TOKENS tokens). Measured on the 1M zoo models:
+# int8 98%, int4 ~90% (d_model 128 is small for 4 bits). A broken quantization (wrong axis
+# or block layout) agrees about as often as chance (~1/vocab); the floors sit far above that
+# and below what a working quantization of a small model gives.
+MIN_TOP1 = {"int8": 0.90, "int4": 0.70}
+META_KEY = "tapernorm.weight_quantization"   # JSON of the QuantConfig, on every quantized graph
+
+
+class QuantizeError(UserError):
+    """A quantization the build cannot do; one line for the user."""
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    dtype: str = "int4"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    accuracy_level: int = DEFAULT_ACCURACY_LEVEL
+    algo: str = "rtn"
+    head: str | None = None          # the LM head's weight dtype (None: dtype)
+
+    @property
+    def bits(self) -> int:
+        return QUANT_BITS[self.dtype]
+
+    @property
+    def head_dtype(self) -> str:
+        return self.head or self.dtype
+
+    def validate(self) -> None:
+        if self.dtype not in QUANT_BITS:
+            raise QuantizeError(f"--quantize {self.dtype!r}: expected one of {', '.join(QUANT_BITS)}; pass one")
+        b = self.block_size
+        if b < 16 or b & (b - 1):
+            raise QuantizeError(f"--block-size {b}: expected a power of 2 >= 16 (MatMulNBits blocks); e.g. 32")
+        if self.accuracy_level not in ACCURACY_LEVELS:
+            raise QuantizeError(f"--accuracy-level {self.accuracy_level}: expected one of 0..4; e.g. 4 (int8 compute)")
+        if self.algo not in ALGOS:
+            raise QuantizeError(f"--algo {self.algo!r}: expected one of {', '.join(ALGOS)}; pass one")
+        if self.head is not None and self.head not in HEAD_DTYPES:
+            raise QuantizeError(f"--head {self.head!r}: expected one of {', '.join(HEAD_DTYPES)}; e.g. --head int8")
+        if self.algo == "hqq" and self.dtype != "int4":
+            raise QuantizeError(f"--algo hqq: expected --quantize int4 (ONNX Runtime's HQQ is 4-bit only), "
+                                f"found {self.dtype}; use --algo rtn for {self.dtype}")
+
+    def file_name(self) -> str:
+        return f"model.{self.dtype}.onnx"
+
+
+@dataclass
+class QuantSummary:
+    """What quantize_weights did (part of the build report)."""
+    config: dict
+    matmuls_quantized: int = 0
+    matmuls_left: int = 0            # MatMuls of two activations (attention), kept fp32
+    gathers_quantized: int = 0
+    head: str = ""                   # the LM head MatMul's weight dtype in the written graph
+    weight_bytes_before: int = 0     # initializer bytes
+    weight_bytes_after: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+def quantized_config(proto: onnx.ModelProto) -> QuantConfig | None:
+    """The QuantConfig a graph was quantized with (its metadata), None for a float graph."""
+    for p in proto.metadata_props:
+        if p.key == META_KEY:
+            return QuantConfig(**json.loads(p.value))
+    return None
+
+
+def initializer_bytes(proto: onnx.ModelProto) -> int:
+    from onnx.helper import tensor_dtype_to_np_dtype
+    return sum(int(np.prod(t.dims, dtype=np.int64)) * tensor_dtype_to_np_dtype(t.data_type).itemsize
+               for t in proto.graph.initializer)
+
+
+def _other_gathers(proto: onnx.ModelProto) -> list[str]:
+    """Gather nodes that are not the token embedding (which reads input_ids): the position table."""
+    return [n.name for n in proto.graph.node if n.op_type == "Gather" and "input_ids" not in n.input]
+
+
+def _head_matmul(proto: onnx.ModelProto) -> str:
+    """Name of the LM head: the MatMul with a constant weight that the `logits` output comes
+    from (through at most a few single-path ops such as a bias Add or a Reshape)."""
+    inits = {i.name for i in proto.graph.initializer}
+    producer = {o: n for n in proto.graph.node for o in n.output}
+    name = "logits"
+    for _ in range(8):
+        node = producer.get(name)
+        if node is None:
+            break
+        if node.op_type == "MatMul" and node.input[1] in inits:
+            return node.name
+        name = next((i for i in node.input if i and i not in inits), "")
+    raise QuantizeError("quantize: expected the logits to come from a MatMul with a constant weight (the LM head), "
+                        "found none; quantize a graph exported by export.build")
+
+
+def _algo_config(cfg: QuantConfig, op_types: tuple[str, ...]):
+    from onnxruntime.quantization import matmul_nbits_quantizer as mq
+    axes = (("MatMul", 0), ("Gather", 1))     # blocks along K of W [K, N]; along d of E [V, d]
+    if cfg.algo == "hqq":
+        return mq.HQQWeightOnlyQuantConfig(block_size=cfg.block_size, bits=cfg.bits, op_types_to_quantize=op_types,
+                                           quant_axes=axes)
+    return mq.DefaultWeightOnlyQuantConfig(block_size=cfg.block_size, is_symmetric=True,
+                                           accuracy_level=cfg.accuracy_level, bits=cfg.bits,
+                                           op_types_to_quantize=op_types, quant_axes=axes)
+
+
+def quantize_weights(proto: onnx.ModelProto, cfg: QuantConfig) -> tuple[onnx.ModelProto, QuantSummary]:
+    """A copy of `proto` with its constant-weight MatMuls (and, in int4 with rtn, the token
+    embedding) quantized; the graph's inputs and outputs are unchanged."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    cfg.validate()
+    t0 = time.perf_counter()
+    summary = QuantSummary(asdict(cfg), weight_bytes_before=initializer_bytes(proto))
+    # int8 Gather and HQQ Gather are not implemented by ORT's quantizer: MatMul only there
+    op_types = ("MatMul", "Gather") if cfg.bits == 4 and cfg.algo == "rtn" else ("MatMul",)
+    if "Gather" not in op_types:
+        summary.notes.append("token embedding kept fp32 (ONNX Runtime quantizes Gather only in int4 with rtn)")
+    model = onnx.ModelProto()
+    model.CopyFrom(proto)
+    quiet = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)       # it logs one INFO line per weight
+    own_head = cfg.head_dtype != cfg.dtype         # the head in other bits: left out of the first pass
+    head = _head_matmul(proto) if own_head else None
+    try:
+        q = MatMulNBitsQuantizer(model, nodes_to_exclude=_other_gathers(proto) + ([head] if own_head else []),
+                                 algo_config=_algo_config(cfg, op_types))
+        q.process()
+        out = q.model.model
+        if own_head and cfg.head_dtype != "fp32":  # second pass: the only constant MatMul left is the head
+            head_cfg = QuantConfig(cfg.head_dtype, cfg.block_size, cfg.accuracy_level, "rtn")
+            q = MatMulNBitsQuantizer(out, algo_config=_algo_config(head_cfg, ("MatMul",)))
+            q.process()
+            out = q.model.model
+    finally:
+        quiet.setLevel(level)
+    summary.head = cfg.head_dtype
+    ops = [n.op_type for n in out.graph.node]
+    summary.matmuls_quantized = ops.count("MatMulNBits")
+    summary.matmuls_left = ops.count("MatMul")
+    summary.gathers_quantized = ops.count("GatherBlockQuantized")
+    if summary.matmuls_quantized == 0:
+        raise QuantizeError("quantize: expected MatMuls with constant weights to quantize, found none; "
+                            "quantize a graph exported by export.build")
+    out.metadata_props.add(key=META_KEY, value=json.dumps(asdict(cfg)))
+    summary.weight_bytes_after = initializer_bytes(out)
+    summary.seconds = round(time.perf_counter() - t0, 3)
+    return out, summary
+
+
+# --- drift against the fp32 graph --------------------------------------------------------------
+
+@dataclass
+class Drift:
+    """How far a quantized graph's outputs are from the fp32 graph's."""
+    logits_max_abs_diff: float
+    logits_mean_abs_diff: float
+    logits_max_abs_ref: float            # scale of the logits compared
+    top1_agreement: float                # share of positions where both argmaxes agree
+    top1_positions: int                  # positions compared (greedy run tokens)
+    top1_text: str = "real text"
+
+
+def logits_diff(ref_runs: list, runs: list) -> tuple[float, float, float]:
+    """(max, mean, max |ref|) of |logits - ref logits| over every step of every session."""
+    diffs = [np.abs(g["logits"].astype(np.float64) - r["logits"]) for rs, gs in zip(ref_runs, runs)
+             for r, g in zip(rs, gs)]
+    refmax = max(float(np.abs(r["logits"]).max()) for rs in ref_runs for r in rs)
+    return (max(float(d.max()) for d in diffs), float(np.mean([d.mean() for d in diffs])), refmax)
+
+
+def greedy_run(sess, iface, prompt: list[int], n: int) -> list[int]:
+    """`n` greedy tokens after `prompt` (batch 1) from an ONNX Runtime session: prefill, then
+    one-token steps with the present caches fed back."""
+    from export.verify import NP_DTYPES
+    caches = {c: np.zeros(iface.cache_shape(1), NP_DTYPES[iface.dtype]) for c in iface.cache_names()}
+    out_names = ["logits"] + [iface.present_name(c) for c in iface.cache_names()]
+    ids = np.asarray([prompt], np.int64)                                                     # [1, T]
+    pos, new = 0, []
+    for _ in range(n):
+        outs = sess.run(out_names, {"input_ids": ids, "position": np.array([pos], np.int64), **caches})
+        pos += ids.shape[1]
+        new.append(int(outs[0][0, -1].argmax()))
+        caches = dict(zip(iface.cache_names(), outs[1:]))
+        ids = np.array([[new[-1]]], np.int64)
+    return new
+
+
+def prefill_argmax(sess, iface, tokens: list[int]) -> np.ndarray:
+    """argmax of the logits at every position of one prefill over `tokens` -> [T]."""
+    from export.verify import NP_DTYPES
+    caches = {c: np.zeros(iface.cache_shape(1), NP_DTYPES[iface.dtype]) for c in iface.cache_names()}
+    logits = sess.run(["logits"], {"input_ids": np.asarray([tokens], np.int64),
+                                   "position": np.zeros(1, np.int64), **caches})[0]          # [1, T, V]
+    return logits[0].argmax(-1)
+
+
+def top1_agreement(ref_sess, sess, iface, prompt: list[int], n: int = GREEDY_TOKENS) -> tuple[float, int]:
+    """The reference generates n greedy tokens after `prompt`; both graphs then read prompt +
+    those tokens (teacher-forced, so one early miss does not derail the rest) and the share of
+    the n positions where their next-token argmax agrees is returned, with n (cut to what
+    the cache holds)."""
+    n = max(1, min(n, iface.capacity - len(prompt)))
+    new = greedy_run(ref_sess, iface, prompt, n)
+    seq = prompt + new[:-1]
+    window = slice(len(prompt) - 1, len(seq))                    # the positions that predicted `new`
+    ref = prefill_argmax(ref_sess, iface, seq)[window]
+    got = prefill_argmax(sess, iface, seq)[window]
+    return float(np.mean(ref == got)), int(len(ref))
+
+
+def fit_prompt(tokens: list[int], iface, n: int = GREEDY_TOKENS) -> list[int]:
+    """The real-text prompt, cut so that prompt + n greedy tokens fit the cache (at least 1 token)."""
+    keep = max(1, min(len(tokens), iface.capacity - n))
+    return list(tokens[:keep])

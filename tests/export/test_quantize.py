@@ -1,0 +1,125 @@
+"""export/quantize.py: weight-only int8 / int4 of a fused graph, checked against the fp32 graph
+with the per-dtype tolerance of export.verify; and the --quantize stage of export.build."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from export.quantize import (QuantConfig, QuantizeError, quantize_weights, quantized_config, top1_agreement)
+from export.verify import (SCALE_TOL, VerificationError, ort_session, read_interface, tolerance_key, verify_pair)
+from tests.export.exported import exported
+from tests.helpers import random_model, write_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _constant_matmuls(proto) -> int:
+    inits = {i.name for i in proto.graph.initializer}
+    return sum(n.op_type == "MatMul" and n.input[1] in inits for n in proto.graph.node)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_every_constant_matmul_quantized_and_within_tolerance(dtype):
+    _, _, fused, _ = exported("internal-taper")
+    q, summary = quantize_weights(fused, QuantConfig(dtype))
+    assert summary.matmuls_quantized == _constant_matmuls(fused) == 2 * 6 + 1     # q k v o up down per layer, head
+    assert _constant_matmuls(q) == 0 and summary.matmuls_left == 2 * 2             # attention: q@k^T, att@v
+    assert summary.gathers_quantized == (1 if dtype == "int4" else 0)              # the token embedding, not wpe
+    assert summary.weight_bytes_after < summary.weight_bytes_before
+    assert quantized_config(q) == QuantConfig(dtype) and quantized_config(fused) is None
+    assert read_interface(q) == read_interface(fused)
+    assert tolerance_key(fused, q) == dtype and tolerance_key(fused, fused) == "fp32"
+    results = verify_pair(fused, q, tokens=list(range(3, 40)))      # raises beyond the dtype's tolerance
+    assert max(c.max_abs_diff["logits"] for c in results) > 0       # it did change the graph
+
+
+@pytest.mark.parametrize("head", ["int8", "fp32"])
+def test_the_head_in_other_bits(head):
+    """--head: the LM head MatMul alone in int8 (a MatMulNBits with bits 8) or fp32 (a MatMul),
+    every other weight int4; within the int4 tolerance, and bytes between all-int4 and fp32."""
+    from export.quantize import _head_matmul
+    _, _, fused, _ = exported("internal-taper")
+    head_name = _head_matmul(fused)
+    q, summary = quantize_weights(fused, QuantConfig("int4", head=head))
+    all4, s4 = quantize_weights(fused, QuantConfig("int4"))
+    assert summary.head == head and s4.head == "int4"
+    nbits = {n.name: next(a.i for a in n.attribute if a.name == "bits") for n in q.graph.node if n.op_type == "MatMulNBits"}
+    if head == "int8":
+        assert len(nbits) == 13 and list(nbits.values()).count(8) == 1 and list(nbits.values()).count(4) == 12
+        assert [n for n in nbits if nbits[n] == 8][0].startswith(head_name)
+    else:
+        assert len(nbits) == 12 and set(nbits.values()) == {4} and _constant_matmuls(q) == 1
+    assert s4.weight_bytes_after < summary.weight_bytes_after < summary.weight_bytes_before
+    verify_pair(fused, q, tokens=list(range(3, 40)))                   # int4 tolerance (metadata dtype int4)
+    assert quantized_config(q).head_dtype == head
+
+
+def test_int8_is_closer_than_int4():
+    _, _, fused, _ = exported("baseline")
+    worst = {d: max(c.max_abs_diff["logits"] for c in verify_pair(fused, quantize_weights(fused, QuantConfig(d))[0]))
+             for d in ("int8", "int4")}
+    assert 0 < worst["int8"] < worst["int4"]
+
+
+def test_a_broken_quantization_fails_verification():
+    """Scales multiplied by 3 (a wrong dequantization) must not pass the int4 tolerance."""
+    _, _, fused, _ = exported("baseline")
+    q, _ = quantize_weights(fused, QuantConfig("int4"))
+    for t in q.graph.initializer:
+        if t.name.endswith("_scales"):
+            arr = onnx.numpy_helper.to_array(t) * 3
+            t.CopyFrom(onnx.numpy_helper.from_array(arr.astype(np.float32), t.name))
+    with pytest.raises(VerificationError, match=f"scale_tol|{SCALE_TOL['int4']:g}|max abs diff"):
+        verify_pair(fused, q)
+
+
+def test_top1_agreement_is_one_against_itself_and_measures_drift():
+    _, _, fused, _ = exported("baseline")
+    iface = read_interface(fused)
+    prompt = [5, 9, 11, 200, 3]
+    same, n = top1_agreement(ort_session(fused), ort_session(fused), iface, prompt, 20)
+    assert same == 1.0 and n == 20
+    q, _ = quantize_weights(fused, QuantConfig("int4"))
+    agree, n = top1_agreement(ort_session(fused), ort_session(q), iface, prompt, 200)
+    assert n == iface.capacity - len(prompt) and 0.0 <= agree <= 1.0
+
+
+@pytest.mark.parametrize("cfg, match", [
+    (QuantConfig("int3"), "--quantize 'int3'"),
+    (QuantConfig("int4", block_size=48), "power of 2"),
+    (QuantConfig("int4", accuracy_level=7), "0..4"),
+    (QuantConfig("int4", algo="gptq"), "one of rtn, hqq"),
+    (QuantConfig("int8", algo="hqq"), "4-bit only"),
+    (QuantConfig("int4", head="int2"), "--head 'int2'"),
+])
+def test_bad_configs_are_one_line_user_errors(cfg, match):
+    with pytest.raises(QuantizeError, match=match):
+        cfg.validate()
+
+
+def test_build_quantize_and_fused_attention_end_to_end(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "ckpt", random_model(seed=3, norm="taper", taper_scope="internal", gate=0.0,
+                                                            max_seq_len=160))
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "export.build", "--fuse", "--quantize", "int4", "--head", "int8",
+                        "--attention", "fused", "--checkpoint", str(ckpt), "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[8/8] write" in r.stdout and "top-1 agreement" in r.stdout
+    assert (out / "model.int4.onnx").is_file() and (out / "model.fused.onnx").is_file()
+    report = json.loads((out / "report.json").read_text())
+    q = report["quantized"]
+    assert q["file"] == "model.int4.onnx" and q["config"]["dtype"] == "int4" and q["matmuls_quantized"] == 13
+    assert q["config"]["head"] == "int8" and q["head"] == "int8"            # 12 MatMulNBits in 4 bits, the head in 8
+    assert q["drift"]["top1_positions"] == 128 and q["drift"]["top1_agreement"] >= q["tolerance"]["min_top1"]
+    assert q["drift"]["logits_mean_abs_diff"] <= q["drift"]["logits_max_abs_diff"]
+    assert "int4_vs_fused" in report["max_abs_diff"] and "int4" in report["op_counts"]
+    assert report["attention"] == "fused"                                  # verified against torch by the build
+    assert report["op_counts"]["int4"]["Attention"] == 2 and "Softmax" not in report["op_counts"]["int4"]
+    r = subprocess.run([sys.executable, "-m", "export.verify", str(out / "model.fused.onnx"), str(out / "model.int4.onnx")],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0 and "EQUAL" in r.stdout, r.stdout + r.stderr
