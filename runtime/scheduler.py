@@ -61,7 +61,7 @@ from runtime.session import DecoderSession, RuntimeUserError
 STOP, LENGTH, CANCELLED, ERROR = "stop", "length", "cancelled", "error"   # why a sequence finished
 PREFILL_TOKENS = 512          # prompt tokens prefilled per step (one newcomer at least): bounds the stall
                               # a burst of newcomers puts on the running sequences' next token
-CANCEL_POLL_S = 0.05          # a sequence's cancelled_by() is asked at most this often (it may be an IPC call)
+CANCEL_POLL_S = 0.02          # a sequence's cancelled_by() is asked at most this often: an IPC call in Triton (~60-90 us)
 
 
 class ServerBusy(RuntimeUserError):
@@ -214,10 +214,10 @@ class BatchScheduler:
             held = self._n_running + len(self._waiting)
             if held >= self.slots + self.max_queued:
                 self._stats.refused_busy += 1
-                raise ServerBusy(f"server busy: expected fewer than {self.slots + self.max_queued} requests held "
-                                 f"({self.slots} slots + a queue of {self.max_queued}), found {self._n_running} "
-                                 f"running and {len(self._waiting)} queued; retry later, or add model instances "
-                                 "or servers")
+                raise ServerBusy(f"server busy: expected room for one more request, found {self._n_running} "
+                                 f"running and {len(self._waiting)} queued (the most this scheduler holds: "
+                                 f"{self.slots} running + {self.max_queued} queued); retry later, or add model "
+                                 "instances or servers")
             seq.submitted_s = time.perf_counter()
             self._waiting.append(seq)
             self._stats.submitted += 1

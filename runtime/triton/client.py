@@ -222,12 +222,13 @@ def _generate_http(url: str, prompt: str, max_new_tokens, model: str, timeout_s:
                 for line in r:
                     if line.startswith(b"data:"):
                         take(json.loads(line[5:].decode("utf-8")))
-    except urllib.error.HTTPError as e:
+    except urllib.error.HTTPError as e:      # the body is {"error": ...}, or one event "data: {"error": ...}"
+        body = e.read().decode("utf-8", errors="replace").strip()
         try:
-            answer = json.loads(e.read().decode("utf-8"))
+            answer = json.loads(body[5:] if body.startswith("data:") else body)
         except ValueError:
-            answer = {"error": f"HTTP {e.code} {e.reason}"}
-        take(answer if "error" in answer else {"error": f"HTTP {e.code} {e.reason}"})
+            answer = {}
+        take(answer if isinstance(answer, dict) and "error" in answer else {"error": f"HTTP {e.code} {e.reason}"})
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
         reason = getattr(e, "reason", e)
         raise ClientError(f"triton {url}: expected a server there, found none ({first_line(reason)}); "

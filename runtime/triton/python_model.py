@@ -20,8 +20,10 @@ A request the model cannot serve gets one error response (INVALID_ARG with the r
 one-line message; UNAVAILABLE "server busy: ..." when the pool and its queue are full); a
 cancelled request or a disconnected client frees its slot within one step.
 
-Metrics (Prometheus, when the server runs with metrics on): gauges
-tapernorm_generate_running and tapernorm_generate_waiting per instance.
+Metrics (Prometheus, when the server runs with metrics on), per instance: gauges
+tapernorm_generate_running and _waiting (the pool now), counters of finished sequences by
+reason, busy refusals, decode steps, rows run and rows running, seconds in prefill and
+decode (METRICS).
 
 `ResponseStream` and `TextStream` are the backend-free core (tests call them directly).
 """
@@ -43,6 +45,22 @@ from runtime.session import RuntimeUserError
 EOS = "<|endoftext|>"
 DEFAULT_SLOTS, DEFAULT_MAX_QUEUED = 8, 32
 METRICS_PERIOD_S = 0.1
+# Prometheus metrics of each instance: (name, kind, description, labels, value from (running, waiting, stats))
+METRICS = [
+    ("tapernorm_generate_running", "GAUGE", "sequences holding a cache slot", {}, lambda r, w, s: r),
+    ("tapernorm_generate_waiting", "GAUGE", "sequences queued for a slot", {}, lambda r, w, s: w),
+    *[("tapernorm_generate_finished_total", "COUNTER", "sequences finished, by reason", {"reason": why},
+       lambda r, w, s, why=why: s.finished[why]) for why in ("stop", "length", "cancelled", "error")],
+    ("tapernorm_generate_refused_busy_total", "COUNTER", "requests refused with server busy", {},
+     lambda r, w, s: s.refused_busy),
+    ("tapernorm_generate_decode_steps_total", "COUNTER", "decode steps run", {}, lambda r, w, s: s.steps),
+    ("tapernorm_generate_rows_run_total", "COUNTER", "rows the decode steps computed", {}, lambda r, w, s: s.rows_run),
+    ("tapernorm_generate_rows_running_total", "COUNTER", "of those, rows holding a running sequence", {},
+     lambda r, w, s: s.rows_running),
+    ("tapernorm_generate_prefill_seconds_total", "COUNTER", "time in prefills (the running batch waits)", {},
+     lambda r, w, s: s.prefill_s),
+    ("tapernorm_generate_decode_seconds_total", "COUNTER", "time in decode steps", {}, lambda r, w, s: s.decode_s),
+]
 
 
 @dataclass(frozen=True)
@@ -154,15 +172,24 @@ class TritonPythonModel:
         self._metrics.start()
 
     def _report_pool(self, instance: str) -> None:
+        """Publish the pool gauges and the scheduler's counters every METRICS_PERIOD_S (see METRICS)."""
         pb = self.pb
         try:    # a family must outlive its metrics: keep both
-            families = [pb.MetricFamily(name=f"tapernorm_generate_{what}", description=text, kind=pb.MetricFamily.GAUGE)
-                        for what, text in (("running", "sequences holding a cache slot"),
-                                           ("waiting", "sequences queued for a slot"))]
-            gauges = [f.Metric(labels={"instance": instance}) for f in families]
+            families, metrics = [], []
+            for name, kind, text, labels, _ in METRICS:
+                families.append(pb.MetricFamily(name=name, description=text, kind=getattr(pb.MetricFamily, kind)))
+                metrics.append(families[-1].Metric(labels={"instance": instance, **labels}))
+            last = [0.0] * len(METRICS)
             while not self._stop_metrics.wait(METRICS_PERIOD_S):
-                for gauge, value in zip(gauges, self.scheduler.pool()):
-                    gauge.set(value)
+                running, waiting = self.scheduler.pool()
+                stats = self.scheduler.stats()
+                for i, (name, kind, _, _, read) in enumerate(METRICS):
+                    value = float(read(running, waiting, stats))
+                    if kind == "GAUGE":
+                        metrics[i].set(value)
+                    elif value > last[i]:
+                        metrics[i].increment(value - last[i])
+                    last[i] = value
         except Exception:  # noqa: BLE001 - metrics off or unsupported: serving goes on without them
             return
 

@@ -169,7 +169,8 @@ def test_full_pool_and_queue_refuse_with_server_busy_and_limits_are_checked(tiny
         with pytest.raises(ServerBusy) as e:
             scheduler.submit(PROMPTS[3], GenerationConfig(max_new_tokens=8))
         msg = str(e.value)
-        assert msg.startswith("server busy: expected fewer than 3 requests held (2 slots + a queue of 1)") and "\n" not in msg
+        assert msg.startswith("server busy: expected room for one more request, found 0 running and 3 queued "
+                              "(the most this scheduler holds: 2 running + 1 queued)") and "\n" not in msg
         with pytest.raises(CapacityError, match="the cache capacity"):
             scheduler.submit(list(range(49)), GenerationConfig(max_new_tokens=1))        # capacity 48
         with pytest.raises(CapacityError, match="max-new-tokens"):
