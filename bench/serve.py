@@ -71,17 +71,29 @@ def check_loopback(url: str) -> str:
     return url
 
 
+def machine_info() -> dict:
+    """The machine the server and this load run on (bench.decode's fields, without importing torch)."""
+    import platform
+    cpu = next((ln.split(":", 1)[1].strip() for ln in _read_lines("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "platform": platform.platform(), "python": platform.python_version(), "loadavg_start": list(os.getloadavg())}
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        return Path(path).read_text().splitlines()
+    except OSError:
+        return []
+
+
 # --- the server's processes ------------------------------------------------------------------------
 
 def listening_pid(port: int) -> int | None:
     """The process that listens on TCP `port` (Linux /proc), or None where it cannot be seen."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
+        for line in _read_lines(table)[1:]:
             f = line.split()
             if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:   # 0A: LISTEN
                 inodes.add(f[9])
@@ -341,8 +353,7 @@ def _prompts(path: str | None) -> list[str]:
 
 
 def run(argv: list[str] | None = None) -> int:
-    from core.outputs import SERVE_RESULTS, claim_dir, replace_file_in
-    from bench.decode import machine_info
+    from core.outputs import SERVE_RESULTS, check_output_dir, claim_dir, replace_file_in
     from runtime.triton.client import StreamingClient
     args = _parser().parse_args(argv)
     url = check_loopback(args.url)
@@ -350,6 +361,7 @@ def run(argv: list[str] | None = None) -> int:
         check_loopback(args.metrics_url)
     levels = _levels(args.concurrency)
     prompts = _prompts(args.prompts)
+    check_output_dir(args.out, SERVE_RESULTS)          # refused before any load, nothing written
     with StreamingClient(url, model=args.model, timeout_s=args.timeout) as client:   # reachable? refused early
         for i in range(max(1, args.warmup)):
             client.generate(prompts[i % len(prompts)], args.max_new_tokens, ignore_eos=True)

@@ -19,6 +19,7 @@ connections up to its exit timeout.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import queue
 import time
@@ -157,8 +158,16 @@ class StreamingClient:
         try:
             responses = self._start()
             inputs = build_inputs(self.m, prompt, max_new_tokens, stream=True if on_piece else None, **sampling)
-            self.client.async_stream_infer(self.model, inputs, request_id=str(self._n),
-                                           enable_empty_final_response=True)
+            try:
+                self.client.async_stream_infer(self.model, inputs, request_id=str(self._n),
+                                               enable_empty_final_response=True)
+            except InferenceServerException:    # the stream broke already: its callback holds the reason
+                try:
+                    _, error = responses.get(timeout=5)
+                except queue.Empty:
+                    raise ClientError(f"triton {self.url}: expected a server there, found the stream broken; "
+                                      "start one with python -m runtime.triton serve --repo REPO") from None
+                raise error or ClientError(f"triton {self.url}: the stream broke without a reason") from None
             deadline = time.monotonic() + self.timeout_s
             texts, tokens = [], []
             while True:
@@ -233,7 +242,7 @@ def _generate_http(url: str, prompt: str, max_new_tokens, model: str, timeout_s:
         reason = getattr(e, "reason", e)
         raise ClientError(f"triton {url}: expected a server there, found none ({first_line(reason)}); "
                           "start one with python -m runtime.triton serve --repo REPO") from None
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, http.client.HTTPException) as e:
         raise ClientError(f"triton {url}: expected a Triton http endpoint, found an answer the http client cannot "
                           f"read ({type(e).__name__}: {first_line(e)}); check --url and --protocol "
                           "(the HTTP and gRPC ports differ)") from None

@@ -24,6 +24,7 @@ COMMANDS = {
     "runtime.triton": "runtime.triton.__main__",
     "bench.decode": "bench.decode",
     "bench.report": "bench.report",
+    "bench.serve": "bench.serve",
     "train": "train.__main__",
     "train.screen_dyt": "train.screen_dyt",
     "train.report": "train.report",
