@@ -25,6 +25,7 @@ COMMANDS = {
     "bench.decode": "bench.decode",
     "bench.report": "bench.report",
     "bench.serve": "bench.serve",
+    "bench.slots": "bench.slots",
     "train": "train.__main__",
     "train.screen_dyt": "train.screen_dyt",
     "train.report": "train.report",

@@ -69,6 +69,8 @@ OPTIONS = {
     "bench.serve": ([], {"--url": "url", "--concurrency": TEXT, "--requests": INT, "--prompts": PATH,
                          "--max-new-tokens": INT, "--rounds": INT, "--warmup": INT, "--model": TEXT,
                          "--metrics-url": "url", "--timeout": FLOAT, "--out": OUT}),
+    "bench.slots": ([], {"--model": PATH, "--slots": INT, "--prompt": INT, "--threads": INT, "--rounds": INT,
+                         "--json": OUT}),
     "train": ([], {"--preset": choice("baseline", "dyt", "x"), "--out": OUT, "--resume": FLAG, "--steps": INT,
                    "--lr": FLOAT, "--corpus": PATH, "--tokenizer": PATH, "--d-model": INT, "--n-layer": INT,
                    "--n-head": INT, "--seq-len": INT, "--batch-size": INT, "--eval-every": INT, "--seed": INT,

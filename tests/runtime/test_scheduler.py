@@ -232,3 +232,13 @@ def test_a_backend_without_row_steps_is_refused_with_one_line(tiny):
         with pytest.raises(RuntimeUserError, match="needs steps on part of the batch") as e:
             BatchScheduler(s, slots=2)
         assert "\n" not in str(e.value)
+
+
+def test_bench_slots_measures_every_design(tiny, capsys):
+    """python -m bench.slots (the prefill-design costs of docs/triton.md) runs and reports each variant."""
+    from bench.slots import main
+    assert main(["--model", str(tiny[1]), "--slots", "4", "--prompt", "8", "--threads", "1", "--rounds", "3"]) == 0
+    out = capsys.readouterr().out
+    for row in ("prefill in its own row", "prefill over the whole pool [4, 8]", "separate batch-1 session",
+                "decode step, 1 row", "decode step, 4 rows", "adds"):
+        assert row in out, out
