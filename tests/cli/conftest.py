@@ -26,6 +26,7 @@ COMMANDS = {
     "bench.report": "bench.report",
     "bench.serve": "bench.serve",
     "bench.slots": "bench.slots",
+    "bench.gpu_decode": "bench.gpu_decode",
     "train": "train.__main__",
     "train.screen_dyt": "train.screen_dyt",
     "train.report": "train.report",
