@@ -238,7 +238,10 @@ def _generate_http(url: str, prompt: str, max_new_tokens, model: str, timeout_s:
         except ValueError:
             answer = {}
         take(answer if isinstance(answer, dict) and "error" in answer else {"error": f"HTTP {e.code} {e.reason}"})
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+    except TimeoutError:                     # the server is there, the answer is not
+        raise ClientError(f"triton {url} model {model!r}: expected the answer within {timeout_s:g} s, found none; "
+                          "raise --timeout") from None
+    except (urllib.error.URLError, ConnectionError, OSError) as e:
         reason = getattr(e, "reason", e)
         raise ClientError(f"triton {url}: expected a server there, found none ({first_line(reason)}); "
                           "start one with python -m runtime.triton serve --repo REPO") from None
