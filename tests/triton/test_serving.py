@@ -292,6 +292,8 @@ def _check_rss_flat(server, requests: int) -> None:
     base = rss_bytes(server.pids())
     _rss_load(server, requests, seed=1)
     grown = rss_bytes(server.pids()) - base
+    print(f"server RSS {base / 2**20:.0f} MiB after {RSS_WARMUP} warm-up requests, grew {grown / 2**20:.2f} MiB "
+          f"over {requests} more (bound {RSS_BOUND / 2**20:.0f} MiB)")    # shown with pytest -s or -rP
     assert grown < RSS_BOUND, f"server RSS grew {grown / 2**20:.1f} MiB over {requests} requests (from {base / 2**20:.0f} MiB)"
     assert _wait_pool_empty(server)["running"] == 0
 
