@@ -248,8 +248,20 @@ class TritonServer:
                 rc = self.proc.wait()
         elif self.proc is not None:
             rc = self.proc.returncode
+        if self.proc is not None:
+            self._end_stubs()
         self._cleanup()
         return rc
+
+    def _end_stubs(self) -> None:
+        """Kill what is left of the server's process group once the server has exited: a Python
+        backend stub can outlive a server that stopped cleanly on SIGINT (seen here: stubs left with
+        parent 1, holding their model, after test servers stopped). The group is the server's own
+        (start_new_session), so nothing else is in it; its id is not reused while a member lives."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass                     # the group is empty: every stub has exited
 
     def _cleanup(self) -> None:
         if self._log is not None:

@@ -65,6 +65,20 @@ def serving(triton_build, tmp_path_factory):
     yield server
     server.stop()
     assert server.proc.poll() is not None
+    _assert_group_gone(server.proc.pid)
+
+
+def _assert_group_gone(pgid: int, timeout_s: float = 10.0) -> None:
+    """No process of the server's group (its backend stubs) is left once stop() returns (reaped by init)."""
+    import os
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        assert time.monotonic() < deadline, f"processes of the server's group {pgid} outlived stop()"
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
