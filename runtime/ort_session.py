@@ -12,6 +12,10 @@ no allocation that grows with the sequence.
           their OrtValues wrap without a copy; the returned logits are a view.
     CUDA: the same buffers live on the device; tokens and positions are copied in
           with update_inplace, the logits [B, V] copied out.
+
+Steps on rows [start, stop) of the batch (CPU): an IO binding of OrtValues that wrap the
+row views cache[start:stop] (contiguous: the batch axis is the leading one) and the same
+rows of the decode buffers, made once per row range; the other rows are not touched.
 """
 from __future__ import annotations
 
@@ -106,16 +110,20 @@ class OrtSession(DecoderSession):
     def _deactivate(self) -> None:
         self.binding = None
         self.caches = {}
+        self._cache_arrays, self._row_bindings = {}, {}
         self.session = None
 
     def _allocate(self, batch: int) -> None:
         ort, dev, spec = self._ort, self._ort_device, self.spec
         self.binding = self.session.io_binding()
         self.caches = {}
+        self._cache_arrays = {}                    # CPU: the arrays the cache OrtValues wrap
+        self._row_bindings = {}                    # (start, stop, kind) -> (IOBinding, OrtValues it holds)
         zeros = np.zeros(spec.cache_shape(batch), spec.np_dtype)                              # [B, H, S_max, D]
         for name in spec.cache_names():
             if dev == "cpu":
-                value = ort.OrtValue.ortvalue_from_numpy(zeros.copy())   # wraps the array, no copy
+                self._cache_arrays[name] = zeros.copy()
+                value = ort.OrtValue.ortvalue_from_numpy(self._cache_arrays[name])   # wraps the array, no copy
             else:
                 value = ort.OrtValue.ortvalue_from_shape_and_type(zeros.shape, spec.np_dtype, dev, 0)
                 value.update_inplace(zeros)
@@ -179,6 +187,52 @@ class OrtSession(DecoderSession):
         self._pos_ov.update_inplace(self._pos)
         self.session.run_with_iobinding(self.binding, self._run_options)
         return self._logits_ov.numpy()[:, 0]
+
+    # --- steps on part of the batch (CPU) ----------------------------------------------
+
+    @property
+    def row_steps(self) -> bool:
+        return self._ort_device == "cpu" if self.session is not None else self.device == "cpu"
+
+    def _rows_binding(self, start: int, stop: int, decode: bool):
+        """An IO binding of rows [start, stop): cache views in place; for decode also the decode buffers' rows."""
+        key = (start, stop, decode)
+        if key not in self._row_bindings:
+            ort = self._ort
+            binding = self.session.io_binding()
+            held = []
+            for name, array in self._cache_arrays.items():
+                view = ort.OrtValue.ortvalue_from_numpy(array[start:stop])                      # [b, H, S_max, D]
+                binding.bind_ortvalue_input(name, view)
+                binding.bind_ortvalue_output(f"present_{name}", view)
+                held.append(view)
+            if decode:
+                for name, array in (("input_ids", self._ids), ("position", self._pos)):
+                    held.append(ort.OrtValue.ortvalue_from_numpy(array[start:stop]))
+                    binding.bind_ortvalue_input(name, held[-1])
+                held.append(ort.OrtValue.ortvalue_from_numpy(self._logits[start:stop]))          # [b, 1, V]
+                binding.bind_ortvalue_output("logits", held[-1])
+            self._row_bindings[key] = (binding, held)
+        return self._row_bindings[key][0]
+
+    def _run_prefill_rows(self, start: int, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
+        b, t = input_ids.shape
+        ort = self._ort
+        binding = self._rows_binding(start, start + b, decode=False)
+        logits = np.empty((b, t, self.spec.vocab_size), self._logits_dtype)                   # [b, T, V]
+        binding.bind_ortvalue_input("input_ids", ort.OrtValue.ortvalue_from_numpy(input_ids))
+        binding.bind_ortvalue_input("position", ort.OrtValue.ortvalue_from_numpy(position))
+        binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
+        self.session.run_with_iobinding(binding, self._run_options)
+        return logits
+
+    def _run_decode_rows(self, start: int, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
+        stop = start + len(tokens)
+        binding = self._rows_binding(start, stop, decode=True)
+        self._ids[start:stop, 0] = tokens          # the bound OrtValues wrap these rows
+        self._pos[start:stop] = position
+        self.session.run_with_iobinding(binding, self._run_options)
+        return self._logits[start:stop, 0]
 
     # --- inspection (tests, docs) ---------------------------------------------------
 

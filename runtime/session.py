@@ -18,6 +18,14 @@ Lifecycle (Polygraphy's runner interface):
 
 Returned logits arrays may be reused: they stay valid until the next call on the
 same session (copy them to keep them). All arrays are numpy on the host.
+
+Steps on part of the batch (what the batch scheduler, runtime/scheduler.py, runs on): a
+backend with `row_steps` runs `prefill_rows(start, ids)` / `decode_rows(start, tok, pos)`
+on rows [start, start + b) of the caches only; the other rows are neither read nor written.
+
+        s.reset(batch=8)                          # 8 slots
+        s.prefill_rows(3, ids)                    # ids [1, T] into row 3; rows 0-2, 4-7 untouched
+        s.decode_rows(0, tok, pos)                # tok [5], pos [5]: rows 0-4 -> [5, V]
 """
 from __future__ import annotations
 
@@ -132,9 +140,44 @@ class DecoderSession(abc.ABC):
         over all its steps (runtime.generate.decode_n_tokens): a few microseconds less per token."""
         return self._run_decode(tokens, position)
 
-    def _check(self, b: int, t: int, position: np.ndarray) -> None:
-        if b != self.batch:
+    # --- steps on part of the batch ---------------------------------------------------
+
+    row_steps: bool = False     # True where the backend implements _run_prefill_rows / _run_decode_rows
+
+    def prefill_rows(self, start: int, input_ids: np.ndarray, position: np.ndarray | None = None) -> np.ndarray:
+        """prefill on rows [start, start + B) of the caches only: input_ids int64 [B, T] -> logits [B, T, V]."""
+        input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+        b, t = input_ids.shape
+        position = np.zeros(b, np.int64) if position is None else np.ascontiguousarray(position, dtype=np.int64)
+        self._check(b, t, position, start)
+        if start == 0 and b == self.batch:
+            return self._run_prefill(input_ids, position)
+        return self._run_prefill_rows(start, input_ids, position)
+
+    def decode_rows(self, start: int, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
+        """decode_step on rows [start, start + B) of the caches only: tokens [B], position [B] -> logits [B, V]."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        position = np.ascontiguousarray(position, dtype=np.int64)
+        self._check(len(tokens), 1, position, start)
+        if start == 0 and len(tokens) == self.batch:
+            return self._run_decode(tokens, position)
+        return self._run_decode_rows(start, tokens, position)
+
+    def _run_prefill_rows(self, start: int, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
+        raise NotImplementedError(f"{self.backend} session: no steps on part of the batch (row_steps is False)")
+
+    def _run_decode_rows(self, start: int, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
+        raise NotImplementedError(f"{self.backend} session: no steps on part of the batch (row_steps is False)")
+
+    def _check(self, b: int, t: int, position: np.ndarray, start: int | None = None) -> None:
+        if start is not None:
+            if start < 0 or b < 1 or start + b > self.batch:
+                raise ValueError(f"{self.backend} session: rows [{start}, {start + b}) given, the cache holds "
+                                 f"rows [0, {self.batch}); call reset() with a larger batch first")
+        elif b != self.batch:
             raise ValueError(f"{self.backend} session: batch {b} given, the cache holds {self.batch}; call reset({b}) first")
+        if len(position) != b:
+            raise ValueError(f"{self.backend} session: {len(position)} positions for {b} sequences; give one each")
         last = int(position.max()) + t
         if int(position.min()) < 0 or last > self.spec.capacity:
             raise CapacityError(f"{self.backend} session: positions + {t} tokens must lie in [0, {self.spec.capacity}] "

@@ -89,6 +89,20 @@ class TorchSession(DecoderSession):
         logits, _ = self.model(ids, pos, self.cache)           # eager: prefill shapes vary
         return logits.float().cpu().numpy()
 
+    # steps on rows [start, stop) of the batch: the model on views of those cache rows (eager)
+    row_steps = True
+
+    @torch.inference_mode()
+    def _run_prefill_rows(self, start: int, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
+        stop = start + len(input_ids)
+        rows = [(k[start:stop], v[start:stop]) for k, v in self.cache]                       # views, written in place
+        logits, _ = self.model(torch.from_numpy(input_ids).to(self.device), torch.from_numpy(position).to(self.device), rows)
+        return logits.float().cpu().numpy()
+
+    @torch.inference_mode()
+    def _run_decode_rows(self, start: int, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
+        return self._run_prefill_rows(start, tokens[:, None], position)[:, 0]
+
     @torch.inference_mode()
     def _run_decode(self, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
         self._ids[:, 0].copy_(torch.from_numpy(np.asarray(tokens, np.int64)), non_blocking=False)

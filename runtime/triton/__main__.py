@@ -2,15 +2,19 @@
 
     python -m runtime.triton repo   --build BUILD --out REPO [--engine FILE] [--max-batch-size 8]
                                     [--instances 1] [--kind cpu|gpu] [--max-new-tokens 32]
+                                    [--slots 8] [--max-queued 32]
     python -m runtime.triton check  --repo REPO
     python -m runtime.triton serve  --repo REPO [--host 127.0.0.1] [--http-port 8000] [--grpc-port 8001]
+                                    [--metrics-port 8002]
     python -m runtime.triton client --url HOST:PORT --prompt TEXT [--max-new-tokens N] [--protocol http|grpc]
+                                    [--stream]
 
 repo writes the repository for an existing build (what export.build --triton-repo does);
 check parses every config.pbtxt into ModelConfig and verifies the decoder configs
 against their ONNX; serve runs a real Triton server (the tritonserver bundled with
 nvidia-pytriton, Python backend only) with the generate model until Ctrl-C; client
-prints the generated text on stdout, as python -m runtime.generate does.
+prints the generated text on stdout, as python -m runtime.generate does (with --stream,
+piece by piece as the tokens arrive).
 """
 from __future__ import annotations
 
@@ -36,6 +40,10 @@ def _parser() -> ArgumentParser:
     r.add_argument("--kind", choices=("cpu", "gpu"), default="cpu", help="instance kind of decoder_onnx (default cpu)")
     r.add_argument("--max-new-tokens", type=positive_int, default=32, help="generate model: default when a request omits it")
     r.add_argument("--intra-op-threads", type=int_in(0, 256), default=0, help="generate model: ORT threads (0: ORT's default)")
+    r.add_argument("--slots", type=int_in(1, 1024), default=8,
+                   help="generate model: sequences decoded together per instance (the KV-cache slot pool; default 8)")
+    r.add_argument("--max-queued", type=int_in(0, 100000), default=32,
+                   help="generate model: requests waiting for a slot before 'server busy' (default 32)")
     c = sub.add_parser("check", help="parse and verify every config.pbtxt of a repository")
     c.add_argument("--repo", required=True)
     s = sub.add_parser("serve", help="run a Triton server over a repository (Ctrl-C stops it)")
@@ -45,6 +53,8 @@ def _parser() -> ArgumentParser:
     s.add_argument("--grpc-port", type=port, default=8001)
     s.add_argument("--startup-timeout", type=float_in(1.0, 3600.0), default=120.0,
                    help="seconds to wait for the server to be ready")
+    s.add_argument("--metrics-port", type=port, default=None,
+                   help="serve Prometheus metrics (the generate pool's running/waiting gauges) on this port")
     s.add_argument("--log-verbose", type=int_in(0, 10), default=0)
     k = sub.add_parser("client", help="generate text with a running server")
     k.add_argument("--url", required=True, help="HOST:PORT (the HTTP port for http, the gRPC port for grpc)")
@@ -59,18 +69,22 @@ def _parser() -> ArgumentParser:
     k.add_argument("--timeout", type=float_in(0.1, 3600.0), default=120.0, help="seconds to wait for the answer")
     k.add_argument("--ignore-eos", action="store_true", help="no stop token: always generate --max-new-tokens")
     k.add_argument("--tokens", action="store_true", help="also print the token ids on stderr")
+    k.add_argument("--stream", action="store_true", help="print the text as the tokens arrive (gRPC streaming, or "
+                                                          "HTTP server-sent events)")
     return p
 
 
 def _serve(args) -> int:
     from runtime.triton.server import TritonServer
     server = TritonServer(args.repo, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
-                          log_verbose=args.log_verbose, echo_log=True)
+                          metrics_port=args.metrics_port, log_verbose=args.log_verbose, echo_log=True)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.start(timeout_s=args.startup_timeout)
-        print(f"serving {args.repo}: http {server.http_url}, grpc {server.grpc_url} (Ctrl-C stops)", file=sys.stderr, flush=True)
+        metrics = f", metrics http://{server.metrics_url}/metrics" if server.metrics_port else ""
+        print(f"serving {args.repo}: http {server.http_url}, grpc {server.grpc_url}{metrics} (Ctrl-C stops)",
+              file=sys.stderr, flush=True)
         while not stop.is_set():
             if server.proc.poll() is not None:
                 print(f"error: tritonserver exited with code {server.proc.returncode}", file=sys.stderr)
@@ -89,7 +103,7 @@ def run(argv: list[str] | None = None) -> int:
         from runtime.triton.repository import have_tritonclient, write_repository
         repo = write_repository(args.build, args.out, engine=args.engine, max_batch_size=args.max_batch_size,
                                 instances=args.instances, kind=args.kind, max_new_tokens=args.max_new_tokens,
-                                intra_op_threads=args.intra_op_threads)
+                                intra_op_threads=args.intra_op_threads, slots=args.slots, max_queued=args.max_queued)
         models = sorted(p.parent.name for p in repo.glob("*/config.pbtxt"))
         checked = "" if have_tritonclient() else " (configs not checked: install the triton extra and run check)"
         print(f"{repo}: Triton model repository with {', '.join(models)}{checked}")
@@ -106,9 +120,10 @@ def run(argv: list[str] | None = None) -> int:
     check_text(args.prompt, "--prompt")
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
                 "ignore_eos": True if args.ignore_eos else None}
+    on_text = (lambda piece: print(piece, end="", flush=True)) if args.stream else None
     text, tokens = generate_remote(args.url, args.prompt, args.max_new_tokens, protocol=args.protocol,
-                                   model=args.model, timeout_s=args.timeout, **sampling)
-    print(text)
+                                   model=args.model, timeout_s=args.timeout, on_text=on_text, **sampling)
+    print("" if args.stream else text)
     if args.tokens:
         print(" ".join(map(str, tokens)), file=sys.stderr)
     return 0

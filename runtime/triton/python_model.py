@@ -1,33 +1,66 @@
-"""The `generate` model of the repository: a Triton Python-backend model over runtime.generate.
+"""The `generate` model of the repository: a decoupled Triton Python-backend model over the
+batch scheduler (runtime/scheduler.py) and the project's ORT session.
 
 One request is one prompt: inputs prompt (BYTES [1]) and, optional, max_new_tokens,
-temperature, top_k, top_p, seed, ignore_eos ([1] each); outputs text (BYTES [1]) and
-tokens (INT64 [n]: the new tokens, a stop token included, as runtime.generate returns them).
-Defaults are runtime.generate's: greedy, seed 0, stop at <|endoftext|> when the tokenizer
-has it, max_new_tokens from the config's parameters (32).
+temperature, top_k, top_p, seed, ignore_eos, stream ([1] each). Outputs text (BYTES [1]) and
+tokens (INT64 [n]). Defaults are runtime.generate's: greedy, seed 0, stop at <|endoftext|>
+when the tokenizer has it, max_new_tokens from the config's parameters (32).
 
-The model runs one OrtSession (the project's ORT runtime, cache bound in place) per
-instance and generates each request alone (batch 1), so a result equals the local
-`python -m runtime.generate` output for the same prompt and settings whatever else the
-server is doing; more throughput is Triton's job (instance_group count, more servers).
-A request the model cannot serve (empty or too long for the cache, bad sampling
-setting) gets one Triton error line; the other requests are unaffected.
+    stream false (default)  one response: the whole text and every new token (a stop token
+                            included), as runtime.generate returns them
+    stream true             one response per new token: the text it adds (possibly "" while a
+                            UTF-8 character is incomplete, or for a stop token) and [token];
+                            the last one carries the final flag. The texts concatenated are
+                            the non-streamed text.
 
-`generate_one` is the backend-free core (tests call it directly).
+Transaction policy decoupled: `execute` only queues requests and returns; one scheduler
+per model instance (one backend process, one OrtSession whose caches are the slot pool)
+serves every request of every execute call, and its loop thread sends the responses.
+A request the model cannot serve gets one error response (INVALID_ARG with the runtime's
+one-line message; UNAVAILABLE "server busy: ..." when the pool and its queue are full); a
+cancelled request or a disconnected client frees its slot within one step.
+
+Metrics (Prometheus, when the server runs with metrics on), per instance: gauges
+tapernorm_generate_running and _waiting (the pool now), counters of finished sequences by
+reason, busy refusals, decode steps, rows run and rows running, seconds in prefill and
+decode (METRICS).
+
+`ResponseStream` and `TextStream` are the backend-free core (tests call them directly).
 """
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
-from runtime.generate import GenerationConfig, check_capacity, generate
+from runtime.generate import GenerationConfig
 from runtime.sampling import SamplingConfig
+from runtime.scheduler import CANCELLED, ERROR, ServerBusy
 from runtime.session import RuntimeUserError
 
 EOS = "<|endoftext|>"
+DEFAULT_SLOTS, DEFAULT_MAX_QUEUED = 8, 32
+METRICS_PERIOD_S = 0.1
+# Prometheus metrics of each instance: (name, kind, description, labels, value from (running, waiting, stats))
+METRICS = [
+    ("tapernorm_generate_running", "GAUGE", "sequences holding a cache slot", {}, lambda r, w, s: r),
+    ("tapernorm_generate_waiting", "GAUGE", "sequences queued for a slot", {}, lambda r, w, s: w),
+    *[("tapernorm_generate_finished_total", "COUNTER", "sequences finished, by reason", {"reason": why},
+       lambda r, w, s, why=why: s.finished[why]) for why in ("stop", "length", "cancelled", "error")],
+    ("tapernorm_generate_refused_busy_total", "COUNTER", "requests refused with server busy", {},
+     lambda r, w, s: s.refused_busy),
+    ("tapernorm_generate_decode_steps_total", "COUNTER", "decode steps run", {}, lambda r, w, s: s.steps),
+    ("tapernorm_generate_rows_run_total", "COUNTER", "rows the decode steps computed", {}, lambda r, w, s: s.rows_run),
+    ("tapernorm_generate_rows_running_total", "COUNTER", "of those, rows holding a running sequence", {},
+     lambda r, w, s: s.rows_running),
+    ("tapernorm_generate_prefill_seconds_total", "COUNTER", "time in prefills (the running batch waits)", {},
+     lambda r, w, s: s.prefill_s),
+    ("tapernorm_generate_decode_seconds_total", "COUNTER", "time in decode steps", {}, lambda r, w, s: s.decode_s),
+]
 
 
 @dataclass(frozen=True)
@@ -39,6 +72,7 @@ class Request:
     top_p: float = 1.0
     seed: int = 0
     ignore_eos: bool = False
+    stream: bool = False
 
 
 def stop_tokens(tokenizer, ignore_eos: bool) -> tuple[int, ...]:
@@ -49,21 +83,66 @@ def stop_tokens(tokenizer, ignore_eos: bool) -> tuple[int, ...]:
     return () if eos is None else (eos,)
 
 
-def generate_one(session, tokenizer, req: Request) -> tuple[str, list[int]]:
-    """(text, new tokens) for one prompt, exactly as python -m runtime.generate computes and prints them."""
+def generation_config(tokenizer, req: Request) -> GenerationConfig:
     sampling = SamplingConfig(req.temperature, req.top_k, req.top_p)
     try:
         sampling.validate()
     except ValueError as e:
         raise RuntimeUserError(f"sampling: {e}; fix the request") from None
-    ids = tokenizer.encode(req.prompt).ids
-    check_capacity(session.spec.capacity, [len(ids)], req.max_new_tokens)
-    config = GenerationConfig(max_new_tokens=req.max_new_tokens, sampling=sampling, seed=req.seed,
-                              stop_tokens=stop_tokens(tokenizer, req.ignore_eos))
-    result = generate(session, [ids], config)
-    new = result.tokens[0]
-    stop = set(config.stop_tokens)
-    return tokenizer.decode([t for t in new if t not in stop]), new
+    return GenerationConfig(max_new_tokens=req.max_new_tokens, sampling=sampling, seed=req.seed,
+                            stop_tokens=stop_tokens(tokenizer, req.ignore_eos))
+
+
+class TextStream:
+    """Text of a growing token list, handed out in pieces whose concatenation is the text
+    runtime.generate prints (stop tokens left out). Byte-level tokens can split a UTF-8
+    character: the decoder shows an incomplete one as U+FFFD, so trailing U+FFFD is held
+    back until a later token completes it (or the sequence ends)."""
+
+    def __init__(self, tokenizer, stop: tuple[int, ...]):
+        self.tokenizer, self.stop = tokenizer, frozenset(stop)
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def text(self) -> str:
+        return self.tokenizer.decode(self.ids)
+
+    def push(self, token: int, last: bool = False) -> str:
+        """The text `token` adds (everything left, with last=True)."""
+        if token not in self.stop:
+            self.ids.append(token)
+        text = self.text()
+        ready = text if last else text.rstrip("\ufffd")
+        if not ready.startswith(self.sent):      # the decoder revised text already sent: hold until the end
+            return ""
+        piece, self.sent = ready[len(self.sent):], ready
+        return piece
+
+
+class ResponseStream:
+    """What one request's client receives, from the scheduler's events (see the module docstring).
+
+    send(text, tokens, error, final): text str | None, tokens list[int] | None, error an exception
+    or None; final True on the last response. Triton's response sender sits behind it."""
+
+    def __init__(self, send: Callable, tokenizer, stop: tuple[int, ...], stream: bool):
+        self.send, self.stream = send, stream
+        self.text = TextStream(tokenizer, stop)
+
+    def on_event(self, seq, token: int | None) -> None:
+        last = seq.finish is not None
+        if token is None:                          # ended without a token: cancelled, error, shutdown
+            if seq.finish == ERROR:
+                self.send(None, None, RuntimeError(seq.error), True)
+            elif seq.finish == CANCELLED:
+                self.send(None, None, None, True)   # nobody may be listening; close the request
+            return
+        if self.stream:
+            self.send(self.text.push(token, last), [token], None, last)
+        elif last:
+            for t in seq.tokens:
+                self.text.push(t)
+            self.send(self.text.text(), list(seq.tokens), None, True)
 
 
 class TritonPythonModel:
@@ -73,14 +152,46 @@ class TritonPythonModel:
         import triton_python_backend_utils as pb_utils
         from runtime.model_files import load_tokenizer
         from runtime.ort_session import OrtSession
+        from runtime.scheduler import BatchScheduler
         self.pb = pb_utils
         config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise RuntimeUserError("generate/config.pbtxt: expected model_transaction_policy { decoupled: true }, "
+                                   "found it off; write the repository again with python -m runtime.triton repo")
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         self.default_max_new_tokens = int(params.get("max_new_tokens", 32))
         model_dir = Path(args["model_repository"]) / args["model_version"]
         self.session = OrtSession(model_dir, device="cpu", intra_op_threads=int(params.get("intra_op_threads", 0)))
         self.session.activate()
-        self.tokenizer = load_tokenizer(model_dir)
+        self.tokenizer = load_tokenizer(model_dir, self.session.spec.vocab_size)
+        self.scheduler = BatchScheduler(self.session, slots=int(params.get("slots", DEFAULT_SLOTS)),
+                                        max_queued=int(params.get("max_queued", DEFAULT_MAX_QUEUED))).start()
+        self._stop_metrics = threading.Event()
+        self._metrics = threading.Thread(target=self._report_pool, args=(args.get("model_instance_name", "0"),),
+                                         name="pool-metrics", daemon=True)
+        self._metrics.start()
+
+    def _report_pool(self, instance: str) -> None:
+        """Publish the pool gauges and the scheduler's counters every METRICS_PERIOD_S (see METRICS)."""
+        pb = self.pb
+        try:    # a family must outlive its metrics: keep both
+            families, metrics = [], []
+            for name, kind, text, labels, _ in METRICS:
+                families.append(pb.MetricFamily(name=name, description=text, kind=getattr(pb.MetricFamily, kind)))
+                metrics.append(families[-1].Metric(labels={"instance": instance, **labels}))
+            last = [0.0] * len(METRICS)
+            while not self._stop_metrics.wait(METRICS_PERIOD_S):
+                running, waiting = self.scheduler.pool()
+                stats = self.scheduler.stats()
+                for i, (name, kind, _, _, read) in enumerate(METRICS):
+                    value = float(read(running, waiting, stats))
+                    if kind == "GAUGE":
+                        metrics[i].set(value)
+                    elif value > last[i]:
+                        metrics[i].increment(value - last[i])
+                    last[i] = value
+        except Exception:  # noqa: BLE001 - metrics off or unsupported: serving goes on without them
+            return
 
     def _scalar(self, request, name: str, default):
         t = self.pb.get_input_tensor_by_name(request, name)
@@ -105,23 +216,51 @@ class TritonPythonModel:
                        top_k=int(self._scalar(request, "top_k", 0)),
                        top_p=float(self._scalar(request, "top_p", 1.0)),
                        seed=int(self._scalar(request, "seed", 0)),
-                       ignore_eos=bool(self._scalar(request, "ignore_eos", False)))
+                       ignore_eos=bool(self._scalar(request, "ignore_eos", False)),
+                       stream=bool(self._scalar(request, "stream", False)))
+
+    def _sender(self, request) -> Callable:
+        pb = self.pb
+        sender = request.get_response_sender()
+
+        def send(text, tokens, error, final):
+            flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+            if error is not None:
+                sender.send(pb.InferenceResponse(error=self._error(error)), flags=flags)
+            elif text is None:
+                sender.send(flags=flags)
+            else:
+                sender.send(pb.InferenceResponse(output_tensors=[
+                    pb.Tensor("text", np.array([text.encode("utf-8")], dtype=np.object_)),
+                    pb.Tensor("tokens", np.array(tokens, dtype=np.int64))]), flags=flags)
+        return send
+
+    def _error(self, e: Exception):
+        pb = self.pb
+        if isinstance(e, ServerBusy):
+            code = getattr(pb.TritonError, "UNAVAILABLE", None)
+        elif isinstance(e, RuntimeUserError):
+            code = getattr(pb.TritonError, "INVALID_ARG", None)
+        else:
+            code = None
+        msg = str(e) if isinstance(e, RuntimeUserError) or str(e).startswith("internal error") \
+            else f"internal error: {type(e).__name__}: {e}"
+        return pb.TritonError(msg, code) if code is not None else pb.TritonError(msg)
 
     def execute(self, requests):
-        pb = self.pb
-        responses = []
         for request in requests:
+            send = self._sender(request)
             try:
-                text, tokens = generate_one(self.session, self.tokenizer, self._request(request))
-                responses.append(pb.InferenceResponse(output_tensors=[
-                    pb.Tensor("text", np.array([text.encode("utf-8")], dtype=np.object_)),
-                    pb.Tensor("tokens", np.array(tokens, dtype=np.int64))]))
+                req = self._request(request)
+                config = generation_config(self.tokenizer, req)
+                stream = ResponseStream(send, self.tokenizer, config.stop_tokens, req.stream)
+                self.scheduler.submit(self.tokenizer.encode(req.prompt).ids, config, listener=stream.on_event,
+                                      cancelled_by=request.is_cancelled)
             except Exception as e:  # one bad request must not take the model down
-                msg = str(e) if isinstance(e, RuntimeUserError) else f"internal error: {type(e).__name__}: {e}"
-                code = getattr(pb.TritonError, "INVALID_ARG", None) if isinstance(e, RuntimeUserError) else None
-                err = pb.TritonError(msg, code) if code is not None else pb.TritonError(msg)
-                responses.append(pb.InferenceResponse(error=err))
-        return responses
+                send(None, None, e, True)
+        return None
 
     def finalize(self) -> None:
+        self._stop_metrics.set()
+        self.scheduler.close()
         self.session.deactivate()

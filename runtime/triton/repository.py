@@ -7,8 +7,8 @@
       decoder_trt/config.pbtxt      platform tensorrt_plan (only where an engine was built):
       decoder_trt/1/model.plan      the same contract; no controls (the engine has no such inputs);
                                     both optimization profiles (decode, prefill) in instance_group
-      generate/config.pbtxt         backend python: prompt -> text + tokens, the decode loop of
-      generate/1/model.py           runtime.generate over the project's ORT session
+      generate/config.pbtxt         backend python, decoupled: prompt -> text + tokens, streamed or
+      generate/1/model.py           whole, by runtime/scheduler.py over the project's ORT session
       generate/1/model.fused.onnx   (or model.onnx where the build has no fused graph)
       generate/1/tokenizer.json
 
@@ -48,6 +48,8 @@ ONNX_TO_TRITON = {1: "TYPE_FP32", 10: "TYPE_FP16", 16: "TYPE_BF16", 6: "TYPE_INT
 KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 IDLE_US = 60_000_000          # a sequence with no request for 60 s releases its state slot
 DEFAULT_MAX_NEW_TOKENS = 32   # runtime.generate's default
+DEFAULT_SLOTS = 8             # generate: sequences decoded together (the scheduler's cache slot pool)
+DEFAULT_MAX_QUEUED = 32       # generate: requests waiting for a slot before "server busy"
 
 
 class RepositoryError(RuntimeUserError):
@@ -185,8 +187,9 @@ def decoder_config(name: str, platform: str, io: OnnxIO, max_batch_size: int, in
 
 
 def generate_config(name: str, instances: int, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                    intra_op_threads: int = 0) -> str:
-    """config.pbtxt of the Python-backend generation model: one request = one prompt."""
+                    intra_op_threads: int = 0, slots: int = DEFAULT_SLOTS, max_queued: int = DEFAULT_MAX_QUEUED) -> str:
+    """config.pbtxt of the Python-backend generation model: one request = one prompt, decoupled
+    (responses streamed by the model's batch scheduler; slots and max_queued size its pool)."""
     inputs = ",\n".join([
         _tensor("prompt", "TYPE_STRING", [1]),
         _tensor("max_new_tokens", "TYPE_INT32", [1], optional=True),
@@ -194,10 +197,13 @@ def generate_config(name: str, instances: int, max_new_tokens: int = DEFAULT_MAX
         _tensor("top_k", "TYPE_INT32", [1], optional=True),
         _tensor("top_p", "TYPE_FP32", [1], optional=True),
         _tensor("seed", "TYPE_INT64", [1], optional=True),
-        _tensor("ignore_eos", "TYPE_BOOL", [1], optional=True)])
+        _tensor("ignore_eos", "TYPE_BOOL", [1], optional=True),
+        _tensor("stream", "TYPE_BOOL", [1], optional=True)])
     outputs = ",\n".join([_tensor("text", "TYPE_STRING", [1]), _tensor("tokens", "TYPE_INT64", [-1])])
-    params = {"max_new_tokens": str(max_new_tokens), "intra_op_threads": str(intra_op_threads)}
-    lines = [f'name: "{name}"', 'backend: "python"', "max_batch_size: 0", "input [", inputs, "]",
+    params = {"max_new_tokens": str(max_new_tokens), "intra_op_threads": str(intra_op_threads),
+              "slots": str(slots), "max_queued": str(max_queued)}
+    lines = [f'name: "{name}"', 'backend: "python"', "max_batch_size: 0",
+             "model_transaction_policy { decoupled: true }", "input [", inputs, "]",
              "output [", outputs, "]",
              "instance_group [", f"  {{ count: {instances} kind: KIND_CPU }}", "]"]
     for k, v in params.items():
@@ -205,7 +211,8 @@ def generate_config(name: str, instances: int, max_new_tokens: int = DEFAULT_MAX
     return "\n".join(lines) + "\n"
 
 
-GENERATE_MODEL_PY = '''"""Triton Python-backend model: prompt -> text + tokens with tapernorm-deploy's ORT runtime.
+GENERATE_MODEL_PY = '''"""Triton Python-backend model (decoupled): prompt -> text + tokens, streamed or whole, by
+tapernorm-deploy's batch scheduler over its ORT runtime.
 
 The code lives in runtime/triton/python_model.py: the server's Python must import
 tapernorm-deploy. The backend stub runs the first python3 on the server's PATH (its venv
@@ -347,6 +354,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path | None = None,
                      max_batch_size: int = 8, instances: int = 1, kind: str = "cpu",
                      max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, intra_op_threads: int = 0,
+                     slots: int = DEFAULT_SLOTS, max_queued: int = DEFAULT_MAX_QUEUED,
                      validate: bool = True) -> Path:
     """Write the model repository for a build directory (see the module docstring); returns `repo`.
 
@@ -354,6 +362,8 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
     newest model.fused.<key>.engine (runtime.trt_engine's name) in the build directory,
     if any (no decoder_trt model otherwise). Its max_batch must be >= max_batch_size.
     kind: instance kind of decoder_onnx (cpu | gpu); decoder_trt is always KIND_GPU.
+    slots, max_queued: the generate model's slot pool (sequences decoded together, per
+    instance) and how many requests may wait for a slot before "server busy".
     validate: parse every config into ModelConfig and check it against the ONNX (skipped
     where tritonclient, from the triton extra, is not installed).
     """
@@ -372,6 +382,8 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
         raise RepositoryError(f"--kind {kind!r}: expected one of {', '.join(KINDS)}")
     if max_batch_size < 1 or instances < 1:
         raise RepositoryError(f"max_batch_size {max_batch_size}, instances {instances}: expected both >= 1")
+    if slots < 1 or max_queued < 0:
+        raise RepositoryError(f"slots {slots}, max_queued {max_queued}: expected slots >= 1 and max_queued >= 0")
     if engine is None:
         engine = find_engine(onnx_path)
     elif not Path(engine).is_file():
@@ -405,7 +417,7 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
         _link_or_copy(build / TOKENIZER, d / TOKENIZER)
         (d / "model.py").write_text(GENERATE_MODEL_PY)
         (tmp / GENERATE / "config.pbtxt").write_text(
-            generate_config(GENERATE, instances, max_new_tokens, intra_op_threads))
+            generate_config(GENERATE, instances, max_new_tokens, intra_op_threads, slots, max_queued))
         (tmp / "repository.json").write_text(json.dumps(
             {"build": str(build.resolve()), "onnx": onnx_path.name, "engine": str(engine) if engine else None,
              # the TensorRT version, GPU and flags that built model.plan: it loads only in that TensorRT

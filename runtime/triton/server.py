@@ -10,7 +10,9 @@ What start() does (pytriton's own launch, minus its proxy models):
   backends/python/triton_python_backend_stub (the binary runs from the wheel);
 - runs it with --model-control-mode explicit --load-model for each served model (the CPU
   build has no onnxruntime or tensorrt backend, so decoder_onnx / decoder_trt are not
-  loaded here), HTTP and gRPC bound to `host` (default 127.0.0.1), metrics off;
+  loaded here), HTTP and gRPC bound to `host` (default 127.0.0.1); metrics off, or with
+  `metrics_port` Prometheus metrics on `host`:metrics_port (the generate model's pool gauges;
+  no GPU or CPU metrics);
 - environment: LD_LIBRARY_PATH gets this interpreter's LIBDIR (the stub links libpython)
   and the wheel's libraries; PATH starts with this interpreter's bin directory (the stub
   runs the first python3 on PATH, venv included: numpy < 2, onnxruntime, tokenizers);
@@ -78,15 +80,47 @@ def server_env() -> dict[str, str]:
     return env
 
 
+def process_tree(pid: int) -> list[int]:
+    """pid and its descendants (Linux /proc), parents first."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def rss_bytes(pids: list[int]) -> int:
+    """Resident memory of these processes together (VmRSS from /proc; gone ones count 0)."""
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+                    break
+        except OSError:
+            continue
+    return total
+
+
 class TritonServer:
     def __init__(self, repo: str | Path, host: str = "127.0.0.1", http_port: int | None = None,
-                 grpc_port: int | None = None, models: tuple[str, ...] = SERVED_ON_CPU,
+                 grpc_port: int | None = None, metrics_port: int | None = None, models: tuple[str, ...] = SERVED_ON_CPU,
                  exit_timeout_s: int = 5, log_verbose: int = 0, log_file: str | Path | None = None,
                  echo_log: bool = False):
         self.repo = Path(repo).resolve()
         self.host = host
         self.http_port = http_port if http_port is not None else free_port(host if host != "0.0.0.0" else "127.0.0.1")
         self.grpc_port = grpc_port if grpc_port is not None else free_port(host if host != "0.0.0.0" else "127.0.0.1")
+        self.metrics_port = metrics_port        # None: metrics off
         self.models = tuple(models)
         self.exit_timeout_s = exit_timeout_s
         self.log_verbose = log_verbose
@@ -104,6 +138,31 @@ class TritonServer:
     def grpc_url(self) -> str:
         return f"{'127.0.0.1' if self.host == '0.0.0.0' else self.host}:{self.grpc_port}"
 
+    @property
+    def metrics_url(self) -> str | None:
+        if self.metrics_port is None:
+            return None
+        return f"{'127.0.0.1' if self.host == '0.0.0.0' else self.host}:{self.metrics_port}"
+
+    def metrics(self) -> dict[str, float]:
+        """The server's Prometheus metrics: 'name{labels}' -> value (needs metrics_port)."""
+        if self.metrics_url is None:
+            raise ServerError("tritonserver: expected metrics, found them off; start it with metrics_port")
+        with urllib.request.urlopen(f"http://{self.metrics_url}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def pids(self) -> list[int]:
+        """The server and every process it started (the Python backend stubs), for RSS readings."""
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        return process_tree(self.proc.pid)
+
     def _prepare(self) -> Path:
         dist, stub, _ = pytriton_dist()
         ws = Path(tempfile.mkdtemp(prefix="tapernorm-triton-"))
@@ -119,10 +178,15 @@ class TritonServer:
                f"--backend-directory={ws / 'backends'}", f"--cache-directory={dist / 'caches'}",
                f"--http-address={self.host}", f"--http-port={self.http_port}",
                f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
-               "--allow-metrics=false", f"--exit-timeout-secs={self.exit_timeout_s}",
+               f"--exit-timeout-secs={self.exit_timeout_s}",
                # a unique shared-memory prefix: several servers may run on one machine
                f"--backend-config=python,shm-region-prefix-name=tapernorm{os.getpid()}x{self.http_port}",
                f"--log-verbose={self.log_verbose}"]
+        if self.metrics_port is None:
+            cmd.append("--allow-metrics=false")
+        else:
+            cmd += ["--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
+                    f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}"]
         cmd += [f"--load-model={m}" for m in self.models]
         return cmd
 
@@ -184,8 +248,20 @@ class TritonServer:
                 rc = self.proc.wait()
         elif self.proc is not None:
             rc = self.proc.returncode
+        if self.proc is not None:
+            self._end_stubs()
         self._cleanup()
         return rc
+
+    def _end_stubs(self) -> None:
+        """Kill what is left of the server's process group once the server has exited: a Python
+        backend stub can outlive a server that stopped cleanly on SIGINT (seen here: stubs left with
+        parent 1, holding their model, after test servers stopped). The group is the server's own
+        (start_new_session), so nothing else is in it; its id is not reused while a member lives."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass                     # the group is empty: every stub has exited
 
     def _cleanup(self) -> None:
         if self._log is not None:

@@ -24,6 +24,8 @@ COMMANDS = {
     "runtime.triton": "runtime.triton.__main__",
     "bench.decode": "bench.decode",
     "bench.report": "bench.report",
+    "bench.serve": "bench.serve",
+    "bench.slots": "bench.slots",
     "bench.gpu_decode": "bench.gpu_decode",
     "bench.quant_quality": "bench.quant_quality",
     "train": "train.__main__",

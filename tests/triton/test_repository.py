@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.triton.conftest import CAPACITY
 
 
 def _config(repo: Path, model: str):
@@ -29,7 +30,7 @@ def test_every_config_parses_into_modelconfig(triton_repo):
         assert c.max_batch_size == 8 and c.WhichOneof("scheduling_choice") == "sequence_batching"
         assert len(c.sequence_batching.state) == 4                      # 2 layers x (key, value)
         for s in c.sequence_batching.state:
-            assert list(s.dims) == [4, 96, 8] and s.initial_state[0].zero_data    # [H, S_max, D], zeros
+            assert list(s.dims) == [4, CAPACITY, 8] and s.initial_state[0].zero_data    # [H, S_max, D], zeros
     assert [g.kind for g in ort.instance_group] == [pb.ModelInstanceGroup.KIND_CPU]
     assert [g.kind for g in trt.instance_group] == [pb.ModelInstanceGroup.KIND_GPU]
     kinds = {c.name: c.control[0].kind for c in ort.sequence_batching.control_input}
@@ -86,7 +87,7 @@ def test_repository_graph_computes_what_the_build_graph_does(triton_repo, triton
     feeds = {"input_ids": rng.integers(0, 320, (2, 5)), "position": np.array([0, 3], np.int64)}
     for i in range(2):
         for n in (f"key_{i}", f"value_{i}"):
-            feeds[n] = rng.standard_normal((2, 4, 96, 8)).astype(np.float32)
+            feeds[n] = rng.standard_normal((2, 4, CAPACITY, 8)).astype(np.float32)
     out_a = a.run(None, feeds)
     out_b = b.run(None, {**feeds, "START": np.ones((2, 1), bool), "READY": np.ones((2, 1), bool)})
     for x, y in zip(out_a, out_b):
@@ -108,7 +109,7 @@ def test_implicit_state_mapping_reproduces_generate(triton_repo, triton_build):
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     sess = ort.InferenceSession(str(triton_repo / "decoder_onnx/1/model.onnx"), so, providers=["CPUExecutionProvider"])
-    state = {n: np.zeros((1, 4, 96, 8), np.float32) for i in range(2) for n in (f"key_{i}", f"value_{i}")}
+    state = {n: np.zeros((1, 4, CAPACITY, 8), np.float32) for i in range(2) for n in (f"key_{i}", f"value_{i}")}
     names = [o.name for o in sess.get_outputs()]
     ids, position, got = prompt, 0, []
     for step in range(12):

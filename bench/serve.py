@@ -1,0 +1,440 @@
+"""python -m bench.serve --url HOST:PORT [--concurrency 1,4,16,32] [--requests N] [--prompts FILE] --out DIR
+
+A closed-loop load generator for a running Triton server's generate model (gRPC streaming),
+on loopback only:
+
+    for each round, for each concurrency level c (in an order rotated each round,
+    bench.stats.round_order): c clients, each sending its next request as soon as its
+    previous one has finished, until N requests of that level are done; every request
+    streams exactly --max-new-tokens tokens (ignore_eos, greedy), the prompts taken in turn
+    from --prompts (one per line) or a built-in list
+
+and reports per level (pooled over rounds; tok/s also per round as min/median/max):
+
+    aggregate tok/s      every streamed token / the level's wall time (first send to last token)
+    requests/s           completed requests / wall time
+    TTFT p50/p90/p99     send -> first token, per request
+    ITL p50/p90/p99      gap between consecutive tokens of one request (inter-token latency)
+    errors               per first line of the error
+    peak server RSS      the process listening on the port and its children (the backend
+                         stubs), sampled every 0.1 s
+    scheduler counters   with --metrics-url: rows run / rows running, prefill and decode time
+
+into OUT/results.json, OUT/results.md and OUT/serve.png (throughput and p99 latencies vs
+concurrency), rewritten after every level, so an interrupted run keeps what it measured.
+Untimed warm-up requests (--warmup) run first. The server's model sets the pool size
+(`runtime.triton repo --slots`); a level above slots + max_queued sees "server busy" errors.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from bench import stats
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+PROMPTS = [
+    "Once upon a time there was a little cat named Tom.",
+    "Lily saw a big dog in the park and she smiled at him.",
+    "One day the sun was warm and the birds sang in the tall tree near the river.",
+    "Tom liked to play",
+    "The little girl found a red ball under her bed, and she was very happy because it was her favourite toy.",
+    "They were happy friends",
+    "Mom said: it is time to go to bed, but first we read a story about a brave bear who lived in the woods.",
+    "A boy",
+]
+DEFAULT_CONCURRENCY = "1,4,16,32"
+MAX_CONCURRENCY = 256
+MAX_PROMPTS_FILE_BYTES = 1 << 20
+RSS_PERIOD_S = 0.1
+
+
+def default_requests(concurrency: int) -> int:
+    """Requests per level and round: four waves of the level's clients, at least 8."""
+    return max(8, 4 * concurrency)
+
+
+def check_loopback(url: str) -> str:
+    from core.errors import UsageError
+    from runtime.triton.client import check_url
+    check_url(url)
+    host = url.rpartition(":")[0]
+    if host not in LOOPBACK:
+        raise UsageError(f"--url {url!r}: expected a server on this machine ({', '.join(LOOPBACK[:3])}), found host "
+                         f"{host!r}; bench.serve loads loopback servers only")
+    return url
+
+
+def machine_info() -> dict:
+    """The machine the server and this load run on (bench.decode's fields, without importing torch)."""
+    import platform
+    cpu = next((ln.split(":", 1)[1].strip() for ln in _read_lines("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "platform": platform.platform(), "python": platform.python_version(), "loadavg_start": list(os.getloadavg())}
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        return Path(path).read_text().splitlines()
+    except OSError:
+        return []
+
+
+# --- the server's processes ------------------------------------------------------------------------
+
+def listening_pid(port: int) -> int | None:
+    """The process that listens on TCP `port` (Linux /proc), or None where it cannot be seen."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in _read_lines(table)[1:]:
+            f = line.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:   # 0A: LISTEN
+                inodes.add(f[9])
+    if not inodes:
+        return None
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            for fd in fd_dir.iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    return int(fd_dir.parent.name)
+        except OSError:
+            continue
+    return None
+
+
+class RssMonitor:
+    """Peak resident memory of a process tree, sampled in a thread while `with` lasts."""
+
+    def __init__(self, pid: int | None):
+        self.pid, self.peak = pid, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        from runtime.triton.server import process_tree, rss_bytes
+        while True:
+            self.peak = max(self.peak, rss_bytes(process_tree(self.pid)))
+            if self._stop.wait(RSS_PERIOD_S):
+                return
+
+    def __enter__(self) -> "RssMonitor":
+        if self.pid is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+def scheduler_counters(metrics_url: str | None) -> dict[str, float]:
+    """The generate model's counters summed over instances (runtime/triton/python_model.py METRICS)."""
+    if metrics_url is None:
+        return {}
+    import urllib.request
+    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("tapernorm_generate_") and "_total" in line:
+            name = line.split("{")[0][len("tapernorm_generate_"):].removesuffix("_total")
+            if 'reason="' in line:
+                name += "." + line.split('reason="')[1].split('"')[0]
+            out[name] = out.get(name, 0.0) + float(line.rpartition(" ")[2])
+    return out
+
+
+# --- one level -------------------------------------------------------------------------------------
+
+def run_level(url: str, concurrency: int, requests: int, prompts: list[str], max_new_tokens: int,
+              model: str, timeout_s: float) -> dict:
+    """c closed-loop clients until `requests` are done: raw per-request timings."""
+    from runtime.triton.client import StreamingClient
+    lock = threading.Lock()
+    issued = [0]
+    records: list[dict] = []
+
+    def client_loop(k: int) -> None:
+        with StreamingClient(url, model=model, timeout_s=timeout_s) as client:
+            while True:
+                with lock:
+                    if issued[0] >= requests:
+                        return
+                    i = issued[0]
+                    issued[0] += 1
+                arrivals: list[float] = []
+                t0 = time.perf_counter()
+                error = None
+                try:
+                    client.generate(prompts[i % len(prompts)], max_new_tokens, ignore_eos=True,
+                                    on_piece=lambda text, tokens: arrivals.extend([time.perf_counter()] * len(tokens)))
+                except Exception as e:  # noqa: BLE001 - counted and reported, the load goes on
+                    error = str(e).split("\n")[0]
+                with lock:
+                    records.append({"client": k, "sent": t0, "arrivals": arrivals, "error": error})
+
+    threads = [threading.Thread(target=client_loop, args=(k,), daemon=True) for k in range(concurrency)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    end = max([r["arrivals"][-1] for r in records if r["arrivals"]] + [start])
+    return {"start": start, "end": end, "records": records}
+
+
+def round_tokens_per_s(level: dict) -> float:
+    """Aggregate tokens/s of one round of one level: every streamed token / (first send to last token)."""
+    span = level["end"] - level["start"]
+    return sum(len(x["arrivals"]) for x in level["records"]) / span if span > 0 else float("nan")
+
+
+def summarize_level(raw: list[dict], concurrency: int) -> dict:
+    """Figures of one level from its rounds' raw timings."""
+    ttft, itl, per_round, errors = [], [], [], Counter()
+    tokens = ok = 0
+    wall = 0.0
+    for r in raw:
+        round_tokens = 0
+        for rec in r["records"]:
+            a = rec["arrivals"]
+            round_tokens += len(a)
+            if rec["error"]:
+                errors[rec["error"]] += 1
+                continue
+            ok += 1
+            if a:
+                ttft.append(a[0] - rec["sent"])
+                itl += [y - x for x, y in zip(a, a[1:])]
+        wall += r["end"] - r["start"]
+        tokens += round_tokens
+        per_round.append(round_tokens_per_s(r))
+
+    def pct(xs):
+        return {f"p{q}_ms": stats.percentile(xs, q) * 1e3 for q in (50, 90, 99)}
+    return {"concurrency": concurrency, "rounds": len(raw), "requests": sum(len(r["records"]) for r in raw),
+            "completed": ok, "tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall if wall > 0 else float("nan"),
+            "tokens_per_s_rounds": stats.Spread.of(per_round).as_dict(),
+            "requests_per_s": ok / wall if wall > 0 else float("nan"),
+            "ttft": pct(ttft), "itl": pct(itl), "errors": dict(errors)}
+
+
+# --- reports ---------------------------------------------------------------------------------------
+
+def _f(x, nd=1) -> str:
+    return "-" if x is None or x != x else f"{x:.{nd}f}"
+
+
+def markdown(results: dict) -> str:
+    s = results["settings"]
+    lines = [f"# bench.serve: {results['started']}", "",
+             f"`{results['command']}`", "",
+             f"Server {s['url']} model `{s['model']}`; {s['max_new_tokens']} new tokens per request (greedy, "
+             f"ignore_eos), {len(s['prompts'])} prompts in turn, {s['rounds']} round(s), levels interleaved; "
+             f"machine {results['machine'].get('cpu', '?')}, load average "
+             f"{' '.join(f'{x:.2f}' for x in results['machine']['loadavg_start'])} (start) / "
+             f"{' '.join(f'{x:.2f}' for x in results['machine'].get('loadavg_end', []))} (end).", "",
+             "| concurrency | requests | tok/s | tok/s per round (min / median / max) | req/s | TTFT p50 / p90 / p99 ms "
+             "| ITL p50 / p90 / p99 ms | errors | peak server RSS MiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for lv in results["levels"]:
+        r, t, i = lv["tokens_per_s_rounds"], lv["ttft"], lv["itl"]
+        lines.append(f"| {lv['concurrency']} | {lv['completed']}/{lv['requests']} | {_f(lv['tokens_per_s'])} | "
+                     f"{_f(r['min'])} / {_f(r['median'])} / {_f(r['max'])} | {_f(lv['requests_per_s'], 2)} | "
+                     f"{_f(t['p50_ms'])} / {_f(t['p90_ms'])} / {_f(t['p99_ms'])} | "
+                     f"{_f(i['p50_ms'])} / {_f(i['p90_ms'])} / {_f(i['p99_ms'])} | "
+                     f"{sum(lv['errors'].values())} | {_f(lv['peak_rss_bytes'] / 2**20, 0) if lv['peak_rss_bytes'] else '-'} |")
+    if results.get("ratios"):
+        lines += ["", "Aggregate tok/s over concurrency 1, per round (median [min, max]): " + ", ".join(
+            f"c{c}: {_f(v['median'], 2)}x [{_f(v['min'], 2)}, {_f(v['max'], 2)}]" for c, v in results["ratios"].items())]
+    sched = [lv for lv in results["levels"] if lv.get("scheduler")]
+    if sched:
+        lines += ["", "Scheduler (server counters over each level): rows running / rows run per decode step; "
+                  "share of the scheduler's busy time spent in prefills.", "",
+                  "| concurrency | decode steps | rows running per step | rows run per step | prefill share |",
+                  "|---|---|---|---|---|"]
+        for lv in sched:
+            c = lv["scheduler"]
+            steps = c.get("decode_steps", 0)
+            busy = c.get("prefill_seconds", 0) + c.get("decode_seconds", 0)
+            lines.append(f"| {lv['concurrency']} | {steps:.0f} | {_f(c.get('rows_running', 0) / steps if steps else None, 2)} "
+                         f"| {_f(c.get('rows_run', 0) / steps if steps else None, 2)} | "
+                         f"{_f(100 * c.get('prefill_seconds', 0) / busy if busy else None, 1)}% |")
+    errors = Counter()
+    for lv in results["levels"]:
+        errors.update(lv["errors"])
+    if errors:
+        lines += ["", "Errors:"] + [f"- {n} x {msg}" for msg, n in errors.most_common()]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, out: Path) -> Path:
+    import io
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from core.outputs import png_signature_metadata, replace_file_in
+    levels = results["levels"]
+    cs = [lv["concurrency"] for lv in levels]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    tps = [lv["tokens_per_s"] for lv in levels]
+    lo = [lv["tokens_per_s"] - lv["tokens_per_s_rounds"]["min"] for lv in levels]
+    hi = [lv["tokens_per_s_rounds"]["max"] - lv["tokens_per_s"] for lv in levels]
+    left.errorbar(cs, tps, yerr=[lo, hi], marker="o", capsize=3)
+    left.set(xscale="log", xlabel="concurrent clients", ylabel="aggregate tokens/s", title="throughput (min-max of rounds)")
+    left.set_xticks(cs, [str(c) for c in cs])
+    right.plot(cs, [lv["itl"]["p99_ms"] for lv in levels], marker="o", label="inter-token p99")
+    right.plot(cs, [lv["ttft"]["p99_ms"] for lv in levels], marker="s", label="TTFT p99")
+    right.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="ms", title="p99 latency")
+    right.set_xticks(cs, [str(c) for c in cs])
+    right.legend()
+    fig.suptitle(f"bench.serve {results['started']}, {results['settings']['max_new_tokens']} new tokens per request",
+                 fontsize=9)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png", metadata=png_signature_metadata())
+    plt.close(fig)
+    return replace_file_in(out, "serve.png", buf.getvalue())
+
+
+# --- CLI -------------------------------------------------------------------------------------------
+
+def _parser():
+    from core.errors import ArgumentParser, float_in, int_in
+    p = ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n\n")[1])
+    p.add_argument("--url", required=True, help="HOST:PORT of the server's gRPC endpoint, on this machine")
+    p.add_argument("--concurrency", default=DEFAULT_CONCURRENCY,
+                   help=f"comma list of concurrent clients, each in [1, {MAX_CONCURRENCY}] (default {DEFAULT_CONCURRENCY})")
+    p.add_argument("--requests", type=int_in(1, 100_000), help="requests per level and round (default: 4 x concurrency, at least 8)")
+    p.add_argument("--prompts", help=f"UTF-8 text file, one prompt per line (at most {MAX_PROMPTS_FILE_BYTES >> 20} MiB); "
+                                     "default: a built-in list of 8 prompts of 2 to 30 words")
+    p.add_argument("--max-new-tokens", type=int_in(1, 100_000), default=64, help="tokens per request (default 64)")
+    p.add_argument("--rounds", type=int_in(1, 100), default=1, help="rounds, levels interleaved (default 1)")
+    p.add_argument("--warmup", type=int_in(0, 1000), default=2, help="untimed requests first (default 2)")
+    p.add_argument("--model", default="generate", help="the server's generate model (default generate)")
+    p.add_argument("--metrics-url", help="HOST:PORT of the server's metrics (runtime.triton serve --metrics-port): "
+                                         "scheduler counters per level")
+    p.add_argument("--timeout", type=float_in(0.1, 86_400.0), default=600.0, help="seconds one request may take")
+    p.add_argument("--out", required=True, help="results directory (results.json, results.md, serve.png)")
+    return p
+
+
+def _levels(value: str) -> list[int]:
+    from core.errors import UsageError
+    try:
+        levels = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    if not levels or any(not 1 <= c <= MAX_CONCURRENCY for c in levels) or len(set(levels)) != len(levels):
+        raise UsageError(f"--concurrency {value!r}: expected a comma list of distinct integers in [1, {MAX_CONCURRENCY}], "
+                         f"e.g. {DEFAULT_CONCURRENCY}")
+    return levels
+
+
+def _prompts(path: str | None) -> list[str]:
+    from core.errors import UserError
+    from core.inputs import read_text_file
+    if path is None:
+        return list(PROMPTS)
+    lines = [ln for ln in read_text_file(path, "--prompts", MAX_PROMPTS_FILE_BYTES).split("\n") if ln.strip()]
+    if not lines:
+        raise UserError(f"--prompts {path}: expected one prompt per line, found none; add some")
+    return lines
+
+
+def run(argv: list[str] | None = None) -> int:
+    from core.outputs import SERVE_RESULTS, check_output_dir, claim_dir, replace_file_in
+    from runtime.triton.client import StreamingClient
+    args = _parser().parse_args(argv)
+    url = check_loopback(args.url)
+    if args.metrics_url is not None:
+        check_loopback(args.metrics_url)
+    levels = _levels(args.concurrency)
+    prompts = _prompts(args.prompts)
+    check_output_dir(args.out, SERVE_RESULTS)          # refused before any load, nothing written
+    with StreamingClient(url, model=args.model, timeout_s=args.timeout) as client:   # reachable? refused early
+        for i in range(max(1, args.warmup)):
+            client.generate(prompts[i % len(prompts)], args.max_new_tokens, ignore_eos=True)
+    out = claim_dir(args.out, SERVE_RESULTS)
+    pid = listening_pid(int(url.rpartition(":")[2]))
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    command = "python -m bench.serve " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    machine = machine_info()
+    raw: dict[int, list[dict]] = {c: [] for c in levels}
+    peak: dict[int, int] = {c: 0 for c in levels}
+    counters: dict[int, dict[str, float]] = {c: {} for c in levels}
+
+    def write() -> dict:
+        machine["loadavg_end"] = list(os.getloadavg())
+        done = [c for c in levels if raw[c]]
+        summaries = []
+        for c in done:
+            lv = summarize_level(raw[c], c)
+            lv["peak_rss_bytes"] = peak[c] or None
+            lv["scheduler"] = counters[c] or None
+            summaries.append(lv)
+        ratios = {}
+        if 1 in done:
+            for c in done:
+                if c != 1:
+                    base = [round_tokens_per_s(r) for r in raw[1]]
+                    mine = [round_tokens_per_s(r) for r in raw[c]]
+                    n = min(len(base), len(mine))
+                    ratios[c] = stats.ratio_summary(mine[:n], base[:n]).as_dict()
+        results = {"format": 1, "started": started, "command": command, "machine": machine,
+                   "server_pid": pid, "settings": {"url": url, "model": args.model, "concurrency": levels,
+                                                   "requests": {c: args.requests or default_requests(c) for c in levels},
+                                                   "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
+                                                   "warmup": args.warmup, "prompts": prompts},
+                   "levels": summaries, "ratios": ratios,
+                   # per request: sent (s after the round's start), TTFT and last token (s after sent), tokens, error
+                   "requests": {c: [[{"sent": round(x["sent"] - r["start"], 6), "tokens": len(x["arrivals"]),
+                                      "ttft": round(x["arrivals"][0] - x["sent"], 6) if x["arrivals"] else None,
+                                      "last": round(x["arrivals"][-1] - x["sent"], 6) if x["arrivals"] else None,
+                                      "error": x["error"]} for x in r["records"]] for r in raw[c]] for c in done}}
+        replace_file_in(out, "results.json", json.dumps(results, indent=1) + "\n")
+        replace_file_in(out, "results.md", markdown(results))
+        if summaries:
+            plot({**results, "levels": sorted(summaries, key=lambda lv: lv["concurrency"])}, out)
+        return results
+
+    print(f"bench.serve: {url} levels {levels}, {args.rounds} round(s), {args.max_new_tokens} new tokens per request; "
+          f"server pid {pid if pid is not None else 'not visible (no RSS)'}", flush=True)
+    for r in range(args.rounds):
+        for c in stats.round_order(levels, r):
+            n = args.requests or default_requests(c)
+            before = scheduler_counters(args.metrics_url)
+            with RssMonitor(pid) as rss:
+                level = run_level(url, c, n, prompts, args.max_new_tokens, args.model, args.timeout)
+            after = scheduler_counters(args.metrics_url)
+            for k, v in after.items():
+                counters[c][k] = counters[c].get(k, 0.0) + v - before.get(k, 0.0)
+            peak[c] = max(peak[c], rss.peak)
+            raw[c].append(level)
+            lv = summarize_level([level], c)
+            print(f"  round {r + 1} c={c}: {lv['completed']}/{lv['requests']} requests, {lv['tokens_per_s']:.1f} tok/s, "
+                  f"TTFT p99 {lv['ttft']['p99_ms']:.0f} ms, ITL p99 {lv['itl']['p99_ms']:.0f} ms, "
+                  f"{sum(lv['errors'].values())} errors", flush=True)
+            write()
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'} and {out / 'serve.png'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from core.errors import run_cli
+    return run_cli(run, argv)
+
+
+if __name__ == "__main__":
+    from core.errors import exit_after
+    exit_after(main())

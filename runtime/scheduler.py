@@ -1,0 +1,393 @@
+"""In-flight batching over one DecoderSession: a fixed pool of cache slots, newcomers joining
+the running batch at the next step, every token delivered as it is produced.
+
+    session = OrtSession("build/dyt").activate()
+    scheduler = BatchScheduler(session, slots=8, max_queued=32)    # session.reset(8): the pool
+    scheduler.start()                                               # the step loop, in its own thread
+    seq = scheduler.submit(prompt_ids, GenerationConfig(max_new_tokens=64, seed=1))
+    for token in seq.stream(timeout_s=60): ...                      # as produced
+    scheduler.close()
+
+The pool. Slot i is row i of every cache [slots, H, S_max, D] of the session, allocated once.
+A sequence owns one slot from its prefill until it finishes (stop token, max_new_tokens,
+cancellation, error); the slot is free again in the same step.
+
+One step (`step()`; the loop thread runs it while there is work):
+  1. drop cancelled sequences, waiting or running: their slots are free at once;
+  2. admit waiting sequences (first come, first served) into free slots, lowest slot
+     first, while the step's prefill budget (`prefill_tokens`) lasts (one newcomer at
+     least): each prompt is prefilled ALONE in its own row, `session.prefill_rows(slot,
+     ids [1, T])`, which reads and writes row `slot` of the caches only, so the other
+     slots' caches are untouched (see "Why prefill cannot corrupt other slots");
+     its first token is sampled and delivered (TTFT);
+  3. one decode step over rows [0, hi), hi = highest running slot + 1:
+     `session.decode_rows(0, tokens [hi], position [hi])`; a free row below hi is fed
+     token 0 at position 0 (its contents are garbage anyway); each running sequence's
+     token is sampled with its own settings and its own generator and delivered.
+
+Why prefill cannot corrupt other slots: a step on rows [a, b) binds views of exactly those
+rows of the caches (runtime/session.py), so another slot is neither read nor written. The
+rows of a freed slot keep their old contents; a newcomer's prefill overwrites positions
+[0, len) and each decode step writes position p before any query can see it (query t
+attends to slots j <= position + t), as right padding does in runtime.generate.
+
+Same tokens as `python -m runtime.generate` for one prompt alone, whatever else is in the
+batch: the prompt is prefilled at batch 1 exactly as generate does it; then sequence b's
+token k is written at position len_b + k, and sampling draws from
+np.random.default_rng(seed) once per token, in the order generate draws for a batch of
+one. The decode step's logits are computed in a batch of hi rows instead of 1; rows do
+not interact, and where float rounding differs with the batch size only a near-tie can
+pick another token (tests/runtime/greedy.py).
+
+Back-pressure: the scheduler holds at most `slots + max_queued` sequences (running plus
+waiting); `submit` beyond that raises ServerBusy at once. A request that cannot fit the
+cache raises CapacityError at submit (runtime.generate's check_capacity).
+"""
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from runtime.generate import GenerationConfig, check_capacity
+from runtime.sampling import sample
+from runtime.session import DecoderSession, RuntimeUserError
+
+STOP, LENGTH, CANCELLED, ERROR = "stop", "length", "cancelled", "error"   # why a sequence finished
+PREFILL_TOKENS = 512          # prompt tokens prefilled per step (one newcomer at least): bounds the stall
+                              # a burst of newcomers puts on the running sequences' next token
+CANCEL_POLL_S = 0.02          # a sequence's cancelled_by() is asked at most this often: an IPC call in Triton (~60-90 us)
+
+
+class ServerBusy(RuntimeUserError):
+    """Every slot is running and the queue is full."""
+
+
+class SchedulerClosed(RuntimeUserError):
+    """The scheduler was closed (the server is shutting down)."""
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request in the scheduler. Read its fields after `done` is set (or from a listener)."""
+    prompt: list[int]
+    config: GenerationConfig
+    listener: Callable[["Sequence", int | None], None] | None = None   # (seq, new token or None at a
+                                                                       # finish without one); from the loop thread
+    cancelled_by: Callable[[], bool] | None = None                     # polled: True cancels the sequence
+    tokens: list[int] = field(default_factory=list)                    # new tokens, a stop token included
+    logits: list[np.ndarray] = field(default_factory=list)             # [V] per new token, with config.keep_logits
+    finish: str | None = None                                          # STOP | LENGTH | CANCELLED | ERROR
+    error: str | None = None                                           # for ERROR and CANCELLED: why
+    slot: int | None = None
+    position: int = 0                                                  # where the next decode writes its token
+    submitted_s: float = 0.0
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.rng = np.random.default_rng(self.config.seed)           # as runtime.generate: one generator, seeded
+        self.stop = frozenset(self.config.stop_tokens)
+        self._events: queue.SimpleQueue | None = queue.SimpleQueue() if self.listener is None else None
+        self._cancel = threading.Event()
+        self._polled_s = 0.0
+
+    def cancel(self, why: str = "cancelled by the client") -> None:
+        """Ask the scheduler to drop this sequence; its slot is freed at the next step."""
+        self.error = self.error or why
+        self._cancel.set()
+
+    def stream(self, timeout_s: float | None = None) -> Iterator[int]:
+        """The new tokens as they are produced (without a listener only); ends when the sequence finishes."""
+        if self._events is None:
+            raise RuntimeError("Sequence.stream: this sequence has a listener; its tokens go there")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                token = self._events.get(timeout=left)
+            except queue.Empty:
+                raise TimeoutError(f"no token within {timeout_s} s") from None
+            if token is None:
+                return
+            yield token
+
+    def result(self, timeout_s: float | None = None) -> list[int]:
+        if not self.done.wait(timeout_s):
+            raise TimeoutError(f"sequence not finished within {timeout_s} s")
+        return self.tokens
+
+    def _emit(self, token: int | None) -> None:
+        if self.listener is not None:
+            self.listener(self, token)
+        else:
+            if token is not None:
+                self._events.put(token)
+            if self.finish is not None:
+                self._events.put(None)
+
+    def _wants_cancel(self, now: float) -> bool:
+        if self._cancel.is_set():
+            return True
+        if self.cancelled_by is not None and now - self._polled_s >= CANCEL_POLL_S:
+            self._polled_s = now
+            if self.cancelled_by():
+                self.cancel("the client cancelled or disconnected")
+                return True
+        return False
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start (read them from any thread; a snapshot is `stats()`)."""
+    submitted: int = 0
+    refused_busy: int = 0
+    finished: dict = field(default_factory=lambda: {STOP: 0, LENGTH: 0, CANCELLED: 0, ERROR: 0})
+    steps: int = 0               # decode steps
+    rows_run: int = 0            # rows the decode steps computed (hi per step)
+    rows_running: int = 0        # of which held a running sequence
+    prefills: int = 0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0        # decode_rows calls
+    sample_s: float = 0.0        # sampling and delivery after each decode step
+    peak_running: int = 0
+    peak_waiting: int = 0
+
+
+class BatchScheduler:
+    """See the module docstring. `session` must be active and implement steps on rows (row_steps)."""
+
+    def __init__(self, session: DecoderSession, slots: int = 8, max_queued: int = 32,
+                 prefill_tokens: int = PREFILL_TOKENS):
+        if not session.is_active:
+            raise RuntimeError("BatchScheduler: activate the session first")
+        if not session.row_steps:
+            raise RuntimeUserError(f"backend {session.backend!r}: the batch scheduler needs steps on part of the "
+                                   "batch (row_steps), which this backend does not implement; use ort (cpu) or torch")
+        if slots < 1 or max_queued < 0 or prefill_tokens < 1:
+            raise ValueError(f"slots {slots}, max_queued {max_queued}, prefill_tokens {prefill_tokens}: "
+                             "expected slots >= 1, max_queued >= 0, prefill_tokens >= 1")
+        self.session = session
+        self.slots = slots
+        self.max_queued = max_queued
+        self.prefill_tokens = prefill_tokens
+        session.reset(slots)
+        self._running: list[Sequence | None] = [None] * slots          # slot -> sequence
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._lock = threading.Condition()
+        self._n_running = 0          # under _lock: what submit() counts against the limit
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._stats = SchedulerStats()
+
+    # --- any thread -------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self.session.spec.capacity
+
+    def submit(self, prompt: list[int], config: GenerationConfig,
+               listener: Callable[[Sequence, int | None], None] | None = None,
+               cancelled_by: Callable[[], bool] | None = None) -> Sequence:
+        """Queue one prompt (token ids); it joins the running batch at a coming step.
+
+        Raises RuntimeUserError for bad settings, CapacityError when prompt + max_new_tokens
+        does not fit the cache, ServerBusy when slots + max_queued sequences are held.
+        """
+        try:
+            config.sampling.validate()
+        except ValueError as e:
+            raise RuntimeUserError(f"sampling: {e}; fix the request") from None
+        check_capacity(self.capacity, [len(prompt)], config.max_new_tokens)
+        seq = Sequence(list(prompt), config, listener=listener, cancelled_by=cancelled_by)
+        with self._lock:
+            if self._closed:
+                raise SchedulerClosed("generate: expected a running scheduler, found it closed (server shutting "
+                                      "down); retry on another server")
+            held = self._n_running + len(self._waiting)
+            if held >= self.slots + self.max_queued:
+                self._stats.refused_busy += 1
+                raise ServerBusy(f"server busy: expected room for one more request, found {self._n_running} "
+                                 f"running and {len(self._waiting)} queued (the most this scheduler holds: "
+                                 f"{self.slots} running + {self.max_queued} queued); retry later, or add model "
+                                 "instances or servers")
+            seq.submitted_s = time.perf_counter()
+            self._waiting.append(seq)
+            self._stats.submitted += 1
+            self._stats.peak_waiting = max(self._stats.peak_waiting, len(self._waiting))
+            self._lock.notify()
+        return seq
+
+    def pool(self) -> tuple[int, int]:
+        """(running, waiting) now."""
+        with self._lock:
+            return self._n_running, len(self._waiting)
+
+    def stats(self) -> SchedulerStats:
+        with self._lock:
+            s = SchedulerStats(**{k: v for k, v in vars(self._stats).items()})
+            s.finished = dict(self._stats.finished)
+            return s
+
+    def start(self) -> "BatchScheduler":
+        """Run the step loop in a daemon thread until close()."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="batch-scheduler", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the loop; sequences still waiting or running finish as CANCELLED."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        for seq in [s for s in self._running if s is not None] + list(self._waiting):
+            seq.cancel("the server is shutting down")
+            self._finish(seq, CANCELLED)
+        with self._lock:
+            self._waiting.clear()
+
+    # --- the loop thread (or a test calling step()) ------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and not self._waiting and self._n_running == 0:
+                    self._lock.wait()
+                if self._closed:
+                    return
+            self.step()
+
+    def step(self) -> None:
+        """Drop cancelled sequences, admit newcomers (prefill), run one decode step."""
+        self._drop_cancelled()
+        self._admit()
+        self._decode()
+
+    def _drop_cancelled(self) -> None:
+        now = time.monotonic()
+        for seq in [s for s in self._running if s is not None]:
+            if seq._wants_cancel(now):
+                self._finish(seq, CANCELLED)
+        with self._lock:
+            gone = [s for s in self._waiting if s._wants_cancel(now)]
+            for seq in gone:
+                self._waiting.remove(seq)
+        for seq in gone:
+            self._finish(seq, CANCELLED)
+
+    def _admit(self) -> None:
+        budget = self.prefill_tokens
+        admitted = 0
+        while None in self._running:
+            with self._lock:
+                if not self._waiting or (admitted and len(self._waiting[0].prompt) > budget):
+                    return
+                seq = self._waiting.popleft()
+                seq.slot = self._running.index(None)
+                self._running[seq.slot] = seq
+                self._n_running += 1
+                self._stats.peak_running = max(self._stats.peak_running, self._n_running)
+            admitted += 1
+            budget -= len(seq.prompt)
+            self._prefill(seq)
+
+    def _prefill(self, seq: Sequence) -> None:
+        t0 = time.perf_counter()
+        try:
+            ids = np.array([seq.prompt], np.int64)                                             # [1, T]
+            logits = self.session.prefill_rows(seq.slot, ids)[:, -1]                           # [1, V]
+        except Exception as e:  # a backend failure ends this sequence only
+            seq.error = f"internal error in prefill: {type(e).__name__}: {e}"
+            self._finish(seq, ERROR)
+            return
+        seq.position = len(seq.prompt)
+        if seq.config.keep_logits:
+            seq.logits.append(logits[0].copy())
+        token = int(sample(logits, seq.config.sampling, seq.rng)[0])
+        self._stats.prefills += 1
+        self._stats.prefill_tokens += len(seq.prompt)
+        self._stats.prefill_s += time.perf_counter() - t0
+        seq.first_token_s = time.perf_counter()
+        self._deliver(seq, token)
+
+    def _decode(self) -> None:
+        rows = [i for i, s in enumerate(self._running) if s is not None]
+        if not rows:
+            return
+        hi = rows[-1] + 1
+        tokens = np.zeros(hi, np.int64)                                                        # [hi]
+        position = np.zeros(hi, np.int64)                                                      # [hi]
+        for i in rows:
+            tokens[i] = self._running[i].tokens[-1]
+            position[i] = self._running[i].position
+        t0 = time.perf_counter()
+        try:
+            logits = self.session.decode_rows(0, tokens, position)                            # [hi, V]
+        except Exception as e:  # the step failed for every running sequence; the scheduler goes on
+            for i in rows:
+                self._running[i].error = f"internal error in decode: {type(e).__name__}: {e}"
+                self._finish(self._running[i], ERROR)
+            return
+        t1 = time.perf_counter()
+        greedy = [i for i in rows if self._running[i].config.sampling.greedy]
+        picked = dict(zip(greedy, logits[greedy].argmax(axis=-1).tolist())) if greedy else {}
+        for i in rows:
+            seq = self._running[i]
+            seq.position += 1
+            if seq.config.keep_logits:
+                seq.logits.append(logits[i].copy())
+            token = picked[i] if i in picked else int(sample(logits[i:i + 1], seq.config.sampling, seq.rng)[0])
+            self._deliver(seq, token)
+        self._stats.steps += 1
+        self._stats.rows_run += hi
+        self._stats.rows_running += len(rows)
+        self._stats.decode_s += t1 - t0
+        self._stats.sample_s += time.perf_counter() - t1
+
+    def _deliver(self, seq: Sequence, token: int) -> None:
+        """Append a token, decide whether it ends the sequence, then hand it to the client."""
+        seq.tokens.append(token)
+        if token in seq.stop:
+            seq.finish = STOP
+        elif len(seq.tokens) >= seq.config.max_new_tokens:
+            seq.finish = LENGTH
+        try:
+            seq._emit(token)
+        except Exception as e:  # the client's sink failed (e.g. it disconnected): drop the sequence
+            seq.finish = None
+            seq.cancel(f"delivering a token failed: {type(e).__name__}: {e}")
+            self._finish(seq, CANCELLED)
+            return
+        if seq.finish is not None:
+            self._release(seq)
+
+    def _finish(self, seq: Sequence, why: str) -> None:
+        """End a sequence without a new token (cancelled, error, shutdown) and free its slot."""
+        if seq.done.is_set():
+            return
+        seq.finish = why
+        try:
+            seq._emit(None)
+        except Exception:  # noqa: BLE001 - the client is gone; nothing more to tell it
+            pass
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        seq.finished_s = time.perf_counter()
+        with self._lock:
+            if seq.slot is not None and self._running[seq.slot] is seq:
+                self._running[seq.slot] = None
+                self._n_running -= 1
+            self._stats.finished[seq.finish] += 1
+        seq.done.set()

@@ -1,0 +1,244 @@
+"""The batch scheduler (runtime/scheduler.py) and the row steps it runs on: a step on some rows
+leaves the others' caches untouched; every sequence gets runtime.generate's tokens whatever
+else is in the batch; slots are freed at once; back-pressure, cancellation and failures."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.generate import GenerationConfig, generate
+from runtime.ort_session import OrtSession
+from runtime.sampling import SamplingConfig
+from runtime.scheduler import CANCELLED, ERROR, LENGTH, STOP, BatchScheduler, SchedulerClosed, ServerBusy
+from runtime.session import CapacityError, DecoderSession, RuntimeUserError
+from runtime.torch_session import TorchSession
+from tests.runtime.greedy import compare_greedy
+
+RNG = np.random.default_rng(0)
+# lengths 3..12, max tokens 3..30, greedy and sampled, one stop token: every case at once
+PROMPTS = [RNG.integers(0, 320, n).tolist() for n in (3, 7, 1, 5, 12, 2, 9, 4, 6, 10)]
+SETTINGS = [(12, (0.0, 0, 1.0)), (20, (1.0, 40, 0.95)), (5, (0.0, 0, 1.0)), (30, (0.7, 0, 1.0)), (8, (0.0, 0, 1.0)),
+            (16, (1.3, 5, 1.0)), (25, (0.0, 0, 1.0)), (3, (0.0, 0, 1.0)), (18, (1.0, 0, 0.5)), (10, (0.0, 0, 1.0))]
+
+
+def _configs(stop: tuple[int, ...] = ()) -> list[GenerationConfig]:
+    return [GenerationConfig(max_new_tokens=n, seed=i, sampling=SamplingConfig(*s), stop_tokens=stop, keep_logits=True)
+            for i, (n, s) in enumerate(SETTINGS)]
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """torch's default (one thread per core) spins against the other tests' processes on a shared
+    machine: 40x slower steps here; one thread is what these tiny models need."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _session(kind, tiny) -> DecoderSession:
+    ckpt, build = tiny
+    return OrtSession(build, intra_op_threads=1) if kind == "ort" else TorchSession(ckpt)
+
+
+def _caches(session) -> list[np.ndarray]:
+    """Copies of every cache [B, H, S_max, D] of an active session."""
+    if isinstance(session, OrtSession):
+        return [session.cache_array(n).copy() for n in session.spec.cache_names()]
+    return [t.clone().numpy() for kv in session.cache for t in kv]
+
+
+def _run(scheduler: BatchScheduler, seqs) -> None:
+    for _ in range(10_000):
+        if all(s.done.is_set() for s in seqs):
+            return
+        scheduler.step()
+    raise AssertionError("sequences did not finish")
+
+
+@pytest.mark.parametrize("kind", ["ort", "torch"])
+def test_row_steps_read_and_write_only_their_rows(tiny, kind):
+    """prefill_rows / decode_rows on some rows: the other rows' caches are unchanged bit for bit,
+    and the logits are those of the same prompt run alone at batch 1."""
+    with _session(kind, tiny) as s, _session(kind, tiny) as alone:
+        s.reset(4)
+        s.prefill(RNG.integers(0, 320, (4, 9)))                          # every row holds something
+        before = _caches(s)
+        ids = np.array([PROMPTS[1]])                                     # [1, 7]
+        got = s.prefill_rows(2, ids).copy()
+        after = _caches(s)
+        for b, a in zip(before, after):
+            np.testing.assert_array_equal(a[[0, 1, 3]], b[[0, 1, 3]])    # other rows untouched
+            assert not np.array_equal(a[2, :, :7], b[2, :, :7])          # row 2 written
+            np.testing.assert_array_equal(a[2, :, 7:], b[2, :, 7:])      # ... at positions [0, 7) only
+        alone.reset(1)
+        np.testing.assert_array_equal(got, alone.prefill(ids))           # the same computation as batch 1
+        before = after
+        logits = s.decode_rows(1, np.array([5, 6]), np.array([9, 7])).copy()   # rows 1, 2
+        after = _caches(s)
+        for b, a in zip(before, after):
+            np.testing.assert_array_equal(a[[0, 3]], b[[0, 3]])
+        want = alone.decode_step(np.array([6]), np.array([7]))[0]
+        np.testing.assert_allclose(logits[1], want, rtol=0, atol=1e-5)   # fp32, batch 2 vs 1: rounding only
+        with pytest.raises(ValueError, match=r"rows \[3, 5\)"):
+            s.decode_rows(3, np.array([1, 2]), np.array([0, 0]))
+
+
+@pytest.mark.parametrize("kind", ["ort", "torch"])
+def test_every_sequence_gets_its_solo_tokens_whatever_else_is_in_the_batch(tiny, kind):
+    """10 prompts of mixed lengths, max tokens and sampling settings through 4 slots, newcomers
+    joining at different steps: each equals runtime.generate of that prompt alone (greedy up to
+    a tie, tests/runtime/greedy.py; seeded sampling: the same draws)."""
+    configs = _configs()
+    with _session(kind, tiny) as s:
+        want = [generate(s, [p], c) for p, c in zip(PROMPTS, configs)]
+    with _session(kind, tiny) as s:
+        scheduler = BatchScheduler(s, slots=4, max_queued=10)
+        seqs = []
+        for i, (p, c) in enumerate(zip(PROMPTS, configs)):
+            seqs.append(scheduler.submit(p, c))
+            if i % 3 == 0:
+                scheduler.step()                                     # some join a running batch
+        _run(scheduler, seqs)
+        stats = scheduler.stats()
+    assert stats.peak_running == 4 and stats.peak_waiting > 1 and scheduler.pool() == (0, 0)
+    for seq, w, c in zip(seqs, want, configs):
+        assert seq.finish == LENGTH and len(seq.tokens) == c.max_new_tokens
+        if c.sampling.greedy:
+            compared = compare_greedy(w.tokens[0], [row[0] for row in w.logits], seq.tokens, seq.logits)
+            assert compared == c.max_new_tokens, f"only {compared} tokens compared (tie)"
+        else:
+            assert seq.tokens == w.tokens[0]
+
+
+def test_a_finished_sequence_frees_its_slot_in_the_same_step(tiny):
+    """Stop token and max tokens end a sequence at once; the next step's newcomer takes its slot,
+    and each token reaches the listener in the step that produced it."""
+    events, calls = [], [0]
+    with _session("ort", tiny) as s:
+        free = generate(s, [PROMPTS[1]], GenerationConfig(max_new_tokens=12)).tokens[0]
+        scheduler = BatchScheduler(s, slots=2, max_queued=4)          # owns the session's caches from here
+        stop = free[3]
+        listen = lambda seq, token: events.append((seq.prompt[0], token, calls[0]))  # noqa: E731
+        a = scheduler.submit(PROMPTS[1], GenerationConfig(max_new_tokens=12, stop_tokens=(stop,)), listener=listen)
+        b = scheduler.submit(PROMPTS[0], GenerationConfig(max_new_tokens=30), listener=listen)
+        c = scheduler.submit(PROMPTS[2], GenerationConfig(max_new_tokens=5), listener=listen)
+        step = lambda: (calls.__setitem__(0, calls[0] + 1), scheduler.step())  # noqa: E731
+        step()
+        assert (a.slot, b.slot, c.slot) == (0, 1, None) and scheduler.pool() == (2, 1)
+        while not a.done.is_set():
+            step()
+        assert a.finish == STOP and a.tokens == free[:free.index(stop) + 1] and scheduler.pool() == (1, 1)
+        step()
+        assert c.slot == 0 and scheduler.pool() == (2, 0)            # the freed slot, at the next step
+        _run(scheduler, [b, c])
+        assert (b.finish, c.finish) == (LENGTH, LENGTH) and scheduler.pool() == (0, 0)
+    # delivered as produced: step 1 prefills (token 0) and decodes (token 1), each later step one token
+    calls_of_a = [n for first, token, n in events if first == PROMPTS[1][0]]
+    assert calls_of_a == [1] + list(range(1, len(a.tokens))) and len(a.tokens) >= 3
+
+
+def test_cancelled_sequences_free_their_slot_at_the_next_step(tiny, monkeypatch):
+    monkeypatch.setattr("runtime.scheduler.CANCEL_POLL_S", 0.0)      # poll cancelled_by at every step
+    with _session("ort", tiny) as s:
+        scheduler = BatchScheduler(s, slots=2, max_queued=4)
+        running = scheduler.submit(PROMPTS[0], GenerationConfig(max_new_tokens=30))
+        polled = {"gone": False}
+        by_client = scheduler.submit(PROMPTS[1], GenerationConfig(max_new_tokens=30), cancelled_by=lambda: polled["gone"])
+        waiting = scheduler.submit(PROMPTS[2], GenerationConfig(max_new_tokens=30))
+        queued_then_cancelled = scheduler.submit(PROMPTS[3], GenerationConfig(max_new_tokens=30))
+        scheduler.step()
+        scheduler.step()
+        assert scheduler.pool() == (2, 2)
+        running.cancel()
+        queued_then_cancelled.cancel()
+        polled["gone"] = True                      # e.g. Triton's request.is_cancelled()
+        scheduler.step()
+        assert running.finish == by_client.finish == queued_then_cancelled.finish == CANCELLED
+        assert "disconnected" in by_client.error and len(running.tokens) == 3      # prefill + 2 decode steps
+        assert waiting.slot == 0 and scheduler.pool() == (1, 0)
+        _run(scheduler, [waiting])
+        assert scheduler.pool() == (0, 0) and scheduler.stats().finished == {STOP: 0, LENGTH: 1, CANCELLED: 3, ERROR: 0}
+
+
+def test_full_pool_and_queue_refuse_with_server_busy_and_limits_are_checked(tiny):
+    with _session("ort", tiny) as s:
+        scheduler = BatchScheduler(s, slots=2, max_queued=1)
+        held = [scheduler.submit(PROMPTS[i], GenerationConfig(max_new_tokens=8)) for i in range(3)]
+        with pytest.raises(ServerBusy) as e:
+            scheduler.submit(PROMPTS[3], GenerationConfig(max_new_tokens=8))
+        msg = str(e.value)
+        assert msg.startswith("server busy: expected room for one more request, found 0 running and 3 queued "
+                              "(the most this scheduler holds: 2 running + 1 queued)") and "\n" not in msg
+        with pytest.raises(CapacityError, match="the cache capacity"):
+            scheduler.submit(list(range(49)), GenerationConfig(max_new_tokens=1))        # capacity 48
+        with pytest.raises(CapacityError, match="max-new-tokens"):
+            scheduler.submit(PROMPTS[0], GenerationConfig(max_new_tokens=46))
+        with pytest.raises(RuntimeUserError, match="top_p is 1.5"):
+            scheduler.submit(PROMPTS[0], GenerationConfig(sampling=SamplingConfig(1.0, 0, 1.5)))
+        _run(scheduler, held)
+        scheduler.submit(PROMPTS[3], GenerationConfig(max_new_tokens=8))               # room again
+        assert scheduler.stats().refused_busy == 1
+
+
+def test_failures_end_only_the_sequences_they_touch(tiny):
+    """A listener that raises (a client gone) cancels its sequence; a backend error in a decode
+    step ends the sequences of that step with ERROR; the scheduler serves the next ones."""
+    with _session("ort", tiny) as s:
+        want = generate(s, [PROMPTS[0]], GenerationConfig(max_new_tokens=6)).tokens[0]
+        scheduler = BatchScheduler(s, slots=2, max_queued=4)
+
+        def broken(seq, token):
+            if len(seq.tokens) == 2:
+                raise ConnectionError("client went away")
+        gone = scheduler.submit(PROMPTS[1], GenerationConfig(max_new_tokens=20), listener=broken)
+        ok = scheduler.submit(PROMPTS[0], GenerationConfig(max_new_tokens=6))
+        _run(scheduler, [gone, ok])
+        assert gone.finish == CANCELLED and "client went away" in gone.error and ok.tokens == want
+        real = s.decode_rows
+        s.decode_rows = lambda *a: (_ for _ in ()).throw(RuntimeError("backend fell over"))
+        failed = scheduler.submit(PROMPTS[0], GenerationConfig(max_new_tokens=6))
+        _run(scheduler, [failed])
+        assert failed.finish == ERROR and "backend fell over" in failed.error and failed.tokens == want[:1]
+        s.decode_rows = real
+        again = scheduler.submit(PROMPTS[0], GenerationConfig(max_new_tokens=6))
+        _run(scheduler, [again])
+        assert again.tokens == want and scheduler.pool() == (0, 0)
+
+
+def test_loop_thread_streams_and_close_ends_the_rest(tiny):
+    with _session("ort", tiny) as s:
+        want = [generate(s, [p], c).tokens[0] for p, c in zip(PROMPTS, _configs())]
+        scheduler = BatchScheduler(s, slots=3, max_queued=20).start()
+        seqs = [scheduler.submit(p, c) for p, c in zip(PROMPTS, _configs())]
+        assert [list(seq.stream(timeout_s=60)) for seq in seqs] == want
+        scheduler.close()
+        with pytest.raises(SchedulerClosed):
+            scheduler.submit(PROMPTS[0], GenerationConfig())
+    with _session("ort", tiny) as s:
+        scheduler = BatchScheduler(s, slots=1, max_queued=2)      # no loop: nothing runs
+        left = [scheduler.submit(PROMPTS[i], GenerationConfig(max_new_tokens=8)) for i in range(2)]
+        scheduler.step()
+        scheduler.close()
+        assert [q.finish for q in left] == [CANCELLED, CANCELLED] and "shutting down" in left[1].error
+        assert list(left[0].stream(timeout_s=1)) == left[0].tokens and len(left[0].tokens) == 2
+
+
+def test_a_backend_without_row_steps_is_refused_with_one_line(tiny):
+    class Whole(OrtSession):
+        row_steps = False
+    with Whole(tiny[1]) as s:
+        with pytest.raises(RuntimeUserError, match="needs steps on part of the batch") as e:
+            BatchScheduler(s, slots=2)
+        assert "\n" not in str(e.value)
+
+
+def test_bench_slots_measures_every_design(tiny, capsys):
+    """python -m bench.slots (the prefill-design costs of docs/triton.md) runs and reports each variant."""
+    from bench.slots import main
+    assert main(["--model", str(tiny[1]), "--slots", "4", "--prompt", "8", "--threads", "1", "--rounds", "3"]) == 0
+    out = capsys.readouterr().out
+    for row in ("prefill in its own row", "prefill over the whole pool [4, 8]", "separate batch-1 session",
+                "decode step, 1 row", "decode step, 4 rows", "adds"):
+        assert row in out, out

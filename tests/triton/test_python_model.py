@@ -1,0 +1,65 @@
+"""The generate model's backend-free core (runtime/triton/python_model.py): streamed text pieces add
+up to the text runtime.generate prints, and what one request's client receives per scheduler event."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.scheduler import CANCELLED, ERROR, LENGTH, STOP, Sequence
+from runtime.generate import GenerationConfig
+from runtime.triton.python_model import ResponseStream, TextStream
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from tokenizers import Tokenizer
+    from tests.helpers import tiny_tokenizer_json
+    return Tokenizer.from_file(str(tiny_tokenizer_json(tmp_path_factory.mktemp("tok") / "tokenizer.json")))
+
+
+def test_pieces_add_up_to_the_text_even_when_tokens_split_characters(tokenizer):
+    """Random byte-level tokens (UTF-8 characters split across tokens, invalid bytes, the stop
+    token): the pieces concatenated equal decode(all tokens but the stop tokens)."""
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    multi = tokenizer.encode("héllo wörld ✓ 日本").ids          # multi-byte characters, byte by byte
+    rng = np.random.default_rng(0)
+    held_back = 0
+    for trial in range(300):
+        tokens = rng.choice(multi, rng.integers(1, 12)).tolist() if trial % 2 else \
+            rng.integers(0, tokenizer.get_vocab_size(), rng.integers(1, 12)).tolist()
+        if trial % 5 == 0:
+            tokens.insert(len(tokens) // 2, eos)
+        text = TextStream(tokenizer, (eos,))
+        pieces = [text.push(t, last=i == len(tokens) - 1) for i, t in enumerate(tokens)]
+        assert "".join(pieces) == tokenizer.decode([t for t in tokens if t != eos]), tokens
+        held_back += sum(1 for p in pieces[:-1] if p == "")
+    assert held_back > 0          # some pieces were held back for an incomplete character
+
+
+def _seq(tokens, finish, error=None, stop=()):
+    seq = Sequence([1], GenerationConfig(max_new_tokens=len(tokens) or 1, stop_tokens=stop), listener=lambda s, t: None)
+    seq.tokens, seq.finish, seq.error = list(tokens), finish, error
+    return seq
+
+
+def test_what_a_client_receives(tokenizer):
+    ids = tokenizer.encode("Once upon a time").ids
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    sent = []
+    send = lambda *a: sent.append(a)  # noqa: E731 - (text, tokens, error, final)
+    stream = ResponseStream(send, tokenizer, (eos,), stream=True)
+    for i, t in enumerate(ids + [eos]):
+        seq = _seq((ids + [eos])[:i + 1], STOP if t == eos else None)
+        stream.on_event(seq, t)
+    assert [s[1] for s in sent] == [[t] for t in ids + [eos]] and [s[3] for s in sent] == [False] * len(ids) + [True]
+    assert "".join(s[0] for s in sent) == "Once upon a time" and sent[-1][0] == ""
+    sent.clear()
+    whole = ResponseStream(send, tokenizer, (eos,), stream=False)
+    for i, t in enumerate(ids):
+        whole.on_event(_seq(ids[:i + 1], LENGTH if i == len(ids) - 1 else None), t)
+    assert sent == [("Once upon a time", ids, None, True)]          # one response, at the end
+    sent.clear()
+    stream.on_event(_seq(ids[:2], CANCELLED, "the client cancelled or disconnected"), None)
+    stream.on_event(_seq(ids[:2], ERROR, "internal error in decode: RuntimeError: x"), None)
+    assert sent[0] == (None, None, None, True)                      # an empty final response
+    assert sent[1][:2] == (None, None) and "internal error in decode" in str(sent[1][2]) and sent[1][3]
