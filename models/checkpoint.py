@@ -34,11 +34,11 @@ from core.errors import UserError, first_line, run_cli
 from core.inputs import check_memory
 from core.outputs import CHECKPOINT, OutputKind, output_dir
 from models.decoder import Decoder, DecoderConfig
+from models.disabled_norm import DISABLED_NORM_EPS  # noqa: F401  (re-exported: export and graph_passes' test read it here)
 
 FORMAT_VERSION = 2
 READS_FORMATS = (1, 2)
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
-DISABLED_NORM_EPS = 1e6  # eps this large turns a norm into a fixed scale (FakeLN-style)
 NEEDS = f"a checkpoint directory needs {CONFIG}, {WEIGHTS} and {TOKENIZER}"
 # what format 1 meant by the fields format 2 added (and DecoderConfig's defaults may not always say)
 FORMAT_1_MEANT = dict(n_kv_head=None, head_size=None, pos_embedding="learned", rope_theta=10000.0, rotary_dim=None,

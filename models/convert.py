@@ -30,6 +30,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -335,7 +336,9 @@ def _read_file(where: Path) -> dict[str, torch.Tensor]:
         if where.suffix == ".safetensors":
             from safetensors.torch import load_file
             return load_file(str(where))
-        state = torch.load(where, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():     # a damaged pickle warns before it fails: one line only
+            warnings.simplefilter("ignore")
+            state = torch.load(where, map_location="cpu", weights_only=True)
     except Exception as e:  # safetensors, pickle and zip readers raise many types on a damaged file
         raise ConvertError(f"{where}: not a readable {'safetensors' if where.suffix == '.safetensors' else 'PyTorch'} "
                            f"weights file ({first_line(e)[:200]}); re-download or re-save it") from None
