@@ -89,10 +89,29 @@ def test_sharded_safetensors_and_pytorch_bin_read_the_same(folders, tmp_path):
     bin_dir.mkdir()
     shutil.copy(path / "config.json", bin_dir)
     torch.save(hf.state_dict(), bin_dir / "pytorch_model.bin")
-    for folder in (sharded, bin_dir):
+    bin_sharded = tmp_path / "bin_sharded"          # pytorch_model-0000i-of-00002.bin with their index
+    bin_sharded.mkdir()
+    shutil.copy(path / "config.json", bin_sharded)
+    state, names = hf.state_dict(), sorted(hf.state_dict())
+    halves = {f"pytorch_model-0000{i + 1}-of-00002.bin": names[i::2] for i in range(2)}
+    for file, part in halves.items():
+        torch.save({k: state[k] for k in part}, bin_sharded / file)
+    (bin_sharded / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, part in halves.items() for k in part}}))
+    for folder in (sharded, bin_dir, bin_sharded):
         got = convert(folder).model.state_dict()
         assert got.keys() == ref.keys()
         assert all(torch.equal(got[k], ref[k]) for k in ref), folder
+
+
+def test_half_precision_weights_are_read_into_fp32(folders, tmp_path):
+    import copy
+    hf, _ = folders["gpt2"]
+    half = save_hf(copy.deepcopy(hf).to(torch.bfloat16), tmp_path / "bf16")
+    got = convert(half).model
+    assert all(p.dtype == torch.float32 for p in got.parameters())
+    ref = hf.state_dict()["transformer.h.0.attn.c_proj.weight"].to(torch.bfloat16).float().t()
+    assert torch.equal(got.blocks[0].attn.out_proj.weight, ref)
 
 
 def test_cli_writes_a_checkpoint_that_loads_with_or_without_tokenizer(folders, tmp_path, capsys):
