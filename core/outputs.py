@@ -145,7 +145,8 @@ def check_output_dir(out: str | os.PathLike, kind: OutputKind, inputs=()) -> Non
     if why:
         raise UserError(f"{out}: {why}, and writing {kind.what} there would replace it; {fix}")
     if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise UserError(f"{out}: expected {kind.what} or a new path, found a file; {fix} (it is not ours to replace)")
+        found = "a symbolic link" if out.is_symlink() else "a file"
+        raise UserError(f"{out}: expected {kind.what} or a new path, found {found}; {fix} (it is not ours to replace)")
     if out.is_dir():
         found = marker_kind(out)
         if found is None:
