@@ -23,7 +23,6 @@ import json
 import math
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import torch

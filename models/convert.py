@@ -39,7 +39,7 @@ import torch
 
 from core.errors import first_line
 from models.checkpoint import CONFIG, TOKENIZER, CheckpointError, check_tokenizer_fits
-from models.decoder import ACTIVATIONS, Decoder, DecoderConfig
+from models.decoder import Decoder, DecoderConfig
 
 SUPPORTED = ("gpt2", "llama", "mistral", "qwen2")
 DEFAULT_CAPACITY = 2048   # KV-cache capacity when --max-seq-len is not given (and the model allows more)

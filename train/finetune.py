@@ -32,7 +32,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from core.errors import ArgumentParser, UserError, float_in, int_in, positive_int, run_cli, seed_int
+from core.errors import ArgumentParser, UserError, float_in, int_in, run_cli, seed_int
 from train.config import TrainConfig, TrainError
 
 METHODS = ("internal-taper", "all-taper", "fakeln", "vanilla")
