@@ -126,6 +126,13 @@ class _Fields:
             self.refuse(key, v, "a positive integer")
         return v
 
+    def number(self, key: str, value=None) -> float:
+        """A positive number (config key, or a value read from under it)."""
+        v = self.get(key) if value is None else value
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v:
+            self.refuse(key, v, "a positive number")
+        return float(v)
+
     def refuse(self, key: str, value, expected: str):
         raise ConvertError(f"{self.where}: {self.kind} field {key!r} is {value!r}; expected {expected}")
 
@@ -135,7 +142,7 @@ class _Fields:
 
     def activation(self, key: str) -> str:
         act = self.get(key)
-        if act not in HF_ACTIVATIONS:
+        if not isinstance(act, str) or act not in HF_ACTIVATIONS:
             self.unsupported(f"{key} {act!r} (supported: {', '.join(HF_ACTIVATIONS)})")
         return HF_ACTIVATIONS[act]
 
@@ -148,6 +155,8 @@ def _rope(f: _Fields, head_dim: int) -> dict:
     """rope_theta, rotary_dim and rope_scaling from rope_parameters (transformers 5) or the older keys."""
     params = f.get("rope_parameters")
     if params is None:
+        if not isinstance(f.get("rope_scaling") or {}, dict):
+            f.refuse("rope_scaling", f.get("rope_scaling"), "an object or null")
         params = dict(f.get("rope_scaling") or {})
         params.setdefault("rope_theta", f.get("rope_theta"))
         if "partial_rotary_factor" in f.raw:
@@ -157,23 +166,19 @@ def _rope(f: _Fields, head_dim: int) -> dict:
     if not isinstance(params, dict):
         f.refuse("rope_parameters", params, "an object")
     kind = params.get("rope_type", "default")
-    theta = params.get("rope_theta", f.defaults["rope_theta"])
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
-        f.refuse("rope_theta", theta, "a positive number")
+    theta = f.number("rope_theta", params.get("rope_theta", f.defaults["rope_theta"]))
     needs = {"default": (), "linear": ("factor",),
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-    if kind not in needs:
+    if not isinstance(kind, str) or kind not in needs:
         f.unsupported(f"rope type {kind!r} (supported: {', '.join(needs)})")
     for k in needs[kind]:
-        v = params.get(k)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            f.refuse(f"rope_parameters.{k}", v, f"a positive number for rope type {kind!r}")
-    factor = params.get("partial_rotary_factor", 1.0)
+        f.number(f"rope_parameters.{k}", params.get(k, "missing"))
+    factor = f.number("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
     rotary_dim = int(head_dim * factor)
     if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
         f.refuse("partial_rotary_factor", factor, f"a fraction of the head width {head_dim} giving an even width")
     scaling = None if kind == "default" else {"rope_type": kind, **{k: params[k] for k in needs[kind]}}
-    return dict(pos_embedding="rope", rope_theta=float(theta), rope_scaling=scaling,
+    return dict(pos_embedding="rope", rope_theta=theta, rope_scaling=scaling,
                 rotary_dim=None if rotary_dim == head_dim else rotary_dim)
 
 
@@ -187,12 +192,10 @@ def gpt2_config(f: _Fields, max_seq_len: int | None) -> DecoderConfig:
     d, heads = f.int("n_embd"), f.int("n_head")
     if d % heads:
         f.refuse("n_head", heads, f"a divisor of n_embd ({d})")
-    eps = f.get("layer_norm_epsilon")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        f.refuse("layer_norm_epsilon", eps, "a positive number")
+    eps = f.number("layer_norm_epsilon")
     return DecoderConfig(vocab_size=f.int("vocab_size"), d_model=d, n_layer=f.int("n_layer"), n_head=heads,
                          max_seq_len=_capacity(f, "n_positions", max_seq_len), mlp="gelu", norm="layernorm",
-                         tie_embeddings=bool(f.get("tie_word_embeddings")), eps=float(eps),
+                         tie_embeddings=bool(f.get("tie_word_embeddings")), eps=eps,
                          mlp_hidden=f.int("n_inner", allow_none=True), activation=f.activation("activation_function"),
                          pos_embedding="learned", qkv_bias=True, out_bias=True, mlp_bias=True)
 
@@ -205,11 +208,9 @@ def llama_config(f: _Fields, max_seq_len: int | None) -> DecoderConfig:
         f.refuse("num_attention_heads", heads, f"a divisor of hidden_size ({d})")
     if heads % kv:
         f.refuse("num_key_value_heads", kv, f"a divisor of num_attention_heads ({heads})")
-    eps = f.get("rms_norm_eps")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        f.refuse("rms_norm_eps", eps, "a positive number")
+    eps = f.number("rms_norm_eps")
     capacity = _capacity(f, "max_position_embeddings", max_seq_len)
-    window = f.get("sliding_window") if f.kind == "mistral" or f.get("use_sliding_window") else None
+    window = f.int("sliding_window", allow_none=True) if f.kind == "mistral" or f.get("use_sliding_window") else None
     if window is not None and window < capacity:
         raise ConvertError(f"{f.where}: sliding_window {window} is shorter than the KV-cache capacity {capacity}, and "
                            f"sliding-window attention is not supported; pass --max-seq-len {window} or less")
@@ -220,7 +221,7 @@ def llama_config(f: _Fields, max_seq_len: int | None) -> DecoderConfig:
     return DecoderConfig(vocab_size=f.int("vocab_size"), d_model=d, n_layer=f.int("num_hidden_layers"), n_head=heads,
                          n_kv_head=None if kv == heads else kv, head_size=None if head_dim * heads == d else head_dim,
                          max_seq_len=capacity, mlp="swiglu", norm="rmsnorm",
-                         tie_embeddings=bool(f.get("tie_word_embeddings")), eps=float(eps),
+                         tie_embeddings=bool(f.get("tie_word_embeddings")), eps=eps,
                          mlp_hidden=f.int("intermediate_size"), activation=f.activation("hidden_act"),
                          **_rope(f, head_dim), **bias)
 

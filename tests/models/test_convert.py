@@ -184,3 +184,32 @@ def test_bad_folder_one_line_nothing_written(folders, tmp_path, case, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and needle in err, err
     assert not (tmp_path / "ck").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+JSON_VALUES = [None, True, False, 0, -3, 1, 7, 2**40, 1.5, -0.5, float("nan"), "", "x", "silu", [], [1], {}, {"a": 1},
+               {"rope_type": "linear"}, {"rope_type": "llama3", "factor": "x"}]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen2"])
+def test_any_config_value_converts_or_gives_one_line(folders, tmp_path, name):
+    """Property: whatever one config key holds, convert succeeds or raises ConvertError (never a traceback)."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+    from core.errors import UserError
+    _, path = folders[name]
+    keys = sorted(json.loads((path / "config.json").read_text()))
+    work = tmp_path / "hf"
+    shutil.copytree(path, work)
+    original = (path / "config.json").read_text()
+
+    @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(keys + ["rope_scaling", "partial_rotary_factor", "sliding_window"]),
+           st.sampled_from(JSON_VALUES))
+    def check(key, value):
+        raw = json.loads(original)
+        raw[key] = value
+        (work / "config.json").write_text(json.dumps(raw))
+        try:
+            convert(work)
+        except UserError as e:
+            assert "\n" not in str(e)
+    check()
