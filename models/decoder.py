@@ -204,7 +204,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)   # [rotary_dim / 2]
 
     def forward(self, pos_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = pos_ids[..., None].float() * self.inv_freq                       # [B, T, rotary_dim / 2]
+        # float32 angles whatever the model's dtype (as Hugging Face computes them); apply_rope casts cos/sin
+        freqs = pos_ids[..., None].float() * self.inv_freq.float()               # [B, T, rotary_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)                                  # [B, T, rotary_dim]
         return emb.cos(), emb.sin()
 
@@ -216,7 +217,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, H, T, D] rotated on its first cos.shape[-1] dims; cos, sin [B, T, rotary_dim]."""
-    cos, sin = cos[:, None], sin[:, None]                                        # [B, 1, T, rotary_dim]
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)                # [B, 1, T, rotary_dim]
     rd = cos.shape[-1]
     if rd == x.shape[-1]:
         return x * cos + rotate_half(x) * sin
