@@ -127,3 +127,15 @@ def test_config_rejects_bad_format_2_fields(field, value, needle):
     extra = {"pos_embedding": "rope"} if field in ("rotary_dim", "rope_scaling") else {}
     with pytest.raises(ValueError, match=needle):
         random_model(**{**extra, field: value})
+
+
+def test_rope_model_runs_in_fp16_with_float32_angles():
+    """export.build --dtype fp16 runs the reference in fp16: the rotary angles stay float32 (as in HF)."""
+    import copy
+    model = random_model(pos_embedding="rope", n_kv_head=2, max_seq_len=32)
+    half = copy.deepcopy(model).to(torch.float16)
+    ids = torch.randint(0, 320, (2, 30))
+    with torch.no_grad():
+        ref, got = model(ids), half(ids)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=0)
