@@ -124,3 +124,17 @@ def test_taper_and_fakeln_refuse_models_without_real_norms(tmp_path):
     r = cli("train.finetune", ["--from", rms, "--method", "fakeln", "--out", tmp_path / "o", *TINY])
     assert r.code == 1 and "--method fakeln replaces LayerNorms" in r.err
     assert not (tmp_path / "o").exists()
+
+
+def test_finetune_from_a_hugging_face_folder(tmp_path):
+    """--from takes an HF folder as it is (converted in memory), with its own tokenizer.json."""
+    from tests.hf_models import hf_model, save_hf
+    folder = save_hf(hf_model("gpt2"), tmp_path / "hf", tokenizer=True)
+    r = cli("train.finetune", ["--from", folder, "--method", "all-taper", "--out", tmp_path / "ft", "--steps", "4",
+                               "--eval-every", "2", *TINY])
+    assert r.code == 0, r.err
+    log = json.loads((tmp_path / "ft" / "train_log.json").read_text())
+    assert log["recipe"]["from"] == str(folder) and log["run"]["tokenizer"] == str(folder / "tokenizer.json")
+    model = load_checkpoint(tmp_path / "ft")
+    assert (model.cfg.norm, model.cfg.taper_base, model.gate.value, model.cfg.max_seq_len) == ("taper", "ln", 0.0, 64)
+    assert (tmp_path / "ft" / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
