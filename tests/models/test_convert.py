@@ -201,7 +201,7 @@ def test_any_config_value_converts_or_gives_one_line(folders, tmp_path, name):
     shutil.copytree(path, work)
     original = (path / "config.json").read_text()
 
-    @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(st.sampled_from(keys + ["rope_scaling", "partial_rotary_factor", "sliding_window"]),
            st.sampled_from(JSON_VALUES))
     def check(key, value):
