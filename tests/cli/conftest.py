@@ -25,6 +25,7 @@ COMMANDS = {
     "runtime.triton": "runtime.triton.__main__",
     "bench.decode": "bench.decode",
     "bench.report": "bench.report",
+    "bench.gpu_decode": "bench.gpu_decode",
     "train": "train.__main__",
     "train.screen_dyt": "train.screen_dyt",
     "train.report": "train.report",

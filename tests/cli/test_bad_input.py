@@ -276,6 +276,11 @@ CASES = [
     ("triton-usage-unknown-subcommand", "runtime.triton", ["bogus"], None, 2, "invalid choice"),
     ("bench-decode-usage-bad-batches", "bench.decode", ["--out", "{s}/r", "--batches", "0,x"], None, 1, "--batches"),
     ("bench-decode-unknown-size", "bench.decode", ["--out", "{s}/r", "--sizes", "9T"], None, 1, "unknown size"),
+    ("gpu-decode-unknown-size", "bench.gpu_decode", ["--sizes", "1M,9T"], None, 1, "--sizes"),
+    ("gpu-decode-bad-batches", "bench.gpu_decode", ["--batches", "0,x"], None, 1, "--batches"),
+    ("gpu-decode-two-rounds", "bench.gpu_decode", ["--rounds", "2"], None, 2, "--rounds"),
+    ("gpu-decode-json-over-a-users-file", "bench.gpu_decode", ["--json", "{s}/X"], lambda s, fx: _plain_file(s), 1,
+     "not written by tapernorm-deploy"),
     ("screen-dyt-zero-steps", "train.screen_dyt", ["--steps", "0"], None, 2, "--steps"),
     ("train-report-no-runs", "train.report", ["--runs", "{s}"], None, 1, "no <preset>/train_log.json"),
     # --- bring your own model (issue 11) -----------------------------------------------------------------
