@@ -81,7 +81,8 @@ def example_inputs(model: Decoder, batch: int = 2, seq: int = 3, dtype=torch.flo
 def model_metadata(model: Decoder, dtype: str) -> dict[str, str]:
     cfg = model.cfg
     meta = {"norm": cfg.norm, "taper_scope": str(cfg.taper_scope), "dtype": dtype,
-            "n_layer": str(cfg.n_layer), "n_head": str(cfg.n_head), "head_dim": str(cfg.head_dim),
+            "n_layer": str(cfg.n_layer), "n_head": str(cfg.n_head), "n_kv_head": str(cfg.kv_heads),
+            "head_dim": str(cfg.head_dim), "pos_embedding": cfg.pos_embedding,
             "capacity": str(cfg.max_seq_len), "vocab_size": str(cfg.vocab_size),
             "tie_embeddings": str(cfg.tie_embeddings).lower()}
     if cfg.norm == "taper":

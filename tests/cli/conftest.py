@@ -16,6 +16,7 @@ from tests.helpers import random_model, write_checkpoint
 # module -> what `python -m <module>` runs; every entry point of the project
 COMMANDS = {
     "models.checkpoint": "models.checkpoint",
+    "models.convert": "models.convert",
     "export.build": "export.build",
     "export.verify": "export.verify",
     "graph_passes": "graph_passes.__main__",
@@ -32,6 +33,7 @@ COMMANDS = {
     "train.screen_dyt": "train.screen_dyt",
     "train.report": "train.report",
     "train.tokenizer": "train.tokenizer",
+    "train.finetune": "train.finetune",
 }
 
 

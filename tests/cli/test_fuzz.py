@@ -40,6 +40,7 @@ def choice(*values):
 # command -> (positional kinds, {option: kind}); every option of every entry point
 OPTIONS = {
     "models.checkpoint": ([PATH], {}),
+    "models.convert": ([PATH], {"--out": OUT, "--max-seq-len": INT}),
     "export.build": ([], {"--checkpoint": PATH, "--out": OUT, "--fuse": FLAG, "--dtype": choice("fp32", "fp16"),
                           "--triton-repo": OUT, "--quantize": choice("int8", "int4", "int2"), "--block-size": INT,
                           "--accuracy-level": INT, "--algo": choice("rtn", "hqq", "x"),
@@ -90,6 +91,12 @@ OPTIONS = {
                               "--batch-size": INT, "--seq-len": INT, "--quiet": FLAG}),
     "train.report": ([], {"--runs": PATH, "--figure": OUT, "--json": OUT, "--install-zoo": OUT, "--presets": TEXT}),
     "train.tokenizer": ([], {"--out": OUT, "--vocab-size": INT, "--stories": INT}),
+    "train.finetune": ([], {"--from": PATH, "--method": choice("internal-taper", "all-taper", "fakeln", "vanilla", "x"),
+                            "--out": OUT, "--resume": FLAG, "--steps": INT, "--lr": FLOAT, "--batch-size": INT,
+                            "--seq-len": INT, "--eval-every": INT, "--eval-batches": INT, "--calib-batches": INT,
+                            "--warmup-steps": INT, "--taper-steps": INT, "--aux-lambda": FLOAT, "--fakeln-every": INT,
+                            "--corpus": PATH, "--corpus-stories": INT, "--seed": INT, "--threads": INT,
+                            "--quiet": FLAG}),
 }
 
 
