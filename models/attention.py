@@ -1,6 +1,7 @@
 """Scaled dot-product attention over the fixed-capacity cache, exportable as one ONNX op.
 
-    attend(q [B, H, T, D], k [B, H, S, D], v [B, H, S, D], mask bool [B, 1, T, S]) -> [B, H, T, D]
+    attend(q [B, H, T, D], k [B, H_kv, S, D], v [B, H_kv, S, D], mask bool [B, 1, T, S]) -> [B, H, T, D]
+        (H a multiple of H_kv: grouped-query attention)
         softmax(q k^T / sqrt(D), masked where mask is False) v
 
 Eager torch (training, the reference) always computes it with plain ops. When exporting,
@@ -21,9 +22,13 @@ _FUSED = {"on": False}
 
 
 def attend_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))                       # [B, H, T, S]
+    b, h, t, d = q.shape
+    group = h // k.shape[1]
+    if group > 1:   # grouped-query attention: each kv head serves `group` query heads, read in place
+        q, k, v, mask = q.view(b, k.shape[1], group, t, d), k[:, :, None], v[:, :, None], mask[:, None]
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))            # [B, H, T, S] or [B, H_kv, G, T, S]
     att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-    return att @ v                                                                          # [B, H, T, D]
+    return (att @ v).reshape(b, h, t, d)                                                    # [B, H, T, D]
 
 
 @torch.library.custom_op("tapernorm::attention", mutates_args=())

@@ -46,3 +46,20 @@ def test_fused_attention_keeps_the_cache_in_place(tmp_path):
         s.decode_step(np.array([7, 8]), np.array([3, 3]))
         assert s.cache_ptrs() == ptrs
         assert np.abs(s.cache_array("key_0")[:, :, 3]).sum() > 0           # the step's key written in place
+
+
+def test_fused_attention_with_grouped_query_heads_and_rope(tmp_path):
+    """Llama-family models (issue 11: n_kv_head < n_head, rotary positions) through the fused op:
+    the opset-24 Attention op reads the H_kv-head cache as ONNX's grouped-query attention."""
+    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    mask = (torch.arange(16)[None, None, :] <= (torch.tensor([0, 5])[:, None] + torch.arange(3))[:, :, None])[:, None]
+    repeated = attend_plain(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), mask)
+    torch.testing.assert_close(attend_plain(q, k, v, mask), repeated)       # grouping == repeating kv heads
+    model = random_model(seed=3, norm="rmsnorm", n_head=4, n_kv_head=2, pos_embedding="rope")
+    plain = export_onnx(model, tmp_path / "plain.onnx")
+    fused = export_onnx(model, tmp_path / "fused.onnx", attention="fused")
+    assert [n.op_type for n in fused.graph.node].count("Attention") == model.cfg.n_layer
+    verify_pair(plain, fused, tokens=list(range(3, 40)))                     # fp32 atol 1e-4
+    iface = read_interface(fused)
+    steps = session_steps(iface, seed=5)
+    compare(run_torch(model, iface, steps), run_onnx(ort_session(fused), iface, steps), "fp32", "fused vs torch")
