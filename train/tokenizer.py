@@ -29,11 +29,19 @@ def train_tokenizer(stories, vocab_size: int = DEFAULT_VOCAB):
 
 
 def load_tokenizer(path: str | Path = DEFAULT_TOKENIZER):
+    """A tokenizers.Tokenizer from a tokenizer.json; TrainError (one line) for a missing or unreadable file."""
     from tokenizers import Tokenizer
+    from core.errors import first_line
+    from train.config import TrainError
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"tokenizer {path}: not found; build it with python -m train.tokenizer --out {path}")
-    return Tokenizer.from_file(str(path))
+        raise TrainError(f"tokenizer {path}: not found; pass an existing tokenizer.json "
+                         f"(build one with python -m train.tokenizer --out {path})")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a plain Exception for a file that is not a tokenizer
+        raise TrainError(f"tokenizer {path}: expected a tokenizers tokenizer.json, found an unreadable file "
+                         f"({first_line(e)[:120]}); pass the tokenizer.json the model uses") from None
 
 
 def encode_stories(tok, stories: list[str]) -> list[int]:
