@@ -13,6 +13,15 @@ torch's RNG, calibration and scale-loss state, the log. Killing the process leav
 the last complete checkpoint. Nothing is written before the first evaluation after
 step 0, so `out` never goes back to an earlier step than it holds; a new run into a
 directory that holds a run is refused (resume it, or choose another --out).
+
+Data parallel (torchrun; train.distributed): every rank builds the same model and draws
+the same global batch of `batch_size` windows per step; rank r reads its own share
+(windows r * B / N .. (r + 1) * B / N, in `grad_accum` micro-batches), DDP averages the
+gradients, and evaluation, calibration and s_tgt sums are all-reduced, so the gate, c and
+the scale loss are identical on every rank and equal (to rounding) to one process with the
+same global batch. Only rank 0 writes `out`; RUN_STATE holds nothing per-rank, so a run
+resumes with any number of processes. The log's "parallel" list records, from each start
+or resume on, the world size, per-rank batch, micro-batch, backend, device and dtype.
 """
 from __future__ import annotations
 
@@ -283,6 +292,48 @@ def _autocast(run: TrainConfig):
     return contextlib.nullcontext
 
 
+def _calibrate(model: Decoder, windows: torch.Tensor, batch_size: int, run: TrainConfig, aux: dict,
+               par: Parallel) -> dict:
+    """Calibrate every c (and fix s_tgt) from this rank's share of the calibration windows,
+    the sums all-reduced; returns the log record."""
+    reduce = par.sum if par.distributed else None
+    mine = par.shard(len(windows))
+
+    def batches():
+        return _batches(windows[mine.start:mine.stop], batch_size, par.device)
+    before = branch_mismatch(model, batches(), reduce)
+    c = calibrate(model, batches(), reduce)
+    after = branch_mismatch(model, batches(), reduce)
+    if run.aux_lambda > 0:
+        if aux["s_tgt"] is None:  # "calib": the pre-logit scale the real final norm gave
+            model.set_gate(1.0)
+            aux["s_tgt"] = mean_prelogit_rms(model, windows, batch_size, par)
+        aux["on"] = True
+    return {"c": c, "mismatch_before": before, "mismatch_after": after, "s_tgt": aux["s_tgt"]}
+
+
+def _accumulate_gradients(ddp, stream: TokenStream, starts: list[int], micro: int, run: TrainConfig, aux: dict,
+                          par: Parallel, autocast, where: str) -> float:
+    """Forward and backward this rank's windows `starts` in micro-batches; the gradients hold the
+    mean over the global batch once DDP has averaged the ranks. Returns this rank's mean CE."""
+    ce_mean = 0.0
+    for i in range(run.grad_accum):
+        batch = stream.windows(starts[i * micro:(i + 1) * micro], run.seq_len + 1).to(par.device)  # [b, T + 1]
+        last = i == run.grad_accum - 1
+        with contextlib.nullcontext() if last or not par.distributed else ddp.no_sync():   # all-reduce once
+            with autocast():
+                logits, h = ddp(batch[:, :-1], return_hidden=True)
+                ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+                loss = ce + scale_loss(h, aux["s_tgt"], run.aux_lambda) if aux["on"] else ce
+            if not torch.isfinite(loss):
+                raise TrainError(f"training {run.preset}: loss is {float(loss)} {where}; lower --lr or check the schedule")
+            # each micro-batch's mean counts 1 / grad_accum of the step (exact for a power of two), and
+            # DDP's mean over equal shares then gives the global batch's mean gradient
+            (loss / run.grad_accum if run.grad_accum > 1 else loss).backward()
+        ce_mean += ce.item() / run.grad_accum
+    return ce_mean
+
+
 def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: str | None, state: dict | None,
            par: Parallel) -> dict:
     data = prepare_data(run, work, par)
@@ -355,23 +406,10 @@ def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: s
 
     ev = log["evals"][-1] if state is not None else checkpoint(0, None, write=False)   # step 0: logged, not written
     bar = _progress(run, start) if par.is_main else None
-    reduce = par.sum if par.distributed else None
-    calib_mine = par.shard(len(data.calib))
     loss_acc, n_acc = 0.0, 0
     for step in range(start, run.steps):
         if sched and step == sched.calibration_step:
-            def calib_batches():      # this rank's share of the calibration windows
-                return _batches(data.calib[calib_mine.start:calib_mine.stop], micro, par.device)
-            before = branch_mismatch(model, calib_batches(), reduce)
-            c = calibrate(model, calib_batches(), reduce)
-            after = branch_mismatch(model, calib_batches(), reduce)
-            if run.aux_lambda > 0:
-                if aux["s_tgt"] is None:  # "calib": the pre-logit scale the real final norm gave
-                    model.set_gate(1.0)
-                    aux["s_tgt"] = mean_prelogit_rms(model, data.calib, micro, par)
-                aux["on"] = True
-            log["calibration"] = {"step": step, "c": c, "mismatch_before": before, "mismatch_after": after,
-                                  "s_tgt": aux["s_tgt"]}
+            log["calibration"] = {"step": step, **_calibrate(model, data.calib, micro, run, aux, par)}
         g = sched.gate_at(step) if sched else None
         if sched:
             model.set_gate(g)
@@ -380,22 +418,8 @@ def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: s
             group["lr"] = lr
         starts = _draw_starts(data.train, run.batch_size, run.seq_len, gen)[par.rank * per_rank:(par.rank + 1) * per_rank]
         opt.zero_grad(set_to_none=True)
-        ce_mean = 0.0
-        for i in range(run.grad_accum):
-            batch = data.train.windows(starts[i * micro:(i + 1) * micro], run.seq_len + 1).to(par.device)  # [b, T + 1]
-            last = i == run.grad_accum - 1
-            with (contextlib.nullcontext() if last or not par.distributed else ddp.no_sync()):
-                with autocast():
-                    logits, h = ddp(batch[:, :-1], return_hidden=True)
-                    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-                    loss = ce + scale_loss(h, aux["s_tgt"], run.aux_lambda) if aux["on"] else ce
-                if not torch.isfinite(loss):
-                    raise TrainError(f"training {run.preset}: loss is {float(loss)} at step {step} (gate {g}); "
-                                     "lower --lr or check the schedule")
-                # each micro-batch's mean counts 1 / grad_accum of the step (exact: a power of two or 1 scales
-                # exactly, and DDP's mean over ranks then gives the global batch's mean gradient)
-                (loss / run.grad_accum if run.grad_accum > 1 else loss).backward()
-            ce_mean += ce.item() / run.grad_accum
+        ce_mean = _accumulate_gradients(ddp, data.train, starts, micro, run, aux, par, autocast,
+                                        where=f"at step {step} (gate {g})")
         torch.nn.utils.clip_grad_norm_(model.parameters(), run.grad_clip)
         opt.step()
         loss_acc, n_acc = loss_acc + ce_mean, n_acc + 1
