@@ -155,16 +155,21 @@ def _const(graph: gs.Graph, base: str, value: np.ndarray) -> gs.Constant:
 
 
 def fold_into_linear(graph: gs.Graph, x: gs.Tensor, uses: list[LinearUse],
-                     scale: np.ndarray | None, shift: np.ndarray | None) -> None:
+                     scale: np.ndarray | None, shift: np.ndarray | None, center: bool = False) -> None:
     """Rewire every use to read x and carry W' = diag(scale) W, b' = b + shift @ W.
 
+    center: x is centered first (x - mean x = x C, C = I - 11^T/d), so
+    W' = C diag(scale) W: the scaled weight minus its mean over the input axis.
     Computed in float64 and cast back to the weight's dtype. New constants only.
     """
     for use in uses:
         node, w = use.node, use.weight
         w64 = w.astype(np.float64)
         s = np.ones(w.shape[0]) if scale is None else np.broadcast_to(scale.astype(np.float64), (w.shape[0],))
-        w_new = (s[:, None] * w64).astype(w.dtype)                          # [in, out]
+        w_scaled = s[:, None] * w64                                         # [in, out]
+        if center:
+            w_scaled = w_scaled - w_scaled.mean(axis=0, keepdims=True)
+        w_new = w_scaled.astype(w.dtype)                                    # [in, out]
         delta = None if shift is None else np.broadcast_to(shift.astype(np.float64), (w.shape[0],)) @ w64  # [out]
         base = node.name or "linear"
         if node.op == "MatMul":

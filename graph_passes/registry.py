@@ -7,6 +7,7 @@ from __future__ import annotations
 import onnx
 
 from graph_passes.base import GraphPass, PassResult, load_graph, save_graph
+from graph_passes.disabled_norm import FoldDisabledNorm
 from graph_passes.dyt_affine import FoldDyTAffine
 from graph_passes.fold_constants import FoldConstants
 from graph_passes.norm_gamma import FoldNormGamma
@@ -14,8 +15,8 @@ from graph_passes.taper_scale import FoldTaperScale
 from graph_passes.trt_lint import TensorRTLint
 
 PASSES: dict[str, type[GraphPass]] = {cls.name: cls for cls in (
-    FoldConstants, FoldTaperScale, FoldNormGamma, FoldDyTAffine, TensorRTLint)}
-DEFAULT_PASSES = ("fold_constants", "taper_scale", "norm_gamma", "dyt_affine", "trt_lint")
+    FoldConstants, FoldTaperScale, FoldDisabledNorm, FoldNormGamma, FoldDyTAffine, TensorRTLint)}
+DEFAULT_PASSES = ("fold_constants", "taper_scale", "disabled_norm", "norm_gamma", "dyt_affine", "trt_lint")
 # which registered passes each norm kind of models/ exercises (coverage test reads this)
 NORM_KIND_PASSES = {"taper": "taper_scale", "rmsnorm": "norm_gamma", "layernorm": "norm_gamma", "dyt": "dyt_affine"}
 
