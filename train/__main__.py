@@ -135,7 +135,9 @@ def run(argv: list[str]) -> int:
     a = p.parse_args(argv)
     run_cfg = _resume_config(p, a) if a.resume else _config(a)
     run_cfg.resolve()                 # cheap checks first, before torch is imported
+    from train.interrupts import raise_if_interrupted
     from train.loop import check_out, train
+    raise_if_interrupted()            # a Ctrl-C that the import of torch dropped
     check_out(run_cfg, a.resume)      # refuse a wrong --out before the corpus is built
     try:
         log = train(run_cfg, command="python -m train " + shlex.join(argv), resume=a.resume)
@@ -153,8 +155,14 @@ def run(argv: list[str]) -> int:
     return 0
 
 
+def run_noting_interrupts(argv: list[str]) -> int:
+    from train.interrupts import noting_interrupts
+    with noting_interrupts():         # a Ctrl-C dropped by an import still stops the run
+        return run(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(run, argv)
+    return run_cli(run_noting_interrupts, argv)
 
 
 if __name__ == "__main__":

@@ -130,10 +130,12 @@ class TrainConfig:
         """Every rank takes an equal share of each global batch: batch = world x grad_accum x micro-batch."""
         ways = world_size * self.grad_accum
         if self.batch_size % ways:
+            fix = (f"pass a --grad-accum that divides {self.batch_size // world_size}, the batch of each process"
+                   if self.batch_size % world_size == 0 else
+                   f"start a number of processes that divides {self.batch_size}")
             raise TrainError(f"--batch-size {self.batch_size}: expected a multiple of {world_size} process(es) x "
                              f"--grad-accum {self.grad_accum} = {ways} (every rank takes an equal share of each "
-                             f"global batch); pass --batch-size {ways * max(1, self.batch_size // ways)} or another "
-                             f"--grad-accum")
+                             f"global batch); {fix} (or another --batch-size for a new run)")
 
     def _check_data(self) -> None:
         if self.data is None:

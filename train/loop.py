@@ -49,6 +49,7 @@ from train.corpus import EOS, load_corpus, split_stories
 from train.distributed import (SINGLE, Parallel, data_parallel, ignore_launcher_stop, launched_world, peer_lost,
                                peer_lost_reason)
 from train.scale_loss import scale_loss, token_rms
+from train.interrupts import raise_if_interrupted
 from train.schedule import lr_at
 from train.shards import TokenStream, shards_for
 from train.tokenizer import encode_stories, load_tokenizer, train_tokenizer
@@ -93,6 +94,7 @@ def prepare_data(run: TrainConfig, workdir: Path | None, par: Parallel = SINGLE)
 
 def _memory_streams(run: TrainConfig, workdir: Path | None, par: Parallel):
     stories = load_corpus(run.corpus, n_stories=run.corpus_stories, limit=run.corpus_limit)
+    raise_if_interrupted()
     split = split_stories(stories)
     vocab = run.decoder_config().vocab_size
     if run.tokenizer == "train":
@@ -337,6 +339,7 @@ def _accumulate_gradients(ddp, stream: TokenStream, starts: list[int], micro: in
 def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: str | None, state: dict | None,
            par: Parallel) -> dict:
     data = prepare_data(run, work, par)
+    raise_if_interrupted()
     torch.manual_seed(run.seed)
     model = Decoder(run.decoder_config())
     if run.embed_std is not None:
@@ -408,6 +411,7 @@ def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: s
     bar = _progress(run, start) if par.is_main else None
     loss_acc, n_acc = 0.0, 0
     for step in range(start, run.steps):
+        raise_if_interrupted()
         if sched and step == sched.calibration_step:
             log["calibration"] = {"step": step, **_calibrate(model, data.calib, micro, run, aux, par)}
         g = sched.gate_at(step) if sched else None

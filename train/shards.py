@@ -38,6 +38,7 @@ import numpy as np
 from core.errors import UserError
 from core.outputs import TOKEN_SHARDS, marker_kind, output_dir
 from train.corpus import CorpusError, EOS, iter_source_stories, source_files
+from train.interrupts import raise_if_interrupted
 
 MAGIC = 20261129
 VERSION = 1
@@ -271,6 +272,7 @@ def build_shards(source: str | Path, out: str | Path, tokenizer_json: str | Path
         for pair in _split_of(iter_source_stories(source), SPLIT_EVERY, str(source)):
             pending.append(pair)
             if len(pending) == ENCODE_BATCH:
+                raise_if_interrupted()
                 flush()
         flush()
         if bar is not None:
@@ -361,9 +363,15 @@ def run(argv: list[str]) -> int:
     return 0
 
 
+def _run_noting_interrupts(argv: list[str]) -> int:
+    from train.interrupts import noting_interrupts
+    with noting_interrupts():         # a Ctrl-C dropped by an import still stops the tokenizing
+        return run(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     from core.errors import run_cli
-    return run_cli(run, argv)
+    return run_cli(_run_noting_interrupts, argv)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from pathlib import Path
 from train.config import DEFAULT_TOKENIZER
 from train.corpus import DEFAULT_GENERATED_STORIES, EOS, generate_stories
 DEFAULT_VOCAB = 2048
+ENCODE_CHUNK = 512      # stories per tokenizer call
 
 
 def train_tokenizer(stories, vocab_size: int = DEFAULT_VOCAB):
@@ -49,10 +50,13 @@ def encode_stories(tok, stories: list[str]) -> list[int]:
     eos = tok.token_to_id(EOS)
     if eos is None:
         raise ValueError(f"tokenizer has no {EOS} token; train it with train.tokenizer")
+    from train.interrupts import raise_if_interrupted
     out: list[int] = []
-    for enc in tok.encode_batch(stories):
-        out.extend(enc.ids)
-        out.append(eos)
+    for i in range(0, len(stories), ENCODE_CHUNK):     # in chunks: a Ctrl-C is seen between them
+        raise_if_interrupted()
+        for enc in tok.encode_batch(stories[i:i + ENCODE_CHUNK]):
+            out.extend(enc.ids)
+            out.append(eos)
     return out
 
 
