@@ -1,170 +1,215 @@
 #!/usr/bin/env bash
-# bench/gpu_check.sh: everything that needs a GPU, in one run, logs in one folder, under 8 minutes.
+# bench/gpu_check.sh: everything that needs a GPU, in one short run (< 8 minutes), logs in one archive.
 #
-#   bash bench/gpu_check.sh            # logs in $OUT/gpu_check if $OUT is set, else gpu_logs/
-#   GPU_LOG_DIR=/tmp/x bash bench/gpu_check.sh
-#   GPU_CHECK_SKIP_INSTALL=1 PYTHON=/work/venv/bin/python bash bench/gpu_check.sh   # dry run, no pip
+#   bash bench/gpu_check.sh                                   # archive: $OUT/gpu_check.tar.gz ($OUT unset: gpu_check_out/)
+#   GPU_CHECK_SKIP_INSTALL=1 PYTHON=python3 bash bench/gpu_check.sh      # use what the machine has, no pip at all
+#   GPU_CHECK_PARTS="probe torch_decode" bash bench/gpu_check.sh         # some parts only
 #
-# Steps (each under `timeout`, all under one 470 s deadline; a failed step is logged and the
-# script goes on, then exits non-zero naming the failed steps):
-#   env      nvidia-smi, python, pip freeze
-#   install  pip install -e '.[gpu,tensorrt,dev]', from ./wheels (offline) when that folder exists;
-#            onnxruntime-gpu replaces the CPU onnxruntime (both install the same `onnxruntime` package)
-#   probe    torch CUDA device, tensorrt version, ORT providers
-#   pytest   pytest -m gpu (tests/runtime/test_trt_session.py, CUDA graphs, ORT CUDA provider, ...)
-#   bench    decode step on torch CUDA (CUDA graphs): RMSNorm baseline vs norm-free (all-taper at
-#            gate 0, the fused form), interleaved; ORT CUDA provider and TensorRT on the fused builds
-#            when importable. Uses models/zoo/{baseline,all-taper} if present, else random models
-#            of the same shape family (d 512, 8 layers, capacity 1024).
-set -euo pipefail
+# Made for the borrowed GPU machine: CUDA PyTorch preinstalled as python3, no network, a small
+# file-return limit. The project runs from this source tree (PYTHONPATH), never pip-installed: that
+# would replace the machine's CUDA torch by the pinned CPU wheel of pyproject.toml.
+#
+# Parts, cheapest and most telling first. Each reports one line in summary.txt:
+#   ok (N s) | skipped: <why> | FAILED rc=N (N s)
+# A part whose requirement is missing (no CUDA device, no tensorrt, no time left) is skipped with
+# its reason, never failed; the script exits 0 unless a part that ran failed.
+#   machine       date, machine, nvidia-smi, python, versions of the packages that matter
+#   install       wheels from $GPU_CHECK_WHEELS or ./wheels or ./.whl (no index, no deps, into a private folder on
+#                 PYTHONPATH), else with GPU_CHECK_ONLINE=1 each extra in its own pip call (a failing
+#                 one, e.g. tensorrt without NVIDIA's index, cannot take the others down), torch pinned
+#                 to the installed version; skipped otherwise. GPU_CHECK_DRY_RUN=1 prints the commands.
+#   probe         torch / CUDA device, ONNX Runtime providers, tensorrt, onnx-graphsurgeon, polygraphy
+#   torch_decode  the paper's headline: python -m bench.gpu_decode (torch backend, CUDA graphs,
+#                 rmsnorm-strong vs internal-/all-taper-fused, sizes 1M..124M, batch 1 and 8, fp32 and bf16)
+#   pytest_gpu    pytest -m gpu tests/runtime (torch CUDA graphs, ORT CUDA provider), TensorRT tests apart
+#   trt_tests     pytest -m gpu tests/runtime/test_trt_session.py (parse, KV-cache layers, both profiles,
+#                 aliasing, prefill + decode vs ORT CPU with TF32 off and on), where tensorrt imports
+#   trt_bench     decode step timing of fused builds on the trt backend, where tensorrt imports
+set -uo pipefail
 cd "$(dirname "$0")/.."
+REPO=$(pwd)
 
-LOG_DIR="${GPU_LOG_DIR:-${OUT:+$OUT/gpu_check}}"
-LOG_DIR="${LOG_DIR:-gpu_logs}"
-mkdir -p "$LOG_DIR"
-PY="${PYTHON:-python}"
-DEADLINE=$(( $(date +%s) + 470 ))
-FAILED=()
+PY="${PYTHON:-python3}"
+OUT_DIR="${OUT:-$REPO/gpu_check_out}"
+DEADLINE=$(( $(date +%s) + ${GPU_CHECK_BUDGET_S:-460} ))   # all parts; the archive is written after
+PARTS="${GPU_CHECK_PARTS:-machine install probe torch_decode pytest_gpu trt_tests trt_bench}"
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
+LOG_DIR="$WORK/gpu_check"                      # what the archive holds (logs only: builds stay in $WORK)
+mkdir -p "$LOG_DIR" "$OUT_DIR"
+FAILED=0
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_DEFAULT_TIMEOUT=15
+export PYTHONPATH="$WORK/site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export REPO WORK LOG_DIR PY
 
+say() { echo "$*" | tee -a "$LOG_DIR/summary.txt"; }
 left() { echo $(( DEADLINE - $(date +%s) )); }
+skip() { echo "SKIPPED: $*"; exit 0; }       # inside a part: report the reason, end the part
 
-# step NAME LIMIT_S CMD...: run CMD with a timeout of min(LIMIT_S, time left), log to $LOG_DIR/NAME.log
-step() {
-    local name=$1 limit=$2; shift 2
-    local budget; budget=$(left)
+# part NAME LIMIT_S: run the function NAME under timeout min(LIMIT_S, time left); log to NAME.log
+part() {
+    local name=$1 limit=$2 budget t0 rc
+    [[ " $PARTS " == *" $name "* ]] || return 0
+    budget=$(left)
     (( budget < limit )) && limit=$budget
-    if (( limit < 10 )); then
-        echo "== $name: skipped, $(left) s left" | tee -a "$LOG_DIR/summary.log"
-        FAILED+=("$name(no time)"); return 0
+    if (( limit < 15 )); then
+        say "$(printf '%-13s' "$name") skipped: no time left ($(left) s of the budget)"; return 0
     fi
-    local t0; t0=$(date +%s)
-    if timeout --kill-after=5 "$limit" bash -c 'set -euo pipefail; "$@"' _ "$@" >"$LOG_DIR/$name.log" 2>&1; then
-        echo "== $name: ok ($(( $(date +%s) - t0 )) s)" | tee -a "$LOG_DIR/summary.log"
+    t0=$(date +%s)
+    timeout --kill-after=10 "$limit" bash -c "$name" >"$LOG_DIR/$name.log" 2>&1
+    rc=$?
+    local took=$(( $(date +%s) - t0 )) why
+    why=$(grep -m1 '^SKIPPED: ' "$LOG_DIR/$name.log" | cut -c10-)
+    if (( rc == 0 )) && [[ -n "$why" ]]; then
+        say "$(printf '%-13s' "$name") skipped: $why"
+    elif (( rc == 0 )); then
+        say "$(printf '%-13s' "$name") ok (${took} s)"
     else
-        local rc=$?
-        echo "== $name: FAILED rc=$rc ($(( $(date +%s) - t0 )) s, limit $limit s); see $LOG_DIR/$name.log" | tee -a "$LOG_DIR/summary.log"
-        FAILED+=("$name")
+        (( rc == 124 || rc == 137 )) && why=" (timed out at $limit s)" || why=""
+        say "$(printf '%-13s' "$name") FAILED rc=$rc$why (${took} s); see $name.log"
+        FAILED=1
     fi
 }
 
-env_report() {
-    date -u; nvidia-smi || true; "$PY" --version; "$PY" -m pip freeze 2>/dev/null | grep -iE 'torch|onnx|tensorrt|numpy|cuda' || true
+has() { "$PY" -c "import $1" >/dev/null 2>&1; }
+# why CUDA cannot be used with $PY, or nothing; asked once per run (torch's import is the slow part)
+CUDA_PY='
+try:
+    import torch
+except ImportError:
+    print("torch is not importable")
+else:
+    if not torch.cuda.is_available():
+        print("torch sees no CUDA device (torch.cuda.is_available() is False)")
+'
+export CUDA_PY
+cuda_problem() {
+    if [[ ! -f "$WORK/cuda_problem" ]]; then
+        "$PY" -c "$CUDA_PY" > "$WORK/cuda_problem" 2>/dev/null || echo "torch could not be asked ($PY failed)" > "$WORK/cuda_problem"
+    fi
+    cat "$WORK/cuda_problem"
+}
+need_cuda() { local why; why=$(cuda_problem); [[ -z "$why" ]] || skip "$why (python: $PY)"; }
+need_trt() { need_cuda; has tensorrt || skip "tensorrt is not importable (pip install tensorrt --extra-index-url https://pypi.nvidia.com)"; }
+has_ort_cuda() { "$PY" -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())" 2>/dev/null; }
+
+machine() {
+    date -u; uname -a
+    command -v nvidia-smi >/dev/null && nvidia-smi || echo "nvidia-smi: not on PATH"
+    echo "python: $PY ($("$PY" --version 2>&1))"; cat /proc/loadavg
+    "$PY" -m pip list 2>/dev/null | grep -iE '^(torch|onnx|onnxruntime|onnxscript|tensorrt|numpy|pytest|polygraphy|transformers|tokenizers|safetensors)[- ]' || true
+}
+
+# Requirements of one extra of pyproject.toml, one per line (tomllib: Python >= 3.11).
+extra_reqs() { "$PY" - "$1" <<'EOF'
+import sys, tomllib
+extra = sys.argv[1]
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+reqs = project["dependencies"] if extra == "base" else project["optional-dependencies"][extra]
+print("\n".join(r for r in reqs if not r.lower().startswith("torch")))   # never touch the machine's torch
+EOF
 }
 
 install() {
-    if [[ -n "${GPU_CHECK_SKIP_INSTALL:-}" ]]; then echo "skipped: GPU_CHECK_SKIP_INSTALL is set"; return 0; fi
-    local spec=".[gpu,tensorrt,dev]" args=()
-    if [[ -d wheels ]]; then args=(--no-index --find-links wheels); fi
-    "$PY" -m pip install "${args[@]}" -e "$spec" || echo "pip install of $spec failed (offline without ./wheels?); tests skip what is missing"
-    # onnxruntime and onnxruntime-gpu both install the `onnxruntime` package: keep only the GPU build
-    if "$PY" -m pip show onnxruntime-gpu >/dev/null 2>&1 && \
-       ! "$PY" -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())"; then
-        "$PY" -m pip uninstall -y onnxruntime onnxruntime-gpu
-        "$PY" -m pip install "${args[@]}" --no-deps onnxruntime-gpu
+    [[ -n "${GPU_CHECK_SKIP_INSTALL:-}" ]] && skip "GPU_CHECK_SKIP_INSTALL is set: using what $PY has"
+    local run=() wheels=""
+    [[ -n "${GPU_CHECK_DRY_RUN:-}" ]] && run=(echo "would run:")
+    for d in ${GPU_CHECK_WHEELS:-wheels .whl}; do [[ -d "$d" ]] && compgen -G "$d/*.whl" >/dev/null && wheels=$d && break; done
+    if [[ -n "$wheels" ]]; then
+        echo "offline: the wheels in $wheels, without deps, into $WORK/site (on PYTHONPATH)"
+        "${run[@]}" "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$wheels"/*.whl
+        return
     fi
+    [[ -z "${GPU_CHECK_ONLINE:-}" ]] && skip "no wheels (GPU_CHECK_WHEELS, ./wheels, ./.whl) and GPU_CHECK_ONLINE is not set (the lent GPU machine has no network)"
+    # torch stays what the machine has: the pinned CPU wheel of pyproject.toml must not replace it
+    local pins="$WORK/constraints.txt" extra reqs ok=0 bad=()
+    "$PY" -c "import torch; print('torch==' + torch.__version__)" > "$pins" 2>/dev/null || : > "$pins"
+    for extra in base dev gpu tensorrt; do
+        mapfile -t reqs < <(extra_reqs "$extra")
+        local index=()
+        [[ "$extra" == tensorrt ]] && index=(--extra-index-url "${TRT_INDEX_URL:-https://pypi.nvidia.com}")
+        echo "== extra $extra: ${reqs[*]}"
+        if "${run[@]}" "$PY" -m pip install -q -c "$pins" "${index[@]}" "${reqs[@]}"; then ok=$((ok + 1)); else bad+=("$extra"); fi
+    done
+    # onnxruntime and onnxruntime-gpu install the same package: keep only the GPU build where it is there
+    if [[ -z "${run[*]}" ]] && "$PY" -m pip show onnxruntime-gpu >/dev/null 2>&1 && ! has_ort_cuda; then
+        "$PY" -m pip uninstall -y onnxruntime onnxruntime-gpu && "$PY" -m pip install -q --no-deps onnxruntime-gpu
+    fi
+    echo "extras installed: $ok; failed: ${bad[*]:-none} (tests skip what is missing)"
 }
 
 probe() {
     "$PY" - <<'EOF'
-import torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
-if torch.cuda.is_available():
-    print("device", torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
+import importlib
+def version(name):
+    try:
+        m = importlib.import_module(name)
+        return getattr(m, "__version__", "?")
+    except Exception as e:
+        return f"not importable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+for name in ("torch", "onnx", "onnxruntime", "onnxscript", "tensorrt", "onnx_graphsurgeon", "polygraphy", "numpy"):
+    print(f"{name:18s} {version(name)}")
 try:
-    import tensorrt
-    print("tensorrt", tensorrt.__version__)
-except ImportError as e:
-    print("tensorrt not importable:", e)
-import onnxruntime
-print("onnxruntime", onnxruntime.__version__, onnxruntime.get_available_providers())
+    import torch
+    print("cuda", torch.version.cuda, "available", torch.cuda.is_available())
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        print("device", p.name, f"sm{p.major}{p.minor}", f"{p.total_memory / 2**30:.0f} GiB", p.multi_processor_count, "SMs")
+        print("tf32 matmul allowed (torch):", torch.backends.cuda.matmul.allow_tf32)
+except Exception as e:
+    print("torch probe failed:", e)
+try:
+    import onnxruntime
+    print("onnxruntime providers", onnxruntime.get_available_providers())
+except Exception as e:
+    print("onnxruntime probe failed:", e)
 EOF
 }
 
-run_pytest() {
-    "$PY" -m pytest -m gpu tests -rs -q -p no:cacheprovider --junitxml="$LOG_DIR/pytest_gpu.xml"
+torch_decode() {
+    need_cuda
+    "$PY" -m bench.gpu_decode --sizes "${GPU_CHECK_SIZES:-1M,8M,30M,124M}" --dtypes fp32,bf16 --batches 1,8 \
+        --steps 128 --warmup 16 --rounds 5 --json "$LOG_DIR/torch_decode.json"
 }
 
-make_models() {
-    "$PY" - "$LOG_DIR/models" <<'EOF'
-import sys
-from pathlib import Path
-root = Path(sys.argv[1]); root.mkdir(parents=True, exist_ok=True)
-zoo = Path("models/zoo")
-for name in ("baseline", "all-taper"):
-    dst = root / name
-    if (zoo / name / "config.json").is_file():
-        (root / f"{name}.source").write_text(str(zoo / name))
-        continue
-    sys.path.insert(0, ".")
-    from tests.helpers import random_model, write_checkpoint
-    shape = dict(vocab_size=4096, d_model=512, n_layer=8, n_head=8, max_seq_len=1024, randomize_norms=False)
-    if name == "baseline":
-        model = random_model(seed=0, norm="rmsnorm", **shape)
-    else:
-        model = random_model(seed=0, norm="taper", taper_scope="all", gate=0.0, **shape)
-    write_checkpoint(dst, model)
-    (root / f"{name}.source").write_text(str(dst))
-    print("random", name, "->", dst)
-EOF
+pytest_gpu() {
+    need_cuda
+    "$PY" -m pytest -m gpu tests/runtime --ignore=tests/runtime/test_trt_session.py -rs -v -p no:cacheprovider \
+        --junitxml="$LOG_DIR/pytest_gpu.xml"
 }
 
-src() { cat "$LOG_DIR/models/$1.source"; }
-
-has_cuda() { "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; }
-has_ort_cuda() { "$PY" -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())"; }
-has_trt() { "$PY" -c "import tensorrt" 2>/dev/null; }
-
-bench_torch() {
-    if ! has_cuda; then echo "skipped: torch sees no CUDA device"; return 0; fi
-    "$PY" -m runtime.step_timing --backend torch --device cuda --model "$(src baseline)" --model "$(src all-taper)" \
-        --batch 1 --prompt-len 32 --steps 200 --rounds 3
-    "$PY" -m runtime.step_timing --backend torch --device cuda --model "$(src baseline)" --model "$(src all-taper)" \
-        --batch 8 --prompt-len 32 --steps 200 --rounds 3
+trt_tests() {
+    need_trt
+    "$PY" -m pytest -m gpu tests/runtime/test_trt_session.py -rs -v -p no:cacheprovider \
+        --junitxml="$LOG_DIR/trt_tests.xml"
 }
 
-build_onnx() {
-    if ! has_cuda || ! { has_ort_cuda || has_trt; }; then echo "skipped: neither onnxruntime-gpu nor tensorrt with CUDA"; return 0; fi
-    for name in baseline all-taper; do
-        "$PY" -m export.build --fuse --checkpoint "$(src $name)" --out "$LOG_DIR/builds/$name"
+trt_bench() {
+    need_trt
+    has onnx_graphsurgeon || skip "onnx-graphsurgeon is not importable (export.build --fuse needs it; carry its wheel in ./wheels)"
+    local build="$WORK/builds" zoo=models/zoo
+    for kind in baseline all-taper; do
+        "$PY" -m export.build --fuse --checkpoint "$zoo/$kind" --out "$build/$kind" || return 1
     done
+    "$PY" -m runtime.step_timing --backend trt --model "$build/baseline" --model "$build/all-taper" \
+        --batch 1 --prompt-len 16 --steps 200 --rounds 3
 }
 
-bench_ort_cuda() {
-    if ! has_ort_cuda; then
-        echo "skipped: no CUDAExecutionProvider (onnxruntime-gpu not installed)"; return 0
-    fi
-    "$PY" -m runtime.step_timing --backend ort --device cuda --model "$LOG_DIR/builds/baseline" \
-        --model "$LOG_DIR/builds/all-taper" --batch 1 --prompt-len 32 --steps 200 --rounds 3
-}
+export -f say skip has cuda_problem need_cuda need_trt has_ort_cuda extra_reqs machine install probe torch_decode pytest_gpu trt_tests trt_bench
 
-bench_trt() {
-    if ! has_trt || ! has_cuda; then echo "skipped: tensorrt not importable or no CUDA device"; return 0; fi
-    "$PY" -m runtime.step_timing --backend trt --model "$LOG_DIR/builds/baseline" --model "$LOG_DIR/builds/all-taper" \
-        --batch 1 --prompt-len 32 --steps 200 --rounds 3
-    "$PY" -m runtime.generate --backend trt --model "$LOG_DIR/builds/all-taper" --prompt "Once upon a time" \
-        --max-new-tokens 64 --ignore-eos
-}
+say "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -n): python $PY, parts: $PARTS"
+part machine 30
+part install 150
+part probe 60
+part torch_decode 200
+part pytest_gpu 120
+part trt_tests 150
+part trt_bench 120
 
-export LOG_DIR PY
-export -f has_cuda has_ort_cuda has_trt env_report install probe run_pytest make_models src bench_torch build_onnx bench_ort_cuda bench_trt
-
-echo "gpu_check: logs in $LOG_DIR" | tee "$LOG_DIR/summary.log"
-step env 30 env_report
-step install 200 install
-step probe 60 probe
-step pytest_gpu 200 run_pytest
-step make_models 60 make_models
-step bench_torch 90 bench_torch
-step build_onnx 120 build_onnx
-step bench_ort_cuda 60 bench_ort_cuda
-step bench_trt 150 bench_trt
-
-for f in bench_torch bench_ort_cuda bench_trt; do
-    [[ -f "$LOG_DIR/$f.log" ]] && grep -hE '^(torch|ort|trt) |skipped|tokens/s' "$LOG_DIR/$f.log" | tee -a "$LOG_DIR/summary.log" || true
+for f in "$LOG_DIR"/torch_decode.log "$LOG_DIR"/trt_bench.log; do
+    [[ -f "$f" ]] && grep -hE '^(torch-cuda|trt) ' "$f" | tee -a "$LOG_DIR/summary.txt"
 done
-if (( ${#FAILED[@]} )); then
-    echo "gpu_check: FAILED steps: ${FAILED[*]}" | tee -a "$LOG_DIR/summary.log"
-    exit 1
-fi
-echo "gpu_check: all steps ok" | tee -a "$LOG_DIR/summary.log"
+(( FAILED )) && say "gpu_check: a part FAILED (see above)" || say "gpu_check: no part failed"
+cp "$LOG_DIR/summary.txt" "$OUT_DIR/gpu_check_summary.txt"
+tar -czf "$OUT_DIR/gpu_check.tar.gz" -C "$WORK" gpu_check && echo "archive: $OUT_DIR/gpu_check.tar.gz ($(du -h "$OUT_DIR/gpu_check.tar.gz" | cut -f1))"
+rm -rf "$WORK"
+exit "$FAILED"

@@ -5,11 +5,13 @@ checkpoint ──export──▶ model.onnx ──verify vs torch──▶ [grap
 Writes into OUT (default build/<checkpoint name>/):
     model.onnx         the unfused export (TaperNorm at g=0 as Mul by a constant vector)
     model.fused.onnx   with --fuse: scales and norm gammas folded into the MatMul weights
-    config.json        copied from the checkpoint
-    tokenizer.json     copied from the checkpoint
+    config.json        copied from the checkpoint (the converted one for a Hugging Face folder)
+    tokenizer.json     copied from the checkpoint (absent when it has none)
     report.json        op counts before/after, folded layers, max diffs, timings (docs/export.md)
 
-The stages live in export/pipeline.py. OUT is written into a temporary sibling and
+--checkpoint may name a Hugging Face model folder (gpt2, llama, mistral, qwen2):
+it is converted in memory (models/convert.py; `python -m models.convert` saves
+the checkpoint instead). The stages live in export/pipeline.py. OUT is written into a temporary sibling and
 swapped into place at the end, and replaced only when it is an earlier build.
 --triton-repo runs `python -m runtime.triton repo` on the finished build: the
 repository belongs to the runtime layer above, so it is wired here, in the CLI.
@@ -29,7 +31,7 @@ DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "models" / "zoo" /
 def _parser() -> ArgumentParser:
     ap = ArgumentParser(prog="python -m export.build", description="Export, fuse and verify a checkpoint.")
     ap.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT,
-                    help="checkpoint directory (default: the bundled models/zoo/internal-taper)")
+                    help="checkpoint directory or Hugging Face model folder (default: the bundled models/zoo/internal-taper)")
     ap.add_argument("--out", type=Path, default=None,
                     help="output directory (default: build/<checkpoint name>/); replaced only if it is an earlier build")
     ap.add_argument("--fuse", action="store_true", help="also fold norms/scales into weights (model.fused.onnx)")

@@ -9,6 +9,10 @@ The graph's decode-step contract (one graph serves prefill and decode):
     outputs  logits      float [batch, seq, vocab]
              present_key_{i}, present_value_{i}      the caches with the new tokens written
 
+Every Squeeze gets an explicit `axes` input where its input shape is static (the
+exporter writes Squeeze(Shape(input_ids)[1:2]) without axes for the sequence length,
+which TensorRT's parser takes only from 11.5 on: `explicit_squeeze_axes`).
+
 The cache write is one opset-24 TensorScatter per cache (axis -2, linear mode):
 bind one buffer as both key_i and present_key_i and ONNX Runtime / TensorRT
 update it in place. torch's own exporter would lower the write to
@@ -22,8 +26,10 @@ import io
 import warnings
 from pathlib import Path
 
+import numpy as np
 import onnx
 import torch
+from onnx import numpy_helper
 from onnxscript.onnx_opset import opset24 as op
 
 from models.decoder import Decoder
@@ -67,13 +73,48 @@ def example_inputs(model: Decoder, batch: int = 2, seq: int = 3, dtype=torch.flo
 def model_metadata(model: Decoder, dtype: str) -> dict[str, str]:
     cfg = model.cfg
     meta = {"norm": cfg.norm, "taper_scope": str(cfg.taper_scope), "dtype": dtype,
-            "n_layer": str(cfg.n_layer), "n_head": str(cfg.n_head), "head_dim": str(cfg.head_dim),
+            "n_layer": str(cfg.n_layer), "n_head": str(cfg.n_head), "n_kv_head": str(cfg.kv_heads),
+            "head_dim": str(cfg.head_dim), "pos_embedding": cfg.pos_embedding,
             "capacity": str(cfg.max_seq_len), "vocab_size": str(cfg.vocab_size),
             "tie_embeddings": str(cfg.tie_embeddings).lower()}
     if cfg.norm == "taper":
         meta["gate"] = repr(model.gate.value)
         meta["taper_layers"] = ",".join(model.taper_layers())
     return {META_PREFIX + k: v for k, v in meta.items()}
+
+
+def explicit_squeeze_axes(proto: onnx.ModelProto) -> int:
+    """Give each axis-less Squeeze whose input has a static shape an explicit `axes` input
+    (the positions of its size-1 dims: exactly what it squeezes). Returns how many it changed.
+
+    Squeeze without axes removes every dim of size 1; with the shape known that set is
+    fixed, so the rewrite is exact. A Squeeze over a shape with a symbolic dim is left
+    as it is (that dim may be 1 at run time); graph_passes' TensorRT lint flags it.
+    """
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < 13:          # axes became an input at opset 13
+        return 0
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto)
+    except Exception:   # > 2 GB or an op shape inference does not know: leave the graph as it is
+        return 0
+    g = inferred.graph
+    shapes = {v.name: v.type.tensor_type.shape for v in [*g.value_info, *g.input, *g.output]
+              if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")}
+    changed = 0
+    for node in proto.graph.node:
+        if node.op_type != "Squeeze" or node.domain not in ("", "ai.onnx") or len(node.input) != 1:
+            continue
+        shape = shapes.get(node.input[0])
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in shape.dim] if shape is not None else [None]
+        if None in dims:
+            continue
+        name = f"{node.name or node.output[0]}_axes"
+        proto.graph.initializer.append(numpy_helper.from_array(
+            np.array([i for i, d in enumerate(dims) if d == 1], np.int64), name))
+        node.input.append(name)
+        changed += 1
+    return changed
 
 
 def export_onnx(model: Decoder, path: str | Path, dtype: str = "fp32", verbose: bool = False) -> onnx.ModelProto:
@@ -100,6 +141,7 @@ def export_onnx(model: Decoder, path: str | Path, dtype: str = "fp32", verbose: 
             custom_translation_table={torch.ops.tapernorm.cache_write.default: cache_write_onnx},
             verbose=verbose)
     proto = program.model_proto
+    explicit_squeeze_axes(proto)
     for k, v in model_metadata(model, dtype).items():
         proto.metadata_props.add(key=k, value=v)
     onnx.save(proto, str(path))

@@ -9,6 +9,13 @@ temporary sibling of OUT that core.outputs.output_dir swaps into place at the en
 an interrupted or failed build leaves OUT as it was, and OUT is replaced only when
 it is an earlier build (it carries the build marker), never when it is or holds the
 checkpoint.
+
+The checkpoint may also be a Hugging Face model folder (models/convert.py): it is
+converted in memory (the build says so and records it in the report) and the
+build's config.json is the converted one. A model without tokenizer.json builds
+(verified on random tokens only); generation from the build then needs one.
+A model with disabled norms (eps >= 1e6, LN-free GPT-2) gets the eps
+approximation error measured on the verification tokens (models/disabled_norm.py).
 """
 from __future__ import annotations
 
@@ -44,6 +51,8 @@ class ModelSummary:
     capacity: int
     tie_embeddings: bool
     params: int
+    n_kv_head: int = 0
+    pos_embedding: str = "learned"
 
 
 @dataclass
@@ -72,6 +81,8 @@ class BuildReport:
     max_abs_diff: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # pair -> session -> output
     timings_s: dict[str, float] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
+    source: str = "checkpoint"           # checkpoint | hf:<model_type> (converted in memory)
+    eps_approximation: dict | None = None  # disabled norms: models.disabled_norm.EpsApproximation
 
     @property
     def norm_ops(self) -> dict[str, int]:
@@ -88,7 +99,10 @@ class BuildReport:
 class Loaded:
     model: object                # models.decoder.Decoder, fp32
     reference: object            # the torch reference in the build dtype
-    tokens: list[int] | None     # real text, tokenized (None when the tokenizer yields nothing usable)
+    tokens: list[int] | None     # real text, tokenized (None: no tokenizer, or it yields nothing usable)
+    tokenizer: Path | None = None   # the tokenizer.json the build copies (None: the model has none)
+    source: str = "checkpoint"      # checkpoint | hf:<model_type>
+    notes: list[str] = field(default_factory=list)
 
 
 class Stages:
@@ -126,13 +140,33 @@ def check_model(model, fuse: bool, dtype: str) -> None:
 
 
 def load_checkpoint_stage(checkpoint: Path, fuse: bool, dtype: str) -> Loaded:
+    """Our checkpoint, or a Hugging Face folder converted in memory."""
     import torch
-    from models.checkpoint import load_checkpoint, load_tokenizer
-    model = load_checkpoint(checkpoint)
+    from models.checkpoint import TOKENIZER, has_tokenizer, load_checkpoint, load_tokenizer
+    from models.convert import convert, is_hf_folder
+    if is_hf_folder(checkpoint):
+        c = convert(checkpoint)
+        model, tokenizer, source, notes = c.model, c.tokenizer, f"hf:{c.model_type}", c.notes
+    else:
+        model, source, notes = load_checkpoint(checkpoint), "checkpoint", []
+        tokenizer = None if has_tokenizer(checkpoint) is False else checkpoint / TOKENIZER
+        if tokenizer is None:
+            notes.append(f"{checkpoint} has no {TOKENIZER}: verified on random tokens only; generation needs one")
     check_model(model, fuse, dtype)
-    ids = [i for i in load_tokenizer(checkpoint).encode(REAL_TEXT).ids if i < model.cfg.vocab_size]
+    ids = ([i for i in load_tokenizer(tokenizer.parent).encode(REAL_TEXT).ids if i < model.cfg.vocab_size]
+           if tokenizer is not None else [])
     reference = model if dtype == "fp32" else copy.deepcopy(model).to(torch.float16)
-    return Loaded(model, reference, ids or None)
+    return Loaded(model, reference, ids or None, tokenizer, source, notes)
+
+
+def eps_stage(loaded: Loaded, verifier: "Verifier") -> dict | None:
+    """The eps approximation error of disabled norms, on the verification tokens (None without any)."""
+    import numpy as np
+    import torch
+    from models.disabled_norm import approximation_error
+    batches = [torch.from_numpy(np.concatenate([s.input_ids for s in steps], axis=1)) for _, steps in verifier.sessions]
+    approx = approximation_error(loaded.model, batches)
+    return None if approx is None else {**asdict(approx), "summary": approx.line()}
 
 
 def export_stage(loaded: Loaded, path: Path, dtype: str):
@@ -234,10 +268,19 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
     cfg, model = loaded.model.cfg, loaded.model
     gate = model.gate.value if cfg.norm == "taper" else None
     report.model = ModelSummary(cfg.norm, cfg.taper_scope, gate, cfg.n_layer, cfg.d_model, cfg.n_head,
-                                cfg.vocab_size, cfg.max_seq_len, cfg.tie_embeddings, model.num_params())
-    stages.start(f"load checkpoint {checkpoint}")
+                                cfg.vocab_size, cfg.max_seq_len, cfg.tie_embeddings, model.num_params(),
+                                cfg.kv_heads, cfg.pos_embedding)
+    report.source = loaded.source
+    report.notes += loaded.notes
+    if loaded.source == "checkpoint":
+        stages.start(f"load checkpoint {checkpoint}")
+    else:
+        stages.start(f"convert Hugging Face {loaded.source[3:]} folder {checkpoint} in memory "
+                     f"(python -m models.convert saves it as a checkpoint)")
     stages.done("load", t0, f": {cfg.norm}{' (' + cfg.taper_scope + ')' if cfg.taper_scope else ''}, "
                 f"{model.num_params():,} params, gate {'-' if gate is None else gate}")
+    for note in loaded.notes[1 if loaded.source != "checkpoint" else 0:]:
+        log(f"      note: {note}")
 
     with output_dir(out, BUILD, inputs=[checkpoint]) as tmp:
         t0 = stages.start(f"export {dtype} ONNX (opset 24, KV cache via TensorScatter)")
@@ -249,7 +292,9 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
         verifier = Verifier(loaded, proto)
         unfused_runs = verifier.run(proto)
         report.max_abs_diff["unfused_vs_torch"] = verifier.compare(verifier.torch, unfused_runs, "model.onnx vs torch")
-        stages.done("verify_unfused", t0, f": max |d logits| {worst(report.max_abs_diff['unfused_vs_torch'], 'logits'):.3g}")
+        report.eps_approximation = eps_stage(loaded, verifier)
+        stages.done("verify_unfused", t0, f": max |d logits| {worst(report.max_abs_diff['unfused_vs_torch'], 'logits'):.3g}"
+                    + (f"\n      eps approximation: {report.eps_approximation['summary']}" if report.eps_approximation else ""))
 
         if fuse:
             from graph_passes import DEFAULT_PASSES
@@ -272,9 +317,13 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
                         f"{worst(report.max_abs_diff['fused_vs_torch'], 'logits'):.3g}")
 
         t0 = stages.start(f"write {out}")
-        from models.checkpoint import CONFIG, TOKENIZER
-        shutil.copyfile(checkpoint / CONFIG, tmp / CONFIG)
-        shutil.copyfile(checkpoint / TOKENIZER, tmp / TOKENIZER)
+        from models.checkpoint import CONFIG, TOKENIZER, checkpoint_config
+        if loaded.source == "checkpoint":
+            shutil.copyfile(checkpoint / CONFIG, tmp / CONFIG)
+        else:       # the converted config: what was built
+            (tmp / CONFIG).write_text(json.dumps(checkpoint_config(model, loaded.tokenizer is not None), indent=2) + "\n")
+        if loaded.tokenizer is not None:
+            shutil.copyfile(loaded.tokenizer, tmp / TOKENIZER)
         report.versions = _versions()
         report.timings_s["total"] = round(time.perf_counter() - t_start, 3)
         report.files = sorted(p.name for p in tmp.iterdir()) + [REPORT]
@@ -286,8 +335,9 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
 
 def summary(r: BuildReport, log) -> None:
     m = r.model
+    src = f", from a Hugging Face {r.source[3:]} folder" if r.source.startswith("hf:") else ""
     log(f"built {r.out} in {r.timings_s['total']:.1f} s: {m.norm}"
-        f"{' (' + m.taper_scope + ')' if m.taper_scope else ''}, {r.dtype}")
+        f"{' (' + m.taper_scope + ')' if m.taper_scope else ''}, {r.dtype}{src}")
     norm_ops = r.norm_ops
     for kind, counts in r.op_counts.items():
         names = r.norm_layers[kind]
@@ -302,5 +352,7 @@ def summary(r: BuildReport, log) -> None:
     for key, per in r.max_abs_diff.items():
         tol = f"atol {r.atol:g}" + (f" + {r.scale_tol:g} x max|ref|" if r.scale_tol else "")
         log(f"  {key:17s} max |d logits| {worst(per, 'logits'):.3g}, all outputs {worst(per):.3g} ({tol})")
+    if r.eps_approximation:
+        log(f"  eps      {r.eps_approximation['summary']}")
     if r.trt_lint:
         log(f"  trt_lint {len(r.trt_lint)} issue(s): {r.trt_lint[0]}" + (" ..." if len(r.trt_lint) > 1 else ""))

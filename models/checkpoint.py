@@ -1,13 +1,19 @@
-"""Checkpoint format: a directory with config.json, model.safetensors, tokenizer.json.
+"""Checkpoint format: a directory with config.json, model.safetensors and (usually) tokenizer.json.
 
-config.json is flat: the DecoderConfig fields, plus at top level
-    "format": 1,
+config.json is flat: every DecoderConfig field, plus at top level
+    "format": 2,
     "norm": "rmsnorm" | "layernorm" | "taper" | "dyt",
     "taper_scope": "internal" | "all" | null,
     "gate": float in [0, 1] (null when not taper),
-    "taper_c": {"blocks.0.ln_1": c, ...} (taper only; every TaperNorm layer).
-A tied LM head is stored once (as wte.weight). Loading validates everything and
-raises CheckpointError with one line naming the file and field.
+    "taper_c": {"blocks.0.ln_1": c, ...} (taper only; every TaperNorm layer),
+    "has_tokenizer": true | false (false: converted from a folder without tokenizer.json;
+                     the model loads, exports and builds, generation needs a tokenizer).
+Format 1 (before the Hugging Face families) had no rope / grouped-query / bias /
+MLP-width / activation / per-norm eps fields and always a tokenizer: it is read
+by filling those with what format 1 meant (`_upgrade_v1`), so the zoo and every
+older checkpoint keep loading. A tied LM head is stored once (as wte.weight).
+Loading validates everything and raises CheckpointError with one line naming the
+file and field.
 
     python -m models.checkpoint DIR      # validate and summarize a checkpoint
 """
@@ -17,7 +23,6 @@ import json
 import math
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -28,11 +33,16 @@ from core.errors import UserError, first_line, run_cli
 from core.inputs import check_memory
 from core.outputs import CHECKPOINT, OutputKind, output_dir
 from models.decoder import Decoder, DecoderConfig
+from models.disabled_norm import DISABLED_NORM_EPS  # noqa: F401  (re-exported: export and graph_passes' test read it here)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READS_FORMATS = (1, 2)
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
-DISABLED_NORM_EPS = 1e6  # eps this large turns a norm into a fixed scale (FakeLN-style)
 NEEDS = f"a checkpoint directory needs {CONFIG}, {WEIGHTS} and {TOKENIZER}"
+# what format 1 meant by the fields format 2 added (and DecoderConfig's defaults may not always say)
+FORMAT_1_MEANT = dict(n_kv_head=None, head_size=None, pos_embedding="learned", rope_theta=10000.0, rotary_dim=None,
+                      rope_scaling=None, qkv_bias=True, out_bias=True, mlp_bias=True, mlp_hidden=None,
+                      activation=None, layer_eps={}, has_tokenizer=True)
 
 
 class CheckpointError(UserError):
@@ -64,10 +74,29 @@ def _read_config(path: Path) -> dict:
     return raw
 
 
+def _upgrade_v1(where: Path, raw: dict) -> dict:
+    """A format-1 config as format 2: the added fields set to what format 1 meant."""
+    added = sorted(k for k in FORMAT_1_MEANT if k in raw)
+    if added:
+        raise CheckpointError(f"{where}: format 1 with format-2 field(s) {', '.join(added)}; "
+                              "expected one or the other: set 'format' to 2, or drop those fields")
+    return {**raw, **FORMAT_1_MEANT, "format": FORMAT_VERSION}
+
+
 def _validate_config(path: Path, raw: dict) -> DecoderConfig:
     where = path / CONFIG
-    if raw.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{where}: field 'format' is {raw.get('format')!r}; expected {FORMAT_VERSION}")
+    if "format" not in raw and isinstance(raw.get("model_type"), str):
+        raise CheckpointError(f"{path}: a Hugging Face model folder (model_type {raw['model_type']!r}), not a checkpoint; "
+                              f"convert it with python -m models.convert {path} --out CKPT (export.build "
+                              "--checkpoint takes it as it is)")
+    fmt = raw.get("format")
+    if isinstance(fmt, bool) or fmt not in READS_FORMATS:
+        raise CheckpointError(f"{where}: field 'format' is {fmt!r}; expected one of {', '.join(map(str, READS_FORMATS))} "
+                              "(a checkpoint of python -m train or python -m models.convert)")
+    if fmt == 1:
+        raw.update(_upgrade_v1(where, raw))
+    if not isinstance(raw.get("has_tokenizer"), bool):
+        raise CheckpointError(f"{where}: field 'has_tokenizer' is {raw.get('has_tokenizer')!r}; expected true or false")
     try:
         cfg = DecoderConfig.from_dict(raw)
         cfg.validate()
@@ -138,9 +167,10 @@ def load_checkpoint(path: str | os.PathLike) -> Decoder:
         raise CheckpointError(f"{path}: not a checkpoint directory (expected a folder with {CONFIG}, {WEIGHTS}, {TOKENIZER})")
     raw = _read_config(path)
     cfg = _validate_config(path, raw)
-    if not (path / TOKENIZER).is_file():
-        raise CheckpointError(f"{path / TOKENIZER}: missing; {NEEDS}")
-    check_tokenizer_fits(path, cfg.vocab_size)
+    if raw["has_tokenizer"]:
+        if not (path / TOKENIZER).is_file():
+            raise CheckpointError(f"{path / TOKENIZER}: missing; {NEEDS}")
+        check_tokenizer_fits(path, cfg.vocab_size)
     model = Decoder(cfg)
     _apply_taper_c(path / CONFIG, model, raw.get("taper_c"))
     if cfg.norm == "taper":
@@ -154,12 +184,23 @@ def load_tokenizer(path: str | os.PathLike):
     from tokenizers import Tokenizer
     where = Path(path) / TOKENIZER
     if where.is_dir() or not where.exists():
+        why = ("the model was converted from a folder without one, and generation needs it: "
+               if not where.exists() and has_tokenizer(path) is False else "")
         raise CheckpointError(f"{where}: expected a tokenizer.json file, found {'a directory' if where.is_dir() else 'nothing'}; "
-                              "copy the tokenizer the model was trained with there")
+                              f"{why}copy the tokenizer the model was trained with there")
     try:
         return Tokenizer.from_file(str(where))
     except Exception as e:  # tokenizers raises plain Exception on bad files
         raise CheckpointError(f"{where}: not a readable tokenizer.json ({first_line(e)})") from None
+
+
+def has_tokenizer(path: str | os.PathLike) -> bool | None:
+    """What the checkpoint's config.json says about its tokenizer (None: unreadable or not said)."""
+    try:
+        value = json.loads((Path(path) / CONFIG).read_text()).get("has_tokenizer")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, bool) else None
 
 
 def check_tokenizer_fits(path: str | os.PathLike, vocab_size: int, tokenizer=None) -> None:
@@ -171,32 +212,34 @@ def check_tokenizer_fits(path: str | os.PathLike, vocab_size: int, tokenizer=Non
                               "ids >= vocab_size would crash generation: use the tokenizer the model was trained with")
 
 
-def checkpoint_config(model: Decoder) -> dict:
+def checkpoint_config(model: Decoder, has_tokenizer: bool = True) -> dict:
     cfg = model.cfg.to_dict()
     taper = model.cfg.norm == "taper"
     return {"format": FORMAT_VERSION, **cfg,
             "gate": model.gate.value if taper else None,
-            "taper_c": model.taper_c() if taper else None}
+            "taper_c": model.taper_c() if taper else None,
+            "has_tokenizer": has_tokenizer}
 
 
-def write_checkpoint_files(model: Decoder, directory: Path, tokenizer_json: str | os.PathLike,
+def write_checkpoint_files(model: Decoder, directory: Path, tokenizer_json: str | os.PathLike | None,
                            extra_files: dict[str, str | os.PathLike] | None = None) -> None:
-    """config.json, model.safetensors, tokenizer.json (copied) and extra files, into `directory`."""
+    """config.json, model.safetensors, tokenizer.json (copied; None: none) and extra files, into `directory`."""
     directory = Path(directory)
-    (directory / CONFIG).write_text(json.dumps(checkpoint_config(model), indent=2) + "\n")
+    (directory / CONFIG).write_text(json.dumps(checkpoint_config(model, tokenizer_json is not None), indent=2) + "\n")
     state = {k: v.detach().contiguous().cpu() for k, v in _stored_state(model).items()}
     save_file(state, str(directory / WEIGHTS))
-    shutil.copyfile(tokenizer_json, directory / TOKENIZER)
+    if tokenizer_json is not None:
+        shutil.copyfile(tokenizer_json, directory / TOKENIZER)
     for name, src in (extra_files or {}).items():
         shutil.copyfile(src, directory / name)
 
 
-def save_checkpoint(model: Decoder, path: str | os.PathLike, tokenizer_json: str | os.PathLike,
+def save_checkpoint(model: Decoder, path: str | os.PathLike, tokenizer_json: str | os.PathLike | None,
                     extra_files: dict[str, str | os.PathLike] | None = None,
                     kind: OutputKind = CHECKPOINT, inputs=()) -> Path:
     """Write a checkpoint directory atomically (core.outputs.output_dir: replaces only our own `kind`).
 
-    tokenizer_json: path of a tokenizer.json to copy in; extra_files: name -> source
+    tokenizer_json: path of a tokenizer.json to copy in (None: a checkpoint without one); extra_files: name -> source
     path of further files to copy (e.g. the training log); inputs: paths the
     command reads, which `path` must not be or hold.
     """
@@ -213,8 +256,12 @@ def run(argv: list[str]) -> int:
     cfg = model.cfg
     gate = f", gate {model.gate.value}" if cfg.norm == "taper" else ""
     scope = f" ({cfg.taper_scope})" if cfg.taper_scope else ""
+    kv = f" ({cfg.kv_heads} key/value)" if cfg.kv_heads != cfg.n_head else ""
+    pos = f", rope theta {cfg.rope_theta:g}" if cfg.pos_embedding == "rope" else ""
+    tok = "; no tokenizer.json (generation needs one)" if has_tokenizer(argv[0]) is False else ""
     print(f"{argv[0]}: ok: {cfg.norm}{scope}{gate}, {model.num_params():,} params, "
-          f"d_model {cfg.d_model}, {cfg.n_layer} layers, {cfg.n_head} heads, vocab {cfg.vocab_size}, capacity {cfg.max_seq_len}")
+          f"d_model {cfg.d_model}, {cfg.n_layer} layers, {cfg.n_head} heads{kv}, vocab {cfg.vocab_size}, "
+          f"capacity {cfg.max_seq_len}{pos}{tok}")
     return 0
 
 

@@ -20,13 +20,31 @@ from pathlib import Path
 import numpy as np
 
 from runtime.model_files import resolve_onnx, spec_from_ort_session
-from runtime.session import DecoderSession, MissingExtraError, ModelFileError
+from runtime.session import DecoderSession, DeviceError, MissingExtraError, ModelFileError
 
 # provider name per --device; the CUDA and TensorRT providers come with onnxruntime-gpu
 PROVIDERS = {"cpu": ["CPUExecutionProvider"],
              "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
              "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]}
 ORT_WARNING = 2  # session log severity: 0 verbose, 1 info, 2 warning (shows the in-place warning), 3 error
+
+
+def check_provider(session_providers: list[str], device: str, where) -> None:
+    """Raise DeviceError unless the session really runs on the provider --device asked for.
+
+    ONNX Runtime lists CUDAExecutionProvider as available whenever onnxruntime-gpu is
+    installed, but when its CUDA / cuDNN libraries fail to load, InferenceSession only
+    logs the error and runs on the next provider in the list, the CPU
+    (microsoft/onnxruntime#23059, #17801): `session.get_providers()` is the only
+    truth, and its first entry must be the one asked for.
+    """
+    wanted = PROVIDERS[device][0]
+    found = session_providers[0] if session_providers else "none"
+    if found != wanted:
+        raise DeviceError(f"{where}: --device {device} expected the session to run on {wanted}, found {found} "
+                          f"(providers {session_providers}: ONNX Runtime could not create {wanted}, see its log above); "
+                          "install the CUDA / cuDNN (and for --device tensorrt, TensorRT) versions onnxruntime-gpu "
+                          "needs, or use --device cpu")
 
 
 class OrtSession(DecoderSession):
@@ -71,6 +89,11 @@ class OrtSession(DecoderSession):
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ModelFileError(f"{self.path}: expected a loadable ONNX model, found an error ({first}); "
                                  "re-run python -m export.build") from None
+        try:
+            check_provider(self.session.get_providers(), self.device, self.path)
+        except DeviceError:
+            self.session = None
+            raise
         self.spec = spec_from_ort_session(self.session, self.path)
         self._ort = ort
         out_types = {o.name: o.type for o in self.session.get_outputs()}

@@ -5,11 +5,19 @@
 Precision comes from the ONNX tensor dtypes: every TensorRT 11 network is strongly
 typed (the FP16/BF16 builder flags are gone), so an fp16 graph gives an fp16 engine
 and an fp32 graph an fp32 one; norms kept in fp32 by explicit casts stay fp32.
+One precision flag is left: TF32, which TensorRT enables by default (NvInfer.h:
+"kTF32 ... Enabled by default") and which rounds fp32 matmul inputs to 10-bit
+mantissas. BuildOptions.tf32 defaults to False here, so an fp32 engine computes what
+ONNX Runtime's CPU provider computes (the parity tests' atol 1e-3 then means
+something); tf32=True is an opt-in for speed. It is part of the cache key.
 
 The KV cache: key_i / value_i are engine inputs with a static [.., S_max, D] shape,
 written by the parser's lowering of TensorScatter (IKVCacheUpdateLayer, whose
 output present_key_i must share its input's device address). The runtime binds
-one buffer to both names (`io_mapping().aliases`), so a step updates it in place.
+one buffer to both names (`io_mapping().aliases`), so a step updates it in place;
+after deserializing it checks that the engine itself aliases each present_* to
+its cache input (ICudaEngine.get_aliased_input_tensor, TensorRT >= 10.15), which
+is true only where the parser made a KV-cache update layer of the TensorScatter.
 
 Two optimization profiles (min / opt / max per dynamic axis):
 
@@ -21,6 +29,9 @@ Next to the ONNX file the builder leaves
     <stem>.<key>.engine       the serialized engine; <key> hashes everything it depends on:
                               ONNX bytes, TensorRT version, GPU name and compute capability,
                               profiles and build options; an unchanged key reuses the file
+    <stem>.<key>.engine.json  what built it (TensorRT version, GPU, options, TF32, version
+                              compatibility): a plan loads only in the TensorRT version that
+                              built it unless built version-compatible (Triton reads this too)
     timing.<gpu>.cache        the timing cache, read before and written after every build
 
 Both are written to a temporary file and renamed into place.
@@ -32,12 +43,12 @@ import json
 import os
 import re
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from runtime.session import ModelFileError, ModelSpec, RuntimeUserError
 
-ENGINE_FORMAT = 1          # bump when the way engines are built changes
+ENGINE_FORMAT = 2          # bump when the way engines are built changes (2: TF32 off unless asked)
 DECODE_PROFILE, PREFILL_PROFILE = 0, 1
 
 Shape = tuple[int, ...]
@@ -56,6 +67,9 @@ class BuildOptions:
     opt_prompt: int | None = None        # default: min(128, max_prompt)
     workspace_mib: int | None = None     # default: TensorRT's (the device memory)
     optimization_level: int | None = None  # builder_optimization_level 0..5; default TensorRT's (3)
+    tf32: bool = False                   # TF32 matmuls for fp32 tensors (TensorRT's default is on)
+    version_compatible: bool = False     # BuilderFlag.VERSION_COMPATIBLE: the plan carries a lean runtime
+                                         # and loads in later TensorRT versions (host code must be allowed)
 
     def resolved(self, spec: ModelSpec) -> "BuildOptions":
         max_prompt = self.max_prompt or spec.capacity
@@ -64,8 +78,7 @@ class BuildOptions:
                             ("max_prompt", max_prompt, spec.capacity), ("opt_prompt", opt_prompt, max_prompt)):
             if v < 1 or (hi is not None and v > hi):
                 raise ValueError(f"BuildOptions.{name} is {v}; expected 1.." + (str(hi) if hi else "n"))
-        return BuildOptions(self.max_batch, self.opt_batch, max_prompt, opt_prompt,
-                            self.workspace_mib, self.optimization_level)
+        return replace(self, max_prompt=max_prompt, opt_prompt=opt_prompt)
 
 
 def profile_shapes(spec: ModelSpec, options: BuildOptions) -> list[ProfileShapes]:
@@ -111,6 +124,27 @@ def check_engine_io(engine_names: dict[str, str], spec: ModelSpec, where) -> Non
                              f"wrong direction {wrong}; delete the engine to rebuild it")
 
 
+def check_aliases(engine, spec: ModelSpec, where) -> None:
+    """Raise ModelFileError unless the engine aliases every present_* output to its cache input.
+
+    `engine` is an ICudaEngine (or anything with get_aliased_input_tensor(name) -> str | None).
+    IKVCacheUpdateLayer writes in place, so TensorRT requires the output and the cache
+    input to share one device address; the session binds them so. An engine that does
+    not report the alias computed present_* some other way (a copy), and binding one
+    buffer to both would then read and write it at once.
+    """
+    get = getattr(engine, "get_aliased_input_tensor", None)
+    if get is None:
+        raise ModelFileError(f"{where}: expected a TensorRT with ICudaEngine.get_aliased_input_tensor (>= 10.15, the "
+                             "KV-cache update layer), found an older one; pip install 'tapernorm-deploy[tensorrt]'")
+    wrong = {out: get(out) for out, src in io_mapping(spec).aliases.items() if get(out) != src}
+    if wrong:
+        first = next(iter(wrong))
+        raise ModelFileError(f"{where}: expected each present_* output to alias its cache input (TensorRT's in-place "
+                             f"KV-cache update), found {len(wrong)} that do not ({first} -> {wrong[first]}); export "
+                             "with TensorScatter on axis -2 (python -m export.build) and delete the engine to rebuild")
+
+
 def file_digest(path: Path) -> str:
     """sha256 of the ONNX file and of its external-data file (<name>.data) if there is one."""
     h = hashlib.sha256()
@@ -141,6 +175,19 @@ def engine_path(onnx_path: Path, key: str) -> Path:
     return onnx_path.with_name(f"{onnx_path.stem}.{key}.engine")
 
 
+def engine_info_path(engine: Path) -> Path:
+    return engine.with_name(engine.name + ".json")
+
+
+def read_engine_info(engine: Path) -> dict | None:
+    """The build record written beside an engine, or None where there is none (or it is unreadable)."""
+    try:
+        info = json.loads(engine_info_path(engine).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
 def timing_cache_path(onnx_path: Path, device: str) -> Path:
     return onnx_path.with_name(f"timing.{device}.cache")
 
@@ -154,6 +201,25 @@ def write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def set_flag(trt, config, name: str, on: bool) -> None:
+    """Set or clear BuilderFlag `name`; a flag this TensorRT does not have can only be off."""
+    flag = getattr(trt.BuilderFlag, name, None)
+    if flag is None:
+        if on:
+            raise EngineBuildError(f"BuildOptions: expected a TensorRT with BuilderFlag.{name}, found "
+                                   f"TensorRT {trt.__version__} without it; leave that option off")
+        return
+    (config.set_flag if on else config.clear_flag)(flag)
+
+
+def count_layers(trt, network, layer_type: str) -> int | None:
+    """How many layers of trt.LayerType.<layer_type> the network has (None: this TensorRT has no such type)."""
+    kind = getattr(trt.LayerType, layer_type, None)
+    if kind is None:
+        return None
+    return sum(1 for i in range(network.num_layers) if network.get_layer(i).type == kind)
 
 
 def cuda_device_tag() -> str:
@@ -177,19 +243,32 @@ class EngineFromOnnx:
         self.rebuild = rebuild
         self.path: Path | None = None
         self.built = False
+        self.key: str | None = None
+        self.tensorrt_version: str | None = None
+        self.kv_cache_layers: int | None = None   # counted in the parsed network (a reused engine: its record)
 
     def __call__(self) -> bytes:
         import tensorrt as trt
         device = cuda_device_tag()
         key = engine_cache_key(file_digest(self.onnx_path), trt.__version__, device, self.spec, self.options)
+        self.key, self.tensorrt_version = key, trt.__version__
         self.path = engine_path(self.onnx_path, key)
         if self.path.is_file() and not self.rebuild:
             self.built = False
+            self.kv_cache_layers = (read_engine_info(self.path) or {}).get("kv_cache_layers")   # as counted at build
             return self.path.read_bytes()
         data = self._build(trt, timing_cache_path(self.onnx_path, device))
         write_atomic(self.path, data)
         self.built = True
+        info = {**self.report(), "device": device, "onnx": self.onnx_path.name, "options": asdict(self.options)}
+        write_atomic(engine_info_path(self.path), (json.dumps(info, indent=2) + "\n").encode())
         return data
+
+    def report(self) -> dict:
+        """What the last call used and did (for logs and gpu_check): path, key, built, precision flags."""
+        return {"engine": str(self.path), "key": self.key, "built": self.built, "tensorrt": self.tensorrt_version,
+                "tf32": self.options.tf32, "version_compatible": self.options.version_compatible,
+                "kv_cache_layers": self.kv_cache_layers}
 
     def _build(self, trt, timing_path: Path) -> bytes:
         logger = trt.Logger(trt.Logger.WARNING)
@@ -202,11 +281,20 @@ class EngineFromOnnx:
             errors = "; ".join(str(parser.get_error(i)).strip() for i in range(parser.num_errors))
             raise EngineBuildError(f"{self.onnx_path}: expected a graph the TensorRT ONNX parser accepts, found errors: "
                                    f"{errors}; run the TensorRT lint in graph_passes or use --backend ort")
+        self.kv_cache_layers = count_layers(trt, network, "KV_CACHE_UPDATE")
+        expected = len(self.spec.cache_names())
+        if self.kv_cache_layers is not None and self.kv_cache_layers != expected:
+            raise EngineBuildError(f"{self.onnx_path}: expected {expected} KV-cache update layers (one per cache; the "
+                                   f"parser's lowering of TensorScatter), found {self.kv_cache_layers}; export with "
+                                   "TensorScatter 4-D on axis -2 (python -m export.build), or use --backend ort")
         config = builder.create_builder_config()
         if self.options.workspace_mib:
             config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, self.options.workspace_mib << 20)
         if self.options.optimization_level is not None:
             config.builder_optimization_level = self.options.optimization_level
+        set_flag(trt, config, "TF32", self.options.tf32)
+        if self.options.version_compatible:
+            set_flag(trt, config, "VERSION_COMPATIBLE", True)
         timing = config.create_timing_cache(timing_path.read_bytes() if timing_path.is_file() else b"")
         config.set_timing_cache(timing, ignore_mismatch=False)
         for shapes in profile_shapes(self.spec, self.options):

@@ -2,7 +2,10 @@
 
 Two execution contexts, one per optimization profile (decode: T = 1; prefill:
 T = 1..max_prompt), both bound to the same cache buffers. Device memory is torch
-CUDA tensors (torch is a core dependency); TensorRT sees raw addresses:
+CUDA tensors (torch is a core dependency); TensorRT sees raw addresses. Everything
+runs on the session's one stream: the buffers are allocated (and the caches zeroed)
+under `torch.cuda.stream(self.stream)` too, so the engine never reads a cache that
+another stream is still clearing:
 
     caches     key_i / value_i [B, H, S_max, D], bound as input AND as present_* output
                (IKVCacheUpdateLayer writes in place: the two names share one address)
@@ -22,8 +25,8 @@ import numpy as np
 
 from runtime.model_files import resolve_onnx, spec_from_onnx_file
 from runtime.session import CapacityError, DecoderSession, DeviceError
-from runtime.trt_engine import (DECODE_PROFILE, PREFILL_PROFILE, BuildOptions, EngineFromOnnx, check_engine_io,
-                                io_mapping)
+from runtime.trt_engine import (DECODE_PROFILE, PREFILL_PROFILE, BuildOptions, EngineFromOnnx, check_aliases,
+                                check_engine_io, io_mapping)
 
 
 def trt_to_torch_dtype(trt, torch, dtype):
@@ -62,6 +65,8 @@ class TrtSession(DecoderSession):
         data = self.loader()
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
+        if self.options.version_compatible:   # the plan carries its own lean runtime: host code must be allowed
+            self._runtime.engine_host_code_allowed = True
         self.engine = self._runtime.deserialize_cuda_engine(data)
         if self.engine is None:
             from runtime.session import ModelFileError
@@ -72,6 +77,7 @@ class TrtSession(DecoderSession):
             name = self.engine.get_tensor_name(i)
             names[name] = "input" if self.engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT else "output"
         check_engine_io(names, self.spec, self.loader.path)
+        check_aliases(self.engine, self.spec, self.loader.path)
         self.dtypes = {n: trt_to_torch_dtype(trt, torch, self.engine.get_tensor_dtype(n)) for n in names}
         self.stream = torch.cuda.Stream()
         self.contexts = []
@@ -108,17 +114,20 @@ class TrtSession(DecoderSession):
             raise CapacityError(f"batch: expected at most {self.options.max_batch} (the engine's max_batch), "
                                 f"found {batch}; rebuild with a larger BuildOptions.max_batch")
         dev = "cuda"
-        self.caches = {n: torch.zeros(self.spec.cache_shape(batch), dtype=self.dtypes[n], device=dev)   # [B, H, S_max, D]
-                       for n in self.spec.cache_names()}
-        self._ids = torch.zeros((batch, 1), dtype=self.dtypes["input_ids"], device=dev)                # [B, 1]
-        self._pos = torch.zeros(batch, dtype=self.dtypes["position"], device=dev)                      # [B]
-        self._logits = torch.empty((batch, 1, self.spec.vocab_size), dtype=self.dtypes["logits"], device=dev)
+        self.caches = {}                         # free the previous batch size's caches first (lower peak)
+        with torch.cuda.stream(self.stream):     # zeroed on the stream the engine runs on, in order
+            self.caches = {n: torch.zeros(self.spec.cache_shape(batch), dtype=self.dtypes[n], device=dev)  # [B, H, S_max, D]
+                           for n in self.spec.cache_names()}
+            self._ids = torch.zeros((batch, 1), dtype=self.dtypes["input_ids"], device=dev)               # [B, 1]
+            self._pos = torch.zeros(batch, dtype=self.dtypes["position"], device=dev)                     # [B]
+            self._logits = torch.empty((batch, 1, self.spec.vocab_size), dtype=self.dtypes["logits"], device=dev)
         self._ids_host = torch.zeros((batch, 1), dtype=self._ids.dtype).pin_memory()
         self._pos_host = torch.zeros(batch, dtype=self._pos.dtype).pin_memory()
         self._logits_host = torch.empty((batch, self.spec.vocab_size), dtype=self._logits.dtype).pin_memory()
         self._ids_np, self._pos_np = self._ids_host.numpy(), self._pos_host.numpy()
         self._logits_np = self._logits_host.numpy()
         self._bind(self.contexts[DECODE_PROFILE], self._ids, self._pos, self._logits)
+        self.stream.synchronize()
 
     def _execute(self, ctx) -> None:
         if not ctx.execute_async_v3(self.stream.cuda_stream):

@@ -22,6 +22,10 @@ the scale loss are identical on every rank and equal (to rounding) to one proces
 same global batch. Only rank 0 writes `out`; RUN_STATE holds nothing per-rank, so a run
 resumes with any number of processes. The log's "parallel" list records, from each start
 or resume on, the world size, per-rank batch, micro-batch, backend, device and dtype.
+
+A Recipe (train/finetune.py) changes where a run starts and what happens around
+the schedule: the model it starts from, an action before each step (e.g. fixing a
+norm's std), and the model a checkpoint saves; the default trains from scratch.
 """
 from __future__ import annotations
 
@@ -226,17 +230,42 @@ def load_run_state(out: Path) -> dict:
                          f"unreadable file ({type(e).__name__}); start a new run in another --out") from None
 
 
+class Recipe:
+    """Where a run starts and what it does besides the gate schedule; this default trains from scratch."""
+
+    def describe(self) -> dict | None:
+        """Recorded in the log as "recipe" (and read back on --resume by whoever made the recipe)."""
+        return None
+
+    def initial_model(self, run: TrainConfig, fresh: bool) -> Decoder:
+        """The model before step 0 (fresh) or, on resume, a model of the same structure to load the state into."""
+        model = Decoder(run.decoder_config())
+        if run.embed_std is not None:
+            with torch.no_grad():
+                model.wte.weight.normal_(0.0, run.embed_std)
+                model.wpe.weight.normal_(0.0, run.embed_std)
+        return model
+
+    def before_step(self, step: int, model: Decoder, data: Data, log: dict, par: Parallel = SINGLE) -> None:
+        """Runs before the update of `step` (after a resume too: act on exact steps only), on every
+        rank: whatever it measures must be all-reduced through `par` so the ranks stay identical."""
+
+    def saved_model(self, model: Decoder) -> Decoder:
+        """What a checkpoint of the run holds (the training model itself by default)."""
+        return model
+
+
 def _write_json(obj: dict, path: Path) -> None:
     path.write_text(json.dumps(obj, indent=1) + "\n")
 
 
-def train(run: TrainConfig, command: str | None = None, resume: bool = False) -> dict:
+def train(run: TrainConfig, command: str | None = None, resume: bool = False, recipe: Recipe | None = None) -> dict:
     """Train `run` (resolved here); returns the log dict (also saved as train_log.json in run.out).
 
     resume: continue the run `run.out` holds from its last checkpoint (the caller passes the
-    run's own TrainConfig, e.g. from resume_config), with any number of processes.
-    Under torchrun every rank calls this; the process group lives for the call, and only
-    rank 0 writes run.out.
+    run's own TrainConfig, e.g. from resume_config, and the same recipe), with any number of
+    processes. Under torchrun every rank calls this; the process group lives for the call, and
+    only rank 0 writes run.out.
     """
     run.resolve()
     out = Path(run.out)
@@ -255,7 +284,8 @@ def train(run: TrainConfig, command: str | None = None, resume: bool = False) ->
             out.parent.mkdir(parents=True, exist_ok=True)
             work = Path(tempfile.mkdtemp(prefix=f".{out.name}.work-", dir=out.parent))
         try:
-            return _train(run, out, work, t0, command, load_run_state(out) if resume else None, par)
+            return _train(run, out, work, t0, command, load_run_state(out) if resume else None, par,
+                          recipe or Recipe())
         except Exception as e:
             if par.distributed and peer_lost(e):
                 ignore_launcher_stop()
@@ -337,15 +367,11 @@ def _accumulate_gradients(ddp, stream: TokenStream, starts: list[int], micro: in
 
 
 def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: str | None, state: dict | None,
-           par: Parallel) -> dict:
+           par: Parallel, recipe: Recipe) -> dict:
     data = prepare_data(run, work, par)
     raise_if_interrupted()
     torch.manual_seed(run.seed)
-    model = Decoder(run.decoder_config())
-    if run.embed_std is not None:
-        with torch.no_grad():
-            model.wte.weight.normal_(0.0, run.embed_std)
-            model.wpe.weight.normal_(0.0, run.embed_std)
+    model = recipe.initial_model(run, fresh=state is None)
     model.train()
     sched = run.gate_schedule()
     gen = torch.Generator().manual_seed(run.seed)  # same data order for every preset, and on every rank
@@ -354,7 +380,8 @@ def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: s
            "schedule": None if sched is None else {"warmup_steps": sched.warmup_steps, "taper_steps": sched.taper_steps,
                                                     "calibration_step": sched.calibration_step, "gate_zero_from": sched.end},
            "aux": {"lambda": run.aux_lambda, "s_tgt": run.s_tgt, "form": "lambda * mean_tokens (log rms(h) - log s_tgt)^2"},
-           "calibration": None, "evals": [], "step": 0, "resumed_at": [], "parallel": []}
+           "calibration": None, "evals": [], "step": 0, "resumed_at": [], "parallel": [],
+           "recipe": recipe.describe()}
     aux = {"on": False, "s_tgt": None}
     if run.aux_lambda > 0 and run.s_tgt != "calib":
         aux["s_tgt"] = float(run.s_tgt)
@@ -403,7 +430,7 @@ def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: s
                 torch.save({"step": step, "model": model.state_dict(), "taper_c": model.taper_c(),
                             "optimizer": opt.state_dict(), "data_rng": gen.get_state(),
                             "torch_rng": torch.get_rng_state(), "aux": aux, "log": log}, work / RUN_STATE)
-                save_checkpoint(model, out, data.tokenizer_json,
+                save_checkpoint(recipe.saved_model(model), out, data.tokenizer_json,
                                 extra_files={LOG_NAME: work / LOG_NAME, RUN_STATE: work / RUN_STATE}, kind=TRAINING_RUN)
         return ev
 
@@ -412,6 +439,7 @@ def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: s
     loss_acc, n_acc = 0.0, 0
     for step in range(start, run.steps):
         raise_if_interrupted()
+        recipe.before_step(step, model, data, log, par)
         if sched and step == sched.calibration_step:
             log["calibration"] = {"step": step, **_calibrate(model, data.calib, micro, run, aux, par)}
         g = sched.gate_at(step) if sched else None

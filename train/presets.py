@@ -7,6 +7,10 @@
 | all-taper          | TaperNorm       | TaperNorm         | fixed-target scale loss L_aux |
 | all-taper-noanchor | TaperNorm       | none              | none (shows logit chasing)    |
 | dyt                | DyT             | DyT               | none needed (tanh saturates)  |
+| layernorm          | LayerNorm       | LayerNorm         | the final norm                |
+
+`layernorm` is GPT-2's architecture (LayerNorm, learned positions, tanh GELU, biases,
+tied head): the model train.finetune's TaperLN and FakeLN methods start from.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ PRESETS: dict[str, dict] = {
     # at tiny size). As the DyT recipe for LLMs scales the embeddings up (by sqrt(d)), the preset
     # starts the embeddings at std 0.2 and alpha at 1.0: alpha * x starts at ~0.3.
     "dyt": dict(model=dict(norm="dyt", dyt_alpha_init=1.0), aux=False, embed_std=0.2),
+    "layernorm": dict(model=dict(norm="layernorm"), aux=False),
 }
 
 # Defaults per size. tiny: ~1.1M parameters; one run is ~7 min on one core of the

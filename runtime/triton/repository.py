@@ -5,7 +5,8 @@
       decoder_onnx/1/model.onnx     sequence_batching implicit state; the build's fused graph
                                     plus two unused control inputs START, READY (bool [batch, 1])
       decoder_trt/config.pbtxt      platform tensorrt_plan (only where an engine was built):
-      decoder_trt/1/model.plan      the same contract; no controls (the engine has no such inputs)
+      decoder_trt/1/model.plan      the same contract; no controls (the engine has no such inputs);
+                                    both optimization profiles (decode, prefill) in instance_group
       generate/config.pbtxt         backend python: prompt -> text + tokens, the decode loop of
       generate/1/model.py           runtime.generate over the project's ORT session
       generate/1/model.fused.onnx   (or model.onnx where the build has no fused graph)
@@ -37,6 +38,7 @@ from pathlib import Path
 from core.contract import ContractError, load_onnx, onnx_io as _proto_io, read_contract
 from core.outputs import TRITON_REPOSITORY, output_dir
 from runtime.session import RuntimeUserError
+from runtime.trt_engine import DECODE_PROFILE, PREFILL_PROFILE, read_engine_info
 
 DECODER_ONNX, DECODER_TRT, GENERATE = "decoder_onnx", "decoder_trt", "generate"
 FUSED, UNFUSED, TOKENIZER = "model.fused.onnx", "model.onnx", "tokenizer.json"
@@ -140,16 +142,24 @@ def _tensor(name: str, data_type: str, dims, reshape=None, optional: bool = Fals
 
 
 def decoder_config(name: str, platform: str, io: OnnxIO, max_batch_size: int, instances: int, kind: str,
-                   same_buffer: bool = False) -> str:
-    """config.pbtxt of one decode step with the KV cache as implicit state (see the module docstring)."""
+                   same_buffer: bool = False, profiles: tuple[int, ...] = ()) -> str:
+    """config.pbtxt of one decode step with the KV cache as implicit state (see the module docstring).
+
+    profiles: the TensorRT optimization profiles the instances may use. Triton takes only
+    the first one when instance_group names none (model_config.proto, ModelInstanceGroup
+    .profile), and our engine's profile 0 is decode (T = 1): prefill needs profile 1.
+    """
     ids, pos, logits = io.inputs["input_ids"], io.inputs["position"], io.outputs["logits"]
     controls = [c for c in CONTROLS if c in io.inputs]
+    group = f"count: {instances} kind: {KINDS[kind]}"
+    if profiles:
+        group += " profile: [ " + ", ".join(f'"{p}"' for p in profiles) + " ]"
     lines = [f'name: "{name}"', f'platform: "{platform}"', f"max_batch_size: {max_batch_size}",
              "input [",
              ",\n".join([_tensor("input_ids", ONNX_TO_TRITON[ids.elem_type], ids.dims[1:]),
                          _tensor("position", ONNX_TO_TRITON[pos.elem_type], [1], reshape=pos.dims[1:])]),
              "]", "output [", _tensor("logits", ONNX_TO_TRITON[logits.elem_type], logits.dims[1:]), "]",
-             "instance_group [", f"  {{ count: {instances} kind: {KINDS[kind]} }}", "]",
+             "instance_group [", f"  {{ {group} }}", "]",
              "sequence_batching {",
              f"  max_sequence_idle_microseconds: {IDLE_US}",
              # oldest: batch steps of up to max_batch_size sequences; only same-shape requests batch
@@ -165,7 +175,7 @@ def decoder_config(name: str, platform: str, io: OnnxIO, max_batch_size: int, in
             dt, dims = ONNX_TO_TRITON[t.elem_type], _dims(t.dims[1:])
             item = ["    {", f'      input_name: "{cache}"', f'      output_name: "present_{cache}"',
                     f"      data_type: {dt}", f"      dims: {dims}"]
-            if same_buffer:   # TensorRT: the engine writes the cache in place (IKVCacheUpdateLayer)
+            if same_buffer:   # one state buffer in Triton; see docs/runtime.md for what the backend still copies
                 item.append("      use_same_buffer_for_input_output: true")
             item += [f'      initial_state {{ name: "zeros" data_type: {dt} dims: {dims} zero_data: true }}', "    }"]
             items.append("\n".join(item))
@@ -369,6 +379,11 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
                               "build one with the trt backend or leave --engine out")
     io = onnx_io(onnx_path)
     _check_contract(onnx_path, io)
+    engine_build = read_engine_info(Path(engine)) if engine else None
+    built_batch = ((engine_build or {}).get("options") or {}).get("max_batch")
+    if isinstance(built_batch, int) and built_batch < max_batch_size:
+        raise RepositoryError(f"{engine}: expected an engine of max_batch >= --max-batch-size {max_batch_size}, found "
+                              f"one built for {built_batch}; pass --max-batch-size {built_batch} or rebuild the engine")
 
     with output_dir(repo, TRITON_REPOSITORY, inputs=[build] + ([Path(engine)] if engine else [])) as tmp:
         d = tmp / DECODER_ONNX / "1"
@@ -382,7 +397,8 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
             _link_or_copy(Path(engine), d / "model.plan")
             _link_or_copy(onnx_path, d / "source.onnx")     # what the engine was built from; for checks
             (tmp / DECODER_TRT / "config.pbtxt").write_text(
-                decoder_config(DECODER_TRT, "tensorrt_plan", io, max_batch_size, instances, "gpu", same_buffer=True))
+                decoder_config(DECODER_TRT, "tensorrt_plan", io, max_batch_size, instances, "gpu", same_buffer=True,
+                               profiles=(DECODE_PROFILE, PREFILL_PROFILE)))
         d = tmp / GENERATE / "1"
         d.mkdir(parents=True)
         _link_or_copy(onnx_path, d / onnx_path.name)
@@ -392,6 +408,10 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
             generate_config(GENERATE, instances, max_new_tokens, intra_op_threads))
         (tmp / "repository.json").write_text(json.dumps(
             {"build": str(build.resolve()), "onnx": onnx_path.name, "engine": str(engine) if engine else None,
+             # the TensorRT version, GPU and flags that built model.plan: it loads only in that TensorRT
+             # version unless built version-compatible (then start tritonserver with
+             # --backend-config=tensorrt,version-compatible=true)
+             "engine_build": engine_build,
              "models": [m for m in (DECODER_ONNX, DECODER_TRT if engine else None, GENERATE) if m]}, indent=2) + "\n")
         if validate and have_tritonclient():
             check_repository(tmp)

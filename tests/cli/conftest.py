@@ -16,6 +16,7 @@ from tests.helpers import random_model, write_checkpoint
 # module -> what `python -m <module>` runs; every entry point of the project
 COMMANDS = {
     "models.checkpoint": "models.checkpoint",
+    "models.convert": "models.convert",
     "export.build": "export.build",
     "export.verify": "export.verify",
     "graph_passes": "graph_passes.__main__",
@@ -24,11 +25,13 @@ COMMANDS = {
     "runtime.triton": "runtime.triton.__main__",
     "bench.decode": "bench.decode",
     "bench.report": "bench.report",
+    "bench.gpu_decode": "bench.gpu_decode",
     "train": "train.__main__",
     "train.screen_dyt": "train.screen_dyt",
     "train.report": "train.report",
     "train.tokenizer": "train.tokenizer",
     "train.shards": "train.shards",
+    "train.finetune": "train.finetune",
 }
 
 

@@ -34,6 +34,34 @@ def _hf_folder(s: Path) -> Path:
     return hf
 
 
+def _hf_config_only(s: Path, model_type: str = "gpt2") -> Path:
+    hf = s / "hfc"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": model_type, "n_embd": 16, "n_layer": 1, "n_head": 2}))
+    return hf
+
+
+def _hf_sharded_with_bad_shard(s: Path) -> Path:
+    """A real (tiny, random) Llama folder in shards, one shard holding a tensor of the wrong shape."""
+    from safetensors.torch import load_file, save_file
+    from tests.hf_models import hf_model, save_hf
+    import torch
+    hf = save_hf(hf_model("llama"), s / "hfs", max_shard_size="20KB")
+    shard = sorted(hf.glob("model-*.safetensors"))[-1]
+    tensors = load_file(str(shard))
+    tensors[sorted(tensors)[0]] = torch.zeros(3, 5)
+    save_file(tensors, str(shard))
+    return hf
+
+
+def _tokenizer_less(s: Path, build: Path) -> None:
+    """A build and a checkpoint of a model converted from a folder without tokenizer.json."""
+    from models.checkpoint import save_checkpoint
+    b = copy_tree(build, s / "b")
+    (b / "tokenizer.json").unlink()
+    save_checkpoint(random_model(seed=1, n_layer=1, max_seq_len=16), s / "ck", None)
+
+
 def _user_repo(s: Path) -> Path:
     repo = s / "repo" / "my_model"
     repo.mkdir(parents=True)
@@ -248,6 +276,11 @@ CASES = [
     ("triton-usage-unknown-subcommand", "runtime.triton", ["bogus"], None, 2, "invalid choice"),
     ("bench-decode-usage-bad-batches", "bench.decode", ["--out", "{s}/r", "--batches", "0,x"], None, 1, "--batches"),
     ("bench-decode-unknown-size", "bench.decode", ["--out", "{s}/r", "--sizes", "9T"], None, 1, "unknown size"),
+    ("gpu-decode-unknown-size", "bench.gpu_decode", ["--sizes", "1M,9T"], None, 1, "--sizes"),
+    ("gpu-decode-bad-batches", "bench.gpu_decode", ["--batches", "0,x"], None, 1, "--batches"),
+    ("gpu-decode-two-rounds", "bench.gpu_decode", ["--rounds", "2"], None, 2, "--rounds"),
+    ("gpu-decode-json-over-a-users-file", "bench.gpu_decode", ["--json", "{s}/X"], lambda s, fx: _plain_file(s), 1,
+     "not written by tapernorm-deploy"),
     ("screen-dyt-zero-steps", "train.screen_dyt", ["--steps", "0"], None, 2, "--steps"),
     ("train-report-no-runs", "train.report", ["--runs", "{s}"], None, 1, "no <preset>/train_log.json"),
     # --- data parallel and token shards (issue 16) ------------------------------------------------
@@ -283,6 +316,35 @@ CASES = [
      lambda s, fx: _plain_file(s), 1, "expected at least 3"),
     ("shards-tiny-shard-size", "train.shards", ["{s}/X", "--out", "{s}/t", "--shard-tokens", "10"], None, 2,
      "--shard-tokens"),
+    # --- bring your own model (issue 11) -----------------------------------------------------------------
+    ("convert-unsupported-model-type", "models.convert", ["{s}/hfc", "--out", "{s}/ck"],
+     lambda s, fx: _hf_config_only(s, "bert"), 1, "model_type 'bert' is not supported; supported: gpt2, llama"),
+    ("build-unsupported-model-type", "export.build", ["--checkpoint", "{s}/hfc", "--out", "{s}/b"],
+     lambda s, fx: _hf_config_only(s, "t5"), 1, "model_type 't5' is not supported"),
+    ("convert-missing-weights", "models.convert", ["{s}/hfc", "--out", "{s}/ck"],
+     lambda s, fx: _hf_config_only(s), 1, "no weights found; expected model.safetensors"),
+    ("build-missing-weights", "export.build", ["--checkpoint", "{s}/hfc", "--out", "{s}/b"],
+     lambda s, fx: _hf_config_only(s), 1, "no weights found"),
+    ("convert-shape-mismatch-in-a-shard", "models.convert", ["{s}/hfs", "--out", "{s}/ck"],
+     lambda s, fx: _hf_sharded_with_bad_shard(s), 1, "has shape [3, 5]; config.json implies"),
+    ("convert-garbage-pytorch-bin", "models.convert", ["{s}/hfc", "--out", "{s}/ck"],
+     lambda s, fx: (_hf_config_only(s) / "pytorch_model.bin").write_bytes(os.urandom(256)), 1,
+     "not a readable PyTorch weights file"),
+    ("convert-over-users-project", "models.convert", ["{s}/hfs", "--out", "{s}/project"],
+     lambda s, fx: (_hf_sharded_with_bad_shard(s), _project(s)), 1, "did not write"),
+    ("generate-ort-tokenizer-less-build", "runtime.generate", ["--model", "{s}/b", "--prompt", "hi"],
+     lambda s, fx: _tokenizer_less(s, fx["build"]), 1, "tokenizer"),
+    ("generate-torch-tokenizer-less-checkpoint", "runtime.generate",
+     ["--model", "{s}/ck", "--backend", "torch", "--prompt", "hi"],
+     lambda s, fx: _tokenizer_less(s, fx["build"]), 1, "converted from a folder without one"),
+    ("checkpoint-is-an-hf-folder", "models.checkpoint", ["{s}/hfc"],
+     lambda s, fx: _hf_config_only(s), 1, "a Hugging Face model folder (model_type 'gpt2'), not a checkpoint"),
+    ("finetune-over-hf-folder", "train.finetune", ["--from", "{run}", "--method", "vanilla", "--out", "{s}/hf"],
+     lambda s, fx: _hf_folder(s), 1, "did not write"),
+    ("finetune-from-taper-checkpoint", "train.finetune", ["--from", "{ckpt}", "--method", "all-taper", "--out", "{s}/o"],
+     None, 1, "starts from a model with real LayerNorms or RMSNorms"),
+    ("finetune-from-itself", "train.finetune", ["--from", "{s}/r", "--method", "vanilla", "--out", "{s}/r"],
+     lambda s, fx: copy_tree(fx["run"], s / "r"), 1, "own input"),
 ]
 
 

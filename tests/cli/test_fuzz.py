@@ -40,6 +40,7 @@ def choice(*values):
 # command -> (positional kinds, {option: kind}); every option of every entry point
 OPTIONS = {
     "models.checkpoint": ([PATH], {}),
+    "models.convert": ([PATH], {"--out": OUT, "--max-seq-len": INT}),
     "export.build": ([], {"--checkpoint": PATH, "--out": OUT, "--fuse": FLAG, "--dtype": choice("fp32", "fp16"),
                           "--triton-repo": OUT}),
     "export.verify": ([PATH, PATH], {"--atol": FLOAT, "--tokenizer": PATH, "--text": TEXT}),
@@ -64,6 +65,9 @@ OPTIONS = {
                           "--prompt": INT, "--new-tokens": INT, "--rounds": INT, "--threads": INT, "--jobs": INT,
                           "--cache": OUT, "--peers": choice("none", "x"), "--build-only": FLAG}),
     "bench.report": ([PATH], {"--out": OUT}),
+    "bench.gpu_decode": ([], {"--sizes": choice("1M", "9T", ""), "--dtypes": choice("fp32,bf16", "fp64"),
+                              "--batches": TEXT, "--prompt": INT, "--steps": INT, "--warmup": INT, "--rounds": INT,
+                              "--seed": INT, "--json": OUT}),
     "train": ([], {"--preset": choice("baseline", "dyt", "x"), "--out": OUT, "--resume": FLAG, "--steps": INT,
                    "--lr": FLOAT, "--corpus": PATH, "--tokenizer": PATH, "--d-model": INT, "--n-layer": INT,
                    "--n-head": INT, "--seq-len": INT, "--batch-size": INT, "--eval-every": INT, "--seed": INT,
@@ -74,6 +78,12 @@ OPTIONS = {
     "train.report": ([], {"--runs": PATH, "--figure": OUT, "--json": OUT, "--install-zoo": OUT, "--presets": TEXT}),
     "train.tokenizer": ([], {"--out": OUT, "--vocab-size": INT, "--stories": INT}),
     "train.shards": ([PATH], {"--out": OUT, "--tokenizer": PATH, "--shard-tokens": INT, "--quiet": FLAG}),
+    "train.finetune": ([], {"--from": PATH, "--method": choice("internal-taper", "all-taper", "fakeln", "vanilla", "x"),
+                            "--out": OUT, "--resume": FLAG, "--steps": INT, "--lr": FLOAT, "--batch-size": INT,
+                            "--seq-len": INT, "--eval-every": INT, "--eval-batches": INT, "--calib-batches": INT,
+                            "--warmup-steps": INT, "--taper-steps": INT, "--aux-lambda": FLOAT, "--fakeln-every": INT,
+                            "--corpus": PATH, "--corpus-stories": INT, "--seed": INT, "--threads": INT,
+                            "--quiet": FLAG}),
 }
 
 

@@ -3,6 +3,8 @@
 Export, fuse, check the structure the issue promises and fused vs torch <= 1e-4:
 internal-taper keeps exactly one norm (the final one) and no TaperNorm op;
 all-taper keeps none; the baseline keeps its RMSNormalization ops with gamma = 1.
+The GPT-2-architecture fine-tunes (train.finetune): All-TaperLN keeps none,
+Internal-TaperLN only ln_f, FakeLN none once graph_passes has `disabled_norm`.
 """
 import os
 import tempfile
@@ -15,12 +17,21 @@ ZOO = Path(os.environ.get("TAPERNORM_ZOO", Path(__file__).resolve().parents[2] /
 NORMS = ("RMSNormalization", "LayerNormalization")
 
 
+def _has_pass(name: str) -> bool:
+    from graph_passes import DEFAULT_PASSES, PASSES
+    return name in PASSES and name in DEFAULT_PASSES
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["internal-taper", "all-taper", "baseline", "dyt"])
+@pytest.mark.parametrize("name", ["internal-taper", "all-taper", "baseline", "dyt", "gpt2-all-taperln",
+                                  "gpt2-internal-taperln", "gpt2-fakeln"])
 def test_zoo_fused_structure_and_logits(name):
     ckpt = ZOO / name
     if not (ckpt / "config.json").is_file():
         pytest.skip(f"zoo model {name!r} is absent ({ckpt})")
+    if name == "gpt2-fakeln" and not _has_pass("disabled_norm"):
+        pytest.skip("graph_passes has no 'disabled_norm' pass in its default passes yet (issue 12 writes it): "
+                    "the FakeLN model's eps-1e12 LayerNorms stay")
     from export.onnx_export import export_onnx
     from export.verify import ATOL_FP32, compare, ort_session, read_interface, run_onnx, run_torch, session_steps
     from graph_passes import run_passes
@@ -34,9 +45,9 @@ def test_zoo_fused_structure_and_logits(name):
     norms = [n for n in ctx.graph.nodes if n.op in NORMS]
     tapers = [n for n in ctx.graph.nodes if any(c.endswith(".TaperNorm") for c in ctx.module_class(n))]
     assert tapers == []
-    if name == "internal-taper":
+    if name in ("internal-taper", "gpt2-internal-taperln"):
         assert [ctx.layer_name(n) for n in norms] == ["ln_f"]
-    elif name in ("all-taper", "dyt"):
+    elif name in ("all-taper", "dyt", "gpt2-all-taperln", "gpt2-fakeln"):
         assert norms == []
     else:
         assert len(norms) == 2 * model.cfg.n_layer + 1

@@ -112,3 +112,68 @@ def test_failed_save_leaves_previous_checkpoint_intact(ckpt, monkeypatch):
     assert (ckpt / "model.safetensors").read_bytes() == before
     assert sorted(p.name for p in ckpt.parent.iterdir() if p.name.startswith(".ckpt.") and p.is_dir()) == []
     load_checkpoint(ckpt)
+
+
+# --- format 2 and the format-1 reader -------------------------------------------------------------
+
+ZOO = __import__("pathlib").Path(__file__).resolve().parents[2] / "models" / "zoo"
+
+
+def test_format_1_checkpoints_keep_loading_and_resave_as_format_2(tmp_path):
+    """The bundled zoo is format 1: it loads as what format 1 meant, and a re-save is an equal format-2 model."""
+    raw = json.loads((ZOO / "internal-taper" / "config.json").read_text())
+    assert raw["format"] == 1 and "pos_embedding" not in raw
+    model = load_checkpoint(ZOO / "internal-taper")
+    cfg = model.cfg
+    assert (cfg.pos_embedding, cfg.kv_heads, cfg.qkv_bias, cfg.out_bias, cfg.mlp_bias, cfg.hidden, cfg.act) == \
+        ("learned", cfg.n_head, True, True, True, 4 * cfg.d_model, "gelu_new")
+    from models.checkpoint import save_checkpoint
+    save_checkpoint(model, tmp_path / "v2", ZOO / "internal-taper" / "tokenizer.json")
+    assert json.loads((tmp_path / "v2" / "config.json").read_text())["format"] == 2
+    again = load_checkpoint(tmp_path / "v2")
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model(ids), again(ids))
+
+
+def test_format_2_round_trip_of_the_hf_family_fields(tmp_path):
+    model = random_model(norm="rmsnorm", mlp="swiglu", pos_embedding="rope", rope_theta=5e5, n_kv_head=2,
+                         head_size=16, rotary_dim=8, rope_scaling={"rope_type": "linear", "factor": 4.0},
+                         qkv_bias=True, out_bias=False, mlp_bias=False, mlp_hidden=50, activation="gelu",
+                         tie_embeddings=False, layer_eps={"ln_f": 1e-3})
+    write_checkpoint(tmp_path / "ck", model)
+    loaded = load_checkpoint(tmp_path / "ck")
+    assert loaded.cfg == model.cfg
+    ids = torch.randint(0, 320, (2, 6))
+    with torch.no_grad():
+        assert torch.equal(model(ids), loaded(ids))
+
+
+def test_tokenizer_less_checkpoint_loads_and_says_so(tmp_path, capsys):
+    from models.checkpoint import load_tokenizer, save_checkpoint
+    save_checkpoint(random_model(), tmp_path / "ck", None)
+    assert json.loads((tmp_path / "ck" / "config.json").read_text())["has_tokenizer"] is False
+    load_checkpoint(tmp_path / "ck")
+    assert main([str(tmp_path / "ck")]) == 0 and "no tokenizer.json (generation needs one)" in capsys.readouterr().out
+    with pytest.raises(CheckpointError, match="converted from a folder without one, and generation needs it"):
+        load_tokenizer(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("changes, pattern", [
+    (dict(format=1), r"format 1 with format-2 field\(s\) .*pos_embedding"),
+    (dict(format=3), r"field 'format' is 3; expected one of 1, 2"),
+    (dict(format=True), r"field 'format' is True"),
+    (dict(format=2, has_tokenizer="yes"), r"field 'has_tokenizer' is 'yes'; expected true or false"),
+])
+def test_format_fields_are_checked(ckpt, changes, pattern):
+    edit_config(ckpt, **changes)
+    with pytest.raises(CheckpointError, match=pattern):
+        load_checkpoint(ckpt)
+
+
+def test_a_hugging_face_folder_gets_the_convert_hint(tmp_path):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(CheckpointError, match=r"a Hugging Face model folder \(model_type 'llama'\), not a checkpoint; "
+                                              r"convert it with python -m models.convert"):
+        load_checkpoint(tmp_path / "hf")

@@ -16,6 +16,12 @@ CONFIGS = {
     "taper-all-ln-affine-g0.5": dict(norm="taper", taper_scope="all", taper_base="ln", taper_affine=True, gate=0.5),
     "rmsnorm-swiglu-untied": dict(norm="rmsnorm", mlp="swiglu", tie_embeddings=False),
     "noanchor": dict(norm="taper", taper_scope="all", final_norm=False, gate=0.0),
+    # the Hugging Face families' options (format 2)
+    "llama-like-gqa": dict(norm="rmsnorm", mlp="swiglu", pos_embedding="rope", n_kv_head=2, qkv_bias=False,
+                           out_bias=False, mlp_bias=False, mlp_hidden=40, tie_embeddings=False),
+    "rope-partial-mqa-linear": dict(pos_embedding="rope", rotary_dim=4, n_kv_head=1, head_size=16,
+                                    rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "gpt2-erf-gelu-layer-eps": dict(norm="layernorm", activation="gelu", layer_eps={"blocks.0.ln_1": 1e3}),
 }
 
 
@@ -71,3 +77,65 @@ def test_config_rejects_bad_shapes():
         random_model(d_model=30, n_head=4)
     with pytest.raises(ValueError, match="taper_scope"):
         random_model(norm="taper")
+
+
+def test_grouped_query_cache_holds_only_the_kv_heads():
+    model = random_model(pos_embedding="rope", n_kv_head=2)
+    assert model.cfg.cache_layout().shape(3) == (3, 2, 32, 8)
+    assert model.blocks[0].attn.k_proj.weight.shape == (16, 32) and model.blocks[0].attn.q_proj.weight.shape == (32, 32)
+
+
+def test_grouped_query_attention_equals_repeated_kv_heads():
+    """GQA with n_kv_head = 2 is MHA whose k/v heads are each used by 2 query heads (HF repeat_kv)."""
+    gqa = random_model(seed=4, pos_embedding="rope", n_kv_head=2)
+    mha = random_model(seed=4, pos_embedding="rope")
+    state = dict(gqa.state_dict())
+    for i in range(2):
+        for proj in ("k_proj", "v_proj"):
+            w = state[f"blocks.{i}.attn.{proj}.weight"].view(2, 8, 32)           # [kv heads, D, d]
+            b = state[f"blocks.{i}.attn.{proj}.bias"].view(2, 8)
+            state[f"blocks.{i}.attn.{proj}.weight"] = w.repeat_interleave(2, dim=0).reshape(32, 32)
+            state[f"blocks.{i}.attn.{proj}.bias"] = b.repeat_interleave(2, dim=0).reshape(32)
+    mha.load_state_dict(state)
+    ids = torch.randint(0, 320, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(gqa(ids), mha(ids), atol=ATOL_FP32, rtol=0)
+
+
+def test_partial_rotary_matches_transformers_on_the_rotated_dims():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+    from models.decoder import DecoderConfig, RotaryEmbedding, apply_rope
+    cfg = DecoderConfig(d_model=64, n_head=4, pos_embedding="rope", rotary_dim=6, rope_theta=500.0)
+    hf_cfg = transformers.LlamaConfig(hidden_size=24, num_attention_heads=4, head_dim=6,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    pos = torch.arange(7)[None].expand(2, 7)
+    x = torch.randn(2, 4, 7, 16)                                          # [B, H, T, D]
+    ours = apply_rope(x, *RotaryEmbedding(cfg)(pos))
+    cos, sin = LlamaRotaryEmbedding(hf_cfg)(x, pos)
+    theirs, _ = apply_rotary_pos_emb(x[..., :6], x[..., :6], cos, sin)
+    torch.testing.assert_close(ours[..., :6], theirs, atol=1e-6, rtol=0)
+    assert torch.equal(ours[..., 6:], x[..., 6:])
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("n_kv_head", 3, "n_kv_head"), ("pos_embedding", "alibi", "pos_embedding"), ("activation", "tanh", "activation"),
+    ("rotary_dim", 5, "rotary_dim"), ("rope_scaling", {"rope_type": "yarn"}, "rope_scaling"),
+    ("layer_eps", {"blocks.9.ln_1": 1.0}, "layer_eps"), ("mlp_hidden", 0, "mlp_hidden"), ("qkv_bias", 1, "qkv_bias"),
+])
+def test_config_rejects_bad_format_2_fields(field, value, needle):
+    extra = {"pos_embedding": "rope"} if field in ("rotary_dim", "rope_scaling") else {}
+    with pytest.raises(ValueError, match=needle):
+        random_model(**{**extra, field: value})
+
+
+def test_rope_model_runs_in_fp16_with_float32_angles():
+    """export.build --dtype fp16 runs the reference in fp16: the rotary angles stay float32 (as in HF)."""
+    import copy
+    model = random_model(pos_embedding="rope", n_kv_head=2, max_seq_len=32)
+    half = copy.deepcopy(model).to(torch.float16)
+    ids = torch.randint(0, 320, (2, 30))
+    with torch.no_grad():
+        ref, got = model(ids), half(ids)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=0)

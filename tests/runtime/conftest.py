@@ -41,10 +41,15 @@ def make_build(checkpoint: Path, out: Path, use_export_build: bool = True) -> Pa
 
 
 @pytest.fixture(scope="session")
-def tiny(tmp_path_factory):
-    """(checkpoint dir, build dir) of a 2-layer random model, capacity CAPACITY."""
-    root = tmp_path_factory.mktemp("tiny")
-    model = random_model(seed=1, n_layer=2, max_seq_len=CAPACITY)
-    ckpt = write_checkpoint(root / "ckpt", model)
-    build = make_build(ckpt, root / "build", use_export_build=False)  # fast; the zoo test uses export.build
-    return ckpt, build
+def tiny_checkpoint(tmp_path_factory):
+    """The checkpoint dir of a 2-layer random model, capacity CAPACITY (torch only: no ONNX export)."""
+    root = tmp_path_factory.mktemp("tiny_ckpt")
+    return write_checkpoint(root / "ckpt", random_model(seed=1, n_layer=2, max_seq_len=CAPACITY))
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_checkpoint, tmp_path_factory):
+    """(checkpoint dir, build dir) of tiny_checkpoint."""
+    build = make_build(tiny_checkpoint, tmp_path_factory.mktemp("tiny") / "build",
+                       use_export_build=False)  # fast; the zoo test uses export.build
+    return tiny_checkpoint, build

@@ -126,11 +126,15 @@ def test_spec_from_the_graph(tiny):
         assert s.spec == ModelSpec.from_config(load_checkpoint(ckpt).cfg)
 
 
+def _has_ort_cuda() -> bool:
+    import onnxruntime as ort
+    return "CUDAExecutionProvider" in ort.get_available_providers()
+
+
 @pytest.mark.gpu
+@pytest.mark.skipif(not _has_ort_cuda(),   # decided before the `tiny` fixture exports anything
+                    reason="onnxruntime-gpu (CUDAExecutionProvider) is not installed: pip install 'tapernorm-deploy[gpu]'")
 def test_ort_cuda_provider_matches_cpu(tiny):
-    ort = pytest.importorskip("onnxruntime")
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime-gpu (CUDAExecutionProvider) is not installed: pip install 'tapernorm-deploy[gpu]'")
     _, build = tiny
     ids = np.array([[1, 2, 3], [4, 5, 6]])
     with OrtSession(build, device="cuda") as g, OrtSession(build) as c:
@@ -178,3 +182,31 @@ def test_ort_profiling_option(tiny, tmp_path):
         s.decode_step(np.array([3]), np.array([2]))
         trace = Path(s.session.end_profiling())
     assert trace.parent == tmp_path and any(e.get("name") == "model_run" for e in json.loads(trace.read_text()))
+
+
+def test_check_provider_wants_the_asked_provider_first():
+    from runtime.ort_session import check_provider
+    from runtime.session import DeviceError
+    check_provider(["CUDAExecutionProvider", "CPUExecutionProvider"], "cuda", "m.onnx")
+    check_provider(["CPUExecutionProvider"], "cpu", "m.onnx")
+    for providers, device in ((["CPUExecutionProvider"], "cuda"), ([], "cuda"),
+                              (["CUDAExecutionProvider", "CPUExecutionProvider"], "tensorrt")):
+        with pytest.raises(DeviceError) as e:
+            check_provider(providers, device, "m.onnx")
+        assert "\n" not in str(e.value) and f"--device {device}" in str(e.value)
+
+
+def test_cuda_that_silently_falls_back_to_cpu_is_one_clear_error(tiny, monkeypatch):
+    """onnxruntime-gpu lists CUDAExecutionProvider even when its CUDA libraries cannot load; the
+    session then runs on the CPU and says so only in its log. Here the CPU build is made to list
+    CUDA as available: InferenceSession really falls back, as it does on a broken GPU install."""
+    import onnxruntime as ort
+    from runtime.session import DeviceError
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("onnxruntime-gpu is installed here: the fallback cannot be staged")
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    _, build = tiny
+    session = OrtSession(build, device="cuda", log_severity=3)
+    with pytest.raises(DeviceError, match="expected the session to run on CUDAExecutionProvider, found CPUExecutionProvider"):
+        session.activate()
+    assert not session.is_active and session.session is None

@@ -60,8 +60,8 @@ def test_torch_compile_matches_eager(tiny):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
-def test_cuda_graph_decode_matches_cpu(tiny):
-    ckpt, _ = tiny
+def test_cuda_graph_decode_matches_cpu(tiny_checkpoint):
+    ckpt = tiny_checkpoint
     ids = np.array([[1, 2, 3], [4, 5, 6]])
     with TorchSession(ckpt, device="cuda") as g, TorchSession(ckpt) as c:
         g.reset(2), c.reset(2)
@@ -70,3 +70,18 @@ def test_cuda_graph_decode_matches_cpu(tiny):
         for p in range(3, 10):
             tok = np.array([p, 2 * p])
             np.testing.assert_allclose(g.decode_step(tok, np.array([p, p])), c.decode_step(tok, np.array([p, p])), atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
+def test_cuda_graph_bf16_decode_is_close_to_fp32(tiny_checkpoint):
+    """bf16 keeps 8 mantissa bits: logits of O(1) agree with fp32 to ~1e-2; ATOL_BF16 leaves room for 2 layers."""
+    ATOL_BF16 = 0.1
+    ids = np.array([[1, 2, 3]])
+    with TorchSession(tiny_checkpoint, device="cuda", dtype="bf16") as h, TorchSession(tiny_checkpoint) as c:
+        h.reset(1), c.reset(1)
+        assert h._graph is not None
+        np.testing.assert_allclose(h.prefill(ids), c.prefill(ids), atol=ATOL_BF16)
+        for p in range(3, 8):
+            tok = np.array([p])
+            np.testing.assert_allclose(h.decode_step(tok, np.array([p])), c.decode_step(tok, np.array([p])), atol=ATOL_BF16)

@@ -1,12 +1,17 @@
-"""TensorRT engine building blocks that need no GPU: profiles, cache keys, file names, I/O mapping."""
+"""TensorRT engine building blocks that need no GPU: profiles, cache keys, file names, I/O mapping,
+the builder flags and checks (against a recording stand-in for the tensorrt module, tests/runtime/fake_trt.py)."""
 from __future__ import annotations
+
+import sys
 
 import pytest
 
+import runtime.trt_engine as trt_engine
 from runtime.session import ModelFileError, ModelSpec
-from runtime.trt_engine import (DECODE_PROFILE, PREFILL_PROFILE, BuildOptions, check_engine_io, device_tag,
-                                engine_cache_key, engine_path, file_digest, io_mapping, profile_shapes,
-                                timing_cache_path)
+from runtime.trt_engine import (DECODE_PROFILE, PREFILL_PROFILE, BuildOptions, EngineBuildError, EngineFromOnnx,
+                                check_aliases, check_engine_io, device_tag, engine_cache_key, engine_path, file_digest,
+                                io_mapping, profile_shapes, timing_cache_path)
+from tests.runtime.fake_trt import FakeEngine, fake_tensorrt
 
 SPEC = ModelSpec(n_layer=2, n_kv_head=4, head_dim=8, capacity=64, vocab_size=320)
 
@@ -55,7 +60,8 @@ def test_cache_key_depends_on_everything_the_engine_does():
     assert key == engine_cache_key(**{**base, "options": BuildOptions(max_prompt=64, opt_prompt=64)})
     for change in ({"onnx_digest": "b" * 64}, {"trt_version": "11.1.0"}, {"device": "nvidia-a100-sm80"},
                    {"options": BuildOptions(max_batch=16)}, {"options": BuildOptions(opt_prompt=32)},
-                   {"spec": ModelSpec(2, 4, 8, 128, 320)}, {"spec": ModelSpec(2, 4, 8, 64, 320, "fp16")}):
+                   {"spec": ModelSpec(2, 4, 8, 128, 320)}, {"spec": ModelSpec(2, 4, 8, 64, 320, "fp16")},
+                   {"options": BuildOptions(tf32=True)}, {"options": BuildOptions(version_compatible=True)}):
         assert engine_cache_key(**{**base, **change}) != key, change
 
 
@@ -68,3 +74,72 @@ def test_file_names_next_to_the_model(tmp_path):
     d1 = file_digest(onnx_path)
     (tmp_path / "model.fused.onnx.data").write_bytes(b"weights")
     assert file_digest(onnx_path) != d1                               # external data counts too
+
+
+def test_tf32_is_off_by_default():
+    assert BuildOptions().tf32 is False and BuildOptions().resolved(SPEC).tf32 is False
+    assert BuildOptions(tf32=True).resolved(SPEC).tf32 is True          # resolved() keeps every field
+
+
+@pytest.fixture
+def with_fake_trt(monkeypatch, tmp_path):
+    """Install a fake tensorrt (4 KV-cache update layers: SPEC's 2 layers x key, value) and a fake GPU."""
+    def install(**kw):
+        trt = fake_tensorrt(**{"kv_cache_layers": 4, **kw})
+        monkeypatch.setitem(sys.modules, "tensorrt", trt)
+        monkeypatch.setattr(trt_engine, "cuda_device_tag", lambda: "nvidia-h200-sm90")
+        return trt
+    onnx_path = tmp_path / "model.fused.onnx"
+    onnx_path.write_bytes(b"graph")
+    return install, onnx_path
+
+
+def test_build_clears_tf32_unless_asked_and_keys_the_engine_by_it(with_fake_trt):
+    install, onnx_path = with_fake_trt
+    trt = install()
+    parity = EngineFromOnnx(onnx_path, SPEC, BuildOptions(max_batch=4))
+    assert parity() == b"engine tf32=0" and parity.built
+    config = trt.configs[-1]
+    assert "TF32" not in config.flags and "VERSION_COMPATIBLE" not in config.flags
+    assert len(config.profiles) == 2 and config.profiles[DECODE_PROFILE]["input_ids"] == ((1, 1), (1, 1), (4, 1))
+    fast = EngineFromOnnx(onnx_path, SPEC, BuildOptions(max_batch=4, tf32=True, version_compatible=True))
+    assert fast() == b"engine tf32=1" and {"TF32", "VERSION_COMPATIBLE"} <= trt.configs[-1].flags
+    assert fast.path != parity.path                                      # TF32 is part of the cache key
+    report = parity.report()
+    assert report["tf32"] is False and report["kv_cache_layers"] == 4 and report["tensorrt"] == trt.__version__
+    info = trt_engine.read_engine_info(parity.path)                     # the build record beside the engine
+    assert info["tensorrt"] == trt.__version__ and info["tf32"] is False and info["options"]["max_batch"] == 4
+    assert info["device"] == "nvidia-h200-sm90" and trt_engine.read_engine_info(onnx_path) is None
+    again = EngineFromOnnx(onnx_path, SPEC, BuildOptions(max_batch=4))
+    assert again() == b"engine tf32=0" and not again.built and again.path == parity.path
+    assert again.report()["kv_cache_layers"] == 4                          # read back from the build record
+    assert len(trt.configs) == 2                                          # reused, not rebuilt
+    assert timing_cache_path(onnx_path, "nvidia-h200-sm90").read_bytes() == b"timing"
+
+
+def test_build_refuses_a_graph_without_one_kv_cache_update_layer_per_cache(with_fake_trt):
+    install, onnx_path = with_fake_trt
+    install(kv_cache_layers=0)              # e.g. the parser lowered the cache write to ScatterND copies
+    loader = EngineFromOnnx(onnx_path, SPEC)
+    with pytest.raises(EngineBuildError, match="expected 4 KV-cache update layers .*found 0"):
+        loader()
+    assert not list(onnx_path.parent.glob("*.engine"))                  # nothing half-written
+
+
+def test_parse_errors_are_one_line(with_fake_trt):
+    install, onnx_path = with_fake_trt
+    install(parse_errors=("node 12 (Unique): unsupported", "node 13: bad"))
+    with pytest.raises(EngineBuildError) as e:
+        EngineFromOnnx(onnx_path, SPEC)()
+    assert "\n" not in str(e.value) and "Unique" in str(e.value) and "TensorRT lint" in str(e.value)
+
+
+def test_check_aliases():
+    good = {f"present_{n}": n for n in SPEC.cache_names()}
+    check_aliases(FakeEngine(good), SPEC, "e.engine")
+    with pytest.raises(ModelFileError, match="found 1 that do not .present_value_1 -> None."):
+        check_aliases(FakeEngine({**good, "present_value_1": None}), SPEC, "e.engine")
+    with pytest.raises(ModelFileError, match="present_key_0 -> key_1"):
+        check_aliases(FakeEngine({**good, "present_key_0": "key_1"}), SPEC, "e.engine")
+    with pytest.raises(ModelFileError, match=">= 10.15"):
+        check_aliases(object(), SPEC, "e.engine")

@@ -1,0 +1,469 @@
+"""Hugging Face model folders -> our checkpoint: config, weights and tokenizer.
+
+    python -m models.convert HF_DIR --out CKPT [--max-seq-len N]
+
+HF_DIR is a folder as `save_pretrained` writes it: config.json (model_type one of
+SUPPORTED), the weights as model.safetensors, sharded safetensors with
+model.safetensors.index.json, or pytorch_model.bin (sharded with
+pytorch_model.bin.index.json), and tokenizer.json when the model has a fast
+tokenizer. CKPT is a checkpoint (models/checkpoint.py, format 2) that export.build,
+runtime.generate --backend torch and train.finetune read; `export.build
+--checkpoint HF_DIR` converts in memory with the same code.
+
+    gpt2     LayerNorm, learned positions, Conv1D weights ([in, out], transposed here;
+             c_attn split into q/k/v), gelu_new, tied head. LN-free GPT-2 (FakeLN, eps
+             1e12) is an ordinary gpt2 folder: its norms keep their eps.
+    llama    RMSNorm, rotary positions (default / linear / llama3 scaling), grouped-query
+    mistral  attention, SwiGLU MLP, optional q/k/v/o and MLP biases (llama), untied or
+    qwen2    tied head; qwen2 has q/k/v biases; mistral's sliding window must cover the
+             capacity (--max-seq-len).
+
+The KV-cache capacity (max_seq_len) is min(max_position_embeddings, --max-seq-len,
+default DEFAULT_CAPACITY): a cache is preallocated at full capacity. Everything
+else that the decoder cannot express (another model_type, rope scaling type,
+activation, cross-attention, sliding window shorter than the capacity, tensors
+with no place in the layout) is refused with one line naming it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from core.errors import first_line
+from models.checkpoint import CONFIG, TOKENIZER, CheckpointError, check_tokenizer_fits
+from models.decoder import Decoder, DecoderConfig
+
+SUPPORTED = ("gpt2", "llama", "mistral", "qwen2")
+DEFAULT_CAPACITY = 2048   # KV-cache capacity when --max-seq-len is not given (and the model allows more)
+SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
+TORCH_BIN, TORCH_BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+WEIGHT_FILES = f"{SAFETENSORS}, {SAFETENSORS_INDEX} with its shards, {TORCH_BIN} or {TORCH_BIN_INDEX} with its shards"
+
+# The defaults of transformers' config classes for the keys read here (a saved config.json
+# may leave a default out); tests/models/test_convert.py checks them against transformers.
+HF_DEFAULTS: dict[str, dict] = {
+    "gpt2": dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, n_inner=None,
+                 activation_function="gelu_new", layer_norm_epsilon=1e-5, scale_attn_weights=True,
+                 scale_attn_by_inverse_layer_idx=False, add_cross_attention=False, tie_word_embeddings=True),
+    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=None, head_dim=None, hidden_act="silu",
+                  max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
+                  attention_bias=False, mlp_bias=False),
+    "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=None, hidden_act="silu",
+                    max_position_embeddings=4096 * 32, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                    rope_theta=10000.0, sliding_window=4096),
+    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, hidden_act="silu", max_position_embeddings=32768,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0, use_sliding_window=False,
+                  sliding_window=4096),
+}
+# HF activation names -> the decoder's (gelu_pytorch_tanh is gelu_new, computed the same way)
+HF_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu": "gelu", "relu": "relu",
+                  "silu": "silu", "swish": "silu"}
+# buffers some saved models carry that are not weights (causal masks, rotary tables)
+IGNORED = re.compile(r".*(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
+
+
+class ConvertError(CheckpointError):
+    """A Hugging Face folder that cannot be converted; one line naming the file and what is wrong."""
+
+
+# --- config -----------------------------------------------------------------------------------
+
+def read_hf_config(path: Path) -> dict:
+    """config.json of an HF folder with its model type checked; ConvertError otherwise."""
+    where = Path(path) / CONFIG
+    if not Path(path).is_dir():
+        raise ConvertError(f"{path}: expected a Hugging Face model folder (config.json and weights), found "
+                           f"{'a file' if Path(path).exists() else 'nothing'}")
+    try:
+        raw = json.loads(where.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConvertError(f"{where}: missing; a Hugging Face model folder has config.json beside its weights") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConvertError(f"{where}: expected a readable JSON file, found {first_line(e)}; re-save the folder") from None
+    if not isinstance(raw, dict):
+        raise ConvertError(f"{where}: expected a JSON object, found {type(raw).__name__}")
+    kind = raw.get("model_type")
+    if kind not in SUPPORTED:
+        raise ConvertError(f"{where}: model_type {kind!r} is not supported; supported: {', '.join(SUPPORTED)}")
+    return raw
+
+
+def is_hf_folder(path: str | os.PathLike) -> bool:
+    """A folder whose config.json names a model_type and is not one of our checkpoints."""
+    try:
+        raw = json.loads((Path(path) / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(raw, dict) and "model_type" in raw and "format" not in raw
+
+
+class _Fields:
+    """Reads config keys with transformers' defaults; names the key in every refusal."""
+
+    def __init__(self, where: Path, raw: dict):
+        self.where, self.raw, self.kind = where, raw, raw["model_type"]
+        self.defaults = HF_DEFAULTS[self.kind]
+
+    def get(self, key: str, default=None):
+        return self.raw[key] if key in self.raw else self.defaults.get(key, default)
+
+    def int(self, key: str, allow_none: bool = False):
+        v = self.get(key)
+        if v is None and allow_none:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            self.refuse(key, v, "a positive integer")
+        return v
+
+    def number(self, key: str, value=None) -> float:
+        """A positive number (config key, or a value read from under it)."""
+        v = self.get(key) if value is None else value
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v:
+            self.refuse(key, v, "a positive number")
+        return float(v)
+
+    def refuse(self, key: str, value, expected: str):
+        raise ConvertError(f"{self.where}: {self.kind} field {key!r} is {value!r}; expected {expected}")
+
+    def unsupported(self, what: str):
+        raise ConvertError(f"{self.where}: {what} is not supported by the converter ({self.kind}); "
+                           "the decoder cannot express it")
+
+    def activation(self, key: str) -> str:
+        act = self.get(key)
+        if not isinstance(act, str) or act not in HF_ACTIVATIONS:
+            self.unsupported(f"{key} {act!r} (supported: {', '.join(HF_ACTIVATIONS)})")
+        return HF_ACTIVATIONS[act]
+
+
+def _capacity(f: _Fields, key: str, max_seq_len: int | None) -> int:
+    return min(f.int(key), max_seq_len or DEFAULT_CAPACITY)
+
+
+def _rope(f: _Fields, head_dim: int) -> dict:
+    """rope_theta, rotary_dim and rope_scaling from rope_parameters (transformers 5) or the older keys."""
+    params = f.get("rope_parameters")
+    if params is None:
+        if not isinstance(f.get("rope_scaling") or {}, dict):
+            f.refuse("rope_scaling", f.get("rope_scaling"), "an object or null")
+        params = dict(f.get("rope_scaling") or {})
+        params.setdefault("rope_theta", f.get("rope_theta"))
+        if "partial_rotary_factor" in f.raw:
+            params.setdefault("partial_rotary_factor", f.raw["partial_rotary_factor"])
+        if "type" in params and "rope_type" not in params:
+            params["rope_type"] = params["type"]
+    if not isinstance(params, dict):
+        f.refuse("rope_parameters", params, "an object")
+    kind = params.get("rope_type", "default")
+    theta = f.number("rope_theta", params.get("rope_theta", f.defaults["rope_theta"]))
+    needs = {"default": (), "linear": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    if not isinstance(kind, str) or kind not in needs:
+        f.unsupported(f"rope type {kind!r} (supported: {', '.join(needs)})")
+    for k in needs[kind]:
+        f.number(f"rope_parameters.{k}", params.get(k, "missing"))
+    factor = f.number("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * factor)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        f.refuse("partial_rotary_factor", factor, f"a fraction of the head width {head_dim} giving an even width")
+    scaling = None if kind == "default" else {"rope_type": kind, **{k: params[k] for k in needs[kind]}}
+    return dict(pos_embedding="rope", rope_theta=theta, rope_scaling=scaling,
+                rotary_dim=None if rotary_dim == head_dim else rotary_dim)
+
+
+def gpt2_config(f: _Fields, max_seq_len: int | None) -> DecoderConfig:
+    if not f.get("scale_attn_weights"):
+        f.unsupported("scale_attn_weights false")
+    if f.get("scale_attn_by_inverse_layer_idx"):
+        f.unsupported("scale_attn_by_inverse_layer_idx")
+    if f.get("add_cross_attention"):
+        f.unsupported("add_cross_attention (an encoder-decoder GPT-2)")
+    d, heads = f.int("n_embd"), f.int("n_head")
+    if d % heads:
+        f.refuse("n_head", heads, f"a divisor of n_embd ({d})")
+    eps = f.number("layer_norm_epsilon")
+    return DecoderConfig(vocab_size=f.int("vocab_size"), d_model=d, n_layer=f.int("n_layer"), n_head=heads,
+                         max_seq_len=_capacity(f, "n_positions", max_seq_len), mlp="gelu", norm="layernorm",
+                         tie_embeddings=bool(f.get("tie_word_embeddings")), eps=eps,
+                         mlp_hidden=f.int("n_inner", allow_none=True), activation=f.activation("activation_function"),
+                         pos_embedding="learned", qkv_bias=True, out_bias=True, mlp_bias=True)
+
+
+def llama_config(f: _Fields, max_seq_len: int | None) -> DecoderConfig:
+    d, heads = f.int("hidden_size"), f.int("num_attention_heads")
+    kv = f.int("num_key_value_heads", allow_none=True) or heads
+    head_dim = f.int("head_dim", allow_none=True) or d // heads
+    if f.get("head_dim") is None and d % heads:
+        f.refuse("num_attention_heads", heads, f"a divisor of hidden_size ({d})")
+    if heads % kv:
+        f.refuse("num_key_value_heads", kv, f"a divisor of num_attention_heads ({heads})")
+    eps = f.number("rms_norm_eps")
+    capacity = _capacity(f, "max_position_embeddings", max_seq_len)
+    window = f.int("sliding_window", allow_none=True) if f.kind == "mistral" or f.get("use_sliding_window") else None
+    if window is not None and window < capacity:
+        raise ConvertError(f"{f.where}: sliding_window {window} is shorter than the KV-cache capacity {capacity}, and "
+                           f"sliding-window attention is not supported; pass --max-seq-len {window} or less")
+    bias = {"llama": dict(qkv_bias=bool(f.get("attention_bias")), out_bias=bool(f.get("attention_bias")),
+                          mlp_bias=bool(f.get("mlp_bias"))),
+            "qwen2": dict(qkv_bias=True, out_bias=False, mlp_bias=False),
+            "mistral": dict(qkv_bias=False, out_bias=False, mlp_bias=False)}[f.kind]
+    return DecoderConfig(vocab_size=f.int("vocab_size"), d_model=d, n_layer=f.int("num_hidden_layers"), n_head=heads,
+                         n_kv_head=None if kv == heads else kv, head_size=None if head_dim * heads == d else head_dim,
+                         max_seq_len=capacity, mlp="swiglu", norm="rmsnorm",
+                         tie_embeddings=bool(f.get("tie_word_embeddings")), eps=eps,
+                         mlp_hidden=f.int("intermediate_size"), activation=f.activation("hidden_act"),
+                         **_rope(f, head_dim), **bias)
+
+
+def hf_decoder_config(f: _Fields, max_seq_len: int | None = None) -> DecoderConfig:
+    path = f.where.parent
+    cfg = (gpt2_config if f.kind == "gpt2" else llama_config)(f, max_seq_len)
+    cfg.extra = {"converted_from": {"model_type": f.kind, "path": str(path)}}
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise ConvertError(f"{f.where}: converted config field {e}") from None
+    return cfg
+
+
+# --- weights ----------------------------------------------------------------------------------
+
+@dataclass
+class Param:
+    """One Hugging Face tensor, the shape config.json implies for it, and what it becomes."""
+    hf_name: str
+    shape: tuple[int, ...]
+    targets: list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = field(default_factory=list)
+
+
+def _same(t):
+    return t
+
+
+def _t(t):
+    return t.t()
+
+
+def gpt2_params(cfg: DecoderConfig, n_positions: int) -> list[Param]:
+    """GPT-2's Conv1D stores [in, out]: transposed into nn.Linear's [out, in]; c_attn is q, k, v side by side."""
+    d, hidden = cfg.d_model, cfg.hidden
+    ps = [Param("wte.weight", (cfg.vocab_size, d), [("wte.weight", _same)]),
+          # positions beyond the KV-cache capacity can never be used: their rows are dropped
+          Param("wpe.weight", (n_positions, d), [("wpe.weight", lambda t: t[:cfg.max_seq_len])]),
+          Param("ln_f.weight", (d,), [("ln_f.weight", _same)]), Param("ln_f.bias", (d,), [("ln_f.bias", _same)])]
+    for i in range(cfg.n_layer):
+        h, b = f"h.{i}.", f"blocks.{i}."
+        split = [(f"{b}attn.{n}_proj.weight", lambda t, j=j: t[:, j * d:(j + 1) * d].t()) for j, n in enumerate("qkv")]
+        split_b = [(f"{b}attn.{n}_proj.bias", lambda t, j=j: t[j * d:(j + 1) * d]) for j, n in enumerate("qkv")]
+        ps += [Param(f"{h}ln_1.weight", (d,), [(f"{b}ln_1.weight", _same)]),
+               Param(f"{h}ln_1.bias", (d,), [(f"{b}ln_1.bias", _same)]),
+               Param(f"{h}attn.c_attn.weight", (d, 3 * d), split), Param(f"{h}attn.c_attn.bias", (3 * d,), split_b),
+               Param(f"{h}attn.c_proj.weight", (d, d), [(f"{b}attn.out_proj.weight", _t)]),
+               Param(f"{h}attn.c_proj.bias", (d,), [(f"{b}attn.out_proj.bias", _same)]),
+               Param(f"{h}ln_2.weight", (d,), [(f"{b}ln_2.weight", _same)]),
+               Param(f"{h}ln_2.bias", (d,), [(f"{b}ln_2.bias", _same)]),
+               Param(f"{h}mlp.c_fc.weight", (d, hidden), [(f"{b}mlp.up_proj.weight", _t)]),
+               Param(f"{h}mlp.c_fc.bias", (hidden,), [(f"{b}mlp.up_proj.bias", _same)]),
+               Param(f"{h}mlp.c_proj.weight", (hidden, d), [(f"{b}mlp.down_proj.weight", _t)]),
+               Param(f"{h}mlp.c_proj.bias", (d,), [(f"{b}mlp.down_proj.bias", _same)])]
+    return ps
+
+
+def llama_params(cfg: DecoderConfig) -> list[Param]:
+    """Llama, Mistral and Qwen2 use nn.Linear ([out, in]) with the decoder's own projection names."""
+    d, hidden, q, kv = cfg.d_model, cfg.hidden, cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    ps = [Param("embed_tokens.weight", (cfg.vocab_size, d), [("wte.weight", _same)]),
+          Param("norm.weight", (d,), [("ln_f.weight", _same)])]
+    for i in range(cfg.n_layer):
+        h, b = f"layers.{i}.", f"blocks.{i}."
+        ps += [Param(f"{h}input_layernorm.weight", (d,), [(f"{b}ln_1.weight", _same)]),
+               Param(f"{h}post_attention_layernorm.weight", (d,), [(f"{b}ln_2.weight", _same)])]
+        projections = [("self_attn.q_proj", "attn.q_proj", (q, d), cfg.qkv_bias),
+                       ("self_attn.k_proj", "attn.k_proj", (kv, d), cfg.qkv_bias),
+                       ("self_attn.v_proj", "attn.v_proj", (kv, d), cfg.qkv_bias),
+                       ("self_attn.o_proj", "attn.out_proj", (d, q), cfg.out_bias),
+                       ("mlp.gate_proj", "mlp.gate_proj", (hidden, d), cfg.mlp_bias),
+                       ("mlp.up_proj", "mlp.up_proj", (hidden, d), cfg.mlp_bias),
+                       ("mlp.down_proj", "mlp.down_proj", (d, hidden), cfg.mlp_bias)]
+        for theirs, ours, shape, bias in projections:
+            ps.append(Param(f"{h}{theirs}.weight", shape, [(f"{b}{ours}.weight", _same)]))
+            if bias:
+                ps.append(Param(f"{h}{theirs}.bias", shape[:1], [(f"{b}{ours}.bias", _same)]))
+    return ps
+
+
+def expected_params(f: _Fields, cfg: DecoderConfig) -> tuple[list[Param], tuple[str, ...]]:
+    """The tensors a folder of this kind must hold, and the prefixes its names may carry."""
+    params = gpt2_params(cfg, f.int("n_positions")) if f.kind == "gpt2" else llama_params(cfg)
+    if not cfg.tie_embeddings:
+        params.append(Param("lm_head.weight", (cfg.vocab_size, cfg.d_model), [("lm_head.weight", _same)]))
+    return params, (("transformer.", "") if f.kind == "gpt2" else ("model.", ""))
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The files holding the weights, in the order transformers prefers; ConvertError naming what is missing."""
+    for single, index in ((SAFETENSORS, SAFETENSORS_INDEX), (TORCH_BIN, TORCH_BIN_INDEX)):
+        if (path / single).is_file():
+            return [path / single]
+        if (path / index).is_file():
+            try:
+                weight_map = json.loads((path / index).read_text(encoding="utf-8"))["weight_map"]
+                shards = sorted(set(weight_map.values()))
+            except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+                raise ConvertError(f"{path / index}: expected a JSON object with a 'weight_map' of tensor -> shard file; "
+                                   "re-save the folder") from None
+            for s in shards:
+                if not isinstance(s, str) or "/" in s or s in ("", ".", ".."):
+                    raise ConvertError(f"{path / index}: shard name {s!r} is not a file name in the folder; re-save the folder")
+                if not (path / s).is_file():
+                    raise ConvertError(f"{path / s}: missing; {index} lists it as a shard (copy every shard into the folder)")
+            return [path / s for s in shards]
+    raise ConvertError(f"{path}: no weights found; expected {WEIGHT_FILES}")
+
+
+def _read_file(where: Path) -> dict[str, torch.Tensor]:
+    try:
+        if where.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            return load_file(str(where))
+        with warnings.catch_warnings():     # a damaged pickle warns before it fails: one line only
+            warnings.simplefilter("ignore")
+            state = torch.load(where, map_location="cpu", weights_only=True)
+    except Exception as e:  # safetensors, pickle and zip readers raise many types on a damaged file
+        raise ConvertError(f"{where}: not a readable {'safetensors' if where.suffix == '.safetensors' else 'PyTorch'} "
+                           f"weights file ({first_line(e)[:200]}); re-download or re-save it") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConvertError(f"{where}: expected a state dict of tensors, found {type(state).__name__}; re-save the folder")
+    return state
+
+
+def read_weights(path: Path) -> dict[str, tuple[torch.Tensor, Path]]:
+    """Every tensor of the folder -> (tensor, the file it came from)."""
+    out: dict[str, tuple[torch.Tensor, Path]] = {}
+    for f in weight_files(path):
+        for name, t in _read_file(f).items():
+            out[name] = (t, f)
+    return out
+
+
+def map_weights(path: Path, f: _Fields, cfg: DecoderConfig, tensors: dict) -> dict[str, torch.Tensor]:
+    """Our state dict from the folder's tensors; refuses a missing, misshapen or unplaced tensor."""
+    params, prefixes = expected_params(f, cfg)
+    state, used = {}, set()
+    for p in params:
+        name = next((pre + p.hf_name for pre in prefixes if pre + p.hf_name in tensors), None)
+        if name is None and p.hf_name == "lm_head.weight":
+            name = p.hf_name if p.hf_name in tensors else None
+        if name is None:
+            raise ConvertError(f"{path}: the weights lack tensor {prefixes[0] + p.hf_name!r} that config.json implies "
+                               f"(looked in {', '.join(sorted({f.name for _, f in tensors.values()}))}); "
+                               "the folder is incomplete or its config.json belongs to another model")
+        t, src = tensors[name]
+        if tuple(t.shape) != p.shape:
+            raise ConvertError(f"{src}: tensor {name!r} has shape {list(t.shape)}; config.json implies {list(p.shape)} "
+                               "(the weights and config.json disagree: re-save the folder)")
+        if not t.is_floating_point():
+            raise ConvertError(f"{src}: tensor {name!r} has dtype {str(t.dtype).replace('torch.', '')}; "
+                               "expected floating-point weights")
+        for ours, fn in p.targets:
+            state[ours] = fn(t.to(torch.float32)).contiguous()
+        used.add(name)
+    tied_head = cfg.tie_embeddings and "lm_head.weight" in tensors
+    extra = sorted(n for n in tensors if n not in used and not IGNORED.match(n) and not (tied_head and n == "lm_head.weight"))
+    if extra:
+        raise ConvertError(f"{tensors[extra[0]][1]}: tensor {extra[0]!r} has no place in the {f.kind} layout "
+                           f"({len(extra)} such tensor(s)); the model has parts the converter does not support")
+    return state
+
+
+# --- the whole folder -------------------------------------------------------------------------
+
+@dataclass
+class Converted:
+    model: Decoder
+    tokenizer: Path | None        # HF_DIR/tokenizer.json, or None
+    model_type: str
+    notes: list[str]
+
+
+def convert(path: str | os.PathLike, max_seq_len: int | None = None) -> Converted:
+    """The decoder (eval mode, fp32) of an HF folder, its tokenizer.json if any, and what to tell the user."""
+    from core.inputs import check_memory
+    path = Path(path)
+    raw = read_hf_config(path)
+    f = _Fields(path / CONFIG, raw)
+    cfg = hf_decoder_config(f, max_seq_len)
+    check_memory(3 * 4 * cfg.approx_param_count(), f"{path}: converting the model it holds",
+                 "convert on a machine with more memory")
+    tensors = read_weights(path)
+    state = map_weights(path, f, cfg, tensors)
+    del tensors
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    model = model.to_empty(device="cpu")
+    if cfg.pos_embedding == "rope":     # a non-persistent buffer: recomputed, not loaded
+        from models.decoder import rope_inv_freq
+        model.rotary.inv_freq.copy_(rope_inv_freq(cfg))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
+    assert not missing and not unexpected, (missing, unexpected)   # expected_params covers the model exactly
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.wte.weight
+    for name, t in model.state_dict().items():
+        if not torch.isfinite(t).all():
+            raise ConvertError(f"{path}: tensor for {name!r} contains NaN or Inf; the weights are corrupt")
+    notes = [f"converted Hugging Face {raw['model_type']} folder {path}: capacity {cfg.max_seq_len} tokens"]
+    tok = path / TOKENIZER
+    if tok.is_file():
+        check_tokenizer_fits(path, cfg.vocab_size)
+    else:
+        tok = None
+        notes.append(f"no {TOKENIZER} in {path}: the model converts, exports and builds, but generation needs a "
+                     f"tokenizer (save one with AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR), "
+                     f"then convert again or copy it beside the model)")
+    return Converted(model.eval(), tok, raw["model_type"], notes)
+
+
+# --- CLI --------------------------------------------------------------------------------------
+
+def run(argv: list[str]) -> int:
+    from core.errors import ArgumentParser, int_in
+    from core.outputs import CHECKPOINT, check_output_dir
+    from models.checkpoint import save_checkpoint
+    p = ArgumentParser(prog="python -m models.convert", description=__doc__.split("\n\n")[0])
+    p.add_argument("hf_dir", type=Path, metavar="HF_DIR", help=f"a Hugging Face model folder ({', '.join(SUPPORTED)})")
+    p.add_argument("--out", type=Path, required=True, help="checkpoint directory to write (new, or an earlier checkpoint)")
+    p.add_argument("--max-seq-len", type=int_in(1, 1 << 20), default=None,
+                   help=f"KV-cache capacity (default: the model's maximum, at most {DEFAULT_CAPACITY})")
+    a = p.parse_args(argv)
+    check_output_dir(a.out, CHECKPOINT, inputs=[a.hf_dir])
+    c = convert(a.hf_dir, a.max_seq_len)
+    save_checkpoint(c.model, a.out, c.tokenizer, inputs=[a.hf_dir])
+    cfg = c.model.cfg
+    for note in c.notes[1:]:
+        print(f"note: {note}", file=sys.stderr)
+    print(f"{a.out}: {c.model_type} -> {cfg.norm}, {c.model.num_params():,} params, d_model {cfg.d_model}, "
+          f"{cfg.n_layer} layers, {cfg.n_head} heads ({cfg.kv_heads} key/value), capacity {cfg.max_seq_len}, "
+          f"{'with' if c.tokenizer else 'without'} tokenizer.json")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from core.errors import run_cli
+    return run_cli(run, argv)
+
+
+if __name__ == "__main__":
+    from core.errors import exit_after
+    exit_after(main())

@@ -1,0 +1,140 @@
+"""train.finetune smoke tests: every method on a tiny pretrained GPT-2-architecture model, a few steps.
+
+Each run must: start from exactly the source model (step-0 val loss equal to the source's), end
+with its norms gone the method's way (TaperLN at g = 0 with calibrated c; every FakeLN norm fixed
+and saved in the eps-trick form), save a checkpoint that computes what the training model
+computed, and resume exactly.
+"""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train.loop as loop
+from models.checkpoint import load_checkpoint
+from tests.cli.conftest import cli
+from train.config import TrainConfig
+
+TINY = ["--batch-size", "4", "--seq-len", "16", "--eval-batches", "1", "--calib-batches", "1",
+        "--corpus-stories", "200", "--quiet", "--threads", "1"]
+SAVED_VS_TRAINED = 1e-5   # fp32 val loss of the saved checkpoint vs the training model (eps trick: var/2e12 more)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A 2-layer LayerNorm (GPT-2 architecture) model pretrained for 8 steps."""
+    out = tmp_path_factory.mktemp("ft") / "pre"
+    loop.train(TrainConfig(preset="layernorm", out=str(out), steps=8, eval_every=8, batch_size=4, seq_len=16,
+                           eval_batches=1, calib_batches=1, corpus_stories=200, progress=False, threads=1,
+                           model=dict(d_model=16, n_layer=2, n_head=2, max_seq_len=32)))
+    return out
+
+
+def _finetune(source, out, method, *extra):
+    return cli("train.finetune", ["--from", source, "--method", method, "--out", out, "--steps", "12",
+                                  "--eval-every", "6", *TINY, *extra])
+
+
+def _val_windows(log):
+    from train.loop import prepare_data
+    run = TrainConfig(**log["run"])
+    return prepare_data(run, None).val
+
+
+def _saved_val_loss(out, log):
+    return loop.evaluate(load_checkpoint(out), _val_windows(log), 4)["val_loss"]
+
+
+@pytest.mark.parametrize("method", ["internal-taper", "all-taper", "fakeln", "vanilla"])
+def test_each_method_runs_and_ends_as_promised(source, tmp_path, method):
+    extra = ["--fakeln-every", "2"] if method == "fakeln" else []
+    r = _finetune(source, tmp_path / "ft", method, *extra)
+    assert r.code == 0, r.err
+    log = json.loads((tmp_path / "ft" / "train_log.json").read_text())
+    src_log = json.loads((source / "train_log.json").read_text())
+    assert log["recipe"]["finetune"] == method and log["evals"][-1]["step"] == 12
+    # step 0 is the source model itself: TaperNorm at g = 1 and live FakeLN norms are the LayerNorms
+    assert log["evals"][0]["val_loss"] == pytest.approx(src_log["evals"][-1]["val_loss"], abs=1e-5)
+    cfg = json.loads((tmp_path / "ft" / "config.json").read_text())
+    if method.endswith("taper"):
+        assert (cfg["norm"], cfg["taper_scope"], cfg["taper_base"], cfg["taper_affine"], cfg["gate"]) == \
+            ("taper", method.split("-")[0], "ln", True, 0.0)
+        assert len(cfg["taper_c"]) == (5 if method == "all-taper" else 4) and log["calibration"]["step"] == 0
+        assert (log["calibration"]["s_tgt"] is not None) == (method == "all-taper")
+    elif method == "fakeln":
+        assert (cfg["norm"], cfg["eps"], cfg["layer_eps"]) == ("layernorm", 1e12, {})
+        assert [e["layer"] for e in log["fakeln"]] == ["blocks.0.ln_2", "blocks.1.ln_2", "blocks.0.ln_1",
+                                                      "blocks.1.ln_1", "ln_f"]
+        assert [e["step"] for e in log["fakeln"]] == [2, 4, 6, 8, 10] and all(e["std"] > 0 for e in log["fakeln"])
+    else:
+        assert cfg["norm"] == "layernorm" and cfg["eps"] == 1e-5
+    # the checkpoint computes what the training model computed at its last evaluation
+    assert _saved_val_loss(tmp_path / "ft", log) == pytest.approx(log["evals"][-1]["val_loss"], abs=SAVED_VS_TRAINED)
+
+
+def test_fakeln_resume_ends_with_the_same_weights(source, tmp_path, monkeypatch):
+    assert _finetune(source, tmp_path / "a", "fakeln", "--fakeln-every", "2").code == 0
+    real, calls = loop.save_checkpoint, []
+
+    def save_then_stop(*a, **k):
+        real(*a, **k)
+        calls.append(1)
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(loop, "save_checkpoint", save_then_stop)
+        r = _finetune(source, tmp_path / "b", "fakeln", "--fakeln-every", "2")
+    assert r.code == 130 and "holds the checkpoint of step 6" in r.err and "train.finetune" in r.err
+    # mid-run: two norms fixed (steps 2 and 4), the rest live; the checkpoint says so per layer and computes
+    # what the training model computed
+    cfg = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert cfg["eps"] == 1e-5 and cfg["layer_eps"] == {"blocks.0.ln_2": 1e12, "blocks.1.ln_2": 1e12}
+    log = json.loads((tmp_path / "b" / "train_log.json").read_text())
+    assert _saved_val_loss(tmp_path / "b", log) == pytest.approx(log["evals"][-1]["val_loss"], abs=SAVED_VS_TRAINED)
+    r = cli("train.finetune", ["--out", tmp_path / "b", "--resume", "--quiet", "--threads", "1"])
+    assert r.code == 0, r.err
+    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((tmp_path / "b" / "train_log.json").read_text())["resumed_at"] == [6]
+
+
+@pytest.mark.parametrize("argv, needle, code", [
+    (["--method", "fakeln", "--out", "{t}/o"], "--from and --method are required", 2),
+    (["--from", "{src}", "--method", "vanilla", "--out", "{t}/o", "--fakeln-every", "3"], "--fakeln-every", 1),
+    (["--from", "{src}", "--method", "fakeln", "--out", "{t}/o", "--taper-steps", "3"], "--taper-steps", 1),
+    (["--from", "{src}", "--method", "fakeln", "--out", "{t}/o", "--steps", "4", "--fakeln-every", "1"],
+     "need more than --steps 4", 1),
+    (["--from", "{t}/nothing", "--method", "vanilla", "--out", "{t}/o"], "not a checkpoint directory", 1),
+    (["--out", "{src}", "--resume", "--steps", "3"], "drop --steps", 1),
+    (["--out", "{src}", "--resume"], "not of train.finetune", 1),
+])
+def test_bad_usage_one_line(source, tmp_path, argv, needle, code):
+    argv = [a.format(t=tmp_path, src=source) for a in argv] + ([] if "--resume" in argv else TINY)
+    r = cli("train.finetune", argv)
+    assert r.code == code and len(r.error_lines) == 1 and needle in r.error_lines[0], r.err
+    assert not (tmp_path / "o").exists()
+
+
+def test_taper_and_fakeln_refuse_models_without_real_norms(tmp_path):
+    from tests.helpers import random_model, write_checkpoint
+    taper = write_checkpoint(tmp_path / "taper", random_model(norm="taper", taper_scope="internal", gate=0.0))
+    rms = write_checkpoint(tmp_path / "rms", random_model(norm="rmsnorm"))
+    r = cli("train.finetune", ["--from", taper, "--method", "all-taper", "--out", tmp_path / "o", *TINY])
+    assert r.code == 1 and "fine-tuning starts from a model with real LayerNorms or RMSNorms" in r.err
+    r = cli("train.finetune", ["--from", rms, "--method", "fakeln", "--out", tmp_path / "o", *TINY])
+    assert r.code == 1 and "--method fakeln replaces LayerNorms" in r.err
+    assert not (tmp_path / "o").exists()
+
+
+def test_finetune_from_a_hugging_face_folder(tmp_path):
+    """--from takes an HF folder as it is (converted in memory), with its own tokenizer.json."""
+    from tests.hf_models import hf_model, save_hf
+    folder = save_hf(hf_model("gpt2"), tmp_path / "hf", tokenizer=True)
+    r = cli("train.finetune", ["--from", folder, "--method", "all-taper", "--out", tmp_path / "ft", "--steps", "4",
+                               "--eval-every", "2", *TINY])
+    assert r.code == 0, r.err
+    log = json.loads((tmp_path / "ft" / "train_log.json").read_text())
+    assert log["recipe"]["from"] == str(folder) and log["run"]["tokenizer"] == str(folder / "tokenizer.json")
+    model = load_checkpoint(tmp_path / "ft")
+    assert (model.cfg.norm, model.cfg.taper_base, model.gate.value, model.cfg.max_seq_len) == ("taper", "ln", 0.0, 64)
+    assert (tmp_path / "ft" / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
