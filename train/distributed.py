@@ -88,7 +88,8 @@ class Parallel:
         find_unused: a TaperNorm model leaves gamma_tilde out of the graph at g = 1 and gamma
         at g = 0; DDP must then look for the parameters a step did not use (and leaves their
         gradients None, as a single process does). The gate is a Python float set identically
-        on every rank; the decoder has no buffers."""
+        on every rank; the only buffers (FakeLN's frozen std, train/recipes.py) are set from
+        all-reduced sums on every rank, and DDP broadcasts rank 0's before each forward anyway."""
         if not self.distributed:
             return model
         from torch.nn.parallel import DistributedDataParallel

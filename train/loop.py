@@ -233,6 +233,8 @@ def load_run_state(out: Path) -> dict:
 class Recipe:
     """Where a run starts and what it does besides the gate schedule; this default trains from scratch."""
 
+    program = "python -m train"       # the command that resumes a run of this recipe (named in messages)
+
     def describe(self) -> dict | None:
         """Recorded in the log as "recipe" (and read back on --resume by whoever made the recipe)."""
         return None
@@ -290,19 +292,19 @@ def train(run: TrainConfig, command: str | None = None, resume: bool = False, re
             if par.distributed and peer_lost(e):
                 ignore_launcher_stop()
                 raise TrainError(f"{par.describe()}: lost contact with another rank ({peer_lost_reason(e)}); "
-                                 f"{held_message(out)}") from None
+                                 f"{held_message(out, (recipe or Recipe()).program)}") from None
             raise
         finally:
             if work is not None:
                 shutil.rmtree(work, ignore_errors=True)
 
 
-def held_message(out: str | Path) -> str:
-    """What --out holds after a stop, and how to continue it."""
+def held_message(out: str | Path, program: str = Recipe.program) -> str:
+    """What --out holds after a stop, and how to continue it (program: the run's command)."""
     step = read_state_step(out)
     if not step:
         return "nothing was written"
-    return (f"{out} holds the checkpoint of step {step} (continue with: python -m train --out "
+    return (f"{out} holds the checkpoint of step {step} (continue with: {program} --out "
             f"{shlex.quote(str(out))} --resume, or torchrun with any number of processes)")
 
 

@@ -345,6 +345,10 @@ CASES = [
      None, 1, "starts from a model with real LayerNorms or RMSNorms"),
     ("finetune-from-itself", "train.finetune", ["--from", "{s}/r", "--method", "vanilla", "--out", "{s}/r"],
      lambda s, fx: copy_tree(fx["run"], s / "r"), 1, "own input"),
+    ("finetune-bf16-on-cpu", "train.finetune", ["--from", "{run}", "--method", "vanilla", "--out", "{s}/o", "--dtype",
+                                               "bf16"], None, 1, "bf16 autocast is for CUDA"),
+    ("finetune-resume-new-dtype", "train.finetune", ["--out", "{s}/run", "--resume", "--dtype", "bf16"],
+     lambda s, fx: copy_tree(fx["run"], s / "run"), 1, "drop --dtype"),
 ]
 
 

@@ -83,7 +83,8 @@ OPTIONS = {
                             "--seq-len": INT, "--eval-every": INT, "--eval-batches": INT, "--calib-batches": INT,
                             "--warmup-steps": INT, "--taper-steps": INT, "--aux-lambda": FLOAT, "--fakeln-every": INT,
                             "--corpus": PATH, "--corpus-stories": INT, "--seed": INT, "--threads": INT,
-                            "--quiet": FLAG}),
+                            "--quiet": FLAG, "--data": PATH, "--shards": OUT, "--grad-accum": INT,
+                            "--device": choice("cpu", "cuda"), "--dtype": choice("fp32", "bf16")}),
 }
 
 
