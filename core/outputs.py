@@ -72,6 +72,7 @@ FUSED_ONNX = OutputKind("onnx", "an ONNX graph", "python -m graph_passes")
 REPORT_JSON = OutputKind("report-json", "a JSON report", "tapernorm-deploy")
 FIGURE = OutputKind("figure", "a figure", "tapernorm-deploy")
 TOKENIZER = OutputKind("tokenizer", "a tokenizer file", "python -m train.tokenizer")
+TOKEN_SHARDS = OutputKind("token-shards", "a token shard directory", "python -m train.shards")
 
 _committed: list[Path] = []
 _lock = threading.Lock()

@@ -6,6 +6,9 @@
     train.calibration  least-squares c of every TaperNorm at the end of warmup
     train.scale_loss   the fixed-target scale loss of All-Taper
     train.loop         the training loop, evaluation, atomic checkpoints and the JSON log
+    train.distributed  torchrun / DistributedDataParallel: the process group and the collectives
+    train.shards       token shards: a corpus tokenized once into memory-mapped files (--data)
+    train.interrupts   a Ctrl-C that an import drops still stops a train command
     train.corpus       the deterministic story generator, local files, TinyStories via `datasets`
     train.tokenizer    the byte-level BPE tokenizer (train/data/tokenizer.json)
     train.screen_dyt   the DyT saturation screen

@@ -1,5 +1,6 @@
 """python -m train --preset P --size S --out DIR [--steps N] [--d-model D --n-layer L --n-head H] [--seed K]
-python -m train --out DIR --resume [--threads N]
+python -m train --out DIR --resume [--threads N] [--grad-accum K] [--device cpu|cuda]
+torchrun --standalone --nproc-per-node N -m train ... [--device cuda] [--dtype bf16] [--grad-accum K]
 
 Trains a pre-norm decoder with the TaperNorm schedule and saves a checkpoint
 directory (config.json with the gate and each layer's c, model.safetensors,
@@ -25,6 +26,18 @@ Scale loss (all-taper, from calibration on):
     L_aux = lambda * mean_tokens (log r(h) - log s_tgt)^2,  r(h) = sqrt(mean_d h^2 + 1e-12)
 on the pre-logit hidden state h; zero gradient at r(h) = s_tgt. --s-tgt calib
 (default) fixes s_tgt to the mean pre-logit r measured at calibration.
+
+Data parallel: under torchrun every process is one rank of a DistributedDataParallel run
+(gloo on the CPU, nccl with --device cuda). --batch-size is the global batch: each rank
+takes batch / N windows of every step, in --grad-accum micro-batches; gradients are
+averaged over ranks, calibration sums all-reduced, and only rank 0 writes DIR. --resume
+works with any number of processes (the global batch stays the same).
+
+--data SOURCE (a .txt / .jsonl / .parquet file, a folder of them, a datasets save_to_disk
+folder, or a token shard directory): tokenized once into memory-mapped token shards
+(--shards DIR, default SOURCE_NAME.tokens beside DIR; python -m train.shards builds them
+ahead), reused by
+later runs; the same split and token streams as --corpus gives for the same text.
 """
 from __future__ import annotations
 
@@ -33,10 +46,11 @@ import shlex
 import sys
 
 from core.errors import ArgumentParser, UsageError, float_in, int_in, nonnegative_int, positive_int, run_cli, seed_int
-from train.config import TrainConfig, TrainError
+from train.config import DEVICES, DTYPES, TrainConfig, TrainError
 from train.presets import PRESETS, SIZES
 
-RESUME_OPTIONS = {"out", "resume", "threads", "quiet"}   # what --resume may be given beside --out
+# what --resume may be given beside --out: how the run is executed, not what it computes
+RESUME_OPTIONS = {"out", "resume", "threads", "quiet", "grad_accum", "device"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus-stories", type=int_in(1, 10_000_000), default=6000, help="stories to generate for --corpus generated")
     p.add_argument("--corpus-limit", type=positive_int, help="use at most this many stories of a file or dataset")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default train/data/tokenizer.json) or 'train'")
+    p.add_argument("--data", help="a corpus larger than memory: a .txt/.jsonl/.parquet file, a folder of them, a "
+                                  "datasets save_to_disk folder, or a token shard directory (tokenized once)")
+    p.add_argument("--shards", help="where --data's token shards are kept (default: DATA_NAME.tokens beside --out)")
+    d = p.add_argument_group("execution (data parallel: launch with torchrun --nproc-per-node N -m train ...)")
+    d.add_argument("--grad-accum", type=int_in(1, 65536), help="micro-batches per step on each rank (default 1); "
+                   "--batch-size must be a multiple of processes x grad-accum")
+    d.add_argument("--device", choices=DEVICES, help="cpu (default; gloo between ranks) or cuda (one GPU per rank, nccl)")
+    d.add_argument("--dtype", choices=DTYPES, default="fp32", help="fp32 (default) or bf16 autocast (CUDA only)")
     g = p.add_argument_group("architecture (overrides the size)")
     g.add_argument("--d-model", type=int_in(None, 65536))
     g.add_argument("--n-layer", type=int_in(None, 1024))
@@ -85,7 +107,8 @@ def _config(a) -> TrainConfig:
               seed=a.seed, corpus=a.corpus, corpus_stories=a.corpus_stories, corpus_limit=a.corpus_limit,
               model=dict(d_model=a.d_model, n_layer=a.n_layer, n_head=a.n_head, vocab_size=a.vocab_size,
                          max_seq_len=a.max_seq_len, mlp=a.mlp, dyt_alpha_init=a.dyt_alpha_init),
-              embed_std=a.embed_std, threads=a.threads, progress=not a.quiet)
+              embed_std=a.embed_std, threads=a.threads, progress=not a.quiet, data=a.data, shards=a.shards,
+              grad_accum=a.grad_accum or 1, device=a.device or "cpu", dtype=a.dtype)
     if a.tokenizer is not None:
         kw["tokenizer"] = a.tokenizer
     return TrainConfig(**kw)
@@ -100,6 +123,10 @@ def _resume_config(p: argparse.ArgumentParser, a) -> TrainConfig:
                          f"{', '.join('--' + k.replace('_', '-') for k in given)}")
     run = resume_config(a.out)
     run.out, run.threads, run.progress = a.out, a.threads, not a.quiet
+    if a.grad_accum is not None:
+        run.grad_accum = a.grad_accum
+    if a.device is not None:
+        run.device = a.device
     return run
 
 
@@ -108,17 +135,19 @@ def run(argv: list[str]) -> int:
     a = p.parse_args(argv)
     run_cfg = _resume_config(p, a) if a.resume else _config(a)
     run_cfg.resolve()                 # cheap checks first, before torch is imported
+    from train.interrupts import raise_if_interrupted
     from train.loop import check_out, train
+    raise_if_interrupted()            # a Ctrl-C that the import of torch dropped
     check_out(run_cfg, a.resume)      # refuse a wrong --out before the corpus is built
     try:
         log = train(run_cfg, command="python -m train " + shlex.join(argv), resume=a.resume)
     except KeyboardInterrupt:
-        from train.loop import read_state_step
-        step = read_state_step(run_cfg.out)
-        kept = (f"{run_cfg.out} holds the checkpoint of step {step} (continue with: python -m train --out "
-                f"{shlex.quote(str(run_cfg.out))} --resume)" if step else "nothing was written")
-        print(f"error: training interrupted; {kept}", file=sys.stderr)
+        from train.loop import held_message
+        print(f"error: training interrupted; {held_message(run_cfg.out)}", file=sys.stderr)
         return 130
+    from train.distributed import launched_world
+    if launched_world()[0] != 0:      # rank 0 reports for the job
+        return 0
     last = log["evals"][-1]
     gate = "" if last["gate"] is None else f", gate {last['gate']}"
     print(f"{run_cfg.out}: {run_cfg.preset}/{run_cfg.size}, {log['params']:,} params, {last['step']} steps, "
@@ -126,8 +155,14 @@ def run(argv: list[str]) -> int:
     return 0
 
 
+def run_noting_interrupts(argv: list[str]) -> int:
+    from train.interrupts import noting_interrupts
+    with noting_interrupts():         # a Ctrl-C dropped by an import still stops the run
+        return run(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(run, argv)
+    return run_cli(run_noting_interrupts, argv)
 
 
 if __name__ == "__main__":

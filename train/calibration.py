@@ -7,6 +7,10 @@ activations h (captured with forward pre-hooks at g = 1 on held-out batches):
     c = sum_tokens <N(h) gamma, gamma h> / sum_tokens ||gamma h||^2
 
 and gamma_tilde starts as a copy of gamma, so the switch causes no shift.
+
+Data-parallel training passes `reduce` (train.distributed.Parallel.sum): each rank sums over
+its share of the calibration batches, the float64 sums are all-reduced, and every rank
+solves for the same c from the same totals.
 """
 from __future__ import annotations
 
@@ -15,12 +19,22 @@ import torch
 from models.decoder import Decoder
 
 
+def _reduced(sums: dict[str, list[float]], reduce) -> dict[str, list[float]]:
+    """The per-layer sums added over ranks (in one all-reduce), or as they are without `reduce`."""
+    if reduce is None:
+        return sums
+    flat = reduce([x for v in sums.values() for x in v])
+    width = len(next(iter(sums.values()), []))
+    return {name: flat[i * width:(i + 1) * width] for i, name in enumerate(sums)}
+
+
 @torch.no_grad()
-def calibrate(model: Decoder, batches) -> dict[str, float]:
+def calibrate(model: Decoder, batches, reduce=None) -> dict[str, float]:
     """Fix c of every TaperNorm from `batches` (iterable of input_ids [B, T]); returns {layer: c}.
 
     Runs the model at g = 1 (its real normalized branch), whatever the gate was,
-    and restores the gate afterwards.
+    and restores the gate afterwards. reduce: sums over ranks (this rank's batches may
+    then be none).
     """
     layers = model.taper_layers()
     if not layers:
@@ -41,18 +55,18 @@ def calibrate(model: Decoder, batches) -> dict[str, float]:
         for ids in batches:
             model(ids)
             n += 1
-        if n == 0:
+        if n == 0 and reduce is None:
             raise ValueError("calibration needs at least one batch")
     finally:
         for h in hooks:
             h.remove()
         model.set_gate(gate)
         model.train(was_training)
-    return {name: layers[name].set_calibration(num, den) for name, (num, den) in sums.items()}
+    return {name: layers[name].set_calibration(num, den) for name, (num, den) in _reduced(sums, reduce).items()}
 
 
 @torch.no_grad()
-def branch_mismatch(model: Decoder, batches) -> dict[str, float]:
+def branch_mismatch(model: Decoder, batches, reduce=None) -> dict[str, float]:
     """Per layer: sum over tokens of ||linear(h) - normalized(h)||^2 at g = 1 inputs (diagnostic)."""
     layers = model.taper_layers()
     out = {name: 0.0 for name in layers}
@@ -71,4 +85,4 @@ def branch_mismatch(model: Decoder, batches) -> dict[str, float]:
         for h in hooks:
             h.remove()
         model.set_gate(gate)
-    return out
+    return {name: v[0] for name, v in _reduced({k: [v] for k, v in out.items()}, reduce).items()}

@@ -14,6 +14,8 @@ from core.errors import UserError
 from train.presets import PRESETS, SIZES, TAPER_FRAC, WARMUP_FRAC
 
 DEFAULT_TOKENIZER = Path(__file__).resolve().parent / "data" / "tokenizer.json"
+DEVICES = ("cpu", "cuda")
+DTYPES = ("fp32", "bf16")
 
 
 class TrainError(UserError):
@@ -48,6 +50,11 @@ class TrainConfig:
     embed_std: float | None = None      # re-initialise wte/wpe with this std (None: the decoder's 0.02)
     threads: int = 0                    # 0: torch's default
     progress: bool = True
+    data: str | None = None             # --data: a corpus tokenized once into memory-mapped shards (train.shards)
+    shards: str | None = None           # where --data's shards live (None: train.shards.default_shard_dir)
+    grad_accum: int = 1                 # micro-batches per optimizer step on each rank
+    dtype: str = "fp32"                 # "fp32", or "bf16" autocast (CUDA)
+    device: str = "cpu"                 # "cpu" or "cuda" (under torchrun: the local rank's GPU)
 
     def resolve(self) -> "TrainConfig":
         """Fill the size's defaults and check everything; raises TrainError with one line."""
@@ -59,7 +66,7 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "lr", "eval_every"):
             if getattr(self, name) is None:
                 setattr(self, name, size[name])
-        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "calib_batches"):
+        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "calib_batches", "grad_accum"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise TrainError(f"--{name.replace('_', '-')} {v}: expected a positive integer; pass a value > 0")
@@ -97,6 +104,8 @@ class TrainConfig:
         if isinstance(d_model, int) and isinstance(n_head, int) and n_head > 0 and d_model % n_head:
             raise TrainError(f"model config: n_head = {n_head}; expected a divisor of d_model ({d_model}); "
                              f"change --d-model / --n-layer / --n-head")
+        self._check_parallel_settings()
+        self._check_data()
         if self.corpus != "generated" and not self.corpus.startswith("hf:") and not Path(self.corpus).is_file():
             raise TrainError(f"corpus file {self.corpus}: not found; pass an existing .txt or .jsonl file, or --corpus generated")
         try:
@@ -106,6 +115,51 @@ class TrainConfig:
         if self.seq_len > self.decoder_config().max_seq_len:
             raise TrainError(f"--seq-len {self.seq_len}: expected <= max_seq_len {self.decoder_config().max_seq_len}; shorten it or raise --max-seq-len")
         return self
+
+    def _check_parallel_settings(self) -> None:
+        if self.device not in DEVICES:
+            raise TrainError(f"--device {self.device!r}: expected one of {', '.join(DEVICES)}; pick one of those")
+        if self.dtype not in DTYPES:
+            raise TrainError(f"--dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}; pick one of those")
+        if self.dtype == "bf16" and self.device != "cuda":
+            raise TrainError(f"--dtype bf16: bf16 autocast is for CUDA, this run is on --device {self.device}; "
+                             "pass --device cuda, or drop --dtype (fp32) on the CPU")
+        self.check_world(1)
+
+    def check_world(self, world_size: int) -> None:
+        """Every rank takes an equal share of each global batch: batch = world x grad_accum x micro-batch."""
+        ways = world_size * self.grad_accum
+        if self.batch_size % ways:
+            fix = (f"pass a --grad-accum that divides {self.batch_size // world_size}, the batch of each process"
+                   if self.batch_size % world_size == 0 else
+                   f"start a number of processes that divides {self.batch_size}")
+            raise TrainError(f"--batch-size {self.batch_size}: expected a multiple of {world_size} process(es) x "
+                             f"--grad-accum {self.grad_accum} = {ways} (every rank takes an equal share of each "
+                             f"global batch); {fix} (or another --batch-size for a new run)")
+
+    def _check_data(self) -> None:
+        if self.data is None:
+            if self.shards is not None:
+                raise TrainError(f"--shards {self.shards}: only applies with --data; add --data SOURCE or drop --shards")
+            return
+        if self.corpus != "generated":
+            raise TrainError(f"--data {self.data} and --corpus {self.corpus}: expected one source of text; drop one")
+        if self.tokenizer == "train":
+            raise TrainError(f"--data {self.data} with --tokenizer train: shards are tokenized once with a fixed "
+                             "tokenizer; pass a tokenizer.json (default: the bundled one)")
+        if not Path(self.data).exists():
+            raise TrainError(f"--data {self.data}: not found; pass a .txt / .jsonl / .parquet file, a folder of them, "
+                             "a datasets save_to_disk folder, or a token shard directory")
+        if Path(self.out).resolve() in self.shard_dir().resolve().parents:
+            raise TrainError(f"--shards {self.shards}: inside --out {self.out}, which is replaced at every "
+                             "checkpoint; put the shards elsewhere")
+
+    def shard_dir(self) -> Path:
+        """Where --data's token shards are (or will be) kept."""
+        from train.shards import default_shard_dir, is_shard_dir
+        if self.shards:
+            return Path(self.shards)
+        return Path(self.data) if is_shard_dir(self.data) else default_shard_dir(self.data, self.out)
 
     def preset_model(self) -> dict:
         return PRESETS[self.preset]["model"]

@@ -4,6 +4,7 @@
     load_text_file(path)             # .txt (stories separated by blank lines or <|endoftext|>) or .jsonl ({"text": ...})
     load_tinystories(split, limit)   # roneneldan/TinyStories through `datasets` (extra "hf"); cached files only
     load_corpus(spec, ...)           # "generated" | "hf:<dataset name>" | a file path
+    iter_source_stories(path)        # --data: stories streamed from files or a `datasets` folder, never all in memory
 
 The generator is a seeded `random.Random` over templates, characters, objects,
 places and small plots (a lost thing found, a new friend, a fear overcome,
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 from core.errors import UserError
@@ -298,3 +300,168 @@ def split_stories(stories: list[str], every: int = 20) -> dict[str, list[str]]:
         r = i % every
         out["val" if r == 0 else "calib" if r == 1 else "train"].append(s)
     return out
+
+
+# --- sources beyond memory (--data, train.shards) --------------------------------
+
+SOURCE_SUFFIXES = (".jsonl", ".parquet", ".txt")   # what a --data folder is read for
+STREAM_CHUNK = 1 << 20           # characters read at a time from a text file
+DATA_FIX = ("pass a .txt / .jsonl / .parquet file, a folder of them, or a folder written by "
+            "datasets' save_to_disk")
+
+
+def is_datasets_folder(path: Path) -> bool:
+    """A folder written by `datasets`' Dataset.save_to_disk (state.json) or DatasetDict.save_to_disk."""
+    return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
+def source_files(path: str | Path) -> list[Path]:
+    """The files a --data source is read from, in reading order (also its fingerprint)."""
+    path = Path(path)
+    if not path.exists():
+        raise CorpusError(f"--data {path}: not found; {DATA_FIX}")
+    if path.is_file():
+        return [path]
+    if is_datasets_folder(path):
+        return sorted(p for p in path.rglob("*") if p.is_file())
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SOURCE_SUFFIXES
+                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    if not files:
+        raise CorpusError(f"--data {path}: a folder with no {', '.join(SOURCE_SUFFIXES)} files and no "
+                          f"datasets save_to_disk layout (state.json); {DATA_FIX}")
+    return files
+
+
+def iter_source_stories(path: str | Path) -> Iterator[str]:
+    """Stories (stripped, non-empty) of a --data source, streamed.
+
+    A file: .jsonl ({"text": ...} per line), .parquet (a "text" column), anything else as
+    text (stories separated by <|endoftext|> when the file holds one, else by blank lines;
+    the rules of load_text_file, so a file gives the same stories either way). A folder
+    written by `datasets` (save_to_disk; a DatasetDict gives its "train" split): its "text"
+    column, memory-mapped by `datasets`. Any other folder: its .jsonl / .parquet / .txt
+    files in sorted path order.
+    """
+    path = Path(path)
+    if is_datasets_folder(path):
+        yield from _datasets_folder_stories(path)
+        return
+    for f in source_files(path):
+        if f.suffix == ".jsonl":
+            yield from _jsonl_stories(f)
+        elif f.suffix == ".parquet":
+            yield from _parquet_stories(f)
+        else:
+            yield from _text_stories(f)
+
+
+def _jsonl_stories(path: Path) -> Iterator[str]:
+    lineno = 0
+    with _open_text(path) as f:
+        for physical in _decoded(path, f):
+            for line in _checked(path, physical).splitlines() or [""]:
+                lineno += 1
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise CorpusError(f"corpus file {path}: line {lineno} is not JSON ({e.msg}); expected one "
+                                      f"{{\"text\": ...}} object per line") from None
+                if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                    raise CorpusError(f"corpus file {path}: line {lineno} has no string field 'text'; expected "
+                                      f"one {{\"text\": ...}} object per line")
+                if obj["text"].strip():
+                    yield obj["text"].strip()
+
+
+def _text_stories(path: Path) -> Iterator[str]:
+    sep = EOS if _contains(path, EOS) else "\n\n"
+    rest = ""
+    with _open_text(path) as f:
+        for chunk in _decoded(path, iter(lambda: f.read(STREAM_CHUNK), "")):
+            parts = (rest + _checked(path, chunk)).split(sep)
+            rest = parts.pop()
+            yield from (p.strip() for p in parts if p.strip())
+    if rest.strip():
+        yield rest.strip()
+
+
+def _open_text(path: Path):
+    try:
+        return open(path, encoding="utf-8", newline="")   # newlines kept as written, as load_text_file does
+    except OSError as e:
+        raise CorpusError(f"corpus file {path}: expected a readable text file, found "
+                          f"{(e.strerror or str(e)).lower()}; check its permissions") from None
+
+
+def _decoded(path: Path, pieces):
+    """The text pieces of a file read as UTF-8; an undecodable byte is one line, not a traceback."""
+    try:
+        yield from pieces
+    except UnicodeDecodeError as e:
+        if _contains(path, "\0"):
+            raise CorpusError(f"corpus file {path}: expected a text file, found binary data (NUL bytes); "
+                              "name a text file") from None
+        raise CorpusError(f"corpus file {path}: expected UTF-8 text, found an undecodable byte "
+                          f"({e.reason}); convert it to UTF-8") from None
+
+
+def _checked(path: Path, text: str) -> str:
+    if "\0" in text:
+        raise CorpusError(f"corpus file {path}: expected a text file, found binary data (NUL bytes); name a text file")
+    return text
+
+
+def _contains(path: Path, needle: str) -> bool:
+    """Whether the file holds `needle`, read in chunks (never the whole file at once)."""
+    pattern, tail = needle.encode(), b""
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(STREAM_CHUNK):
+                if pattern in tail + chunk:
+                    return True
+                tail = chunk[-(len(pattern) - 1):]
+    except OSError as e:
+        raise CorpusError(f"corpus file {path}: expected a readable file, found {(e.strerror or str(e)).lower()}; "
+                          "check its permissions") from None
+    return False
+
+
+def _parquet_stories(path: Path) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise CorpusError(f"corpus file {path}: reading parquet needs pyarrow, not installed; "
+                          "pip install 'tapernorm-deploy[hf]'") from None
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid and friends on a file that is not parquet
+        raise CorpusError(f"corpus file {path}: not a readable parquet file ({str(e).splitlines()[0][:200]}); "
+                          f"{DATA_FIX}") from None
+    if "text" not in pf.schema_arrow.names:
+        raise CorpusError(f"corpus file {path}: has columns {pf.schema_arrow.names}; expected a 'text' column")
+    for batch in pf.iter_batches(batch_size=1024, columns=["text"]):
+        yield from (t.strip() for t in batch.column(0).to_pylist() if isinstance(t, str) and t.strip())
+
+
+def _datasets_folder_stories(path: Path) -> Iterator[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise CorpusError(f"--data {path}: a datasets folder needs the 'datasets' package, not installed; "
+                          "pip install 'tapernorm-deploy[hf]'") from None
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # datasets raises many types on a damaged folder
+        raise CorpusError(f"--data {path}: not a readable datasets folder ({str(e).splitlines()[0][:200]}); "
+                          "write it again with save_to_disk") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise CorpusError(f"--data {path}: a DatasetDict with splits {sorted(ds)}; expected a 'train' split "
+                              "(save that split alone with save_to_disk)")
+        ds = ds["train"]
+    if "text" not in ds.column_names:
+        raise CorpusError(f"--data {path}: has columns {ds.column_names}; expected a 'text' column")
+    for batch in ds.select_columns(["text"]).iter(batch_size=1024):
+        yield from (t.strip() for t in batch["text"] if isinstance(t, str) and t.strip())

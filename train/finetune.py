@@ -2,7 +2,8 @@
 protocol) or FakeLN (Baroni et al. 2025), on the project's corpus.
 
     python -m train.finetune --from CKPT_OR_HF_DIR --method METHOD --out DIR [--steps N] [--lr LR] ...
-    python -m train.finetune --out DIR --resume
+    python -m train.finetune --out DIR --resume [--grad-accum K] [--device cpu|cuda]
+    torchrun --standalone --nproc-per-node N -m train.finetune ... [--device cuda] [--dtype bf16] [--grad-accum K]
 
 Methods (the model starts from --from, a checkpoint or a Hugging Face folder, with real norms):
   internal-taper  every block norm becomes a TaperNorm (TaperLN for a LayerNorm model: LN base and
@@ -21,7 +22,11 @@ Methods (the model starts from --from, a checkpoint or a Hugging Face folder, wi
 
 DIR is a training run (python -m train's format: --resume continues it exactly), with the
 fine-tuned checkpoint in it. Everything else (optimizer, learning-rate schedule, calibration,
-scale loss, atomic saves) is train/loop.py's.
+scale loss, atomic saves) is train/loop.py's, and so is data parallel under torchrun: --batch-size
+is the global batch, every rank takes its share, c and the FakeLN std come from all-reduced sums
+(the same on every rank), only rank 0 writes DIR, and --resume works with any number of processes.
+--data streams a corpus larger than memory through memory-mapped token shards, tokenized with
+the model's tokenizer (see python -m train --help).
 """
 from __future__ import annotations
 
@@ -31,12 +36,13 @@ import sys
 from pathlib import Path
 
 from core.errors import ArgumentParser, UserError, float_in, int_in, run_cli, seed_int
-from train.config import TrainConfig, TrainError
+from train.config import DEVICES, DTYPES, TrainConfig, TrainError
 
 METHODS = ("internal-taper", "all-taper", "fakeln", "vanilla")
 DEFAULTS = dict(steps=600, lr=5e-4, batch_size=16, seq_len=128, eval_every=100)
 TAPER_FRAC = 0.5             # taper steps (from step 0) and the fakeln removals: the first half of the run
-RESUME_OPTIONS = {"out", "resume", "threads", "quiet"}
+# what --resume may be given beside --out: how the run is executed, not what it computes
+RESUME_OPTIONS = {"out", "resume", "threads", "quiet", "grad_accum", "device"}
 
 
 def source_tokenizer(path: str) -> Path:
@@ -82,7 +88,8 @@ def finetune_config(method: str, source, a) -> TrainConfig:
         warmup_steps=(a.warmup_steps if a.warmup_steps is not None else 0) if taper else None,
         taper_steps=(a.taper_steps or max(1, round(TAPER_FRAC * steps))) if taper else None,
         aux_lambda=a.aux_lambda, seed=a.seed, corpus=a.corpus, corpus_stories=a.corpus_stories,
-        tokenizer=str(source_tokenizer(a.source)), model=model, threads=a.threads, progress=not a.quiet)
+        tokenizer=str(source_tokenizer(a.source)), model=model, threads=a.threads, progress=not a.quiet,
+        data=a.data, shards=a.shards, grad_accum=a.grad_accum or 1, device=a.device or "cpu", dtype=a.dtype)
 
 
 def fakeln_every(steps: int, n_norms: int, given: int | None) -> int:
@@ -115,7 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fakeln-every", type=int_in(1, 10_000_000), help="fakeln: steps between removals (default: last at 50%%)")
     p.add_argument("--corpus", default="generated", help="'generated' (the shipped generator) or a .txt/.jsonl file")
     p.add_argument("--corpus-stories", type=int_in(1, 10_000_000), default=6000)
+    p.add_argument("--data", help="a corpus larger than memory: a .txt/.jsonl/.parquet file, a folder of them, a "
+                                  "datasets save_to_disk folder, or a token shard directory (tokenized once)")
+    p.add_argument("--shards", help="where --data's token shards are kept (default: DATA_NAME.tokens beside --out)")
     p.add_argument("--seed", type=seed_int, default=0)
+    d = p.add_argument_group("execution (data parallel: launch with torchrun --nproc-per-node N -m train.finetune ...)")
+    d.add_argument("--grad-accum", type=int_in(1, 65536), help="micro-batches per step on each rank (default 1); "
+                   "--batch-size must be a multiple of processes x grad-accum")
+    d.add_argument("--device", choices=DEVICES, help="cpu (default; gloo between ranks) or cuda (one GPU per rank, nccl)")
+    d.add_argument("--dtype", choices=DTYPES, default="fp32", help="fp32 (default) or bf16 autocast (CUDA only)")
     p.add_argument("--threads", type=int_in(0, 256), default=0, help="torch threads (0: torch's default)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -138,6 +153,10 @@ def run(argv: list[str]) -> int:
             raise TrainError(f"--out {a.out}: holds a run of python -m train, not of train.finetune; "
                              f"resume it with python -m train --out {a.out} --resume")
         run_cfg.out, run_cfg.threads, run_cfg.progress = a.out, a.threads, not a.quiet
+        if a.grad_accum is not None:
+            run_cfg.grad_accum = a.grad_accum
+        if a.device is not None:
+            run_cfg.device = a.device
         method, source, every = recipe_info["finetune"], recipe_info["from"], recipe_info["fakeln_every"]
     else:
         if a.source is None or a.method is None:
@@ -159,19 +178,21 @@ def run(argv: list[str]) -> int:
             every = fakeln_every(run_cfg.steps, len(model.cfg.norm_names()), a.fakeln_every)
         del model
     run_cfg.resolve()
+    from train.interrupts import raise_if_interrupted
     from train.loop import check_out, train
+    raise_if_interrupted()            # a Ctrl-C that the import of torch dropped
     check_out(run_cfg, a.resume)
     from train.recipes import FineTune
     recipe = FineTune(method, source, every)
     try:
         log = train(run_cfg, command="python -m train.finetune " + shlex.join(argv), resume=a.resume, recipe=recipe)
     except KeyboardInterrupt:
-        from train.loop import read_state_step
-        step = read_state_step(run_cfg.out)
-        kept = (f"{run_cfg.out} holds the checkpoint of step {step} (continue with: python -m train.finetune --out "
-                f"{shlex.quote(str(run_cfg.out))} --resume)" if step else "nothing was written")
-        print(f"error: training interrupted; {kept}", file=sys.stderr)
+        from train.loop import held_message
+        print(f"error: training interrupted; {held_message(run_cfg.out, recipe.program)}", file=sys.stderr)
         return 130
+    from train.distributed import launched_world
+    if launched_world()[0] != 0:      # rank 0 reports for the job
+        return 0
     last, first = log["evals"][-1], log["evals"][0]
     gate = "" if last["gate"] is None else f", gate {last['gate']}"
     print(f"{run_cfg.out}: {method} from {source}, {last['step']} steps, val loss {first['val_loss']:.4f} -> "
@@ -179,8 +200,14 @@ def run(argv: list[str]) -> int:
     return 0
 
 
+def run_noting_interrupts(argv: list[str]) -> int:
+    from train.interrupts import noting_interrupts
+    with noting_interrupts():         # a Ctrl-C dropped by an import still stops the run
+        return run(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(run, argv)
+    return run_cli(run_noting_interrupts, argv)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,24 @@ the last complete checkpoint. Nothing is written before the first evaluation aft
 step 0, so `out` never goes back to an earlier step than it holds; a new run into a
 directory that holds a run is refused (resume it, or choose another --out).
 
+Data parallel (torchrun; train.distributed): every rank builds the same model and draws
+the same global batch of `batch_size` windows per step; rank r reads its own share
+(windows r * B / N .. (r + 1) * B / N, in `grad_accum` micro-batches), DDP averages the
+gradients, and evaluation, calibration and s_tgt sums are all-reduced, so the gate, c and
+the scale loss are identical on every rank and equal (to rounding) to one process with the
+same global batch. Only rank 0 writes `out`; RUN_STATE holds nothing per-rank, so a run
+resumes with any number of processes. The log's "parallel" list records, from each start
+or resume on, the world size, per-rank batch, micro-batch, backend, device and dtype.
+
 A Recipe (train/finetune.py) changes where a run starts and what happens around
 the schedule: the model it starts from, an action before each step (e.g. fixing a
 norm's std), and the model a checkpoint saves; the default trains from scratch.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import shlex
 import shutil
 import sys
 import tempfile
@@ -28,17 +39,23 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from tokenizers import Tokenizer
 
 from core.outputs import TRAINING_RUN, check_output_dir, marker_kind
 from models.checkpoint import save_checkpoint
 from models.decoder import Decoder
 from train.calibration import branch_mismatch, calibrate
 from train.config import TrainConfig, TrainError
-from train.corpus import load_corpus, split_stories
+from train.corpus import EOS, load_corpus, split_stories
+from train.distributed import (SINGLE, Parallel, data_parallel, ignore_launcher_stop, launched_world, peer_lost,
+                               peer_lost_reason)
 from train.scale_loss import scale_loss, token_rms
+from train.interrupts import raise_if_interrupted
 from train.schedule import lr_at
+from train.shards import TokenStream, shards_for
 from train.tokenizer import encode_stories, load_tokenizer, train_tokenizer
 
 LOG_NAME = "train_log.json"
@@ -49,79 +66,123 @@ RUN_STATE = "train_state.pt"
 
 @dataclass
 class Data:
-    train: torch.Tensor           # [N] token stream
+    train: TokenStream            # the training token stream (in memory, or memory-mapped shards)
     val: torch.Tensor             # [n_val, seq_len + 1] fixed windows
     calib: torch.Tensor           # [n_calib, seq_len + 1] fixed windows
-    tokenizer_json: Path
+    tokenizer_json: Path | None   # copied into every checkpoint (rank 0; None on other ranks)
     stats: dict
 
 
-def _windows(stream: torch.Tensor, seq_len: int, n: int, what: str) -> torch.Tensor:
+def _windows(stream: TokenStream, seq_len: int, n: int, what: str) -> torch.Tensor:
     w = seq_len + 1
     avail = len(stream) // w
     if avail == 0:
         raise TrainError(f"corpus {what} split: {len(stream)} tokens; expected at least {w} (one window of --seq-len + 1); use a larger corpus or a shorter --seq-len")
-    return stream[: min(n, avail) * w].view(-1, w)
+    return torch.from_numpy(stream.read(0, min(n, avail) * w)).view(-1, w)
 
 
-def prepare_data(run: TrainConfig, workdir: Path) -> Data:
+def prepare_data(run: TrainConfig, workdir: Path | None, par: Parallel = SINGLE) -> Data:
+    """The token streams of `run`: --data's memory-mapped shards, or the corpus tokenized in memory.
+
+    Every rank builds the same Data; work that must happen once (fitting a tokenizer,
+    tokenizing --data into shards) runs on rank 0 and is shared with the others."""
+    streams, stats, tok_path = _shard_streams(run, par) if run.data else _memory_streams(run, workdir, par)
+    if len(streams["train"]) <= run.seq_len + 1:
+        raise TrainError(f"corpus {run.data or run.corpus}: train split has {len(streams['train'])} tokens; expected more "
+                         f"than --seq-len + 1 = {run.seq_len + 1}; use a larger corpus")
+    n_eval = run.eval_batches * run.batch_size
+    n_cal = run.calib_batches * run.batch_size
+    return Data(streams["train"], _windows(streams["val"], run.seq_len, n_eval, "val"),
+                _windows(streams["calib"], run.seq_len, n_cal, "calibration"), tok_path, stats)
+
+
+def _memory_streams(run: TrainConfig, workdir: Path | None, par: Parallel):
     stories = load_corpus(run.corpus, n_stories=run.corpus_stories, limit=run.corpus_limit)
+    raise_if_interrupted()
     split = split_stories(stories)
+    vocab = run.decoder_config().vocab_size
     if run.tokenizer == "train":
-        tok = train_tokenizer(split["train"], run.decoder_config().vocab_size)
-        tok_path = workdir / "tokenizer.json"
-        tok.save(str(tok_path))
+        tok_text = train_tokenizer(split["train"], vocab).to_str() if par.is_main else None
+        tok = Tokenizer.from_str(par.broadcast(tok_text))     # one tokenizer, fitted once, on every rank
+        tok_path = None
+        if workdir is not None:
+            tok_path = workdir / "tokenizer.json"
+            tok.save(str(tok_path))
     else:
         tok_path = Path(run.tokenizer)
         if not tok_path.is_file():
             raise TrainError(f"tokenizer {tok_path}: not found; pass an existing tokenizer.json, or --tokenizer train")
         tok = load_tokenizer(tok_path)
-    vocab = run.decoder_config().vocab_size
+    if tok.token_to_id(EOS) is None:
+        raise TrainError(f"tokenizer {tok_path}: has no {EOS} token; expected one (it ends every story); "
+                         "pass a tokenizer that has it, or --tokenizer train")
     if tok.get_vocab_size() > vocab:
-        raise TrainError(f"tokenizer {tok_path}: vocab {tok.get_vocab_size()} exceeds the model's vocab_size {vocab}; raise --vocab-size")
-    ids = {k: torch.tensor(encode_stories(tok, v), dtype=torch.long) for k, v in split.items()}
-    if len(ids["train"]) <= run.seq_len + 1:
-        raise TrainError(f"corpus {run.corpus}: train split has {len(ids['train'])} tokens; expected more than --seq-len + 1 = {run.seq_len + 1}; use a larger corpus")
-    n_eval = run.eval_batches * run.batch_size
-    n_cal = run.calib_batches * run.batch_size
-    data = Data(ids["train"], _windows(ids["val"], run.seq_len, n_eval, "val"),
-                _windows(ids["calib"], run.seq_len, n_cal, "calibration"), tok_path,
-                {"stories": {k: len(v) for k, v in split.items()}, "tokens": {k: len(v) for k, v in ids.items()},
-                 "tokenizer_vocab": tok.get_vocab_size()})
-    return data
+        raise TrainError(f"tokenizer {tok_path or 'train'}: vocab {tok.get_vocab_size()} exceeds the model's vocab_size {vocab}; raise --vocab-size")
+    ids = {k: np.asarray(encode_stories(tok, v), dtype=np.int64) for k, v in split.items()}
+    stats = {"stories": {k: len(v) for k, v in split.items()}, "tokens": {k: len(v) for k, v in ids.items()},
+             "tokenizer_vocab": tok.get_vocab_size()}
+    return {k: TokenStream([v]) for k, v in ids.items()}, stats, tok_path
 
 
-def _batches(windows: torch.Tensor, batch_size: int):
+def _shard_streams(run: TrainConfig, par: Parallel):
+    tok_path = Path(run.tokenizer)
+    if not tok_path.is_file():
+        raise TrainError(f"tokenizer {tok_path}: not found; pass an existing tokenizer.json")
+    if par.is_main:                       # tokenizes --data once (when its shards do not exist yet)
+        shards = shards_for(run.data, run.shard_dir(), tok_path, progress=run.progress)
+    par.barrier()
+    if not par.is_main:
+        shards = shards_for(run.data, run.shard_dir(), tok_path, progress=False)
+    vocab = run.decoder_config().vocab_size
+    if shards.meta["vocab_size"] > vocab:
+        raise TrainError(f"{shards.directory}: tokenized with a vocab of {shards.meta['vocab_size']}, the model's "
+                         f"vocab_size is {vocab}; raise --vocab-size")
+    return shards.streams, shards.stats(), tok_path if par.is_main else None
+
+
+def _batches(windows: torch.Tensor, batch_size: int, device: torch.device | None = None):
     for i in range(0, len(windows), batch_size):
-        yield windows[i:i + batch_size]
+        yield windows[i:i + batch_size].to(device) if device is not None else windows[i:i + batch_size]
 
 
-def _sample(stream: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
-    starts = torch.randint(0, len(stream) - seq_len - 1, (batch_size,), generator=gen)
-    return torch.stack([stream[s:s + seq_len + 1] for s in starts.tolist()])  # [B, T + 1]
+def _draw_starts(stream: TokenStream, batch_size: int, seq_len: int, gen: torch.Generator) -> list[int]:
+    """Start offsets of one global batch of windows; every rank draws the same ones."""
+    return torch.randint(0, len(stream) - seq_len - 1, (batch_size,), generator=gen).tolist()
+
+
+def _sample(stream: TokenStream, batch_size: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
+    return stream.windows(_draw_starts(stream, batch_size, seq_len, gen), seq_len + 1)  # [B, T + 1]
 
 
 # --- evaluation -----------------------------------------------------------------------
 
 @torch.no_grad()
-def evaluate(model: Decoder, windows: torch.Tensor, batch_size: int) -> dict:
-    """Val loss, mean pre-logit RMS (per-token r of the head's input) and max |logit|."""
+def evaluate(model: Decoder, windows: torch.Tensor, batch_size: int, par: Parallel = SINGLE,
+             autocast=contextlib.nullcontext) -> dict:
+    """Val loss, mean pre-logit RMS (per-token r of the head's input) and max |logit|.
+
+    Each rank evaluates its share of `windows`; the sums are all-reduced."""
     was = model.training
     model.eval()
+    mine = par.shard(len(windows))
     loss_sum, n_tok, rms_sum, max_logit = 0.0, 0, 0.0, 0.0
-    for w in _batches(windows, batch_size):
-        logits, h = model(w[:, :-1], return_hidden=True)
-        loss_sum += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1), reduction="sum"))
+    for w in _batches(windows[mine.start:mine.stop], batch_size, par.device):
+        with autocast():
+            logits, h = model(w[:, :-1], return_hidden=True)
+        loss_sum += float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1),
+                                          reduction="sum"))
         n_tok += w[:, 1:].numel()
-        rms_sum += float(token_rms(h).sum())
+        rms_sum += float(token_rms(h.float()).sum())
         max_logit = max(max_logit, float(logits.abs().max()))
     model.train(was)
+    loss_sum, n_tok, rms_sum = par.sum([loss_sum, n_tok, rms_sum])
+    max_logit = par.max(max_logit)
     return {"val_loss": loss_sum / n_tok, "prelogit_rms": rms_sum / n_tok, "max_abs_logit": max_logit}
 
 
 @torch.no_grad()
-def mean_prelogit_rms(model: Decoder, windows: torch.Tensor, batch_size: int) -> float:
-    return evaluate(model, windows, batch_size)["prelogit_rms"]
+def mean_prelogit_rms(model: Decoder, windows: torch.Tensor, batch_size: int, par: Parallel = SINGLE) -> float:
+    return evaluate(model, windows, batch_size, par)["prelogit_rms"]
 
 
 # --- the loop ---------------------------------------------------------------------------
@@ -137,6 +198,8 @@ def check_out(run: TrainConfig, resume: bool) -> int:
     """Refuse an --out this run may not write; returns the step the held run reached (0 for a new run)."""
     out = Path(run.out)
     inputs = [p for p in (run.tokenizer, run.corpus) if p not in ("train", "generated") and not str(p).startswith("hf:")]
+    if run.data is not None:       # --out never is, or holds, the data or its shards
+        inputs += [run.data, run.shard_dir()]
     check_output_dir(out, TRAINING_RUN, inputs=inputs)
     held = None
     if marker_kind(out) == TRAINING_RUN.name:
@@ -170,6 +233,8 @@ def load_run_state(out: Path) -> dict:
 class Recipe:
     """Where a run starts and what it does besides the gate schedule; this default trains from scratch."""
 
+    program = "python -m train"       # the command that resumes a run of this recipe (named in messages)
+
     def describe(self) -> dict | None:
         """Recorded in the log as "recipe" (and read back on --resume by whoever made the recipe)."""
         return None
@@ -183,8 +248,9 @@ class Recipe:
                 model.wpe.weight.normal_(0.0, run.embed_std)
         return model
 
-    def before_step(self, step: int, model: Decoder, data: Data, log: dict) -> None:
-        """Runs before the update of `step` (after a resume too: act on exact steps only)."""
+    def before_step(self, step: int, model: Decoder, data: Data, log: dict, par: Parallel = SINGLE) -> None:
+        """Runs before the update of `step` (after a resume too: act on exact steps only), on every
+        rank: whatever it measures must be all-reduced through `par` so the ranks stay identical."""
 
     def saved_model(self, model: Decoder) -> Decoder:
         """What a checkpoint of the run holds (the training model itself by default)."""
@@ -199,11 +265,14 @@ def train(run: TrainConfig, command: str | None = None, resume: bool = False, re
     """Train `run` (resolved here); returns the log dict (also saved as train_log.json in run.out).
 
     resume: continue the run `run.out` holds from its last checkpoint (the caller passes the
-    run's own TrainConfig, e.g. from resume_config, and the same recipe).
+    run's own TrainConfig, e.g. from resume_config, and the same recipe), with any number of
+    processes. Under torchrun every rank calls this; the process group lives for the call, and
+    only rank 0 writes run.out.
     """
     run.resolve()
     out = Path(run.out)
     check_out(run, resume)
+    run.check_world(launched_world()[1])
     from core.inputs import check_memory
     # weights, gradients and AdamW's two moments, fp32; activations come on top
     check_memory(16 * run.decoder_config().approx_param_count(), f"training {run.preset}: the model",
@@ -211,12 +280,32 @@ def train(run: TrainConfig, command: str | None = None, resume: bool = False, re
     if run.threads:
         torch.set_num_threads(run.threads)
     t0 = time.time()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.work-", dir=out.parent))
-    try:
-        return _train(run, out, work, t0, command, load_run_state(out) if resume else None, recipe or Recipe())
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with data_parallel(run.device) as par:
+        work = None
+        if par.is_main:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            work = Path(tempfile.mkdtemp(prefix=f".{out.name}.work-", dir=out.parent))
+        try:
+            return _train(run, out, work, t0, command, load_run_state(out) if resume else None, par,
+                          recipe or Recipe())
+        except Exception as e:
+            if par.distributed and peer_lost(e):
+                ignore_launcher_stop()
+                raise TrainError(f"{par.describe()}: lost contact with another rank ({peer_lost_reason(e)}); "
+                                 f"{held_message(out, (recipe or Recipe()).program)}") from None
+            raise
+        finally:
+            if work is not None:
+                shutil.rmtree(work, ignore_errors=True)
+
+
+def held_message(out: str | Path, program: str = Recipe.program) -> str:
+    """What --out holds after a stop, and how to continue it (program: the run's command)."""
+    step = read_state_step(out)
+    if not step:
+        return "nothing was written"
+    return (f"{out} holds the checkpoint of step {step} (continue with: {program} --out "
+            f"{shlex.quote(str(out))} --resume, or torchrun with any number of processes)")
 
 
 def resume_config(out: str | Path) -> TrainConfig:
@@ -230,21 +319,71 @@ def resume_config(out: str | Path) -> TrainConfig:
     return TrainConfig(**stored)
 
 
-def _train(run: TrainConfig, out: Path, work: Path, t0: float, command: str | None, state: dict | None,
-           recipe: Recipe) -> dict:
-    data = prepare_data(run, work)
+def _autocast(run: TrainConfig):
+    """bf16 autocast on CUDA for --dtype bf16 (weights, gradients and AdamW stay fp32); fp32 otherwise."""
+    if run.dtype == "bf16":
+        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def _calibrate(model: Decoder, windows: torch.Tensor, batch_size: int, run: TrainConfig, aux: dict,
+               par: Parallel) -> dict:
+    """Calibrate every c (and fix s_tgt) from this rank's share of the calibration windows,
+    the sums all-reduced; returns the log record."""
+    reduce = par.sum if par.distributed else None
+    mine = par.shard(len(windows))
+
+    def batches():
+        return _batches(windows[mine.start:mine.stop], batch_size, par.device)
+    before = branch_mismatch(model, batches(), reduce)
+    c = calibrate(model, batches(), reduce)
+    after = branch_mismatch(model, batches(), reduce)
+    if run.aux_lambda > 0:
+        if aux["s_tgt"] is None:  # "calib": the pre-logit scale the real final norm gave
+            model.set_gate(1.0)
+            aux["s_tgt"] = mean_prelogit_rms(model, windows, batch_size, par)
+        aux["on"] = True
+    return {"c": c, "mismatch_before": before, "mismatch_after": after, "s_tgt": aux["s_tgt"]}
+
+
+def _accumulate_gradients(ddp, stream: TokenStream, starts: list[int], micro: int, run: TrainConfig, aux: dict,
+                          par: Parallel, autocast, where: str) -> float:
+    """Forward and backward this rank's windows `starts` in micro-batches; the gradients hold the
+    mean over the global batch once DDP has averaged the ranks. Returns this rank's mean CE."""
+    ce_mean = 0.0
+    for i in range(run.grad_accum):
+        batch = stream.windows(starts[i * micro:(i + 1) * micro], run.seq_len + 1).to(par.device)  # [b, T + 1]
+        last = i == run.grad_accum - 1
+        with contextlib.nullcontext() if last or not par.distributed else ddp.no_sync():   # all-reduce once
+            with autocast():
+                logits, h = ddp(batch[:, :-1], return_hidden=True)
+                ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+                loss = ce + scale_loss(h, aux["s_tgt"], run.aux_lambda) if aux["on"] else ce
+            if not torch.isfinite(loss):
+                raise TrainError(f"training {run.preset}: loss is {float(loss)} {where}; lower --lr or check the schedule")
+            # each micro-batch's mean counts 1 / grad_accum of the step (exact for a power of two), and
+            # DDP's mean over equal shares then gives the global batch's mean gradient
+            (loss / run.grad_accum if run.grad_accum > 1 else loss).backward()
+        ce_mean += ce.item() / run.grad_accum
+    return ce_mean
+
+
+def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: str | None, state: dict | None,
+           par: Parallel, recipe: Recipe) -> dict:
+    data = prepare_data(run, work, par)
+    raise_if_interrupted()
     torch.manual_seed(run.seed)
     model = recipe.initial_model(run, fresh=state is None)
     model.train()
     sched = run.gate_schedule()
-    opt = _optimizer(model, run.lr, run.weight_decay)
-    gen = torch.Generator().manual_seed(run.seed)  # same data order for every preset
+    gen = torch.Generator().manual_seed(run.seed)  # same data order for every preset, and on every rank
     log = {"preset": run.preset, "size": run.size, "command": command, "run": asdict(run),
            "model_config": model.cfg.to_dict(), "params": model.num_params(), "data": data.stats,
            "schedule": None if sched is None else {"warmup_steps": sched.warmup_steps, "taper_steps": sched.taper_steps,
                                                     "calibration_step": sched.calibration_step, "gate_zero_from": sched.end},
            "aux": {"lambda": run.aux_lambda, "s_tgt": run.s_tgt, "form": "lambda * mean_tokens (log rms(h) - log s_tgt)^2"},
-           "calibration": None, "evals": [], "step": 0, "resumed_at": [], "recipe": recipe.describe()}
+           "calibration": None, "evals": [], "step": 0, "resumed_at": [], "parallel": [],
+           "recipe": recipe.describe()}
     aux = {"on": False, "s_tgt": None}
     if run.aux_lambda > 0 and run.s_tgt != "calib":
         aux["s_tgt"] = float(run.s_tgt)
@@ -253,18 +392,32 @@ def _train(run: TrainConfig, out: Path, work: Path, t0: float, command: str | No
         model.load_state_dict(state["model"])
         for name, c in state["taper_c"].items():
             model.taper_layers()[name].c = c
-        opt.load_state_dict(state["optimizer"])
         gen.set_state(state["data_rng"])
         torch.set_rng_state(state["torch_rng"])
         aux, log, start = dict(state["aux"]), state["log"], state["step"]
         log["resumed_at"] = log.get("resumed_at", []) + [start]
         log["command"] = command or log["command"]
+        log["run"].update(grad_accum=run.grad_accum, device=run.device)   # what a resume may change
+    model.to(par.device)
+    opt = _optimizer(model, run.lr, run.weight_decay)
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+    ddp = par.wrap(model, find_unused=sched is not None)
+    autocast = _autocast(run)
+    # every optimizer step takes one global batch of run.batch_size windows: rank r reads the
+    # r-th share, in grad_accum micro-batches; DDP averages the ranks' gradients
+    per_rank = run.batch_size // par.world_size
+    micro = per_rank // run.grad_accum
+    log.setdefault("parallel", []).append(
+        {"from_step": start, "world_size": par.world_size, "per_rank_batch": per_rank, "micro_batch": micro,
+         "grad_accum": run.grad_accum, "global_batch": run.batch_size, "backend": par.backend,
+         "device": par.device.type, "dtype": run.dtype})
 
     def checkpoint(step: int, train_loss: float | None, write: bool = True) -> dict:
         gate = sched.gate_at(step) if sched else None
         if sched:
             model.set_gate(gate)
-        ev = evaluate(model, data.val, run.batch_size)
+        ev = evaluate(model, data.val, micro, par, autocast)
         ev = {"step": step, "train_loss": train_loss, **ev, "gate": gate, "lr": lr_at(step, run.steps, run.lr, run.lr_warmup),
               "phase": sched.phase(step) if sched else "train", "elapsed_s": round(time.time() - t0, 1)}
         log["evals"].append(ev)
@@ -274,54 +427,43 @@ def _train(run: TrainConfig, out: Path, work: Path, t0: float, command: str | No
                 raise TrainError(f"training {run.preset}: weights are NaN or Inf at step {step}; nothing written "
                                  f"for this step (lower --lr)")
             log["step"] = step
-            _write_json(log, work / LOG_NAME)
-            torch.save({"step": step, "model": model.state_dict(), "taper_c": model.taper_c(),
-                        "optimizer": opt.state_dict(), "data_rng": gen.get_state(), "torch_rng": torch.get_rng_state(),
-                        "aux": aux, "log": log}, work / RUN_STATE)
-            save_checkpoint(recipe.saved_model(model), out, data.tokenizer_json, extra_files={LOG_NAME: work / LOG_NAME, RUN_STATE: work / RUN_STATE},
-                            kind=TRAINING_RUN)
+            if par.is_main:           # the ranks hold the same weights: one writes
+                _write_json(log, work / LOG_NAME)
+                torch.save({"step": step, "model": model.state_dict(), "taper_c": model.taper_c(),
+                            "optimizer": opt.state_dict(), "data_rng": gen.get_state(),
+                            "torch_rng": torch.get_rng_state(), "aux": aux, "log": log}, work / RUN_STATE)
+                save_checkpoint(recipe.saved_model(model), out, data.tokenizer_json,
+                                extra_files={LOG_NAME: work / LOG_NAME, RUN_STATE: work / RUN_STATE}, kind=TRAINING_RUN)
         return ev
 
     ev = log["evals"][-1] if state is not None else checkpoint(0, None, write=False)   # step 0: logged, not written
-    bar = _progress(run, start)
+    bar = _progress(run, start) if par.is_main else None
     loss_acc, n_acc = 0.0, 0
     for step in range(start, run.steps):
-        recipe.before_step(step, model, data, log)
+        raise_if_interrupted()
+        recipe.before_step(step, model, data, log, par)
         if sched and step == sched.calibration_step:
-            before = branch_mismatch(model, _batches(data.calib, run.batch_size))
-            c = calibrate(model, _batches(data.calib, run.batch_size))
-            after = branch_mismatch(model, _batches(data.calib, run.batch_size))
-            if run.aux_lambda > 0:
-                if aux["s_tgt"] is None:  # "calib": the pre-logit scale the real final norm gave
-                    model.set_gate(1.0)
-                    aux["s_tgt"] = mean_prelogit_rms(model, data.calib, run.batch_size)
-                aux["on"] = True
-            log["calibration"] = {"step": step, "c": c, "mismatch_before": before, "mismatch_after": after,
-                                  "s_tgt": aux["s_tgt"]}
+            log["calibration"] = {"step": step, **_calibrate(model, data.calib, micro, run, aux, par)}
         g = sched.gate_at(step) if sched else None
         if sched:
             model.set_gate(g)
         lr = lr_at(step, run.steps, run.lr, run.lr_warmup)
         for group in opt.param_groups:
             group["lr"] = lr
-        batch = _sample(data.train, run.batch_size, run.seq_len, gen)
-        logits, h = model(batch[:, :-1], return_hidden=True)
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-        loss = ce + scale_loss(h, aux["s_tgt"], run.aux_lambda) if aux["on"] else ce
-        if not torch.isfinite(loss):
-            raise TrainError(f"training {run.preset}: loss is {float(loss)} at step {step} (gate {g}); lower --lr or check the schedule")
+        starts = _draw_starts(data.train, run.batch_size, run.seq_len, gen)[par.rank * per_rank:(par.rank + 1) * per_rank]
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        ce_mean = _accumulate_gradients(ddp, data.train, starts, micro, run, aux, par, autocast,
+                                        where=f"at step {step} (gate {g})")
         torch.nn.utils.clip_grad_norm_(model.parameters(), run.grad_clip)
         opt.step()
-        loss_acc, n_acc = loss_acc + ce.item(), n_acc + 1
+        loss_acc, n_acc = loss_acc + ce_mean, n_acc + 1
         done = step + 1
         if done % run.eval_every == 0 or done == run.steps:
-            ev = checkpoint(done, loss_acc / n_acc)
+            ev = checkpoint(done, par.sum([loss_acc])[0] / (n_acc * par.world_size))
             loss_acc, n_acc = 0.0, 0
         if bar is not None:
             bar.update(1)
-            bar.set_postfix_str(f"loss {ce.item():.3f} val {ev['val_loss']:.3f} gate {'-' if g is None else f'{g:.3f}'} "
+            bar.set_postfix_str(f"loss {ce_mean:.3f} val {ev['val_loss']:.3f} gate {'-' if g is None else f'{g:.3f}'} "
                                 f"rms {ev['prelogit_rms']:.2f}", refresh=False)
     if bar is not None:
         bar.close()

@@ -17,6 +17,7 @@ from torch import nn
 
 from models.decoder import Decoder
 from models.norms import LayerNorm
+from train.distributed import SINGLE, Parallel
 from train.loop import Data, Recipe, _batches
 
 FAKELN_EPS = 1e12            # Baroni et al.'s published checkpoints: eps 1e12, gamma * sqrt(eps) / std
@@ -61,6 +62,8 @@ def load_source(model: Decoder, source: Decoder) -> Decoder:
 class FineTune(Recipe):
     """One fine-tuning method; see train/finetune.py for what each does."""
 
+    program = "python -m train.finetune"
+
     def __init__(self, method: str, source_path: str, every: int | None = None):
         self.method, self.source_path, self.every = method, source_path, every
 
@@ -84,7 +87,7 @@ class FineTune(Recipe):
         n = model.cfg.n_layer
         return [f"blocks.{i}.ln_2" for i in range(n)] + [f"blocks.{i}.ln_1" for i in range(n)] + ["ln_f"]
 
-    def before_step(self, step: int, model: Decoder, data: Data, log: dict) -> None:
+    def before_step(self, step: int, model: Decoder, data: Data, log: dict, par: Parallel = SINGLE) -> None:
         if self.method != "fakeln" or step == 0 or step % self.every:
             return
         k = step // self.every - 1
@@ -92,7 +95,7 @@ class FineTune(Recipe):
         if k >= len(order):
             return
         name = order[k]
-        std = measure_std(model, model.get_submodule(name), data)
+        std = measure_std(model, model.get_submodule(name), data, par)   # the same on every rank
         model.get_submodule(name).std.fill_(std)
         log.setdefault("fakeln", []).append({"step": step, "layer": name, "std": std})
 
@@ -103,9 +106,11 @@ class FineTune(Recipe):
 
 
 @torch.no_grad()
-def measure_std(model: Decoder, norm: FrozenStdLayerNorm, data: Data) -> float:
+def measure_std(model: Decoder, norm: FrozenStdLayerNorm, data: Data, par: Parallel = SINGLE) -> float:
     """Mean over held-out tokens of the norm input's std, sqrt(var(x) + eps) (what the live norm divides by):
-    Baroni et al.'s sigma_avg, measured on the calibration split with the model as it is at that step."""
+    Baroni et al.'s sigma_avg, measured on the calibration split with the model as it is at that step.
+    Under torchrun each rank measures its share of the windows and the sums are all-reduced, so every
+    rank freezes the same std (that of one process, to float64 rounding)."""
     total, count = 0.0, 0
 
     def hook(module, args):
@@ -117,11 +122,13 @@ def measure_std(model: Decoder, norm: FrozenStdLayerNorm, data: Data) -> float:
     was = model.training
     model.eval()
     try:
-        for w in _batches(data.calib, CALIB_BATCH):
+        mine = par.shard(len(data.calib))
+        for w in _batches(data.calib[mine.start:mine.stop], CALIB_BATCH, par.device):
             model(w[:, :-1])
     finally:
         handle.remove()
         model.train(was)
+    total, count = par.sum([total, count])
     return total / count
 
 

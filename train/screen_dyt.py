@@ -123,6 +123,8 @@ def run_cli_body(argv: list[str]) -> int:
                       model=dict(d_model=a.d_model, n_layer=a.n_layer, n_head=a.n_head),
                       threads=a.threads, progress=not a.quiet)
     run.resolve()                 # cheap checks first, before torch is imported
+    from train.interrupts import raise_if_interrupted
+    raise_if_interrupted()        # a Ctrl-C that the import of torch dropped
     if a.json:
         check_output_file(a.json, REPORT_JSON)
     r = screen(run, keep=a.keep)
@@ -132,9 +134,15 @@ def run_cli_body(argv: list[str]) -> int:
     return 0
 
 
+def _body_noting_interrupts(argv: list[str]) -> int:
+    from train.interrupts import noting_interrupts
+    with noting_interrupts():         # a Ctrl-C dropped by an import still stops the run
+        return run_cli_body(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     from core.errors import run_cli
-    return run_cli(run_cli_body, argv)
+    return run_cli(_body_noting_interrupts, argv)
 
 
 if __name__ == "__main__":

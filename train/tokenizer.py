@@ -15,6 +15,7 @@ from pathlib import Path
 from train.config import DEFAULT_TOKENIZER
 from train.corpus import DEFAULT_GENERATED_STORIES, EOS, generate_stories
 DEFAULT_VOCAB = 2048
+ENCODE_CHUNK = 512      # stories per tokenizer call
 
 
 def train_tokenizer(stories, vocab_size: int = DEFAULT_VOCAB):
@@ -29,11 +30,19 @@ def train_tokenizer(stories, vocab_size: int = DEFAULT_VOCAB):
 
 
 def load_tokenizer(path: str | Path = DEFAULT_TOKENIZER):
+    """A tokenizers.Tokenizer from a tokenizer.json; TrainError (one line) for a missing or unreadable file."""
     from tokenizers import Tokenizer
+    from core.errors import first_line
+    from train.config import TrainError
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"tokenizer {path}: not found; build it with python -m train.tokenizer --out {path}")
-    return Tokenizer.from_file(str(path))
+        raise TrainError(f"tokenizer {path}: not found; pass an existing tokenizer.json "
+                         f"(build one with python -m train.tokenizer --out {path})")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a plain Exception for a file that is not a tokenizer
+        raise TrainError(f"tokenizer {path}: expected a tokenizers tokenizer.json, found an unreadable file "
+                         f"({first_line(e)[:120]}); pass the tokenizer.json the model uses") from None
 
 
 def encode_stories(tok, stories: list[str]) -> list[int]:
@@ -41,10 +50,13 @@ def encode_stories(tok, stories: list[str]) -> list[int]:
     eos = tok.token_to_id(EOS)
     if eos is None:
         raise ValueError(f"tokenizer has no {EOS} token; train it with train.tokenizer")
+    from train.interrupts import raise_if_interrupted
     out: list[int] = []
-    for enc in tok.encode_batch(stories):
-        out.extend(enc.ids)
-        out.append(eos)
+    for i in range(0, len(stories), ENCODE_CHUNK):     # in chunks: a Ctrl-C is seen between them
+        raise_if_interrupted()
+        for enc in tok.encode_batch(stories[i:i + ENCODE_CHUNK]):
+            out.extend(enc.ids)
+            out.append(eos)
     return out
 
 

@@ -33,6 +33,7 @@ COMMANDS = {
     "train.screen_dyt": "train.screen_dyt",
     "train.report": "train.report",
     "train.tokenizer": "train.tokenizer",
+    "train.shards": "train.shards",
     "train.finetune": "train.finetune",
 }
 

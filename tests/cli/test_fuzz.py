@@ -86,17 +86,20 @@ OPTIONS = {
     "train": ([], {"--preset": choice("baseline", "dyt", "x"), "--out": OUT, "--resume": FLAG, "--steps": INT,
                    "--lr": FLOAT, "--corpus": PATH, "--tokenizer": PATH, "--d-model": INT, "--n-layer": INT,
                    "--n-head": INT, "--seq-len": INT, "--batch-size": INT, "--eval-every": INT, "--seed": INT,
-                   "--threads": INT, "--quiet": FLAG}),
+                   "--threads": INT, "--quiet": FLAG, "--data": PATH, "--shards": OUT, "--grad-accum": INT,
+                   "--dtype": choice("fp32", "bf16"), "--device": choice("cpu", "cuda")}),
     "train.screen_dyt": ([], {"--steps": INT, "--json": OUT, "--keep": OUT, "--corpus": PATH, "--d-model": INT,
                               "--batch-size": INT, "--seq-len": INT, "--quiet": FLAG}),
     "train.report": ([], {"--runs": PATH, "--figure": OUT, "--json": OUT, "--install-zoo": OUT, "--presets": TEXT}),
     "train.tokenizer": ([], {"--out": OUT, "--vocab-size": INT, "--stories": INT}),
+    "train.shards": ([PATH], {"--out": OUT, "--tokenizer": PATH, "--shard-tokens": INT, "--quiet": FLAG}),
     "train.finetune": ([], {"--from": PATH, "--method": choice("internal-taper", "all-taper", "fakeln", "vanilla", "x"),
                             "--out": OUT, "--resume": FLAG, "--steps": INT, "--lr": FLOAT, "--batch-size": INT,
                             "--seq-len": INT, "--eval-every": INT, "--eval-batches": INT, "--calib-batches": INT,
                             "--warmup-steps": INT, "--taper-steps": INT, "--aux-lambda": FLOAT, "--fakeln-every": INT,
                             "--corpus": PATH, "--corpus-stories": INT, "--seed": INT, "--threads": INT,
-                            "--quiet": FLAG}),
+                            "--quiet": FLAG, "--data": PATH, "--shards": OUT, "--grad-accum": INT,
+                            "--device": choice("cpu", "cuda"), "--dtype": choice("fp32", "bf16")}),
 }
 
 
