@@ -56,10 +56,8 @@ def test_fused_attention_with_grouped_query_heads_and_rope(tmp_path):
     repeated = attend_plain(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), mask)
     torch.testing.assert_close(attend_plain(q, k, v, mask), repeated)       # grouping == repeating kv heads
     model = random_model(seed=3, norm="rmsnorm", n_head=4, n_kv_head=2, pos_embedding="rope")
-    plain = export_onnx(model, tmp_path / "plain.onnx")
     fused = export_onnx(model, tmp_path / "fused.onnx", attention="fused")
     assert [n.op_type for n in fused.graph.node].count("Attention") == model.cfg.n_layer
-    verify_pair(plain, fused, tokens=list(range(3, 40)))                     # fp32 atol 1e-4
     iface = read_interface(fused)
     steps = session_steps(iface, seed=5)
     compare(run_torch(model, iface, steps), run_onnx(ort_session(fused), iface, steps), "fp32", "fused vs torch")
