@@ -327,15 +327,17 @@ def test_bench_serve_reports_a_small_run(serving, tmp_path):
     import json
     from bench.serve import main
     out = tmp_path / "serve"
-    assert main(["--url", serving.grpc_url, "--concurrency", "1,4", "--requests", "4", "--max-new-tokens", "8",
+    # 64 new tokens: long enough that the four concurrent clients' requests overlap on a fast, idle machine
+    # (with 8, an idle CI machine finished each request before the next arrived: one row per step)
+    assert main(["--url", serving.grpc_url, "--concurrency", "1,4", "--requests", "4", "--max-new-tokens", "64",
                  "--metrics-url", serving.metrics_url, "--rounds", "2", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     levels = {lv["concurrency"]: lv for lv in results["levels"]}
     for c, lv in levels.items():
-        assert (lv["requests"], lv["completed"], lv["tokens"], lv["errors"]) == (8, 8, 64, {}), c
+        assert (lv["requests"], lv["completed"], lv["tokens"], lv["errors"]) == (8, 8, 512, {}), c
         assert lv["tokens_per_s"] > 0 and lv["ttft"]["p99_ms"] >= lv["ttft"]["p50_ms"] > 0 and lv["peak_rss_bytes"] > 0
     sched = levels[4]["scheduler"]
-    assert sched["decode_steps"] > 0 and sched["rows_running"] / sched["decode_steps"] > 1     # batched
+    assert sched["decode_steps"] > 0 and sched["rows_running"] / sched["decode_steps"] > 1, sched     # batched
     assert levels[1]["scheduler"]["rows_running"] == levels[1]["scheduler"]["decode_steps"]    # one at a time
     assert set(results["ratios"]) == {"4"} and results["machine"]["loadavg_start"]
     assert "| 4 | 8/8 |" in (out / "results.md").read_text()
