@@ -45,7 +45,7 @@ import argparse
 import shlex
 import sys
 
-from core.errors import ArgumentParser, UsageError, float_in, int_in, nonnegative_int, positive_int, run_cli, seed_int
+from core.errors import ArgumentParser, UsageError, float_in, int_in, nonnegative_int, positive_int, seed_int
 from train.config import DEVICES, DTYPES, TrainConfig, TrainError
 from train.presets import PRESETS, SIZES
 
@@ -155,14 +155,9 @@ def run(argv: list[str]) -> int:
     return 0
 
 
-def run_noting_interrupts(argv: list[str]) -> int:
-    from train.interrupts import noting_interrupts
-    with noting_interrupts():         # a Ctrl-C dropped by an import still stops the run
-        return run(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(run_noting_interrupts, argv)
+    from train.interrupts import run_train_cli
+    return run_train_cli(run, argv)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from core.errors import ArgumentParser, UserError, float_in, int_in, run_cli, seed_int
+from core.errors import ArgumentParser, UserError, float_in, int_in, seed_int
 from train.config import DEVICES, DTYPES, TrainConfig, TrainError
 
 METHODS = ("internal-taper", "all-taper", "fakeln", "vanilla")
@@ -200,14 +200,9 @@ def run(argv: list[str]) -> int:
     return 0
 
 
-def run_noting_interrupts(argv: list[str]) -> int:
-    from train.interrupts import noting_interrupts
-    with noting_interrupts():         # a Ctrl-C dropped by an import still stops the run
-        return run(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(run_noting_interrupts, argv)
+    from train.interrupts import run_train_cli
+    return run_train_cli(run, argv)
 
 
 if __name__ == "__main__":

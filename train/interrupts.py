@@ -4,7 +4,8 @@ Python raises KeyboardInterrupt wherever the main thread is when the signal arri
 inside a weakref callback or a __del__, it is printed as "Exception ignored" and dropped:
 importlib's module-lock callbacks run during every import, and a Ctrl-C about 1.8 s into
 `import torch` on the 2-core machine was dropped so, the command training on, deaf to it.
-The train commands therefore note each such signal (`noting_interrupts`, around a command)
+The train commands therefore note each such signal (`noting_interrupts`, around a command:
+`run_train_cli`)
 and their loops call `raise_if_interrupted` at each step, which raises the KeyboardInterrupt
 again if it was dropped. Used as a library (no command around it), both are no-ops.
 """
@@ -42,3 +43,13 @@ def raise_if_interrupted() -> None:
     if _noted.is_set():
         _noted.clear()
         raise KeyboardInterrupt
+
+
+def run_train_cli(body, argv: list[str] | None = None) -> int:
+    """core.errors.run_cli for a train command: a Ctrl-C dropped by an import still stops it."""
+    from core.errors import run_cli
+
+    def noting(args: list[str]) -> int:
+        with noting_interrupts():
+            return body(args)
+    return run_cli(noting, argv)

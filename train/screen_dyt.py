@@ -134,15 +134,9 @@ def run_cli_body(argv: list[str]) -> int:
     return 0
 
 
-def _body_noting_interrupts(argv: list[str]) -> int:
-    from train.interrupts import noting_interrupts
-    with noting_interrupts():         # a Ctrl-C dropped by an import still stops the run
-        return run_cli_body(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
-    from core.errors import run_cli
-    return run_cli(_body_noting_interrupts, argv)
+    from train.interrupts import run_train_cli
+    return run_train_cli(run_cli_body, argv)
 
 
 if __name__ == "__main__":

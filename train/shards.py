@@ -363,15 +363,9 @@ def run(argv: list[str]) -> int:
     return 0
 
 
-def _run_noting_interrupts(argv: list[str]) -> int:
-    from train.interrupts import noting_interrupts
-    with noting_interrupts():         # a Ctrl-C dropped by an import still stops the tokenizing
-        return run(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
-    from core.errors import run_cli
-    return run_cli(_run_noting_interrupts, argv)
+    from train.interrupts import run_train_cli
+    return run_train_cli(run, argv)
 
 
 if __name__ == "__main__":
