@@ -68,3 +68,10 @@ def triton_repo(triton_build, tmp_path_factory) -> Path:
     engine = root / "model.fused.0123abcd.engine"
     engine.write_bytes(b"not a real engine: the CPU server never loads tensorrt_plan models")
     return write_triton_repository(triton_build, root / "repo", engine=engine, intra_op_threads=1)
+
+
+def infer_input(client_module, name, array, dt):
+    """A tritonclient InferInput (http or grpc module) holding `array`."""
+    t = client_module.InferInput(name, list(array.shape), dt)
+    t.set_data_from_numpy(array)
+    return t

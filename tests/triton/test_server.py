@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests.runtime.greedy import compare_greedy
-from tests.triton.conftest import CAPACITY, REPO, require
+from tests.triton.conftest import CAPACITY, REPO, infer_input as _input, require
 
 START_TIMEOUT_S = 60
 PROMPTS = ["Once upon a time", "Tom liked to play", "One day the sun was warm", "Lily saw a big dog",
@@ -118,12 +118,6 @@ def _raw_request(server, protocol: str, model: str, body):
     finally:
         client.stop_stream(cancel_requests=True)
         client.close()
-
-
-def _input(m, name, array, dt):
-    t = m.InferInput(name, list(array.shape), dt)
-    t.set_data_from_numpy(array)
-    return t
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from tests.runtime.greedy import compare_greedy
-from tests.triton.conftest import CAPACITY, REPO, require
+from tests.triton.conftest import CAPACITY, REPO, infer_input as _input, require
 
 START_TIMEOUT_S = 90
 SLOTS, MAX_QUEUED = 8, 64
@@ -136,12 +136,6 @@ def _stream_raw(server, model: str, inputs_of):
     finally:
         client.stop_stream(cancel_requests=True)
         client.close()
-
-
-def _input(m, name, array, dt):
-    t = m.InferInput(name, list(array.shape), dt)
-    t.set_data_from_numpy(array)
-    return t
 
 
 def _killed_client(server, seen_first: threading.Event) -> None:
