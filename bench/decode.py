@@ -283,8 +283,9 @@ def _parser():
     p.add_argument("--dtypes", help=f"comma list of {', '.join(DTYPES)}: weight dtypes of the fused variants "
                                     "(int8/int4: export.quantize, ort only; default fp32)")
     p.add_argument("--batches", help="comma list of batch sizes in [1, 256] (default 1,8; quick: 1)")
-    p.add_argument("--attention", choices=("plain", "fused"), default="plain",
-                   help="ONNX graphs with plain attention ops (default) or one fused Attention op per layer")
+    p.add_argument("--attention", choices=("plain", "fused", "gqa"), default="plain",
+                   help="ONNX graphs with plain attention ops (default), one fused Attention op per layer, or "
+                        "ONNX Runtime's GroupQueryAttention with Q/K/V in one MatMul (export.build --attention gqa)")
     p.add_argument("--prompt", type=int_in(1, 4096), default=16, help="prompt tokens (default 16)")
     p.add_argument("--new-tokens", type=int_in(2, 8192), help="new tokens per sequence (default 128; quick: 32)")
     p.add_argument("--rounds", type=int_in(3, 1000), help="timed rounds, >= 3 (default 3)")

@@ -262,13 +262,14 @@ def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed:
     """Export (and fuse) each variant once into `cache`; returns name -> info (path, source,
     weight bytes, op counts, norm nodes). Files already built for the same weights are reused.
     Each fused variant is also quantized (export.quantize, rtn, block 32, accuracy level 4) to
-    every dtype in `dtypes` other than fp32, as '<variant>.<dtype>'. attention: "plain" ops or
-    "fused" (one ONNX Attention op per layer, export_onnx(attention=...))."""
+    every dtype in `dtypes` other than fp32, as '<variant>.<dtype>'. attention: "plain" ops,
+    "fused" (one ONNX Attention op per layer, export_onnx(attention=...)) or "gqa" (fused, then
+    rewritten to ONNX Runtime's GroupQueryAttention after the fold: graph_passes.passes_for)."""
     import logging
     import onnx
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     from export.onnx_export import export_onnx
-    from graph_passes import DEFAULT_PASSES, run_passes
+    from graph_passes import passes_for, run_passes
     cache.mkdir(parents=True, exist_ok=True)
     out, models, exported = {}, {}, {}
     for name in variants:
@@ -289,11 +290,12 @@ def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed:
         key = (v.kind, v.naive)
         if key not in exported:        # internal-taper's unfused and fused graphs share one export
             src = naive_rmsnorm(model) if v.naive else model
-            exported[key] = export_onnx(src, tmp, "fp32", attention=attention)
+            exported[key] = export_onnx(src, tmp, "fp32", attention="fused" if attention == "gqa" else attention)
         proto = exported[key]
         t_export = time.perf_counter() - t0
-        if v.fuse:
-            proto, _ = run_passes(proto, DEFAULT_PASSES)
+        passes = passes_for(attention) if v.fuse else ("ort_gqa",) if attention == "gqa" else ()
+        if passes:
+            proto, _ = run_passes(proto, passes)
         onnx.save(proto, str(tmp))
         tmp.replace(path)
         info = {"path": str(path), "source": source, "weight_bytes": onnx_weight_bytes(proto),

@@ -1,6 +1,6 @@
 """python -m export.build [--fuse] [--checkpoint DIR] [--out DIR] [--dtype fp32|fp16] [--triton-repo DIR]
                         [--quantize int8|int4 [--block-size N] [--accuracy-level N] [--algo rtn|hqq] [--head int8|int4|fp32]]
-                        [--attention plain|fused]
+                        [--attention plain|fused|gqa]
 
 checkpoint ──export──▶ model.onnx ──verify vs torch──▶ [graph_passes ──▶ model.fused.onnx ──verify──▶] report.json
 
@@ -41,9 +41,11 @@ def _parser() -> ArgumentParser:
                     help="output directory (default: build/<checkpoint name>/); replaced only if it is an earlier build")
     ap.add_argument("--fuse", action="store_true", help="also fold norms/scales into weights (model.fused.onnx)")
     ap.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
-    ap.add_argument("--attention", choices=("plain", "fused"), default="plain",
+    ap.add_argument("--attention", choices=("plain", "fused", "gqa"), default="plain",
                     help="plain: attention as MatMul/Softmax/... ops (portable, default); fused: one ONNX "
-                         "Attention op per layer (opset 24; ONNX Runtime runs it as one kernel)")
+                         "Attention op per layer (opset 24; ONNX Runtime runs it as one kernel); gqa (with --fuse): "
+                         "model.fused.onnx gets ONNX Runtime's GroupQueryAttention with Q/K/V in one MatMul, "
+                         "the fastest CPU graph, ONNX Runtime only")
     ap.add_argument("--quantize", choices=tuple(QUANT_BITS), default=None,
                     help="with --fuse: also write model.<int8|int4>.onnx, the folded weights quantized "
                          "(weight-only, ONNX Runtime MatMulNBits)")

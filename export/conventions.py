@@ -40,11 +40,13 @@ class Step:
 
 
 def session_steps(iface: DecodeContract, seed: int = 0, batch: int = 2, prompt: int = 5, decode: int = 3,
-                  tokens: list[int] | None = None) -> list[Step]:
+                  tokens: list[int] | None = None, same_start: bool = False) -> list[Step]:
     """Prefill `prompt` tokens then `decode` one-token steps.
 
     Random tokens: the sequences of the batch start at different cache slots
-    (0 and 2), so per-sequence positions are exercised. Real tokens (`tokens`,
+    (0 and 2), so per-sequence positions are exercised; with `same_start` every
+    sequence starts at slot 0 (graphs whose batched prefill must start there,
+    `prefills_from_slot_zero`). Real tokens (`tokens`,
     e.g. a tokenized sentence): every sequence reads the same text from slot 0,
     teacher-forced, so all steps are independent of the outputs compared.
     """
@@ -57,7 +59,7 @@ def session_steps(iface: DecodeContract, seed: int = 0, batch: int = 2, prompt: 
     else:
         rng = np.random.default_rng(seed)
         ids = rng.integers(0, iface.vocab_size, size=(batch, total), dtype=np.int64)
-        start = np.minimum(np.arange(batch, dtype=np.int64) * 2, iface.capacity - total)
+        start = np.minimum(np.arange(batch, dtype=np.int64) * (0 if same_start else 2), iface.capacity - total)
     steps = [Step(ids[:, :prompt], start.copy())]
     for t in range(prompt, total):
         steps.append(Step(ids[:, t:t + 1], start + t))
@@ -99,9 +101,10 @@ class Ours:
     """The export contract of core/contract.py, driven with a fixed-capacity cache."""
     name = "ours"
 
-    def __init__(self, contract: DecodeContract):
+    def __init__(self, contract: DecodeContract, same_start: bool = False):
         self.contract = contract
         self.dtype, self.vocab_size = contract.dtype, contract.vocab_size
+        self.same_start = same_start         # batched prefills start at slot 0 (prefills_from_slot_zero)
 
     def describe(self) -> str:
         c = self.contract
@@ -111,7 +114,8 @@ class Ours:
         return interface_mismatches(self.contract, other.contract)
 
     def sessions(self, seeds=(0, 1), tokens=None) -> list[tuple[str, list[Step]]]:
-        runs = [(f"random tokens, seed {s}", session_steps(self.contract, seed=s)) for s in seeds]
+        runs = [(f"random tokens, seed {s}", session_steps(self.contract, seed=s, same_start=self.same_start))
+                for s in seeds]
         if tokens is not None:
             runs.append(("real tokens", session_steps(self.contract, tokens=tokens)))
         return runs
@@ -267,12 +271,19 @@ def _with_head_dims(proto, specs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, .
                  for t in specs)
 
 
+def prefills_from_slot_zero(proto) -> bool:
+    """Whether a batched prefill (batch > 1, seq > 1) must start at slot 0: ONNX Runtime's
+    GroupQueryAttention (graph_passes/ort_attention.py) takes a prompt that continues a
+    cached one only at batch 1."""
+    return any(n.op_type == "GroupQueryAttention" for n in proto.graph.node)
+
+
 def detect(proto, where: str = "graph"):
     """Ours or HuggingFaceStyle for a ModelProto; ContractError (one line) for anything else."""
     ins, outs = onnx_io(proto)
     names = set(ins)
     if "position" in names or any(n.startswith("key_") for n in names):
-        return Ours(read_contract(where, ins, outs))          # ours, or one clear line of what is off
+        return Ours(read_contract(where, ins, outs), prefills_from_slot_zero(proto))   # or one clear line of what is off
     spec_in, spec_out = _with_head_dims(proto, tensor_specs(ins)), tensor_specs(outs)
     logits = next((t for t in spec_out if t.name == "logits"), None)
     vocab = _vocab_size(proto, logits) if logits is not None else None

@@ -73,7 +73,7 @@ class BuildReport:
     out: str
     dtype: str
     fuse: bool
-    attention: str = "plain"                # plain ops | fused (one ONNX Attention op per layer)
+    attention: str = "plain"                # plain ops | fused (one ONNX Attention op per layer) | gqa (ORT's op)
     model: ModelSummary | None = None
     files: list[str] = field(default_factory=list)
     op_counts: dict[str, dict[str, int]] = field(default_factory=dict)      # unfused / fused -> op -> count
@@ -185,10 +185,12 @@ def export_stage(loaded: Loaded, path: Path, dtype: str, attention: str = "plain
 class Verifier:
     """The decode sessions of a build, with the torch reference and each graph's outputs computed once."""
 
-    def __init__(self, loaded: Loaded, proto, seeds=(0, 1)):
+    def __init__(self, loaded: Loaded, proto, seeds=(0, 1), same_start: bool = False):
         from export.verify import read_interface, run_torch, session_steps
         self.iface = read_interface(proto)
-        self.sessions = [(f"random tokens, seed {s}", session_steps(self.iface, seed=s)) for s in seeds]
+        # same_start: batched prefills at slot 0, what a GroupQueryAttention graph takes (--attention gqa)
+        self.sessions = [(f"random tokens, seed {s}", session_steps(self.iface, seed=s, same_start=same_start))
+                         for s in seeds]
         if loaded.tokens:
             self.sessions.append(("real tokens", session_steps(self.iface, tokens=loaded.tokens)))
         self.torch = [run_torch(loaded.reference, self.iface, steps) for _, steps in self.sessions]
@@ -207,14 +209,19 @@ class Verifier:
         return {c.what: c.max_abs_diff for c in results}
 
 
-def fuse_stage(proto, report: BuildReport):
-    """Run the default passes; every TaperNorm must fold (a leftover one is an error, with the reasons)."""
-    from graph_passes import DEFAULT_PASSES, run_passes
-    fused, results = run_passes(proto, DEFAULT_PASSES)
+def fuse_stage(proto, report: BuildReport, attention: str = "plain"):
+    """Run the default passes (and with attention "gqa" the ONNX Runtime rewrite); every TaperNorm
+    must fold and every layer's attention must become GroupQueryAttention (a leftover is an
+    error, with the reasons)."""
+    from graph_passes import passes_for, run_passes
+    fused, results = run_passes(proto, passes_for(attention))
     for r in results:
         if r.name == "fold_constants":
             report.notes += [f"fold_constants: {d}" for _, d in r.rewrites]
             continue
+        if r.name == "ort_gqa" and r.skipped:
+            raise BuildError(f"--attention gqa: {len(r.skipped)} layer(s) left as ONNX Attention ({r.skipped[0]}); "
+                             "build with --attention fused or plain")
         report.folded += [Fold(r.name, f.where, f.detail) for f in r.folded]
         report.notes += [str(f) for f in r.skipped]
         report.trt_lint += [str(f) for f in r.lint]
@@ -310,13 +317,15 @@ def _versions() -> dict:
 def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=print, quantize=None,
           attention: str = "plain") -> BuildReport:
     """Run every stage; returns the report (also written to OUT/report.json).
-    `attention`: "plain" ops (portable) or "fused" (one ONNX Attention op per layer).
+    `attention`: "plain" ops (portable), "fused" (one ONNX Attention op per layer) or "gqa" (model.fused.onnx
+    rewritten to ONNX Runtime's GroupQueryAttention, graph_passes/ort_attention.py).
     `quantize`: an export.quantize.QuantConfig (needs fuse and fp32): also model.<int8|int4>.onnx."""
     import onnx
     from export.verify import ATOL, SCALE_TOL, VerificationError, interface_mismatches, read_interface
     checkpoint, out = Path(checkpoint), Path(out)
     check_output_dir(out, BUILD, inputs=[checkpoint])
     check_quantize(quantize, fuse, dtype)
+    check_attention(attention, fuse, dtype)
     t_start = time.perf_counter()
     report = BuildReport(str(checkpoint), str(out), dtype, fuse, atol=ATOL[dtype], scale_tol=SCALE_TOL[dtype],
                          attention=attention)
@@ -343,12 +352,13 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
 
     with output_dir(out, BUILD, inputs=[checkpoint]) as tmp:
         t0 = stages.start(f"export {dtype} ONNX (opset 24, KV cache via TensorScatter, {attention} attention)")
-        proto = export_stage(loaded, tmp / UNFUSED, dtype, attention)
+        # gqa: model.onnx keeps the portable Attention op; the fuse stage rewrites model.fused.onnx
+        proto = export_stage(loaded, tmp / UNFUSED, dtype, "fused" if attention == "gqa" else attention)
         _graph_stats(report, "unfused", proto)
         stages.done("export", t0, f": {len(proto.graph.node)} nodes")
 
         t0 = stages.start("verify model.onnx vs torch (prefill + 3 decode steps, random and real tokens)")
-        verifier = Verifier(loaded, proto)
+        verifier = Verifier(loaded, proto, same_start=attention == "gqa")
         unfused_runs = verifier.run(proto)
         report.max_abs_diff["unfused_vs_torch"] = verifier.compare(verifier.torch, unfused_runs, "model.onnx vs torch")
         report.eps_approximation = eps_stage(loaded, verifier)
@@ -356,9 +366,9 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
                     + (f"\n      eps approximation: {report.eps_approximation['summary']}" if report.eps_approximation else ""))
 
         if fuse:
-            from graph_passes import DEFAULT_PASSES
-            t0 = stages.start(f"fuse: {', '.join(DEFAULT_PASSES)}")
-            fused = fuse_stage(proto, report)
+            from graph_passes import passes_for
+            t0 = stages.start(f"fuse: {', '.join(passes_for(attention))}")
+            fused = fuse_stage(proto, report, attention)
             onnx.save(sign_onnx(fused), str(tmp / FUSED))
             _graph_stats(report, "fused", fused)
             stages.done("fuse", t0, f": {len(report.folded)} layer(s) folded, nodes {len(proto.graph.node)} -> "
@@ -405,6 +415,18 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
     stages.done("write", t0)
     summary(report, log)
     return report
+
+
+def check_attention(attention: str, fuse: bool, dtype: str) -> None:
+    """--attention gqa rewrites the folded fp32 graph for ONNX Runtime's CPU kernel: refuse other combinations."""
+    if attention != "gqa":
+        return
+    if not fuse:
+        raise UsageError("--attention gqa: expected --fuse too (the GroupQueryAttention rewrite runs after the fold); "
+                         "add --fuse")
+    if dtype != "fp32":
+        raise UsageError(f"--attention gqa: expected --dtype fp32 (ONNX Runtime's CPU GroupQueryAttention is fp32 "
+                         f"only), found --dtype {dtype}; drop --dtype or use --attention fused")
 
 
 def check_quantize(quantize, fuse: bool, dtype: str) -> None:

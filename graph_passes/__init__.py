@@ -5,6 +5,6 @@
 graph_passes depends on onnx, onnx-graphsurgeon and numpy only (never torch).
 """
 from graph_passes.base import Finding, Folded, GraphPass, Match, PassError, PassResult, Skip
-from graph_passes.registry import DEFAULT_PASSES, PASSES, run_passes
+from graph_passes.registry import DEFAULT_PASSES, PASSES, passes_for, run_passes
 
-__all__ = ["GraphPass", "Match", "Skip", "Folded", "Finding", "PassError", "PassResult", "PASSES", "DEFAULT_PASSES", "run_passes"]
+__all__ = ["GraphPass", "Match", "Skip", "Folded", "Finding", "PassError", "PassResult", "PASSES", "DEFAULT_PASSES", "passes_for", "run_passes"]

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.model_files import resolve_onnx, spec_from_ort_session
-from runtime.session import DecoderSession, DeviceError, MissingExtraError, ModelFileError
+from runtime.session import DecoderSession, DeviceError, MissingExtraError, ModelFileError, RuntimeUserError
 
 # provider name per --device; the CUDA and TensorRT providers come with onnxruntime-gpu
 PROVIDERS = {"cpu": ["CPUExecutionProvider"],
@@ -68,6 +68,7 @@ class OrtSession(DecoderSession):
         self.profile_prefix = profile_prefix   # ORT profiling on: trace at session.end_profiling()
         self.session = None
         self.caches: dict[str, object] = {}   # key_i / value_i -> OrtValue [B, H, S_max, D]
+        self._gqa = False
 
     # --- lifecycle ---------------------------------------------------------------
 
@@ -106,6 +107,9 @@ class OrtSession(DecoderSession):
         # retains ~124 bytes of Python memory per call (found by tests/runtime/test_ort_session.py)
         self._run_options = ort.RunOptions()
         self._ort_device = "cpu" if self.device == "cpu" else "cuda"
+        # a GroupQueryAttention graph (export.build --attention gqa) continues a cached prompt at batch 1 only
+        meta = self.session.get_modelmeta().custom_metadata_map
+        self._gqa = meta.get("tapernorm.attention") == "ort-gqa"
 
     def _deactivate(self) -> None:
         self.binding = None
@@ -146,6 +150,13 @@ class OrtSession(DecoderSession):
         self._decode_bound = False
 
     # --- steps -------------------------------------------------------------------
+
+    def _check(self, b: int, t: int, position: np.ndarray, start: int | None = None) -> None:
+        super()._check(b, t, position, start)
+        if self._gqa and t > 1 and b > 1 and bool(np.any(position)):
+            raise RuntimeUserError(f"{self.path}: a {t}-token step on {b} sequences must start at slot 0 in a "
+                                   "GroupQueryAttention graph (ONNX Runtime continues a cached prompt at batch 1 "
+                                   "only); step the sequences one at a time, or use the --attention fused build")
 
     def _bind_decode(self) -> None:
         self.binding.bind_ortvalue_input("input_ids", self._ids_ov)
