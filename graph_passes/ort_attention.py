@@ -54,12 +54,15 @@ class GqaMatch(Match):
     heads: int
     kv_heads: int
     scale: float | None
-    packed: tuple | None                       # (x, [W], [b]) when q, k, v are Add(MatMul(x, W), b) of one x
+    packed: tuple | None                       # (x, [W], [b or None]) when q, k, v are MatMul(x, W) [+ b] of one x
+    inv_freq: np.ndarray | None                # rotary embedding's inverse frequencies [D / 2], None without rope
+    capacity: int                              # cache slots: rows of the cos / sin tables
 
     @property
     def detail(self) -> str:
         qkv = "Q/K/V packed into one MatMul" if self.packed else "Q/K/V kept apart"
-        return f"Attention + 2 TensorScatter -> GroupQueryAttention ({self.heads} heads, {self.kv_heads} kv), {qkv}"
+        rope = ", rotary embedding inside" if self.inv_freq is not None else ""
+        return f"Attention + 2 TensorScatter -> GroupQueryAttention ({self.heads} heads, {self.kv_heads} kv), {qkv}{rope}"
 
 
 def _single_consumer(t: gs.Tensor, op: str) -> gs.Node | None:
@@ -82,17 +85,87 @@ def _split_heads_input(t: gs.Tensor) -> gs.Tensor | None:
 
 
 def _linear(t: gs.Tensor):
-    """(x, W, b) of Add(MatMul(x, W), b) with constant 2-D W and 1-D b, else None."""
-    add = producer(t)
-    if add is None or add.op != "Add" or len(add.outputs[0].outputs) != 1:
+    """(x, W, b) of MatMul(x, W) + b, or (x, W, None) of MatMul(x, W), with a constant 2-D W
+    (and 1-D b) and nothing else reading the MatMul; else None."""
+    node = producer(t)
+    if node is not None and node.op == "Add":
+        for mm_in, b_in in ((node.inputs[0], node.inputs[1]), (node.inputs[1], node.inputs[0])):
+            b = const_value(b_in)
+            found = _linear(mm_in) if b is not None and b.ndim == 1 else None
+            if found is not None and found[2] is None and found[1].shape[1] == b.shape[0]:
+                return found[0], found[1], b
         return None
-    for mm_in, b_in in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
-        mm, b = producer(mm_in), const_value(b_in)
-        if mm is None or mm.op != "MatMul" or b is None or b.ndim != 1 or len(mm_in.outputs) != 1:
-            continue
-        w = const_value(mm.inputs[1])
-        if w is not None and w.ndim == 2 and w.shape[1] == b.shape[0]:
-            return mm.inputs[0], w, b
+    if node is None or node.op != "MatMul" or len(t.outputs) != 1:
+        return None
+    w = const_value(node.inputs[1])
+    return (node.inputs[0], w, None) if w is not None and w.ndim == 2 else None
+
+
+def _through(t: gs.Tensor, ops=("Unsqueeze",)) -> gs.Node | None:
+    """The producer of t, looking through the given (shape-only) ops."""
+    node = producer(t)
+    while node is not None and node.op in ops:
+        node = producer(node.inputs[0])
+    return node
+
+
+def _angles(t: gs.Tensor, trig: str) -> gs.Tensor | None:
+    """f of (Unsqueeze of) trig(Concat(f, f)) along the last axis: the rotary angles, HF layout."""
+    node = _through(t)
+    if node is None or node.op != trig:
+        return None
+    cat = producer(node.inputs[0])
+    if cat is None or cat.op != "Concat" or cat.attrs.get("axis") not in (-1, 3) or len(cat.inputs) != 2 \
+            or cat.inputs[0] is not cat.inputs[1]:
+        return None
+    return cat.inputs[0]
+
+
+def _inv_freq(angles: gs.Tensor) -> np.ndarray | None:
+    """The constant 1-D inv_freq of angles = positions * inv_freq."""
+    mul = producer(angles)
+    if mul is None or mul.op != "Mul":
+        return None
+    for t in mul.inputs:
+        v = const_value(t)
+        if v is not None and v.ndim == 1 and v.dtype.kind == "f":
+            return v
+    return None
+
+
+def _is_rotate_half(r: gs.Tensor, x: gs.Tensor) -> bool:
+    """r = Concat(-x2, x1) of the two halves (x1, x2) of x's last axis."""
+    cat = producer(r)
+    if cat is None or cat.op != "Concat" or cat.attrs.get("axis") not in (-1, 3) or len(cat.inputs) != 2:
+        return False
+    neg = producer(cat.inputs[0])
+    split = producer(cat.inputs[1])
+    if neg is None or neg.op != "Neg" or split is None or split.op != "Split" or split.inputs[0] is not x \
+            or split.attrs.get("axis") not in (-1, 3) or len(split.outputs) != 2:
+        return False
+    sizes = const_value(split.inputs[1]) if len(split.inputs) > 1 else None
+    halves = sizes is None or (len(sizes) == 2 and sizes[0] == sizes[1])
+    return halves and cat.inputs[1] is split.outputs[0] and neg.inputs[0] is split.outputs[1]
+
+
+def _rotary(t: gs.Tensor):
+    """(x, inv_freq) of x * cos + rotate_half(x) * sin over the whole head (models/decoder.py's
+    apply_rope with rotary_dim = head_dim), cos / sin = cos / sin(cat(f, f)), f = positions * inv_freq."""
+    add = producer(t)
+    if add is None or add.op != "Add":
+        return None
+    muls = [producer(i) for i in add.inputs]
+    if any(m is None or m.op != "Mul" for m in muls):
+        return None
+    for plain, rotated in (muls, muls[::-1]):
+        for x, cos in ((plain.inputs[0], plain.inputs[1]), (plain.inputs[1], plain.inputs[0])):
+            for r, sin in ((rotated.inputs[0], rotated.inputs[1]), (rotated.inputs[1], rotated.inputs[0])):
+                if not _is_rotate_half(r, x):
+                    continue
+                f = _angles(cos, "Cos")
+                if f is not None and f is _angles(sin, "Sin"):
+                    inv = _inv_freq(f)
+                    return (x, inv) if inv is not None else None
     return None
 
 
@@ -114,6 +187,17 @@ class OrtGroupQueryAttention(GraphPass):
     name = "ort_gqa"
     summary = "Attention + TensorScatter cache writes -> com.microsoft GroupQueryAttention (ONNX Runtime only)"
     anchors = ("Attention",)
+
+    # Pattern (exact; per layer, x the block's input, rope(t) = t cos + rotate_half(t) sin optional on q and k):
+    #
+    #     x ─▶ MatMul(Wq) [▶ Add(bq)] ─▶ Reshape ─▶ Transpose(0213) [▶ rope] ─────────────────────┐
+    #     x ─▶ MatMul(Wk) [▶ Add(bk)] ─▶ Reshape ─▶ Transpose(0213) [▶ rope] ─▶ TensorScatter(key_i, ·, position) ─┤
+    #     x ─▶ MatMul(Wv) [▶ Add(bv)] ─▶ Reshape ─▶ Transpose(0213) ─────────▶ TensorScatter(value_i, ·, position) ┤
+    #                                            slot <= position + t mask (LessOrEqual) ─────────┤
+    #                                                        Attention ◀─────────────────────────┘ ─▶ Transpose(0213) ─▶ Reshape ─▶ y
+    #   ==>
+    #     x ─▶ MatMul([Wq|Wk|Wv]) [▶ Add([bq|bk|bv])] ─▶ GroupQueryAttention(·, key_i, value_i, seqlens_k, total[, cos, sin]) ─▶ y
+    #     (the TensorScatter outputs present_key_i / present_value_i become the op's second and third outputs)
 
     def __init__(self):
         self._lengths: dict[int, tuple[gs.Tensor, gs.Tensor]] = {}    # per graph: (seqlens_k, total_length)
@@ -138,10 +222,14 @@ class OrtGroupQueryAttention(GraphPass):
                     and all(c is att for c in w.outputs[0].outputs)):
                 return Skip(f"{att.name}: {w.name} does not write a graph-input cache at `position` into a graph output")
             caches.append((cache, update))
-        x3 = (_split_heads_input(q), _split_heads_input(caches[0][1]), _split_heads_input(caches[1][1]))
+        q_in, k_in, inv_freq = q, caches[0][1], None
+        rq, rk = _rotary(q), _rotary(k_in)
+        if rq is not None and rk is not None and np.array_equal(rq[1], rk[1]):
+            (q_in, inv_freq), k_in = rq, rk[0]             # GQA applies the rotation itself (do_rotary)
+        x3 = (_split_heads_input(q_in), _split_heads_input(k_in), _split_heads_input(caches[1][1]))
         if any(x is None for x in x3):
-            return Skip(f"{att.name}: q / k / v are not Transpose(Reshape(x)) head splits "
-                        "(rotary embeddings between the projection and the split are not matched)")
+            return Skip(f"{att.name}: q / k / v are not Transpose(Reshape(x)) head splits, with or without a "
+                        "full-width rotate-half rotary embedding (partial or interleaved rotary is not matched)")
         out_tr = _single_consumer(att.outputs[0], "Transpose")
         out_rs = _single_consumer(out_tr.outputs[0], "Reshape") if _perm_is(out_tr, TO_BHSD) else None
         if out_rs is None:
@@ -154,6 +242,9 @@ class OrtGroupQueryAttention(GraphPass):
         if head_size % 8 or heads % kv_heads or int(cache_shape[3]) != head_size:
             return Skip(f"{att.name}: ORT's GroupQueryAttention needs head size % 8 == 0 and heads % kv heads == 0 "
                         f"(found head size {head_size}, {heads} heads, {kv_heads} kv heads)")
+        if inv_freq is not None and (head_size % 16 or 2 * len(inv_freq) != head_size):
+            return Skip(f"{att.name}: ORT's GroupQueryAttention rotates a head size that is a multiple of 16, over "
+                        f"the whole head (found head size {head_size}, rotary dim {2 * len(inv_freq)})")
         if not any(t.name == "input_ids" for t in ctx.graph.inputs):
             return Skip(f"{att.name}: no input_ids graph input to take the step length from")
         lin = [_linear(x) for x in x3]
@@ -162,7 +253,7 @@ class OrtGroupQueryAttention(GraphPass):
             packed = (lin[0][0], [w for _, w, _ in lin], [b for _, _, b in lin])
         scale = att.attrs.get("scale")
         return GqaMatch(ctx.layer_name(att), att, writes, x3, out_rs.outputs[0], heads, kv_heads,
-                        None if scale is None else float(scale), packed)
+                        None if scale is None else float(scale), packed, inv_freq, int(cache_shape[2]))
 
     def _step_lengths(self, ctx: PassContext) -> tuple[gs.Tensor, gs.Tensor]:
         """seqlens_k = position + S - 1 (int32 [B]) and total_length = max(position) + S (int32 scalar), once per graph."""
@@ -195,24 +286,31 @@ class OrtGroupQueryAttention(GraphPass):
         if m.packed is not None:
             x, ws, bs = m.packed
             weight = ctx.const("qkv_weight", np.concatenate(ws, axis=1))
-            bias = ctx.const("qkv_bias", np.concatenate(bs))
-            width = weight.values.shape[1]
-            mm_out = gs.Variable(ctx.fresh_name("qkv_matmul"), dtype=np.float32, shape=[*x.shape[:-1], width]
-                                 if x.shape else None)
-            qkv = gs.Variable(ctx.fresh_name("qkv"), dtype=np.float32, shape=mm_out.shape)
-            g.nodes.append(gs.Node("MatMul", ctx.fresh_name("qkv_MatMul"), inputs=[x, weight], outputs=[mm_out]))
-            g.nodes.append(gs.Node("Add", ctx.fresh_name("qkv_Add"), inputs=[mm_out, bias], outputs=[qkv]))
+            shape = [*x.shape[:-1], weight.values.shape[1]] if x.shape else None
+            qkv = gs.Variable(ctx.fresh_name("qkv"), dtype=np.float32, shape=shape)
+            g.nodes.append(gs.Node("MatMul", ctx.fresh_name("qkv_MatMul"), inputs=[x, weight], outputs=[qkv]))
+            if any(b is not None for b in bs):       # a missing bias is zeros: x + 0.0 is exact
+                bias = np.concatenate([np.zeros(w.shape[1], w.dtype) if b is None else b for w, b in zip(ws, bs)])
+                summed = gs.Variable(ctx.fresh_name("qkv_biased"), dtype=np.float32, shape=shape)
+                g.nodes.append(gs.Node("Add", ctx.fresh_name("qkv_Add"), inputs=[qkv, ctx.const("qkv_bias", bias)],
+                                       outputs=[summed]))
+                qkv = summed
             qkv_inputs = [qkv, gs.Variable.empty(), gs.Variable.empty()]
         else:
             qkv_inputs = list(m.inputs_3d)
         attrs = {"num_heads": m.heads, "kv_num_heads": m.kv_heads}
         if m.scale is not None:
             attrs["scale"] = m.scale
+        rotary = []
+        if m.inv_freq is not None:     # cos / sin [capacity, D / 2] of slot * inv_freq, in fp32 as torch computes them
+            angles = np.arange(m.capacity, dtype=np.float32)[:, None] * m.inv_freq.astype(np.float32)[None, :]
+            rotary = [ctx.const("gqa_cos_cache", np.cos(angles)), ctx.const("gqa_sin_cache", np.sin(angles))]
+            attrs.update(do_rotary=1, rotary_interleaved=0)
         # the old producers let go of the tensors the new op now writes (cleanup drops them)
         for node in (k_write, v_write, producer(m.output_3d)):
             node.outputs.clear()
         g.nodes.append(gs.Node("GroupQueryAttention", ctx.fresh_name("GroupQueryAttention"), domain=MS_DOMAIN,
-                               attrs=attrs, inputs=[*qkv_inputs, key_cache, value_cache, seqlens_k, total],
+                               attrs=attrs, inputs=[*qkv_inputs, key_cache, value_cache, seqlens_k, total, *rotary],
                                outputs=[m.output_3d, present_k, present_v]))
         if not any(getattr(d, "domain", None) == MS_DOMAIN for d in (g.import_domains or [])):
             import onnx

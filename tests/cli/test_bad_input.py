@@ -333,6 +333,11 @@ CASES = [
     ("build-block-size-without-quantize", "export.build",
      ["--fuse", "--checkpoint", "{ckpt}", "--out", "{s}/b", "--block-size", "64"], None, 2, "--quantize"),
     ("build-quantize-unknown-dtype", "export.build", ["--fuse", "--quantize", "int2"], None, 2, "invalid choice"),
+    ("build-gqa-without-fuse", "export.build", ["--checkpoint", "{ckpt}", "--out", "{s}/b", "--attention", "gqa"],
+     None, 2, "add --fuse"),
+    ("build-gqa-fp16", "export.build",
+     ["--fuse", "--checkpoint", "{ckpt}", "--out", "{s}/b", "--attention", "gqa", "--dtype", "fp16"], None, 2,
+     "use --attention fused"),
     ("screen-dyt-zero-steps", "train.screen_dyt", ["--steps", "0"], None, 2, "--steps"),
     ("train-report-no-runs", "train.report", ["--runs", "{s}"], None, 1, "no <preset>/train_log.json"),
     # --- data parallel and token shards (issue 16) ------------------------------------------------

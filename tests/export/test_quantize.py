@@ -101,25 +101,32 @@ def test_bad_configs_are_one_line_user_errors(cfg, match):
         cfg.validate()
 
 
-def test_build_quantize_and_fused_attention_end_to_end(tmp_path):
+def test_build_quantize_and_gqa_attention_end_to_end(tmp_path):
     ckpt = write_checkpoint(tmp_path / "ckpt", random_model(seed=3, norm="taper", taper_scope="internal", gate=0.0,
                                                             max_seq_len=160))
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "export.build", "--fuse", "--quantize", "int4", "--head", "int8",
-                        "--attention", "fused", "--checkpoint", str(ckpt), "--out", str(out)],
+                        "--attention", "gqa", "--checkpoint", str(ckpt), "--out", str(out)],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[8/8] write" in r.stdout and "top-1 agreement" in r.stdout
     assert (out / "model.int4.onnx").is_file() and (out / "model.fused.onnx").is_file()
     report = json.loads((out / "report.json").read_text())
     q = report["quantized"]
-    assert q["file"] == "model.int4.onnx" and q["config"]["dtype"] == "int4" and q["matmuls_quantized"] == 13
-    assert q["config"]["head"] == "int8" and q["head"] == "int8"            # 12 MatMulNBits in 4 bits, the head in 8
+    assert q["file"] == "model.int4.onnx" and q["config"]["dtype"] == "int4" and q["matmuls_quantized"] == 9
+    assert q["config"]["head"] == "int8" and q["head"] == "int8"            # 2 x (qkv, out, up, down) in 4 bits, the head in 8
     assert q["drift"]["top1_positions"] == 128 and q["drift"]["top1_agreement"] >= q["tolerance"]["min_top1"]
     assert q["drift"]["logits_mean_abs_diff"] <= q["drift"]["logits_max_abs_diff"]
     assert "int4_vs_fused" in report["max_abs_diff"] and "int4" in report["op_counts"]
-    assert report["attention"] == "fused"                                  # verified against torch by the build
-    assert report["op_counts"]["int4"]["Attention"] == 2 and "Softmax" not in report["op_counts"]["int4"]
+    assert report["attention"] == "gqa"                                    # verified against torch by the build
+    assert report["op_counts"]["unfused"]["Attention"] == 2                # model.onnx: the portable fused-attention graph
+    ops = report["op_counts"]["int4"]
+    assert ops["GroupQueryAttention"] == 2 and not {"Attention", "Softmax", "TensorScatter"} & set(ops)
+    assert any("com.microsoft" in line for line in report["trt_lint"])     # the lint says: ONNX Runtime only
+    from runtime.ort_session import OrtSession                             # and our runtime runs it
+    with OrtSession(out / "model.int4.onnx") as s:
+        s.reset(1)
+        assert s.prefill(np.array([[1, 2, 3]])).shape == (1, 3, 320)
     r = subprocess.run([sys.executable, "-m", "export.verify", str(out / "model.fused.onnx"), str(out / "model.int4.onnx")],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0 and "EQUAL" in r.stdout, r.stdout + r.stderr

@@ -1,0 +1,121 @@
+"""graph_passes/ort_attention.py: each layer's Attention + two TensorScatter cache writes become one
+ONNX Runtime GroupQueryAttention with Q/K/V in one MatMul, equal to the graph before and to
+torch, updating the bound cache in place, with rows at different positions."""
+import functools
+
+import numpy as np
+import pytest
+
+from export.onnx_export import export_onnx
+from export.verify import compare, ort_session, read_interface, run_onnx, run_torch, session_steps, verify_pair
+from graph_passes import passes_for, run_passes
+from tests.export.exported import _DIR, exported, save
+from tests.helpers import random_model
+
+GQA_KINDS = {
+    # GPT-2 style: biases, learned positions (the bench's internal-taper)
+    "internal-taper": dict(norm="taper", taper_scope="internal", gate=0.0),
+    # Llama style: rotary embedding (GQA rotates q and k itself), no biases, grouped-query heads, gated MLP
+    "llama-rope": dict(norm="rmsnorm", pos_embedding="rope", rope_theta=500000.0, qkv_bias=False, out_bias=False,
+                       mlp_bias=False, n_kv_head=2, mlp="swiglu", d_model=64, n_head=4),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_attention_graphs(kind: str):
+    model = random_model(seed=7, **GQA_KINDS[kind])
+    fused_att = run_passes(export_onnx(model, _DIR / f"{kind}.att.onnx", attention="fused"))[0]
+    gqa, results = run_passes(fused_att, ["ort_gqa"])
+    return model, fused_att, gqa, results[0]
+
+
+@pytest.mark.parametrize("kind", sorted(GQA_KINDS))
+def test_rewrite_equals_the_graph_before_and_torch(kind):
+    model, before, gqa, result = _fused_attention_graphs(kind)
+    n = model.cfg.n_layer
+    ops = [node.op_type for node in gqa.graph.node]
+    assert len(result.folded) == n and not result.skipped, result.notes
+    assert ops.count("GroupQueryAttention") == n
+    for gone in ("Attention", "TensorScatter", "Transpose"):
+        assert gone not in ops, gone
+    # q, k, v: one MatMul a layer instead of three
+    assert ops.count("MatMul") == [o.op_type for o in before.graph.node].count("MatMul") - 2 * n
+    assert {o.domain for o in gqa.opset_import} >= {"", "com.microsoft"}
+    assert {p.key: p.value for p in gqa.metadata_props}["tapernorm.attention"] == "ort-gqa"
+    verify_pair(before, gqa, tokens=list(range(3, 40)))          # fp32 atol 1e-4; batched prefills at slot 0
+    iface = read_interface(gqa)
+    steps = session_steps(iface, seed=5, same_start=True)
+    compare(run_torch(model, iface, steps), run_onnx(ort_session(gqa), iface, steps), "fp32", "gqa vs torch")
+
+
+def test_fold_then_rewrite_is_what_a_gqa_build_runs():
+    assert passes_for("gqa")[-2:] == ("ort_gqa", "trt_lint") and "ort_gqa" not in passes_for("fused")
+    model = random_model(seed=3, norm="taper", taper_scope="internal", gate=0.0)
+    proto = export_onnx(model, _DIR / "fold-then-gqa.onnx", attention="fused")
+    fused, results = run_passes(proto, passes_for("gqa"))
+    by_name = {r.name: r for r in results}
+    assert len(by_name["taper_scale"].folded) > 0 and len(by_name["ort_gqa"].folded) == model.cfg.n_layer
+    assert any("com.microsoft" in f.why for f in by_name["trt_lint"].lint)    # the lint says: ONNX Runtime only
+    assert "Mul" not in [n.op_type for n in fused.graph.node]
+    verify_pair(proto, fused)
+
+
+def test_partial_rotary_layers_are_left_alone_and_a_gqa_build_refuses_them():
+    from export.pipeline import BuildError, BuildReport, fuse_stage
+    model = random_model(seed=1, norm="rmsnorm", pos_embedding="rope", rotary_dim=8, d_model=64, n_head=4)
+    proto = export_onnx(model, _DIR / "partial-rope.att.onnx", attention="fused")
+    out, (result,) = run_passes(proto, ["ort_gqa"])
+    assert not result.folded and len(result.skipped) == model.cfg.n_layer
+    assert "rotary" in result.skipped[0].why
+    assert [n.op_type for n in out.graph.node].count("Attention") == model.cfg.n_layer
+    with pytest.raises(BuildError, match="--attention gqa: 2 layer"):
+        fuse_stage(proto, BuildReport("ckpt", "out", "fp32", True), "gqa")
+
+
+def test_plain_attention_graphs_have_nothing_to_rewrite():
+    _, proto, _, _ = exported("baseline")                     # the plain-ops export other tests share
+    out, (result,) = run_passes(proto, ["ort_gqa"])
+    assert not result.folded and not result.skipped and len(out.graph.node) == len(proto.graph.node)
+
+
+def _sessions(kind: str):
+    from runtime.ort_session import OrtSession
+    _, before, gqa, _ = _fused_attention_graphs(kind)
+    return OrtSession(save(before, f"{kind}.before.onnx")), OrtSession(save(gqa, f"{kind}.gqa.onnx"))
+
+
+def test_session_updates_the_cache_in_place_with_rows_at_different_positions():
+    ref, gqa = _sessions("internal-taper")
+    lengths = (3, 6, 1)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 320, size=(1, n)) for n in lengths]
+    with ref, gqa:
+        for s in (ref, gqa):
+            s.reset(len(lengths))
+        ptrs = gqa.cache_ptrs()
+        for row, ids in enumerate(prompts):                    # each prompt alone in its row, as the scheduler does
+            np.testing.assert_allclose(gqa.prefill_rows(row, ids), ref.prefill_rows(row, ids), atol=1e-4)
+        tokens, position = np.array([5, 6, 7]), np.array(lengths)
+        for _ in range(4):                                     # one batch, three different positions
+            want = ref.decode_step(tokens, position).copy()
+            got = gqa.decode_step(tokens, position)
+            np.testing.assert_allclose(got, want, atol=1e-4)
+            tokens, position = want.argmax(-1), position + 1
+        assert gqa.cache_ptrs() == ptrs                         # written in place, never reallocated
+        for name in ("key_0", "value_1"):
+            for row, n in enumerate(lengths):                   # the slots each row wrote, equal
+                np.testing.assert_allclose(gqa.cache_array(name)[row, :, :n + 4], ref.cache_array(name)[row, :, :n + 4],
+                                           atol=1e-5)
+
+
+def test_a_batched_prompt_that_continues_a_cache_is_refused_with_one_line():
+    from runtime.session import RuntimeUserError
+    _, gqa = _sessions("internal-taper")
+    with gqa:
+        gqa.reset(2)
+        gqa.prefill(np.array([[1, 2, 3], [4, 5, 6]]))            # from slot 0: fine
+        with pytest.raises(RuntimeUserError, match="must start at slot 0 in a GroupQueryAttention graph"):
+            gqa.prefill(np.array([[1, 2], [3, 4]]), np.array([3, 3]))
+        gqa.reset(1)
+        logits = gqa.prefill(np.array([[1, 2]]), np.array([3]))  # batch 1 continues a cache: fine
+        assert logits.shape == (1, 2, 320)
