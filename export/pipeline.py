@@ -421,6 +421,7 @@ def check_attention(attention: str, fuse: bool, dtype: str) -> None:
     """--attention gqa rewrites the folded fp32 graph for ONNX Runtime's CPU kernel: refuse other combinations."""
     if attention != "gqa":
         return
+    from core.errors import UsageError
     if not fuse:
         raise UsageError("--attention gqa: expected --fuse too (the GroupQueryAttention rewrite runs after the fold); "
                          "add --fuse")

@@ -37,12 +37,32 @@ def trt_to_torch_dtype(trt, torch, dtype):
     return table[dtype]
 
 
+def refuse_ort_only_build(model: str | Path) -> None:
+    """A build made with --attention gqa runs ONNX Runtime's GroupQueryAttention, which TensorRT's
+    parser does not take: say so up front (its report.json records the attention) instead of
+    failing in the parser after loading CUDA."""
+    import json
+    report = Path(model) / "report.json"
+    if not report.is_file():
+        return
+    try:
+        attention = json.loads(report.read_text()).get("attention")
+    except (ValueError, OSError):
+        return
+    if attention == "gqa":
+        from runtime.session import ModelFileError
+        raise ModelFileError(f"{model}: built with --attention gqa (ONNX Runtime's GroupQueryAttention, which the "
+                             "TensorRT parser does not take); use --backend ort, or rebuild with --attention fused "
+                             "or plain for TensorRT")
+
+
 class TrtSession(DecoderSession):
     backend = "trt"
 
     def __init__(self, model: str | Path, device: str = "cuda", options: BuildOptions = BuildOptions(),
                  rebuild: bool = False):
         super().__init__()
+        refuse_ort_only_build(model)
         self.path = resolve_onnx(model)
         self.device = device
         self.options = options

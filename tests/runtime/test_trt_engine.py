@@ -143,3 +143,16 @@ def test_check_aliases():
         check_aliases(FakeEngine({**good, "present_key_0": "key_1"}), SPEC, "e.engine")
     with pytest.raises(ModelFileError, match=">= 10.15"):
         check_aliases(object(), SPEC, "e.engine")
+
+
+def test_a_gqa_build_is_refused_before_any_tensorrt_work(tmp_path):
+    """--attention gqa builds run ONNX Runtime's GroupQueryAttention: one line up front, no CUDA needed."""
+    import json
+    from runtime.session import ModelFileError
+    from runtime.trt_session import TrtSession
+    (tmp_path / "model.fused.onnx").write_bytes(b"not parsed")
+    (tmp_path / "report.json").write_text(json.dumps({"attention": "gqa"}))
+    with pytest.raises(ModelFileError, match="built with --attention gqa .* use --backend ort"):
+        TrtSession(tmp_path)
+    (tmp_path / "report.json").write_text(json.dumps({"attention": "fused"}))
+    assert TrtSession(tmp_path).path.name == "model.fused.onnx"        # other builds pass this check
