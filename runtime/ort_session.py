@@ -104,8 +104,12 @@ class OrtSession(DecoderSession):
         out_types = {o.name: o.type for o in self.session.get_outputs()}
         self._logits_dtype = np.dtype(np.float16 if out_types["logits"] == "tensor(float16)" else np.float32)
         # one RunOptions for every run: with run_options=None, ORT 1.32's run_with_iobinding
-        # retains ~124 bytes of Python memory per call (found by tests/runtime/test_ort_session.py)
+        # retains ~124 bytes of Python memory per call (found by tests/runtime/test_ort_session.py).
+        # Its Python wrapper also looks up the run option "gpu_graph_id" on every call, and a
+        # missing entry costs a C++ exception thrown and caught, ~60-100 us a step (a third of a
+        # 1M-parameter decode step); -1 is the documented "no graph capture", what we run anyway.
         self._run_options = ort.RunOptions()
+        self._run_options.add_run_config_entry("gpu_graph_id", "-1")
         self._ort_device = "cpu" if self.device == "cpu" else "cuda"
         # a GroupQueryAttention graph (export.build --attention gqa) continues a cached prompt at batch 1 only
         meta = self.session.get_modelmeta().custom_metadata_map
