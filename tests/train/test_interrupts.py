@@ -8,6 +8,16 @@ import pytest
 from train.interrupts import noting_interrupts, raise_if_interrupted
 
 
+@pytest.fixture(autouse=True)
+def python_sigint_handler():
+    """Python's own SIGINT handler for the test, whatever this process inherited: a background job
+    of a non-interactive shell starts with SIGINT ignored, and noting_interrupts rightly leaves an
+    ignored signal ignored (then no KeyboardInterrupt exists to note)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 class _CtrlCInDel:
     def __del__(self):
         os.kill(os.getpid(), signal.SIGINT)
