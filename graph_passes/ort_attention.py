@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from graph_passes.base import GraphPass, Match, PassContext, Skip, const_value, producer
@@ -313,7 +314,6 @@ class OrtGroupQueryAttention(GraphPass):
                                attrs=attrs, inputs=[*qkv_inputs, key_cache, value_cache, seqlens_k, total, *rotary],
                                outputs=[m.output_3d, present_k, present_v]))
         if not any(getattr(d, "domain", None) == MS_DOMAIN for d in (g.import_domains or [])):
-            import onnx
             domains = list(g.import_domains or [onnx.helper.make_opsetid("", g.opset)])
             g.import_domains = domains + [onnx.helper.make_opsetid(MS_DOMAIN, 1)]
         ctx.model_meta["tapernorm.attention"] = "ort-gqa"

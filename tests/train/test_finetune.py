@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 import train.loop as loop
 from models.checkpoint import load_checkpoint
 from tests.cli.conftest import cli
+from tests.train.conftest import pretrained_layernorm
 from train.config import TrainConfig
 
 TINY = ["--batch-size", "4", "--seq-len", "16", "--eval-batches", "1", "--calib-batches", "1",
@@ -24,11 +25,7 @@ SAVED_VS_TRAINED = 1e-5   # fp32 val loss of the saved checkpoint vs the trainin
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     """A 2-layer LayerNorm (GPT-2 architecture) model pretrained for 8 steps."""
-    out = tmp_path_factory.mktemp("ft") / "pre"
-    loop.train(TrainConfig(preset="layernorm", out=str(out), steps=8, eval_every=8, batch_size=4, seq_len=16,
-                           eval_batches=1, calib_batches=1, corpus_stories=200, progress=False, threads=1,
-                           model=dict(d_model=16, n_layer=2, n_head=2, max_seq_len=32)))
-    return out
+    return pretrained_layernorm(tmp_path_factory.mktemp("ft") / "pre", steps=8)
 
 
 def _finetune(source, out, method, *extra):

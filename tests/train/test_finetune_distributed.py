@@ -13,7 +13,7 @@ import torch
 
 import train.loop as loop
 from tests.cli.conftest import cli
-from train.config import TrainConfig
+from tests.train.conftest import pretrained_layernorm
 
 ROOT = Path(__file__).resolve().parents[2]
 # as in test_distributed.py: half-batch matmuls on each rank round differently from one full-batch
@@ -31,11 +31,7 @@ METHOD_ARGS = {"fakeln": ["--fakeln-every", "1"], "all-taper": []}
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     """A 2-layer LayerNorm (GPT-2 architecture) model pretrained for 4 steps."""
-    out = tmp_path_factory.mktemp("ftd") / "pre"
-    loop.train(TrainConfig(preset="layernorm", out=str(out), steps=4, eval_every=4, batch_size=4, seq_len=16,
-                           eval_batches=1, calib_batches=1, corpus_stories=200, progress=False, threads=1,
-                           model=dict(d_model=16, n_layer=2, n_head=2, max_seq_len=32)))
-    return out
+    return pretrained_layernorm(tmp_path_factory.mktemp("ftd") / "pre", steps=4)
 
 
 def _training_state(out: Path) -> dict:

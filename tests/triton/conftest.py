@@ -75,3 +75,12 @@ def infer_input(client_module, name, array, dt):
     t = client_module.InferInput(name, list(array.shape), dt)
     t.set_data_from_numpy(array)
     return t
+
+
+def local_and_remote(build, url: str, protocol: str, args: list[str], *client_flags: str):
+    """`runtime.generate` on the build and `runtime.triton client` against the server, same args."""
+    local = subprocess.run([sys.executable, "-m", "runtime.generate", "--model", str(build), *args],
+                           capture_output=True, text=True, cwd=REPO, timeout=120)
+    remote = subprocess.run([sys.executable, "-m", "runtime.triton", "client", "--url", url, "--protocol", protocol,
+                             *client_flags, *args], capture_output=True, text=True, cwd=REPO, timeout=120)
+    return local, remote

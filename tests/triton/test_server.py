@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests.runtime.greedy import compare_greedy
-from tests.triton.conftest import CAPACITY, REPO, infer_input as _input, require
+from tests.triton.conftest import CAPACITY, REPO, infer_input as _input, local_and_remote, require
 
 START_TIMEOUT_S = 60
 PROMPTS = ["Once upon a time", "Tom liked to play", "One day the sun was warm", "Lily saw a big dog",
@@ -68,10 +68,7 @@ def test_server_started_on_localhost_in_bounded_time(server):
 def test_client_cli_prints_what_local_generate_prints(server, triton_build, protocol):
     args = ["--prompt", "Once upon a time", "--max-new-tokens", "24"]
     url = server.http_url if protocol == "http" else server.grpc_url
-    local = subprocess.run([sys.executable, "-m", "runtime.generate", "--model", str(triton_build), *args],
-                           capture_output=True, text=True, cwd=REPO, timeout=120)
-    remote = subprocess.run([sys.executable, "-m", "runtime.triton", "client", "--url", url, "--protocol", protocol, *args],
-                            capture_output=True, text=True, cwd=REPO, timeout=120)
+    local, remote = local_and_remote(triton_build, url, protocol, args)
     assert local.returncode == 0, local.stderr
     assert remote.returncode == 0, remote.stderr
     assert remote.stdout == local.stdout and local.stdout.strip()

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from tests.runtime.greedy import compare_greedy
-from tests.triton.conftest import CAPACITY, REPO, infer_input as _input, require
+from tests.triton.conftest import CAPACITY, REPO, infer_input as _input, local_and_remote, require
 
 START_TIMEOUT_S = 90
 SLOTS, MAX_QUEUED = 8, 64
@@ -257,10 +257,7 @@ def test_beyond_the_pool_and_its_queue_the_server_is_busy(serving):
 def test_client_stream_prints_pieces_as_they_arrive(serving, triton_build, protocol):
     args = ["--prompt", "Once upon a time", "--max-new-tokens", "24"]
     url = serving.grpc_url if protocol == "grpc" else serving.http_url
-    local = subprocess.run([sys.executable, "-m", "runtime.generate", "--model", str(triton_build), *args],
-                           capture_output=True, text=True, cwd=REPO, timeout=120)
-    remote = subprocess.run([sys.executable, "-m", "runtime.triton", "client", "--url", url, "--protocol", protocol,
-                             "--stream", *args], capture_output=True, text=True, cwd=REPO, timeout=120)
+    local, remote = local_and_remote(triton_build, url, protocol, args, "--stream")
     assert local.returncode == 0 and remote.returncode == 0, remote.stderr
     assert remote.stdout == local.stdout and local.stdout.strip()
     # the pieces come as separate responses, one per token, in order of arrival
