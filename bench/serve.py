@@ -136,6 +136,23 @@ class RssMonitor:
             self._thread.join()
 
 
+def settled_scheduler_counters(metrics_url: str | None) -> dict[str, float]:
+    """scheduler_counters once they stop moving. The model publishes its counters every
+    METRICS_PERIOD_S, so a read right after a level can miss its last steps (and count them in
+    the next level): at ~1500 tok/s a 4-request level lasts about two periods. Read until two
+    reads a period apart agree (the pool is idle between levels); at most 20 periods."""
+    if metrics_url is None:
+        return {}
+    from runtime.triton.python_model import METRICS_PERIOD_S
+    now = scheduler_counters(metrics_url)
+    for _ in range(20):
+        time.sleep(1.5 * METRICS_PERIOD_S)
+        then, now = now, scheduler_counters(metrics_url)
+        if now == then:
+            break
+    return now
+
+
 def scheduler_counters(metrics_url: str | None) -> dict[str, float]:
     """The generate model's counters summed over instances (runtime/triton/python_model.py METRICS)."""
     if metrics_url is None:
@@ -413,10 +430,10 @@ def run(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for c in stats.round_order(levels, r):
             n = args.requests or default_requests(c)
-            before = scheduler_counters(args.metrics_url)
+            before = settled_scheduler_counters(args.metrics_url)
             with RssMonitor(pid) as rss:
                 level = run_level(url, c, n, prompts, args.max_new_tokens, args.model, args.timeout)
-            after = scheduler_counters(args.metrics_url)
+            after = settled_scheduler_counters(args.metrics_url)
             for k, v in after.items():
                 counters[c][k] = counters[c].get(k, 0.0) + v - before.get(k, 0.0)
             peak[c] = max(peak[c], rss.peak)
