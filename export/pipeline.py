@@ -393,7 +393,8 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
                 stages.done("quantize", t0, f": {report.quantized['matmuls_quantized']} MatMul(s), "
                             f"{report.quantized['gathers_quantized']} Gather(s); weights "
                             f"{report.quantized['weight_bytes_before'] / 1e6:.1f} -> "
-                            f"{report.quantized['weight_bytes_after'] / 1e6:.1f} MB")
+                            f"{report.quantized['weight_bytes_after'] / 1e6:.1f} MB; embedding / head table "
+                            f"{report.quantized['tied_table'].split(':')[0]}")
                 t0 = stages.start(f"verify {q.file_name()} vs {FUSED} (tolerance per dtype; top-1 over greedy tokens)")
                 verify_quantized(verifier, loaded, fused, fused_runs, quantized, q, report)
                 d = report.quantized["drift"]

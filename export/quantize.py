@@ -7,6 +7,10 @@
                                                 symmetric (no zero point)
         Gather(E [V, d], input_ids)        ──▶  com.microsoft GatherBlockQuantized, int4 only
                                                 (ORT's quantizer quantizes Gather in 4 bits only)
+        a tied head (E = W^T, untouched    ──▶  one table: the embedding's GatherBlockQuantized
+        by the fold: norm_gamma leaves it)      reads the head's MatMulNBits blocks (int4 or int8,
+                                                the head's bits), as GenAI's builder does; the
+                                                values are the same as two separate tables'
 
 ONNX Runtime's own quantizer does the work (onnxruntime.quantization.matmul_nbits_quantizer,
 shared/design/METHOD.md "More checked facts"); this module picks what to quantize, records
@@ -105,6 +109,7 @@ class QuantSummary:
     matmuls_quantized: int = 0
     matmuls_left: int = 0            # MatMuls of two activations (attention), kept fp32
     gathers_quantized: int = 0
+    tied_table: str = ""             # how the tied embedding / head table is stored (or why twice)
     head: str = ""                   # the LM head MatMul's weight dtype in the written graph
     weight_bytes_before: int = 0     # initializer bytes
     weight_bytes_after: int = 0
@@ -122,7 +127,9 @@ def quantized_config(proto: onnx.ModelProto) -> QuantConfig | None:
 
 def initializer_bytes(proto: onnx.ModelProto) -> int:
     from onnx.helper import tensor_dtype_to_np_dtype
-    return sum(int(np.prod(t.dims, dtype=np.int64)) * tensor_dtype_to_np_dtype(t.data_type).itemsize
+    packed = (onnx.TensorProto.INT4, onnx.TensorProto.UINT4)      # two values a byte (numpy holds one a byte)
+    return sum(-(-int(np.prod(t.dims, dtype=np.int64)) // 2) if t.data_type in packed else
+               int(np.prod(t.dims, dtype=np.int64)) * tensor_dtype_to_np_dtype(t.data_type).itemsize
                for t in proto.graph.initializer)
 
 
@@ -146,6 +153,60 @@ def _head_matmul(proto: onnx.ModelProto) -> str:
         name = next((i for i in node.input if i and i not in inits), "")
     raise QuantizeError("quantize: expected the logits to come from a MatMul with a constant weight (the LM head), "
                         "found none; quantize a graph exported by export.build")
+
+
+def _tied_outputs(proto: onnx.ModelProto) -> tuple[str, str] | None:
+    """(embedding output, head output) when the token embedding's table E [V, d] is exactly the LM
+    head's weight transposed (a tied head that no fold touched), else None."""
+    from onnx import numpy_helper
+    inits = {i.name: i for i in proto.graph.initializer}
+    try:
+        head = next(n for n in proto.graph.node if n.name == _head_matmul(proto))
+    except QuantizeError:
+        return None
+    emb = next((n for n in proto.graph.node if n.op_type == "Gather" and "input_ids" in n.input[1:]
+                and n.input[0] in inits), None)
+    if emb is None or any(a.name == "axis" and a.i != 0 for a in emb.attribute):
+        return None
+    w, e = inits[head.input[1]], inits[emb.input[0]]
+    if list(w.dims)[::-1] != list(e.dims) or not np.array_equal(numpy_helper.to_array(w).T, numpy_helper.to_array(e)):
+        return None
+    return emb.output[0], head.output[0]
+
+
+def share_tied_table(model: onnx.ModelProto, tied: tuple[str, str]) -> str:
+    """Make the token embedding read the quantized LM head's blocks (stored once), as GenAI's
+    builder does: GatherBlockQuantized(Reshape(B [V, K/block, blob] -> [V, -1]), ids, scales
+    [V, K/block]), with the head's bits. The head's MatMulNBits packs W [d, V] as V rows of d
+    values in blocks along d, which is E [V, d] quantized along d, symmetric (zero point
+    2^(bits-1) for both ops). Returns how the table is stored, or why it stays twice."""
+    from onnx import helper
+    emb_out, head_out = tied
+    g = model.graph
+    head = next(n for n in g.node if head_out in n.output)
+    emb = next(n for n in g.node if emb_out in n.output)
+    if head.op_type != "MatMulNBits":
+        return f"stored twice: the LM head is a {head.op_type} (not quantized), the embedding a {emb.op_type}"
+    if len(head.input) > 3 and any(head.input[3:]):
+        return "stored twice: the LM head's blocks have zero points (asymmetric); the embedding keeps its own table"
+    attrs = {a.name: helper.get_attribute_value(a) for a in head.attribute}
+    bits, block, rows = attrs["bits"], attrs["block_size"], attrs["N"]
+    ids = emb.input[1]
+    shape = f"{head.input[1]}_rows_shape"
+    g.initializer.append(onnx.numpy_helper.from_array(np.array([rows, -1], np.int64), shape))
+    new = [helper.make_node("Reshape", [head.input[1], shape], [f"{head.input[1]}_rows"], name=f"{emb.name}_table"),
+           helper.make_node("Reshape", [head.input[2], shape], [f"{head.input[2]}_rows"], name=f"{emb.name}_scales"),
+           helper.make_node("GatherBlockQuantized", [f"{head.input[1]}_rows", ids, f"{head.input[2]}_rows"], [emb_out],
+                            name=f"{emb.name}_tied", domain="com.microsoft", bits=bits, block_size=block,
+                            gather_axis=0, quantize_axis=1)]
+    at = list(g.node).index(emb)
+    g.node.remove(emb)
+    for k, node in enumerate(new):
+        g.node.insert(at + k, node)
+    used = {i for n in g.node for i in n.input}
+    for t in [t for t in g.initializer if t.name in emb.input and t.name not in used]:
+        g.initializer.remove(t)
+    return f"stored once: the token embedding reads the LM head's int{bits} blocks (GatherBlockQuantized)"
 
 
 def _algo_config(cfg: QuantConfig, op_types: tuple[str, ...]):
@@ -177,6 +238,7 @@ def quantize_weights(proto: onnx.ModelProto, cfg: QuantConfig) -> tuple[onnx.Mod
     quiet.setLevel(logging.ERROR)       # it logs one INFO line per weight
     own_head = cfg.head_dtype != cfg.dtype         # the head in other bits: left out of the first pass
     head = _head_matmul(proto) if own_head else None
+    tied = _tied_outputs(proto)
     try:
         q = MatMulNBitsQuantizer(model, nodes_to_exclude=_other_gathers(proto) + ([head] if own_head else []),
                                  algo_config=_algo_config(cfg, op_types))
@@ -189,6 +251,8 @@ def quantize_weights(proto: onnx.ModelProto, cfg: QuantConfig) -> tuple[onnx.Mod
             out = q.model.model
     finally:
         quiet.setLevel(level)
+    summary.tied_table = share_tied_table(out, tied) if tied else \
+        "untied: the LM head's weight is not the token embedding's table (or a fold scaled one of them)"
     summary.head = cfg.head_dtype
     ops = [n.op_type for n in out.graph.node]
     summary.matmuls_quantized = ops.count("MatMulNBits")

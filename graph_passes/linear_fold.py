@@ -166,6 +166,19 @@ def _last_entry(shape: gs.Tensor, depth: int = 4) -> int | None:
     return None
 
 
+def tied_embedding(ctx: PassContext, use: LinearUse) -> str | None:
+    """The embedding table that `use`'s weight is the transpose of (a tied LM head: a row Gather
+    from a constant [V, d] whose transpose is the weight [d, V]), or None."""
+    w = use.weight
+    for node in ctx.graph.nodes:
+        if node.op != "Gather" or node.attrs.get("axis", 0) != 0 or len(node.inputs) != 2:
+            continue
+        table = const_value(node.inputs[0])
+        if table is not None and table.shape == w.shape[::-1] and np.array_equal(table, w.T):
+            return node.inputs[0].name
+    return None
+
+
 def trace_consumers(ctx: PassContext, y: gs.Tensor, width: int) -> Consumers | Skip:
     """Every consumer of y as a linear layer of input width `width` (1 = any), through
     channel-keeping reshapes and past Shape/Size readers; or Skip(why not)."""

@@ -20,7 +20,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from graph_passes.base import GraphPass, PassContext, Skip, const_value
-from graph_passes.linear_fold import AffineFold, ChannelAffine, fold_affine, trace_consumers
+from graph_passes.linear_fold import AffineFold, ChannelAffine, fold_affine, tied_embedding, trace_consumers
 
 # op -> (gamma input index, beta input index or None)
 NORM_OPS = {
@@ -58,7 +58,8 @@ class FoldNormGamma(GraphPass):
     #
     # Left alone: a norm over another axis (axis != -1 and != rank-1), a gamma or
     # beta that is not constant, an output that feeds anything but a linear layer
-    # or is a graph output, and a norm already at gamma = 1, beta = 0.
+    # or is a graph output, a norm already at gamma = 1, beta = 0, and a norm that
+    # feeds a tied LM head (its weight the token embedding transposed).
 
     def match(self, ctx: PassContext, node: gs.Node) -> GammaFold | Skip | None:
         g_idx, b_idx = NORM_OPS[node.op]
@@ -79,6 +80,12 @@ class FoldNormGamma(GraphPass):
         consumers = trace_consumers(ctx, out, gamma.shape[0])
         if isinstance(consumers, Skip):
             return consumers
+        # A tied LM head keeps its gamma: the norm op stays either way and applies gamma for free,
+        # and an untouched head is still the embedding's table, which export.quantize then stores once.
+        tied = next((u.label for u in consumers.linears if tied_embedding(ctx, u)), None)
+        if tied:
+            return Skip(f"{node.op} feeds {tied}, whose weight is the token embedding's table (tied): gamma stays "
+                        "in the norm (no cost: the op applies it anyway), so the table stays one")
         shift = None if beta is None or np.all(beta == 0) else beta
         what = f"{node.op} gamma{'+beta' if shift is not None else ''}"
         return GammaFold(ctx.layer_name(node), out, ChannelAffine(gamma, shift), consumers, what, node)

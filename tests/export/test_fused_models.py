@@ -46,7 +46,9 @@ def test_internal_taper_fused_keeps_only_the_final_norm():
     assert len(_taper_nodes(proto)) == 2 * model_layers(proto)       # one Mul per TaperNorm before
     folded = {r.name: [l for l, _ in r.rewrites] for r in results}
     assert folded["taper_scale"] == [f"blocks.{i}.ln_{j}" for i in range(2) for j in (1, 2)]
-    assert folded["norm_gamma"] == ["ln_f"]
+    assert folded["norm_gamma"] == []        # ln_f feeds the tied head: its gamma stays in the norm op
+    skipped = [str(f) for r in results if r.name == "norm_gamma" for f in r.skipped]
+    assert len(skipped) == 1 and "ln_f" in skipped[0] and "tied" in skipped[0]
 
 
 def model_layers(proto):
@@ -69,8 +71,15 @@ def test_baseline_keeps_rmsnorm_ops_with_gamma_folded():
     norms = [n for n in fused.graph.node if n.op_type == "RMSNormalization"]
     assert len(norms) == 2 * model_layers(proto) + 1
     inits = {i.name: numpy_helper.to_array(i) for i in fused.graph.initializer}
-    for n in norms:
+    for n in norms[:-1]:
         assert np.all(inits[n.input[1]] == 1.0), n.name
+    # the final norm feeds the head, tied to the embedding: gamma stays in it, so the head's
+    # weight is still the embedding's table (one table for export.quantize to store)
+    assert not np.all(inits[norms[-1].input[1]] == 1.0)
+    head = next(n for n in fused.graph.node if n.op_type == "MatMul" and n.input[0] == norms[-1].output[0])
+    table = next(inits[n.input[0]] for n in fused.graph.node if n.op_type == "Gather" and n.input[0] in inits
+                 and inits[n.input[0]].ndim == 2)
+    assert np.array_equal(inits[head.input[1]], table.T)
 
 
 def test_gate_above_zero_exports_the_full_blend_and_is_refused():

@@ -28,7 +28,8 @@ def test_every_constant_matmul_quantized_and_within_tolerance(dtype):
     q, summary = quantize_weights(fused, QuantConfig(dtype))
     assert summary.matmuls_quantized == _constant_matmuls(fused) == 2 * 6 + 1     # q k v o up down per layer, head
     assert _constant_matmuls(q) == 0 and summary.matmuls_left == 2 * 2             # attention: q@k^T, att@v
-    assert summary.gathers_quantized == (1 if dtype == "int4" else 0)              # the token embedding, not wpe
+    assert summary.gathers_quantized == 1          # the token embedding (the head's table, tied), not wpe
+    assert summary.tied_table.startswith("stored once")
     assert summary.weight_bytes_after < summary.weight_bytes_before
     assert quantized_config(q) == QuantConfig(dtype) and quantized_config(fused) is None
     assert read_interface(q) == read_interface(fused)
@@ -56,6 +57,58 @@ def test_the_head_in_other_bits(head):
     assert s4.weight_bytes_after < summary.weight_bytes_after < summary.weight_bytes_before
     verify_pair(fused, q, tokens=list(range(3, 40)))                   # int4 tolerance (metadata dtype int4)
     assert quantized_config(q).head_dtype == head
+
+
+def _logits(proto, ids):
+    import onnxruntime as ort
+    iface = read_interface(proto)
+    feeds = {"input_ids": ids, "position": np.zeros(ids.shape[0], np.int64),
+             **{c: np.zeros(iface.cache_shape(ids.shape[0]), np.float32) for c in iface.cache_names()}}
+    return ort_session(proto).run(["logits"], feeds)[0]
+
+
+def test_the_tied_table_is_stored_once_and_changes_no_value(monkeypatch):
+    """A tied head (norm_gamma leaves it untouched): the token embedding becomes a GatherBlockQuantized
+    over the head's own int4 blocks, and the logits equal, bit for bit, those of the same quantization
+    with the table stored twice (ORT quantizes the Gather and the MatMul to the same values)."""
+    import export.quantize as eq
+    _, _, fused, _ = exported("internal-taper")
+    once, s_once = quantize_weights(fused, QuantConfig("int4"))
+    monkeypatch.setattr(eq, "share_tied_table", lambda model, tied: "off")
+    twice, s_twice = quantize_weights(fused, QuantConfig("int4"))
+    monkeypatch.undo()
+    assert s_once.tied_table.startswith("stored once") and s_twice.tied_table == "off"
+    v, d = 320, 32                                                     # tests.helpers.random_model's vocab, width
+    saved = v * d // 2 + v * d // 32 * 4 - 16          # int4 values + fp32 scales, less the Reshape's shape [2]
+    assert s_twice.weight_bytes_after - s_once.weight_bytes_after == saved
+    gbq = next(n for n in once.graph.node if n.op_type == "GatherBlockQuantized")
+    head = next(n for n in once.graph.node if n.op_type == "MatMulNBits" and "logits" in n.output)
+    producers = {o: n for n in once.graph.node for o in n.output}
+    assert [producers[gbq.input[0]].input[0], producers[gbq.input[2]].input[0]] == list(head.input[1:3])
+    ids = np.array([[1, 7, 300, 5, 5, 19]], np.int64)
+    assert np.array_equal(_logits(once, ids), _logits(twice, ids))
+
+
+@pytest.mark.parametrize("cfg, stored", [
+    (QuantConfig("int8"), "stored once: the token embedding reads the LM head's int8 blocks"),
+    (QuantConfig("int4", head="int8"), "stored once: the token embedding reads the LM head's int8 blocks"),
+    (QuantConfig("int4", head="fp32"), "stored twice: the LM head is a MatMul"),
+    (QuantConfig("int4", algo="hqq"), "stored twice: the LM head's blocks have zero points"),
+])
+def test_the_tied_table_with_other_head_bits(cfg, stored):
+    """int8 (ORT's quantizer leaves an int8 Gather fp32) and --head int8: the embedding reads the
+    int8 head's blocks, so it is int8 too; an fp32 or asymmetric (hqq) head keeps two tables."""
+    _, _, fused, _ = exported("internal-taper")
+    q, summary = quantize_weights(fused, cfg)
+    assert summary.tied_table.startswith(stored)
+    verify_pair(fused, q, tokens=list(range(3, 40)))                   # within the dtype's tolerance
+
+
+def test_an_untied_head_keeps_its_own_table():
+    _, _, fused, _ = exported("all-taper-affine-ln-swiglu-untied")
+    q, summary = quantize_weights(fused, QuantConfig("int4"))
+    assert summary.tied_table.startswith("untied")
+    assert sum(n.op_type == "GatherBlockQuantized" for n in q.graph.node) == 1
 
 
 def test_int8_is_closer_than_int4():
