@@ -104,11 +104,18 @@ def test_the_tied_table_with_other_head_bits(cfg, stored):
     verify_pair(fused, q, tokens=list(range(3, 40)))                   # within the dtype's tolerance
 
 
-def test_an_untied_head_keeps_its_own_table():
+@pytest.mark.parametrize("cfg, bits", [(QuantConfig("int4"), None), (QuantConfig("int8"), 8),
+                                       (QuantConfig("int4", head="int8"), 8)])
+def test_an_untied_embedding_is_stored_like_the_head(cfg, bits):
+    """Untied: the embedding keeps its own table, in int4 (ORT's Gather quantization, `bits`
+    attribute absent) or, under an int8 head, int8 blocks from ORT's MatMul quantizer."""
     _, _, fused, _ = exported("all-taper-affine-ln-swiglu-untied")
-    q, summary = quantize_weights(fused, QuantConfig("int4"))
+    q, summary = quantize_weights(fused, cfg)
     assert summary.tied_table.startswith("untied")
-    assert sum(n.op_type == "GatherBlockQuantized" for n in q.graph.node) == 1
+    gbq = [n for n in q.graph.node if n.op_type == "GatherBlockQuantized"]
+    assert len(gbq) == 1 and not any(n.op_type == "Gather" and "input_ids" in n.input for n in q.graph.node)
+    assert {a.name: a.i for a in gbq[0].attribute}.get("bits") == bits
+    verify_pair(fused, q, tokens=list(range(3, 40)))
 
 
 def test_int8_is_closer_than_int4():
