@@ -130,9 +130,9 @@ def run(argv: list[str]) -> int:
     ap = ArgumentParser(prog="python -m bench.ort_kernels", description=__doc__.split("\n\n")[1])
     ap.add_argument("--threads", type=int_in(1, 256), default=1, help="intra-op threads (default 1)")
     ap.add_argument("--rounds", type=int_in(1, 1000), default=7, help="timed rounds per kernel (default 7)")
-    ap.add_argument("--d-model", type=int_in(64, 65536), default=768, help="model width (default 768: 124M, 12 heads of 64)")
-    ap.add_argument("--vocab", type=int_in(1, 1 << 22), default=50257, help="LM head width (default 50257)")
-    ap.add_argument("--capacity", type=int_in(32, 1 << 20), default=160, help="KV cache slots (default 160)")
+    ap.add_argument("--d-model", type=int_in(64, 16384), default=768, help="model width (default 768: 124M, 12 heads of 64)")
+    ap.add_argument("--vocab", type=int_in(1, 1 << 20), default=50257, help="LM head width (default 50257)")
+    ap.add_argument("--capacity", type=int_in(32, 1 << 16), default=160, help="KV cache slots (default 160)")
     ap.add_argument("--json", type=Path, help="also write the figures here (a JSON report)")
     args = ap.parse_args(argv)
     d = args.d_model

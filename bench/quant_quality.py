@@ -1,5 +1,6 @@
 """python -m bench.quant_quality --json OUT.json [--kinds baseline,...] [--dtypes int8,int4] [--stories N]
                                   [--block-size N] [--accuracy-level N] [--algo rtn|hqq] [--head int8|int4|fp32]
+                                  [--int8-layers NAMES]
 
 What weight-only int8 / int4 quantization (export/quantize.py) costs in quality on the trained
 zoo models, and whether folding the scales BEFORE quantizing costs accuracy compared with
@@ -88,6 +89,7 @@ def evaluate_kind(kind: str, dtypes: list[str], stories: int, log=print, **quant
             out["results"].append({"dtype": dtype, "order": order, "top1_greedy": greedy, "greedy_tokens": n,
                                    "top1_val": teacher, "val_loss": loss, "val_loss_delta": loss - ref_loss,
                                    "weight_MB": summary.weight_bytes_after / 1e6, "head": summary.head,
+                                   "int8_layers": list(quant.get("int8_layers", ())),
                                    "mul_nodes": sum(nd.op_type == "Mul" for nd in q.graph.node)})
     out["seconds"] = round(time.perf_counter() - t0, 1)
     log(f"  {kind}: {out['seconds']:.0f} s")
@@ -101,6 +103,7 @@ def markdown(rows: list[dict]) -> str:
     for k in rows:
         for r in k["results"]:
             dtype = r["dtype"] + (f" (head {r['head']})" if r.get("head", r["dtype"]) != r["dtype"] else "")
+            dtype += f", int8 {','.join(r['int8_layers'])}" if r.get("int8_layers") else ""
             lines.append(f"| {k['kind']} | {dtype} | {r['order']} | {r['top1_greedy']:.1%} | {r['top1_val']:.1%} "
                          f"| {k['fp32_val_loss']:.4f} | {r['val_loss']:.4f} | {r['val_loss_delta']:+.4f} "
                          f"| {r['weight_MB']:.2f} | {r['mul_nodes']} |")
@@ -122,6 +125,7 @@ def run(argv: list[str]) -> int:
                    help=f"MatMulNBits compute type, 4 = int8 activations, 0/1 = fp32 (default {DEFAULT_ACCURACY_LEVEL})")
     p.add_argument("--algo", choices=ALGOS, default="rtn", help="rtn (default) or hqq (int4 only)")
     p.add_argument("--head", choices=HEAD_DTYPES, default=None, help="the LM head's weight dtype (default: the dtype)")
+    p.add_argument("--int8-layers", default="", help="int4: layers kept in int8, e.g. v_proj,down_proj")
     args = p.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     dtypes = [d for d in args.dtypes.split(",") if d]
@@ -132,7 +136,7 @@ def run(argv: list[str]) -> int:
     command = "python -m bench.quant_quality " + " ".join(argv)
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     quant = {"block_size": args.block_size, "accuracy_level": args.accuracy_level, "algo": args.algo,
-             "head": args.head}
+             "head": args.head, "int8_layers": tuple(n for n in args.int8_layers.split(",") if n)}
     for d in dtypes:
         QuantConfig(d, **quant).validate()      # one error line before minutes of work
     rows = [evaluate_kind(k, dtypes, args.stories, **quant) for k in kinds]

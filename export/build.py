@@ -1,5 +1,5 @@
 """python -m export.build [--fuse] [--checkpoint DIR] [--out DIR] [--dtype fp32|fp16] [--triton-repo DIR]
-                        [--quantize int8|int4 [--block-size N] [--accuracy-level N] [--algo rtn|hqq] [--head int8|int4|fp32]]
+                        [--quantize int8|int4 [--block-size N] [--accuracy-level N] [--algo rtn|hqq] [--head int8|int4|fp32] [--int8-layers NAMES]]
                         [--attention plain|fused|gqa]
 
 checkpoint ──export──▶ model.onnx ──verify vs torch──▶ [graph_passes ──▶ model.fused.onnx ──verify──▶] report.json
@@ -59,6 +59,9 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--head", choices=HEAD_DTYPES, default=None,
                     help="--quantize: the LM head's weight dtype (default: the --quantize dtype); "
                          "--quantize int4 --head int8 keeps top-1 agreement higher for more bytes per token")
+    ap.add_argument("--int8-layers", type=_names, default=(), metavar="NAME[,NAME...]",
+                    help="--quantize int4: layers kept in int8, by module name or its last part, e.g. "
+                         "v_proj,down_proj (llama.cpp's Q4_K_M keeps attention V and the MLP down in more bits)")
     ap.add_argument("--triton-repo", type=Path, default=None,
                     help="also write a Triton model repository for the build (python -m runtime.triton repo)")
     return ap
@@ -91,12 +94,17 @@ def _quant_config(args) -> QuantConfig | None:
     if args.quantize is None:
         given = [o for o, v, d in (("--block-size", args.block_size, DEFAULT_BLOCK_SIZE),
                                    ("--accuracy-level", args.accuracy_level, DEFAULT_ACCURACY_LEVEL),
-                                   ("--algo", args.algo, "rtn"), ("--head", args.head, None)) if v != d]
+                                   ("--algo", args.algo, "rtn"), ("--head", args.head, None),
+                                   ("--int8-layers", args.int8_layers, ())) if v != d]
         if given:
             raise UsageError(f"{', '.join(given)}: expected --quantize int8|int4 with it, found none; "
                              "add --quantize int4 (or drop the option)")
         return None
-    return QuantConfig(args.quantize, args.block_size, args.accuracy_level, args.algo, args.head)
+    return QuantConfig(args.quantize, args.block_size, args.accuracy_level, args.algo, args.head, args.int8_layers)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
 def main(argv=None) -> int:

@@ -73,6 +73,7 @@ class QuantConfig:
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL
     algo: str = "rtn"
     head: str | None = None          # the LM head's weight dtype (None: dtype)
+    int8_layers: tuple[str, ...] = ()   # layer names (or their last parts, e.g. v_proj) kept in int8 under int4
 
     @property
     def bits(self) -> int:
@@ -94,6 +95,9 @@ class QuantConfig:
             raise QuantizeError(f"--algo {self.algo!r}: expected one of {', '.join(ALGOS)}; pass one")
         if self.head is not None and self.head not in HEAD_DTYPES:
             raise QuantizeError(f"--head {self.head!r}: expected one of {', '.join(HEAD_DTYPES)}; e.g. --head int8")
+        if self.int8_layers and (self.dtype != "int4" or self.algo != "rtn"):
+            raise QuantizeError(f"--int8-layers {','.join(self.int8_layers)}: expected --quantize int4 with rtn (it keeps "
+                                f"those layers in int8 among int4 ones), found {self.dtype} with {self.algo}; drop it")
         if self.algo == "hqq" and self.dtype != "int4":
             raise QuantizeError(f"--algo hqq: expected --quantize int4 (ONNX Runtime's HQQ is 4-bit only), "
                                 f"found {self.dtype}; use --algo rtn for {self.dtype}")
@@ -121,7 +125,8 @@ def quantized_config(proto: onnx.ModelProto) -> QuantConfig | None:
     """The QuantConfig a graph was quantized with (its metadata), None for a float graph."""
     for p in proto.metadata_props:
         if p.key == META_KEY:
-            return QuantConfig(**json.loads(p.value))
+            fields = json.loads(p.value)
+            return QuantConfig(**{**fields, "int8_layers": tuple(fields.get("int8_layers", ()))})
     return None
 
 
@@ -153,6 +158,26 @@ def _head_matmul(proto: onnx.ModelProto) -> str:
         name = next((i for i in node.input if i and i not in inits), "")
     raise QuantizeError("quantize: expected the logits to come from a MatMul with a constant weight (the LM head), "
                         "found none; quantize a graph exported by export.build")
+
+
+def _int8_layer_matmuls(proto: onnx.ModelProto, names: tuple[str, ...]) -> list[str]:
+    """Node names of the constant-weight MatMuls whose layer (torch module, from the exporter's
+    provenance: graph_passes.base.PassContext.layer_name) is one of `names` or ends in ".<name>"
+    (v_proj selects blocks.*.attn.v_proj). A name that selects none is an error that lists the
+    layers there are: a misspelt name must not quietly leave the layer in int4."""
+    from graph_passes.base import PassContext
+    ctx = PassContext(proto)
+    inits = {i.name for i in proto.graph.initializer}
+    linear = [(n.name, ctx.layer_name(n)) for n in ctx.graph.nodes if n.op == "MatMul" and n.inputs[1].name in inits]
+    picked = []
+    for want in names:
+        hits = [node for node, layer in linear if layer == want or layer.endswith("." + want)]
+        if not hits:
+            known = sorted({layer.rsplit(".", 1)[-1] for _, layer in linear})
+            raise QuantizeError(f"--int8-layers {want}: expected the name of a layer with a constant-weight MatMul, "
+                                f"found none (layers here end in: {', '.join(known)}); pick from those")
+        picked += [h for h in hits if h not in picked]
+    return picked
 
 
 def _tied_outputs(proto: onnx.ModelProto) -> tuple[str, str] | None:
@@ -279,17 +304,22 @@ def quantize_weights(proto: onnx.ModelProto, cfg: QuantConfig) -> tuple[onnx.Mod
     quiet.setLevel(logging.ERROR)       # it logs one INFO line per weight
     own_head = cfg.head_dtype != cfg.dtype         # the head in other bits: left out of the first pass
     head = _head_matmul(proto) if own_head else None
+    int8 = _int8_layer_matmuls(proto, cfg.int8_layers) if cfg.int8_layers else []
     tied = _tied_outputs(proto)
     try:
-        q = MatMulNBitsQuantizer(model, nodes_to_exclude=_other_gathers(proto) + ([head] if own_head else []),
+        q = MatMulNBitsQuantizer(model, nodes_to_exclude=_other_gathers(proto) + ([head] if own_head else []) + int8,
                                  algo_config=_algo_config(cfg, op_types))
         q.process()
         out = q.model.model
-        if own_head and cfg.head_dtype != "fp32":  # second pass: the only constant MatMul left is the head
-            head_cfg = QuantConfig(cfg.head_dtype, cfg.block_size, cfg.accuracy_level, "rtn")
-            q = MatMulNBitsQuantizer(out, algo_config=_algo_config(head_cfg, ("MatMul",)))
+        if (own_head and cfg.head_dtype == "int8") or int8:   # second pass, int8: the constant MatMuls left
+                                                              # (an fp32 head stays fp32)
+            q = MatMulNBitsQuantizer(out, nodes_to_exclude=[head] if cfg.head_dtype == "fp32" else [],
+                                     algo_config=_algo_config(QuantConfig("int8", cfg.block_size, cfg.accuracy_level),
+                                                              ("MatMul",)))
             q.process()
             out = q.model.model
+        if int8:
+            summary.notes.append(f"{len(int8)} MatMul(s) of --int8-layers {','.join(cfg.int8_layers)} in int8")
         summary.tied_table = share_tied_table(out, tied) if tied else \
             "untied: the LM head's weight is not the token embedding's table (or a fold scaled one of them)"
         if not summary.tied_table.startswith("stored once") and cfg.head_dtype == "int8":

@@ -40,7 +40,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from graph_passes.base import GraphPass, Match, PassContext, Skip, const_value, producer
+from graph_passes.base import NAME_SCOPES, GraphPass, Match, PassContext, Skip, const_value, producer
 
 MS_DOMAIN = "com.microsoft"
 TO_BHSD = [0, 2, 1, 3]          # [B, S, H, D] <-> [B, H, S, D]
@@ -100,6 +100,20 @@ def _linear(t: gs.Tensor):
         return None
     w = const_value(node.inputs[1])
     return (node.inputs[0], w, None) if w is not None and w.ndim == 2 else None
+
+
+def _name_like_q(ctx: PassContext, packed: gs.Node, q: gs.Tensor) -> None:
+    """Give the packed Q/K/V MatMul the q projection's module path with its last part renamed
+    (blocks.0.attn.q_proj -> blocks.0.attn.qkv_proj), so that reports and export.quantize's
+    --int8-layers can name it."""
+    node = producer(q)
+    if node is not None and node.op == "Add":
+        node = next((producer(t) for t in node.inputs if producer(t) is not None and producer(t).op == "MatMul"), None)
+    scopes = ctx._scopes(node, NAME_SCOPES) if node is not None else []
+    if len(scopes) >= 2:
+        module = scopes[-2].rsplit(".", 1)
+        scopes[-2] = ".".join(module[:-1] + ["qkv_proj"])
+        ctx.node_meta[packed.name] = {NAME_SCOPES: repr(scopes)}
 
 
 def _through(t: gs.Tensor, ops=("Unsqueeze",)) -> gs.Node | None:
@@ -290,6 +304,7 @@ class OrtGroupQueryAttention(GraphPass):
             shape = [*x.shape[:-1], weight.values.shape[1]] if x.shape else None
             qkv = gs.Variable(ctx.fresh_name("qkv"), dtype=np.float32, shape=shape)
             g.nodes.append(gs.Node("MatMul", ctx.fresh_name("qkv_MatMul"), inputs=[x, weight], outputs=[qkv]))
+            _name_like_q(ctx, g.nodes[-1], m.inputs_3d[0])
             if any(b is not None for b in bs):       # a missing bias is zeros: x + 0.0 is exact
                 bias = np.concatenate([np.zeros(w.shape[1], w.dtype) if b is None else b for w, b in zip(ws, bs)])
                 summed = gs.Variable(ctx.fresh_name("qkv_biased"), dtype=np.float32, shape=shape)

@@ -29,6 +29,7 @@ COMMANDS = {
     "bench.slots": "bench.slots",
     "bench.gpu_decode": "bench.gpu_decode",
     "bench.quant_quality": "bench.quant_quality",
+    "bench.ort_kernels": "bench.ort_kernels",
     "train": "train.__main__",
     "train.screen_dyt": "train.screen_dyt",
     "train.report": "train.report",

@@ -118,6 +118,34 @@ def test_an_untied_embedding_is_stored_like_the_head(cfg, bits):
     verify_pair(fused, q, tokens=list(range(3, 40)))
 
 
+def _bits(proto) -> list[int]:
+    return [next(a.i for a in n.attribute if a.name == "bits") for n in proto.graph.node if n.op_type == "MatMulNBits"]
+
+
+def test_int8_layers_keep_named_layers_in_int8():
+    """--int8-layers v_proj,down_proj (llama.cpp Q4_K_M's choice): those MatMuls in 8 bits,
+    the rest in 4, within the int4 tolerance; the config survives in the metadata."""
+    _, _, fused, _ = exported("internal-taper")
+    cfg = QuantConfig("int4", int8_layers=("v_proj", "down_proj"))
+    q, summary = quantize_weights(fused, cfg)
+    assert sorted(_bits(q)) == [4] * 9 + [8] * 4                     # 2 layers x (v, down) in 8 bits
+    assert summary.notes == ["4 MatMul(s) of --int8-layers v_proj,down_proj in int8"]
+    assert quantized_config(q) == cfg
+    verify_pair(fused, q, tokens=list(range(3, 40)))
+    q, _ = quantize_weights(fused, QuantConfig("int4", head="fp32", int8_layers=("blocks.1.attn.v_proj",)))
+    assert sorted(_bits(q)) == [4] * 11 + [8] and _constant_matmuls(q) == 1        # the head stays fp32
+
+
+@pytest.mark.parametrize("cfg, match", [
+    (QuantConfig("int4", int8_layers=("v_prj",)), r"--int8-layers v_prj: .*found none \(layers here end in: .*v_proj"),
+    (QuantConfig("int8", int8_layers=("v_proj",)), "expected --quantize int4 with rtn"),
+])
+def test_int8_layers_that_select_nothing_are_one_line_errors(cfg, match):
+    _, _, fused, _ = exported("internal-taper")
+    with pytest.raises(QuantizeError, match=match):
+        quantize_weights(fused, cfg)
+
+
 def test_int8_is_closer_than_int4():
     _, _, fused, _ = exported("baseline")
     worst = {d: max(c.max_abs_diff["logits"] for c in verify_pair(fused, quantize_weights(fused, QuantConfig(d))[0]))
@@ -166,7 +194,7 @@ def test_build_quantize_and_gqa_attention_end_to_end(tmp_path):
                                                             max_seq_len=160))
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "export.build", "--fuse", "--quantize", "int4", "--head", "int8",
-                        "--attention", "gqa", "--checkpoint", str(ckpt), "--out", str(out)],
+                        "--int8-layers", "qkv_proj", "--attention", "gqa", "--checkpoint", str(ckpt), "--out", str(out)],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[8/8] write" in r.stdout and "top-1 agreement" in r.stdout
@@ -182,6 +210,7 @@ def test_build_quantize_and_gqa_attention_end_to_end(tmp_path):
     assert report["op_counts"]["unfused"]["Attention"] == 2                # model.onnx: the portable fused-attention graph
     ops = report["op_counts"]["int4"]
     assert ops["GroupQueryAttention"] == 2 and not {"Attention", "Softmax", "TensorScatter"} & set(ops)
+    assert sorted(_bits(onnx.load(str(out / "model.int4.onnx")))) == [4] * 6 + [8] * 3   # the packed Q/K/V, the head
     assert any("com.microsoft" in line for line in report["trt_lint"])     # the lint says: ONNX Runtime only
     from runtime.ort_session import OrtSession                             # and our runtime runs it
     with OrtSession(out / "model.int4.onnx") as s:
