@@ -41,6 +41,7 @@ POS_EMBEDDINGS = ("learned", "rope")
 # HF activation names -> torch; gelu_new is GPT-2's tanh approximation (HF gelu_pytorch_tanh is the same)
 ACTIVATIONS = {"gelu_new": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "relu": F.relu, "silu": F.silu}
 ROPE_TYPES = ("default", "linear", "llama3")
+MAX_LAYERS = 4096
 
 
 @dataclass
@@ -112,6 +113,9 @@ class DecoderConfig:
             need(self.taper_scope is None, "taper_scope", f"null for norm {self.norm!r}")
         need(isinstance(self.eps, (int, float)) and not isinstance(self.eps, bool) and self.eps > 0, "eps",
              "a positive number")
+        # a bound, so that a corrupt config (n_layer 2**40) is an error line, not every byte of memory
+        # spent listing its norms; the deepest published decoders have a few hundred layers
+        need(self.n_layer <= MAX_LAYERS, "n_layer", f"at most {MAX_LAYERS:,} layers")
         names = set(self.norm_names())
         need(isinstance(self.layer_eps, dict) and set(self.layer_eps) <= names
              and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in self.layer_eps.values()),

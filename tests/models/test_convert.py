@@ -160,6 +160,8 @@ BAD = {
                     "not a readable PyTorch weights file"),
     "extra tensor": (lambda p: _add_tensor(p), "has no place in the llama layout"),
     "config not json": (lambda p: (p / "config.json").write_text("{"), "expected a readable JSON file"),
+    # found by the property test below: listing 2**40 layers' norms took every byte of memory (OOM kill)
+    "absurd layer count": (lambda p: _edit_config(p, num_hidden_layers=2**40), "at most 4,096 layers"),
 }
 
 
