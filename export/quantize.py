@@ -180,6 +180,12 @@ def _int8_layer_matmuls(proto: onnx.ModelProto, names: tuple[str, ...]) -> list[
     return picked
 
 
+def _token_embedding(proto: onnx.ModelProto, inits: dict) -> onnx.NodeProto | None:
+    """The fp32 Gather that reads input_ids from a constant table, or None."""
+    return next((n for n in proto.graph.node if n.op_type == "Gather" and "input_ids" in n.input[1:]
+                 and n.input[0] in inits), None)
+
+
 def _tied_outputs(proto: onnx.ModelProto) -> tuple[str, str] | None:
     """(embedding output, head output) when the token embedding's table E [V, d] is exactly the LM
     head's weight transposed (a tied head that no fold touched), else None."""
@@ -189,8 +195,7 @@ def _tied_outputs(proto: onnx.ModelProto) -> tuple[str, str] | None:
         head = next(n for n in proto.graph.node if n.name == _head_matmul(proto))
     except QuantizeError:
         return None
-    emb = next((n for n in proto.graph.node if n.op_type == "Gather" and "input_ids" in n.input[1:]
-                and n.input[0] in inits), None)
+    emb = _token_embedding(proto, inits)
     if emb is None or any(a.name == "axis" and a.i != 0 for a in emb.attribute):
         return None
     w, e = inits[head.input[1]], inits[emb.input[0]]
@@ -249,8 +254,7 @@ def quantize_embedding_like_head(model: onnx.ModelProto, cfg: QuantConfig) -> st
     from onnx import TensorProto, helper, numpy_helper
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
     inits = {i.name: i for i in model.graph.initializer}
-    emb = next((n for n in model.graph.node if n.op_type == "Gather" and "input_ids" in n.input[1:]
-                and n.input[0] in inits), None)
+    emb = _token_embedding(model, inits)
     if emb is None:
         return "no fp32 token embedding left to quantize"
     table = numpy_helper.to_array(inits[emb.input[0]])                                     # [V, d]
