@@ -270,6 +270,7 @@ def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed:
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     from export.onnx_export import export_onnx
     from graph_passes import passes_for, run_passes
+    from graph_passes.registry import ORT_PASSES
     cache.mkdir(parents=True, exist_ok=True)
     out, models, exported = {}, {}, {}
     for name in variants:
@@ -293,7 +294,7 @@ def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed:
             exported[key] = export_onnx(src, tmp, "fp32", attention="fused" if attention == "gqa" else attention)
         proto = exported[key]
         t_export = time.perf_counter() - t0
-        passes = passes_for(attention) if v.fuse else ("ort_gqa",) if attention == "gqa" else ()
+        passes = passes_for(attention) if v.fuse else ORT_PASSES if attention == "gqa" else ()
         if passes:
             proto, _ = run_passes(proto, passes)
         onnx.save(proto, str(tmp))

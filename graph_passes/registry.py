@@ -14,6 +14,7 @@ from graph_passes.dyt_affine import FoldDyTAffine
 from graph_passes.fold_constants import FoldConstants
 from graph_passes.norm_gamma import FoldNormGamma
 from graph_passes.ort_attention import OrtGroupQueryAttention
+from graph_passes.ort_bias_sum import OrtBiasSum
 from graph_passes.taper_scale import FoldTaperScale
 from graph_passes.trt_lint import TensorRTLint
 
@@ -21,20 +22,21 @@ from graph_passes.trt_lint import TensorRTLint
 # constants), the TaperNorm (refuses a gate above 0), disabled norms before
 # norm_gamma (so the op goes away whole), the lint last
 PASS_CLASSES = (FoldConstants, FoldTaperScale, FoldChannelScale, FoldDisabledNorm, FoldNormGamma, FoldDyTAffine,
-                OrtGroupQueryAttention, TensorRTLint)
+                OrtGroupQueryAttention, OrtBiasSum, TensorRTLint)
 PASSES: dict[str, type[GraphPass]] = {cls.name: cls for cls in PASS_CLASSES}
 # the target-specific rewrites (ONNX Runtime only) run on request, not by default
-TARGET_PASSES = ("ort_gqa",)
-DEFAULT_PASSES = tuple(n for n in PASSES if n not in TARGET_PASSES)
+ORT_PASSES = ("ort_gqa", "ort_bias_sum")
+DEFAULT_PASSES = tuple(n for n in PASSES if n not in ORT_PASSES)
 
 
 def passes_for(attention: str) -> tuple[str, ...]:
-    """The fold passes of a build; with attention "gqa" the ONNX Runtime rewrite too, after the
-    folds (they read shapes that onnx's inference cannot carry through a com.microsoft op)
-    and before the TensorRT lint (which then says the graph is ONNX Runtime only)."""
+    """The fold passes of a build; with attention "gqa" the ONNX Runtime rewrites too, after the
+    folds (they read shapes that onnx's inference cannot carry through a com.microsoft op, and
+    rewrite biases that a Sum would hide) and before the TensorRT lint (which then says the
+    graph is ONNX Runtime only)."""
     if attention != "gqa":
         return DEFAULT_PASSES
-    return (*DEFAULT_PASSES[:-1], "ort_gqa", DEFAULT_PASSES[-1])
+    return (*DEFAULT_PASSES[:-1], *ORT_PASSES, DEFAULT_PASSES[-1])
 # which registered passes each norm kind of models/ exercises (coverage test reads this)
 NORM_KIND_PASSES = {"taper": "taper_scale", "rmsnorm": "norm_gamma", "layernorm": "norm_gamma", "dyt": "dyt_affine"}
 
