@@ -295,7 +295,7 @@ def _parser():
     p.add_argument("--threads", type=int_in(1, 256), default=1,
                    help="intra-op threads for ORT and torch (default 1: see docs/bench.md)")
     p.add_argument("--profile-steps", type=nonnegative_int, default=16, help="decode steps profiled per runner (0: no profile)")
-    p.add_argument("--cache", type=Path, help="where built ONNX files go (default OUT/cache; reused when present)")
+    p.add_argument("--cache", type=Path, help="where built ONNX files go (default OUT/cache; reused when built by this code)")
     p.add_argument("--jobs", type=int_in(1, 64), default=2, help="parallel ONNX export processes (default 2)")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of random weights where no zoo model fits")
     p.add_argument("--bandwidth-gib", type=float_in(0.01, 64.0), default=1.0, help="array size of the bandwidth measure")

@@ -63,10 +63,12 @@ def write_llama(shape: dict, capacity: int, out: Path, seed: int = 0) -> Path:
 
 
 def build_genai(size: str, shape: dict, capacity: int, precision: str, cache: Path, seed: int = 0, log=print) -> dict:
-    """The GenAI build of this size and precision in `cache` (reused when present); its info."""
+    """The GenAI build of this size and precision in `cache` (reused when present); its info.
+    The builder's version is in the name: a newer onnxruntime-genai builds afresh beside the old."""
+    from importlib.metadata import version
     from bench.variants import onnx_weight_bytes
-    out = cache / f"genai-{size}-cap{capacity}-{precision}-seed{seed}"
-    info_path = out.with_suffix(".json")
+    out = cache / f"genai-{size}-cap{capacity}-{precision}-seed{seed}-og{version('onnxruntime-genai')}"
+    info_path = out.with_name(out.name + ".json")          # (with_suffix would cut the version's ".0")
     if info_path.is_file() and (out / "genai_config.json").is_file():
         return json.loads(info_path.read_text())
     t0 = time.perf_counter()

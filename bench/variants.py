@@ -21,6 +21,7 @@ tests/export covers). The torch variants fold with models.fold.fold_norms.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import time
@@ -257,6 +258,38 @@ def split_name(name: str) -> tuple[str, str]:
     return base, dtype or "fp32"
 
 
+GRAPH_CODE = ("models", "export", "graph_passes")      # the packages whose code decides a built graph
+
+
+@functools.lru_cache(maxsize=1)
+def build_fingerprint() -> str:
+    """What a cached graph was built by: a hash of the code that writes graphs (GRAPH_CODE) and of
+    the torch, onnx and onnxruntime versions. A cache entry with another fingerprint is rebuilt:
+    a new pass or a fixed fusion changes a graph without changing its file name, and a bench
+    that kept serving the old graph would time code that no longer ships."""
+    import onnx
+    import onnxruntime
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256(f"torch {torch.__version__} onnx {onnx.__version__} ort {onnxruntime.__version__}".encode())
+    for pkg in GRAPH_CODE:
+        for f in sorted((root / pkg).rglob("*.py")):
+            h.update(f.relative_to(root).as_posix().encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _cached(meta_path: Path, label: str, log) -> dict | None:
+    """A cache entry's info when its graph was built by this code, else None (say why once)."""
+    if not meta_path.is_file() or not meta_path.with_suffix(".onnx").is_file():
+        return None
+    info = json.loads(meta_path.read_text())
+    if info.get("built_by") == build_fingerprint():
+        return info
+    log(f"  rebuilding {label}: the cached graph was built by other code "
+        f"({info.get('built_by', 'unrecorded')}, now {build_fingerprint()})")
+    return None
+
+
 def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed: int = 0, log=print,
                dtypes=("fp32",), attention: str = "plain") -> dict:
     """Export (and fuse) each variant once into `cache`; returns name -> info (path, source,
@@ -282,8 +315,9 @@ def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed:
         att = "" if attention == "plain" else f"-{attention}att"
         path = cache / f"{size}-cap{capacity}{att}-{name}-{tag}.onnx"
         meta_path = path.with_suffix(".json")
-        if path.is_file() and meta_path.is_file():
-            out[name] = json.loads(meta_path.read_text())
+        cached = _cached(meta_path, f"{size} {name}", log)
+        if cached is not None:
+            out[name] = cached
             _quantized_variants(out, name, v, path, None, dtypes, log)
             continue
         t0 = time.perf_counter()
@@ -303,7 +337,7 @@ def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed:
                 "params": model.num_params(), "nodes": len(proto.graph.node),
                 "norm_nodes": norm_nodes(proto), "export_s": round(t_export, 2),
                 "build_s": round(time.perf_counter() - t0, 2),
-                "op_counts": _op_counts(proto)}
+                "op_counts": _op_counts(proto), "built_by": build_fingerprint()}
         meta_path.write_text(json.dumps(info, indent=1))
         out[name] = info
         log(f"  built {size} {name} ({source.split(' ')[0]}): {info['nodes']} nodes in {info['build_s']:.1f} s")
@@ -321,14 +355,9 @@ def _quantized_variants(out: dict, name: str, v: Variant, path: Path, proto, dty
         qname = quantized_name(name, dtype)
         qpath = path.with_name(path.name.replace(f"-{name}-", f"-{qname}-"))
         meta = qpath.with_suffix(".json")
-        if qpath.is_file() and meta.is_file():
-            info = json.loads(meta.read_text())
-            if "verified" not in info:     # built before builds were verified: verify once, keep the figure
-                fp32 = proto if proto is not None else onnx.load(str(path))
-                info["verified"] = _verify_quantized(fp32, onnx.load(str(qpath)))
-                meta.write_text(json.dumps(info, indent=1))
-                log(f"  verified {qname}: {_verified_line(info['verified'])}")
-            out[qname] = info
+        cached = _cached(meta, qname, log)
+        if cached is not None:
+            out[qname] = cached
             continue
         t0 = time.perf_counter()
         fp32 = proto if proto is not None else onnx.load(str(path))

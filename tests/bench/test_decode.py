@@ -119,11 +119,13 @@ def test_quantized_runner_names():
     assert split_name("dyt") == ("dyt", "fp32")
 
 
-def test_quantized_bench_graphs_are_verified_against_fp32_and_old_cache_entries_once(tmp_path):
+def test_quantized_bench_graphs_are_verified_and_cache_entries_of_other_code_rebuilt(tmp_path, monkeypatch):
     """bench's int8 graph passes export.verify with the int8 tolerance (the figure is kept in its
-    metadata); a cached entry from before verification is verified on reuse."""
+    metadata); the cache serves a graph again only to the code that built it: an entry with
+    another build fingerprint (a changed pass, an older release) or none is rebuilt, once."""
     import json
-    from bench.variants import build_onnx
+    from bench import variants
+    from bench.variants import build_fingerprint, build_onnx
     from export.verify import ATOL, SCALE_TOL
     lines = []
     info = build_onnx("1M", ["rmsnorm-strong"], 32, tmp_path, log=lines.append, dtypes=("fp32", "int8"))
@@ -131,11 +133,18 @@ def test_quantized_bench_graphs_are_verified_against_fp32_and_old_cache_entries_
     assert v["tolerance"] == {"dtype": "int8", "atol": ATOL["int8"], "scale_tol": SCALE_TOL["int8"]}
     assert 0 < v["logits_max_abs_diff"] <= v["logits_tolerance"]
     assert any("verified vs fp32 (int8 tolerance)" in line for line in lines)
-    meta = next(tmp_path.glob("*rmsnorm-strong.int8*.json"))
-    old = json.loads(meta.read_text())
-    del old["verified"]
-    meta.write_text(json.dumps(old))
+    assert {i["built_by"] for i in info.values()} == {build_fingerprint()}
+    metas = sorted(tmp_path.glob("*rmsnorm-strong*.json"))
+    stamps = {m: m.stat().st_mtime_ns for m in metas}
     lines.clear()
+    build_onnx("1M", ["rmsnorm-strong"], 32, tmp_path, log=lines.append, dtypes=("fp32", "int8"))
+    assert not lines and {m: m.stat().st_mtime_ns for m in metas} == stamps          # same code: reused as is
+    old = json.loads(metas[0].read_text())
+    del old["built_by"]                                                            # an entry from before the key
+    metas[0].write_text(json.dumps(old))
+    monkeypatch.setattr(variants, "build_fingerprint", lambda: "another-build")    # and code that changed since
     again = build_onnx("1M", ["rmsnorm-strong"], 32, tmp_path, log=lines.append, dtypes=("fp32", "int8"))
+    assert sum("rebuilding" in line and "unrecorded" in line for line in lines) == 1
+    assert sum("rebuilding" in line and build_fingerprint() in line for line in lines) == 1
+    assert {i["built_by"] for i in again.values()} == {"another-build"}
     assert again["rmsnorm-strong.int8"]["verified"]["logits_max_abs_diff"] == pytest.approx(v["logits_max_abs_diff"])
-    assert [line for line in lines if "verified" in line] and "verified" in json.loads(meta.read_text())
