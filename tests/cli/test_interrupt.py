@@ -48,7 +48,10 @@ def _no_temporaries(parent: Path):
     assert left == []
 
 
-@pytest.mark.parametrize("moment", ["[2/6]", "[4/6]", "[6/6]"])
+# a Ctrl-C at the second stage runs by default (the interrupt path is the same code at every
+# stage); the later stages, ~18 s each, with -m slow
+@pytest.mark.parametrize("moment", ["[2/6]", pytest.param("[4/6]", marks=pytest.mark.slow),
+                                    pytest.param("[6/6]", marks=pytest.mark.slow)])
 def test_sigint_during_export_build(tmp_path, tiny_ckpt, tiny_build, moment):
     out = copy_tree(tiny_build, tmp_path / "b")
     before = snapshot(out)
