@@ -282,11 +282,15 @@ def _cached(meta_path: Path, label: str, log) -> dict | None:
     """A cache entry's info when its graph was built by this code, else None (say why once)."""
     if not meta_path.is_file() or not meta_path.with_suffix(".onnx").is_file():
         return None
-    info = json.loads(meta_path.read_text())
-    if info.get("built_by") == build_fingerprint():
+    try:
+        info = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as e:          # a half-written or hand-edited entry: build it again
+        log(f"  rebuilding {label}: its cache entry {meta_path.name} is unreadable ({type(e).__name__})")
+        return None
+    if isinstance(info, dict) and info.get("built_by") == build_fingerprint():
         return info
-    log(f"  rebuilding {label}: the cached graph was built by other code "
-        f"({info.get('built_by', 'unrecorded')}, now {build_fingerprint()})")
+    built_by = info.get("built_by", "unrecorded") if isinstance(info, dict) else "unrecorded"
+    log(f"  rebuilding {label}: the cached graph was built by other code ({built_by}, now {build_fingerprint()})")
     return None
 
 

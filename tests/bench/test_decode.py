@@ -162,3 +162,17 @@ def test_the_build_fingerprint_hashes_the_graph_code():
         b = variants.build_fingerprint()
     variants.build_fingerprint.cache_clear()
     assert a != b and len(a) == len(b) == 16 and variants.build_fingerprint() == a
+
+
+def test_an_unreadable_cache_entry_is_rebuilt_with_one_line(tmp_path):
+    import json
+    from bench.variants import _cached, build_fingerprint
+    (tmp_path / "g.onnx").write_bytes(b"")
+    meta = tmp_path / "g.json"
+    for text, said in (("{half-writ", "unreadable (JSONDecodeError)"), ("[1]", "unrecorded")):
+        meta.write_text(text)
+        lines = []
+        assert _cached(meta, "1M g", lines.append) is None
+        assert len(lines) == 1 and said in lines[0] and "rebuilding 1M g" in lines[0]
+    meta.write_text(json.dumps({"built_by": build_fingerprint()}))
+    assert _cached(meta, "1M g", print) == {"built_by": build_fingerprint()}

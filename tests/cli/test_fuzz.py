@@ -7,8 +7,8 @@ paths: the user's sentinel files, valid inputs (a checkpoint, a build, a trainin
 fresh scratch paths. Each example runs in a child forked from a zygote that imported every
 command once (tests/cli/zygote.py); a command still running after ALARM_S gets a real SIGINT,
 a Ctrl-C at a random moment, which must exit 130 and leave no temporary behind. After every
-example the sentinel tree is compared byte for byte. FUZZ_EXAMPLES (default 300) sets the
-number of examples per run (150 by default: ~1 min on 2 cores; each run draws new ones).
+example the sentinel tree is compared byte for byte. FUZZ_EXAMPLES (default 150: ~1 min on
+2 cores) sets the number of examples per run; each run draws new ones.
 """
 from __future__ import annotations
 
