@@ -8,7 +8,8 @@ ONNX Runtime's CPU provider fuses MatMul + Add into Gemm only for 2-D inputs, an
 activations are [B, S, d], so the bias stays a node of its own. One variadic Sum(x, h W, b)
 does both additions in one kernel. At batch 1 a tiny model is launch-bound (~0.9 us a node on
 this project's machine): on the 1M zoo model (4 layers) the fp32 decode step drops from 61 to
-53 nodes and ~6 % of its time. Sum adds left to right, (x + h W) + b instead of x + (h W + b):
+53 nodes, ~7 us by that count; timed end to end, the change is within this machine's noise
+(docs/bench.md, "Re-run on the current code"). Sum adds left to right, (x + h W) + b instead of x + (h W + b):
 one fp32 rounding apart, within the build's fp32 tolerance (the build verifies it).
 
 Quantized builds put the bias back into MatMulNBits (export.quantize: its bias input is the
