@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -255,10 +256,7 @@ def bias_into_matmulnbits(model: onnx.ModelProto) -> int:
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     producers = {o: n for n in g.node for o in n.output}
-    uses: dict[str, int] = {}
-    for n in g.node:
-        for i in n.input:
-            uses[i] = uses.get(i, 0) + 1
+    uses = Counter(i for n in g.node for i in n.input)
     moved = 0
     for at, node in enumerate(list(g.node)):
         if node.op_type != "Sum" or len(node.input) != 3:
@@ -359,7 +357,8 @@ def quantize_weights(proto: onnx.ModelProto, cfg: QuantConfig) -> tuple[onnx.Mod
         if not summary.tied_table.startswith("stored once") and cfg.head_dtype == "int8":
             summary.notes.append(quantize_embedding_like_head(out, cfg))
         elif "Gather" not in op_types and not summary.tied_table.startswith("stored once"):
-            summary.notes.append("token embedding kept fp32 (ONNX Runtime's hqq quantizes MatMuls only)")
+            summary.notes.append("token embedding kept fp32 (" + ("ONNX Runtime's hqq quantizes MatMuls only)"
+                                 if cfg.algo == "hqq" else "like the fp32 head; ORT quantizes a Gather in int4 only)"))
         moved = bias_into_matmulnbits(out)
         if moved:
             summary.notes.append(f"{moved} bias(es) moved from a residual Sum into MatMulNBits")
