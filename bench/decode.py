@@ -337,7 +337,7 @@ def main(argv=None) -> int:
 
 def run(argv) -> int:
     from core.errors import UsageError, UserError
-    from core.outputs import BENCH_CACHE, BENCH_RESULTS, claim_dir
+    from core.outputs import BENCH_CACHE, BENCH_RESULTS, check_output_dir, claim_dir
     args = _parser().parse_args(argv)
     if args.worker:
         result = worker(json.loads(args.worker.read_text()))
@@ -383,8 +383,10 @@ def run(argv) -> int:
     if cap < args.prompt + new_tokens:
         raise UserError(f"--capacity {cap}: expected at least --prompt + --new-tokens = {args.prompt + new_tokens}; "
                         "raise it or drop it")
+    if args.cache is not None:      # both refused before either is created: nothing half-written
+        check_output_dir(args.cache, BENCH_CACHE, option="--cache")
     out = claim_dir(args.out, BENCH_RESULTS)
-    cache = claim_dir(args.cache, BENCH_CACHE) if args.cache is not None else out / "cache"
+    cache = claim_dir(args.cache, BENCH_CACHE, option="--cache") if args.cache is not None else out / "cache"
     from bench.runners import versions
     t_start = time.perf_counter()
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())

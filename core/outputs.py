@@ -139,10 +139,11 @@ def _related(out: Path, inputs) -> str | None:
     return None
 
 
-def check_output_dir(out: str | os.PathLike, kind: OutputKind, inputs=()) -> None:
-    """Refuse (UserError) an output directory the command may not create or replace; see the module docstring."""
+def check_output_dir(out: str | os.PathLike, kind: OutputKind, inputs=(), option: str = "--out") -> None:
+    """Refuse (UserError) an output directory the command may not create or replace; see the module
+    docstring. `option` names the command-line option the fix points at."""
     out = Path(out)
-    fix = "choose another --out"
+    fix = f"choose another {option}"
     why = _related(out, inputs)
     if why:
         raise UserError(f"{out}: {why}, and writing {kind.what} there would replace it; {fix}")
@@ -417,12 +418,12 @@ def write_json(out: str | os.PathLike, data: dict, kind: OutputKind = REPORT_JSO
     return Path(out)
 
 
-def claim_dir(out: str | os.PathLike, kind: OutputKind, inputs=()) -> Path:
+def claim_dir(out: str | os.PathLike, kind: OutputKind, inputs=(), option: str = "--out") -> Path:
     """A directory the command fills file by file (each file atomically, replace_file_in), e.g.
     benchmark results that must survive an interrupted run: created (or reused when it carries
     our marker of this kind) and marked at once. Returns the directory."""
     out = Path(out)
-    check_output_dir(out, kind, inputs)
+    check_output_dir(out, kind, inputs, option)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     if created:

@@ -310,6 +310,8 @@ CASES = [
     ("bench-slots-missing-model", "bench.slots", ["--model", "{s}/nothing"], None, 1, "nothing"),
     ("bench-decode-usage-bad-batches", "bench.decode", ["--out", "{s}/r", "--batches", "0,x"], None, 1, "--batches"),
     ("bench-decode-unknown-size", "bench.decode", ["--out", "{s}/r", "--sizes", "9T"], None, 1, "unknown size"),
+    ("bench-decode-cache-in-users-folder", "bench.decode", ["--out", "{s}/r", "--cache", "{s}/project", "--build-only"],
+     lambda s, fx: _project(s), 1, "choose another --cache"),
     ("gpu-decode-unknown-size", "bench.gpu_decode", ["--sizes", "1M,9T"], None, 1, "--sizes"),
     ("gpu-decode-bad-batches", "bench.gpu_decode", ["--batches", "0,x"], None, 1, "--batches"),
     ("gpu-decode-two-rounds", "bench.gpu_decode", ["--rounds", "2"], None, 2, "--rounds"),
