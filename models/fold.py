@@ -14,33 +14,41 @@ unscaled. tests/models/test_fold.py checks the logits before and after.
 from __future__ import annotations
 
 import copy
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from models.decoder import Decoder
+from models.disabled_norm import DISABLED_NORM_EPS
 from models.norms import DyT, LayerNorm, RMSNorm, TaperNorm
 
 
 class ScalelessRMSNorm(nn.Module):
     """x / rms(x) with gamma already folded into the next linear (FlashNorm)."""
 
-    def __init__(self, eps: float):
+    def __init__(self, d: int, eps: float):
         super().__init__()
         self.eps = eps
+        # an explicit unit gamma (not None): the export then carries it as an initializer, as the
+        # norm_gamma graph pass leaves it, so both routes give the same graph (export/stream.py)
+        self.register_buffer("ones", torch.ones(d), persistent=False)
 
     def forward(self, x):
-        return F.rms_norm(x, (x.shape[-1],), None, self.eps)
+        return F.rms_norm(x, (x.shape[-1],), self.ones, self.eps)
 
 
 class ScalelessLayerNorm(nn.Module):
-    def __init__(self, eps: float):
+    def __init__(self, d: int, eps: float):
         super().__init__()
         self.eps = eps
+        self.register_buffer("ones", torch.ones(d), persistent=False)
+        self.register_buffer("zeros", torch.zeros(d), persistent=False)
 
     def forward(self, x):
-        return F.layer_norm(x, (x.shape[-1],), None, None, self.eps)
+        return F.layer_norm(x, (x.shape[-1],), self.ones, self.zeros, self.eps)
 
 
 class DyTCore(nn.Module):
@@ -55,24 +63,40 @@ class DyTCore(nn.Module):
 
 
 
-def _split_norm(norm: nn.Module):
-    """(scale [d] or None, shift [d] or None, what stays in the graph) for a norm module."""
+@dataclass
+class NormSplit:
+    """A norm as core(x) * scale + shift; `center`: core is x - mean(x), folded into the weight too."""
+    scale: torch.Tensor | None
+    shift: torch.Tensor | None
+    core: nn.Module
+    center: bool = False
+
+
+def _split_norm(norm: nn.Module) -> NormSplit:
+    """The affine part of a norm module and what stays in the graph."""
+    if isinstance(norm, (RMSNorm, LayerNorm)) and norm.eps >= DISABLED_NORM_EPS:
+        # a disabled (FakeLN-style) norm is a fixed linear map, centering included: it goes whole,
+        # as graph_passes/disabled_norm.py folds it (error ~ var(x) / (2 eps))
+        return NormSplit(norm.weight / math.sqrt(norm.eps), getattr(norm, "bias", None), nn.Identity(),
+                         center=isinstance(norm, LayerNorm))
     if isinstance(norm, RMSNorm):
-        return norm.weight, None, ScalelessRMSNorm(norm.eps)
+        return NormSplit(norm.weight, None, ScalelessRMSNorm(norm.weight.shape[0], norm.eps))
     if isinstance(norm, LayerNorm):
-        return norm.weight, norm.bias, ScalelessLayerNorm(norm.eps)
+        return NormSplit(norm.weight, norm.bias, ScalelessLayerNorm(norm.weight.shape[0], norm.eps))
     if isinstance(norm, DyT):
-        return norm.weight, norm.bias, DyTCore(norm.alpha)
+        return NormSplit(norm.weight, norm.bias, DyTCore(norm.alpha))
     if isinstance(norm, TaperNorm):
         if norm.gate.value != 0.0:
             raise ValueError(f"TaperNorm gate {norm.gate.value:g}; folding needs gate 0")
-        return norm.c * norm.weight_tilde, norm.bias_tilde, nn.Identity()
-    return None, None, norm
+        return NormSplit(norm.c * norm.weight_tilde, norm.bias_tilde, nn.Identity())
+    return NormSplit(None, None, norm)
 
 
 @torch.no_grad()
-def _fold_into(linear: nn.Linear, scale, shift) -> None:
-    """linear(x * scale + shift) == linear'(x): W' = W diag(scale), b' = b + W shift."""
+def _fold_into(linear: nn.Linear, split: NormSplit) -> None:
+    """linear(core(x) * scale + shift) == linear'(core(x)): W' = W diag(scale), b' = b + W shift;
+    with centering, W' minus its mean over the input axis (W' C, C = I - 11^T/d)."""
+    scale, shift = split.scale, split.shift
     w = linear.weight                                   # [out, in]
     if shift is not None:
         extra = w @ shift.detach()
@@ -82,27 +106,54 @@ def _fold_into(linear: nn.Linear, scale, shift) -> None:
             linear.bias.add_(extra)
     if scale is not None:
         w.mul_(scale.detach()[None, :])
+    if split.center:
+        w.sub_(w.mean(dim=1, keepdim=True))
+
+
+def _fold(parent: nn.Module, attr: str, linears: list[nn.Linear]) -> None:
+    split = _split_norm(getattr(parent, attr))
+    for lin in linears:
+        _fold_into(lin, split)
+    setattr(parent, attr, split.core)
 
 
 @torch.no_grad()
-def fold_norms(model: Decoder) -> Decoder:
-    """A copy with every norm's affine part (gamma/beta, c*gamma_tilde/beta_tilde) folded into
-    the linears it feeds; the tied head is untied (cloned) when the final norm folds into it."""
+def fold_block_norms(block: nn.Module) -> None:
+    """Fold one block's two norms into its q/k/v and MLP input projections, in place (the
+    streamed build folds block by block: export/stream.py)."""
+    mlp_in = [block.mlp.up_proj] + ([block.mlp.gate_proj] if hasattr(block.mlp, "gate_proj") else [])
+    _fold(block, "ln_1", [block.attn.q_proj, block.attn.k_proj, block.attn.v_proj])
+    _fold(block, "ln_2", mlp_in)
+
+
+def keeps_tied_final_norm(model: Decoder) -> bool:
+    """Whether the graph passes leave the final norm's gamma in its op (norm_gamma: a real RMSNorm /
+    LayerNorm feeding a tied head keeps the head the embedding's table) instead of folding it."""
+    ln_f = model.ln_f
+    return (model.cfg.tie_embeddings and isinstance(ln_f, (RMSNorm, LayerNorm))
+            and ln_f.eps < DISABLED_NORM_EPS)
+
+
+@torch.no_grad()
+def fold_final_norm(model: Decoder, keep_tied: bool = False) -> None:
+    """Fold the final norm into the LM head, in place; a tied head is untied (cloned) first, or,
+    with keep_tied where keeps_tied_final_norm holds, the norm is left as it is."""
+    if isinstance(model.ln_f, nn.Identity) or (keep_tied and keeps_tied_final_norm(model)):
+        return
+    if model.lm_head.weight is model.wte.weight:
+        model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())
+    _fold(model, "ln_f", [model.lm_head])
+
+
+@torch.no_grad()
+def fold_norms(model: Decoder, keep_tied: bool = False) -> Decoder:
+    """A copy with every norm's affine part (gamma/beta, c*gamma_tilde/beta_tilde, a disabled
+    norm whole) folded into the linears it feeds; the tied head is untied (cloned) when the
+    final norm folds into it. keep_tied: as the graph passes do (fold_final_norm)."""
     model = copy.deepcopy(model)
-    targets = []
     for block in model.blocks:
-        mlp_in = [block.mlp.up_proj] + ([block.mlp.gate_proj] if hasattr(block.mlp, "gate_proj") else [])
-        targets += [(block, "ln_1", [block.attn.q_proj, block.attn.k_proj, block.attn.v_proj]),
-                    (block, "ln_2", mlp_in)]
-    if not isinstance(model.ln_f, nn.Identity):
-        if model.lm_head.weight is model.wte.weight:
-            model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())
-        targets.append((model, "ln_f", [model.lm_head]))
-    for parent, attr, linears in targets:
-        scale, shift, core = _split_norm(getattr(parent, attr))
-        for lin in linears:
-            _fold_into(lin, scale, shift)
-        setattr(parent, attr, core)
+        fold_block_norms(block)
+    fold_final_norm(model, keep_tied)
     return model.eval()
 
 
