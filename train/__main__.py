@@ -4,10 +4,10 @@ torchrun --standalone --nproc-per-node N -m train ... [--device cuda] [--dtype b
 
 Trains a pre-norm decoder with the TaperNorm schedule and saves a checkpoint
 directory (config.json with the gate and each layer's c, model.safetensors,
-tokenizer.json, train_log.json, and train_state.pt for --resume) into DIR,
-atomically, at every evaluation after step 0. DIR must be new or empty, or hold
-a run of python -m train that --resume continues (with its own settings; it ends
-with the same weights as an uninterrupted run of the same seed).
+tokenizer.json, train_log.json, and train_state.safetensors + train_state.json for
+--resume) into DIR, atomically, at every evaluation after step 0. DIR must be new
+or empty, or hold a run of python -m train that --resume continues (with its own
+settings; it ends with the same weights as an uninterrupted run of the same seed).
 
 Presets:
   baseline            RMSNorm everywhere
