@@ -313,6 +313,15 @@ def resume_config(out: str | Path) -> TrainConfig:
     return TrainConfig(**stored)
 
 
+def held_recipe(out: str | Path) -> dict | None:
+    """The recipe the run `out` holds was made with (its log's "recipe"; None: python -m train's own)."""
+    try:
+        recipe = json.loads((Path(out) / LOG_NAME).read_text()).get("recipe")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return recipe if isinstance(recipe, dict) else None
+
+
 def _autocast(run: TrainConfig):
     """bf16 autocast on CUDA for --dtype bf16 (weights, gradients and AdamW stay fp32); fp32 otherwise."""
     if run.dtype == "bf16":

@@ -1,5 +1,6 @@
 """--resume reads a run folder that may come from someone else: its state is data (safetensors + JSON),
-never a pickle that runs code; an old pickled train_state.pt is refused by name, unread."""
+never a pickle that runs code; an old pickled train_state.pt is refused by name, unread; a run of
+train.finetune is not continued as a plain python -m train run."""
 import json
 import pickle
 import shutil
@@ -111,3 +112,11 @@ def test_finetune_resume_never_runs_a_pickled_state(finetune_run, tmp_path):
     r = cli("train.finetune", ["--out", run, *RESUME])
     assert not witness.exists()
     _one_error_line(r, str(run / OLD_STATE), "run code")
+
+
+def test_plain_train_refuses_to_resume_a_finetune_run(finetune_run, tmp_path):
+    run = copy_tree(finetune_run, tmp_path / "ft")
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    r = cli("train", ["--out", run, *RESUME])
+    _one_error_line(r, "python -m train.finetune", f"python -m train.finetune --out {run} --resume")
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
