@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 
 from core.inputs import read_json_file
@@ -72,12 +71,15 @@ def _check_plain(plain) -> None:
     """The types _train relies on; ValueError otherwise (a hand-edited or crafted file)."""
     def number(x):
         return isinstance(x, (int, float)) and not isinstance(x, bool)
-    ok = (isinstance(plain, dict) and plain.get("format") == FORMAT and isinstance(plain.get("step"), int)
+    if not (isinstance(plain, dict) and plain.get("format") == FORMAT):
+        raise ValueError(f"expected format {FORMAT}")
+    aux, log = plain.get("aux"), plain.get("log")
+    ok = (isinstance(plain.get("step"), int) and isinstance(plain.get("optimizer_param_groups"), list)
           and isinstance(plain.get("taper_c"), dict) and all(number(c) for c in plain["taper_c"].values())
-          and isinstance(plain.get("aux"), dict) and isinstance(plain["aux"].get("on"), bool)
-          and (plain["aux"].get("s_tgt") is None or number(plain["aux"]["s_tgt"]))
-          and isinstance(plain.get("optimizer_param_groups"), list) and isinstance(plain.get("log"), dict)
-          and isinstance(plain["log"].get("evals"), list) and plain["log"]["evals"] and isinstance(plain["log"].get("run"), dict))
+          and isinstance(aux, dict) and isinstance(aux.get("on"), bool)
+          and (aux.get("s_tgt") is None or number(aux["s_tgt"]))
+          and isinstance(log, dict) and isinstance(log.get("run"), dict)
+          and isinstance(log.get("evals"), list) and len(log["evals"]) > 0)
     if not ok:
         raise ValueError("fields missing or of the wrong type")
 
@@ -95,14 +97,18 @@ def load_run_state(run_dir: str | Path) -> dict:
     plain = read_json_file(run_dir / RUN_STATE_JSON, "resume state")
     try:
         _check_plain(plain)
-        optimizer = {}
+        model, optimizer = {}, {}
         for name, t in tensors.items():
-            if name.startswith("optimizer."):
-                _, index, key = name.split(".", 2)
+            group, _, rest = name.partition(".")
+            if group == "model":
+                model[rest] = t
+            elif group == "optimizer":
+                index, _, key = rest.partition(".")
                 optimizer.setdefault(int(index), {})[key] = t
-        return {"step": plain["step"], "model": {k[len("model."):]: t for k, t in tensors.items() if k.startswith("model.")},
-                "taper_c": plain["taper_c"], "optimizer": {"state": optimizer, "param_groups": plain["optimizer_param_groups"]},
-                "data_rng": tensors["data_rng"], "torch_rng": tensors["torch_rng"], "aux": plain["aux"], "log": plain["log"]}
+        return {"step": plain["step"], "model": model, "taper_c": plain["taper_c"],
+                "optimizer": {"state": optimizer, "param_groups": plain["optimizer_param_groups"]},
+                "data_rng": tensors["data_rng"], "torch_rng": tensors["torch_rng"], "aux": plain["aux"],
+                "log": plain["log"]}
     except (KeyError, ValueError) as e:
         raise TrainError(f"{run_dir / RUN_STATE_JSON}: expected the resume state of format {FORMAT} (with "
                          f"{RUN_STATE}), found an incomplete one ({e}); {fix}") from None
