@@ -282,6 +282,8 @@ class PlainOrtRunner(Runner):
         so = ort.SessionOptions()
         so.intra_op_num_threads = self.threads
         so.log_severity_level = 3     # it would warn every step that the cache is copied
+        from core.contract import check_external_data_file
+        check_external_data_file(self.path)
         self.sess = ort.InferenceSession(self.path, so, providers=["CPUExecutionProvider"])
         from runtime.model_files import spec_from_ort_session
         self.spec = spec_from_ort_session(self.sess, self.path)

@@ -352,6 +352,7 @@ def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed:
 def _quantized_variants(out: dict, name: str, v: Variant, path: Path, proto, dtypes, log) -> None:
     """out['<name>.<dtype>'] for each quantized dtype of a fused variant (built once, then reused)."""
     import onnx
+    from core.contract import load_onnx
     from export.quantize import QuantConfig, quantize_weights
     for dtype in dtypes:
         if dtype == "fp32" or not v.fuse:
@@ -364,7 +365,7 @@ def _quantized_variants(out: dict, name: str, v: Variant, path: Path, proto, dty
             out[qname] = cached
             continue
         t0 = time.perf_counter()
-        fp32 = proto if proto is not None else onnx.load(str(path))
+        fp32 = proto if proto is not None else load_onnx(path)
         q, summary = quantize_weights(fp32, QuantConfig(dtype))
         verified = _verify_quantized(fp32, q)
         tmp = qpath.with_suffix(".tmp.onnx")

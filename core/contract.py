@@ -11,7 +11,9 @@ One graph serves prefill and decode (export/onnx_export.py writes it):
 `read_contract` checks a graph's I/O against it and returns a DecodeContract;
 export.verify, the runtime sessions, runtime.triton and bench all read it here.
 `load_onnx` opens an ONNX file with one clear line for every way it can be broken
-(missing, empty, truncated, external data missing). Torch-free; onnx is imported
+(missing, empty, truncated, external data missing or outside the model's folder);
+`check_external_data_file` is the last check for loaders that open the file themselves
+(ONNX Runtime sessions). Torch-free; onnx is imported
 only by the functions that read files.
 """
 from __future__ import annotations
@@ -173,17 +175,70 @@ def onnx_io(proto) -> tuple[dict, dict]:
     return io(proto.graph.input), io(proto.graph.output)
 
 
+def _graph_tensors(graph):
+    """Every TensorProto of a graph: initializers (sparse too), node attributes, subgraphs' (If, Loop)."""
+    yield from graph.initializer
+    for s in graph.sparse_initializer:
+        yield from (s.values, s.indices)
+    for node in graph.node:
+        yield from _attribute_tensors(node)
+
+
+def _attribute_tensors(node):
+    for a in node.attribute:
+        yield from (a.t, *a.tensors)
+        for s in (a.sparse_tensor, *a.sparse_tensors):
+            yield from (s.values, s.indices)
+        for g in (a.g, *a.graphs):
+            yield from _graph_tensors(g)
+
+
+def _external_tensors(proto):
+    """(tensor, {key: value} of its external data) for every tensor whose data lives in another file:
+    the tensors onnx.load_external_data_for_model and ONNX Runtime would read."""
+    functions = (t for f in proto.functions for node in f.node for t in _attribute_tensors(node))
+    for t in (*_graph_tensors(proto.graph), *functions):
+        if t.data_location == 1:          # TensorProto.EXTERNAL
+            yield t, {e.key: e.value for e in t.external_data}
+
+
 def _external_files(proto) -> dict[str, int]:
-    """External-data file -> bytes it must hold at least, over every initializer (main graph)."""
+    """External-data file -> bytes it must hold at least, over every tensor."""
     need: dict[str, int] = {}
-    for t in proto.graph.initializer:
-        if t.data_location != 1:          # TensorProto.EXTERNAL
-            continue
-        info = {e.key: e.value for e in t.external_data}
+    for _, info in _external_tensors(proto):
         loc = info.get("location", "")
         end = int(info.get("offset", 0) or 0) + int(info.get("length", 0) or 0)
         need[loc] = max(need.get(loc, 0), end)
     return need
+
+
+def check_external_data(proto, path: str | os.PathLike) -> None:
+    """Refuse (ContractError) an external-data location outside the folder of the model file `path`:
+    absolute, escaping with '..', or a link that leads out. A location is resolved against that folder,
+    so one that leaves it would make opening a model read (or, via its size, probe) any file the user
+    can; every loader of a user's ONNX file calls this before anything touches such a file."""
+    folder = Path(path).parent.resolve()
+    for t, info in _external_tensors(proto):
+        loc = info.get("location", "")
+        try:
+            inside = not os.path.isabs(loc) and (folder / loc).resolve().is_relative_to(folder)
+        except (OSError, ValueError, RuntimeError):      # a NUL byte, a symlink loop
+            inside = False
+        if not inside:
+            raise ContractError(f"{path}: expected external-data locations inside the model's folder {folder}, "
+                                f"found {loc!r} (tensor {t.name!r}); an ONNX file may only read data beside it: "
+                                "re-export it, or move the data into that folder and name it relative to it")
+
+
+def check_external_data_file(path: str | os.PathLike) -> None:
+    """check_external_data for a file another loader (ONNX Runtime) is about to open: parses the graph,
+    not its external weights; a file that does not parse is left to that loader to report."""
+    import onnx
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception:  # DecodeError, OSError: the loader's own message says what is wrong
+        return
+    check_external_data(proto, path)
 
 
 def load_onnx(path: str | os.PathLike, load_weights: bool = True, what: str = "an ONNX model"):
@@ -209,6 +264,7 @@ def load_onnx(path: str | os.PathLike, load_weights: bool = True, what: str = "a
                             f"({first_line(e)}); it is truncated or not ONNX: re-export it") from None
     if not proto.graph.node and not proto.graph.output:
         raise ContractError(f"{path}: expected {what}, found no graph in it ({size} bytes); it is not an ONNX model: re-export it")
+    check_external_data(proto, path)          # before any data file is looked at
     for loc, end in _external_files(proto).items():
         data = path.parent / loc
         if not loc or not data.is_file():

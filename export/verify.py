@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from core.contract import DecodeContract, contract_of, load_onnx
+from core.contract import DecodeContract, check_external_data_file, contract_of, load_onnx
 from core.errors import ArgumentParser, UserError, float_in, run_cli
 from export.conventions import NP_DTYPES, Step, detect, interface_mismatches, run_onnx, session_steps  # noqa: F401
 
@@ -80,6 +80,8 @@ def ort_session(path_or_proto, optimize: bool = False) -> ort.InferenceSession:
                                      else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     opts.intra_op_num_threads = 1
     opts.log_severity_level = 3
+    if not isinstance(path_or_proto, onnx.ModelProto):
+        check_external_data_file(path_or_proto)
     src = path_or_proto.SerializeToString() if isinstance(path_or_proto, onnx.ModelProto) else str(path_or_proto)
     return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
 

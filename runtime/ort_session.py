@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from core.contract import ContractError, check_external_data_file
 from runtime.model_files import resolve_onnx, spec_from_ort_session
 from runtime.session import DecoderSession, DeviceError, MissingExtraError, ModelFileError, RuntimeUserError
 
@@ -88,6 +89,10 @@ class OrtSession(DecoderSession):
         if self.profile_prefix is not None:
             so.enable_profiling = True
             so.profile_file_prefix = str(self.profile_prefix)
+        try:
+            check_external_data_file(self.path)
+        except ContractError as e:
+            raise ModelFileError(str(e)) from None
         try:
             self.session = ort.InferenceSession(str(self.path), so, providers=providers)
         except Exception as e:  # InvalidProtobuf, Fail, NotImplemented...: all mean an unusable file

@@ -4,10 +4,10 @@ torchrun --standalone --nproc-per-node N -m train ... [--device cuda] [--dtype b
 
 Trains a pre-norm decoder with the TaperNorm schedule and saves a checkpoint
 directory (config.json with the gate and each layer's c, model.safetensors,
-tokenizer.json, train_log.json, and train_state.pt for --resume) into DIR,
-atomically, at every evaluation after step 0. DIR must be new or empty, or hold
-a run of python -m train that --resume continues (with its own settings; it ends
-with the same weights as an uninterrupted run of the same seed).
+tokenizer.json, train_log.json, and train_state.safetensors + train_state.json for
+--resume) into DIR, atomically, at every evaluation after step 0. DIR must be new
+or empty, or hold a run of python -m train that --resume continues (with its own
+settings; it ends with the same weights as an uninterrupted run of the same seed).
 
 Presets:
   baseline            RMSNorm everywhere
@@ -116,12 +116,15 @@ def _config(a) -> TrainConfig:
 
 def _resume_config(p: argparse.ArgumentParser, a) -> TrainConfig:
     """The held run's own settings; only --threads and --quiet may change."""
-    from train.loop import resume_config
+    from train.loop import held_recipe, resume_config
     given = sorted(k for k, v in vars(a).items() if k not in RESUME_OPTIONS and v != p.get_default(k))
     if given:
         raise UsageError(f"python -m train --resume: continues the run with its own settings; drop "
                          f"{', '.join('--' + k.replace('_', '-') for k in given)}")
     run = resume_config(a.out)
+    if held_recipe(a.out) is not None:    # its model, steps and saves are the recipe's: plain training would differ
+        raise TrainError(f"--out {a.out}: holds a run of python -m train.finetune, not of python -m train; "
+                         f"resume it with python -m train.finetune --out {shlex.quote(a.out)} --resume")
     run.out, run.threads, run.progress = a.out, a.threads, not a.quiet
     if a.grad_accum is not None:
         run.grad_accum = a.grad_accum

@@ -145,10 +145,9 @@ def run(argv: list[str]) -> int:
         if given:
             raise UserError(f"python -m train.finetune --resume: continues the run with its own settings; drop "
                             f"{', '.join('--' + k.replace('_', '-').replace('source', 'from') for k in given)}")
-        from train.loop import LOG_NAME, resume_config
-        import json
+        from train.loop import held_recipe, resume_config
         run_cfg = resume_config(a.out)
-        recipe_info = (json.loads((Path(a.out) / LOG_NAME).read_text()).get("recipe") or {})
+        recipe_info = held_recipe(a.out) or {}
         if "finetune" not in recipe_info:
             raise TrainError(f"--out {a.out}: holds a run of python -m train, not of train.finetune; "
                              f"resume it with python -m train --out {a.out} --resume")

@@ -8,8 +8,8 @@
 at the end the loop evaluates on the held-out split, appends the numbers to the JSON
 log and replaces `out` atomically with the checkpoint (config.json with the current
 gate and each layer's c, model.safetensors, tokenizer.json, train_log.json) plus
-RUN_STATE, what resuming needs: model and optimizer state, the data sampler's and
-torch's RNG, calibration and scale-loss state, the log. Killing the process leaves
+the resume state (train/run_state.py: safetensors + JSON, never a pickle): model and optimizer
+state, the data sampler's and torch's RNG, calibration and scale-loss state, the log. Killing the process leaves
 the last complete checkpoint. Nothing is written before the first evaluation after
 step 0, so `out` never goes back to an earlier step than it holds; a new run into a
 directory that holds a run is refused (resume it, or choose another --out).
@@ -19,7 +19,7 @@ the same global batch of `batch_size` windows per step; rank r reads its own sha
 (windows r * B / N .. (r + 1) * B / N, in `grad_accum` micro-batches), DDP averages the
 gradients, and evaluation, calibration and s_tgt sums are all-reduced, so the gate, c and
 the scale loss are identical on every rank and equal (to rounding) to one process with the
-same global batch. Only rank 0 writes `out`; RUN_STATE holds nothing per-rank, so a run
+same global batch. Only rank 0 writes `out`; the resume state holds nothing per-rank, so a run
 resumes with any number of processes. The log's "parallel" list records, from each start
 or resume on, the world size, per-rank batch, micro-batch, backend, device and dtype.
 
@@ -54,12 +54,13 @@ from train.distributed import (SINGLE, Parallel, data_parallel, ignore_launcher_
                                peer_lost_reason)
 from train.scale_loss import scale_loss, token_rms
 from train.interrupts import raise_if_interrupted
+from train.run_state import (RUN_STATE, RUN_STATE_JSON, has_run_state, load_run_state, refuse_old_state,
+                             restore_error, write_run_state)
 from train.schedule import lr_at
 from train.shards import TokenStream, shards_for
 from train.tokenizer import encode_stories, load_tokenizer, train_tokenizer
 
 LOG_NAME = "train_log.json"
-RUN_STATE = "train_state.pt"
 
 
 # --- data ----------------------------------------------------------------------------
@@ -204,8 +205,9 @@ def check_out(run: TrainConfig, resume: bool) -> int:
     held = None
     if marker_kind(out) == TRAINING_RUN.name:
         held = read_state_step(out)
-        held = "unknown" if held is None or not (out / RUN_STATE).is_file() else held
+        held = "unknown" if held is None or not has_run_state(out) else held
     if resume:
+        refuse_old_state(out)
         if held in (None, "unknown"):
             raise TrainError(f"--out {out}: holds no training run to resume (no {RUN_STATE}); start a new run without --resume")
         return int(held)
@@ -220,14 +222,6 @@ def read_state_step(out: Path) -> int | None:
         return int(json.loads((Path(out) / LOG_NAME).read_text())["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-def load_run_state(out: Path) -> dict:
-    try:
-        return torch.load(Path(out) / RUN_STATE, map_location="cpu", weights_only=False)
-    except Exception as e:  # truncated, not a torch file
-        raise TrainError(f"{Path(out) / RUN_STATE}: expected the resume state of a training run, found an "
-                         f"unreadable file ({type(e).__name__}); start a new run in another --out") from None
 
 
 class Recipe:
@@ -319,6 +313,15 @@ def resume_config(out: str | Path) -> TrainConfig:
     return TrainConfig(**stored)
 
 
+def held_recipe(out: str | Path) -> dict | None:
+    """The recipe the run `out` holds was made with (its log's "recipe"; None: python -m train's own)."""
+    try:
+        recipe = json.loads((Path(out) / LOG_NAME).read_text()).get("recipe")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return recipe if isinstance(recipe, dict) else None
+
+
 def _autocast(run: TrainConfig):
     """bf16 autocast on CUDA for --dtype bf16 (weights, gradients and AdamW stay fp32); fp32 otherwise."""
     if run.dtype == "bf16":
@@ -389,11 +392,14 @@ def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: s
         aux["s_tgt"] = float(run.s_tgt)
     start = 0
     if state is not None:          # continue exactly where the held run stopped
-        model.load_state_dict(state["model"])
-        for name, c in state["taper_c"].items():
-            model.taper_layers()[name].c = c
-        gen.set_state(state["data_rng"])
-        torch.set_rng_state(state["torch_rng"])
+        try:
+            model.load_state_dict(state["model"])
+            for name, c in state["taper_c"].items():
+                model.taper_layers()[name].c = c
+            gen.set_state(state["data_rng"])
+            torch.set_rng_state(state["torch_rng"])
+        except (RuntimeError, KeyError, ValueError, TypeError) as e:
+            raise restore_error(out, e) from None
         aux, log, start = dict(state["aux"]), state["log"], state["step"]
         log["resumed_at"] = log.get("resumed_at", []) + [start]
         log["command"] = command or log["command"]
@@ -401,7 +407,10 @@ def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: s
     model.to(par.device)
     opt = _optimizer(model, run.lr, run.weight_decay)
     if state is not None:
-        opt.load_state_dict(state["optimizer"])
+        try:
+            opt.load_state_dict(state["optimizer"])
+        except (RuntimeError, KeyError, ValueError, TypeError) as e:
+            raise restore_error(out, e) from None
     ddp = par.wrap(model, find_unused=sched is not None)
     autocast = _autocast(run)
     # every optimizer step takes one global batch of run.batch_size windows: rank r reads the
@@ -429,11 +438,11 @@ def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: s
             log["step"] = step
             if par.is_main:           # the ranks hold the same weights: one writes
                 _write_json(log, work / LOG_NAME)
-                torch.save({"step": step, "model": model.state_dict(), "taper_c": model.taper_c(),
-                            "optimizer": opt.state_dict(), "data_rng": gen.get_state(),
-                            "torch_rng": torch.get_rng_state(), "aux": aux, "log": log}, work / RUN_STATE)
-                save_checkpoint(recipe.saved_model(model), out, data.tokenizer_json,
-                                extra_files={LOG_NAME: work / LOG_NAME, RUN_STATE: work / RUN_STATE}, kind=TRAINING_RUN)
+                write_run_state(work, {"step": step, "model": model.state_dict(), "taper_c": model.taper_c(),
+                                       "optimizer": opt.state_dict(), "data_rng": gen.get_state(),
+                                       "torch_rng": torch.get_rng_state(), "aux": aux, "log": log})
+                save_checkpoint(recipe.saved_model(model), out, data.tokenizer_json, kind=TRAINING_RUN,
+                                extra_files={name: work / name for name in (LOG_NAME, RUN_STATE, RUN_STATE_JSON)})
         return ev
 
     ev = log["evals"][-1] if state is not None else checkpoint(0, None, write=False)   # step 0: logged, not written

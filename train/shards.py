@@ -103,8 +103,9 @@ def _dtype(itemsize: int):
     return {2: np.uint16, 4: np.uint32}.get(itemsize)
 
 
-def read_shard(path: Path) -> np.ndarray:
-    """One shard file, memory-mapped read-only, after checking its header against its size."""
+def read_shard(path: Path, vocab: int | None = None) -> np.ndarray:
+    """One shard file, memory-mapped read-only, after checking its header against its size (and
+    against `vocab`, the index's vocabulary size, when given) and every id against that vocabulary."""
     try:
         with open(path, "rb") as f:
             head = np.frombuffer(f.read(HEADER_BYTES), dtype="<i8")
@@ -115,14 +116,31 @@ def read_shard(path: Path) -> np.ndarray:
     if len(head) < HEADER_WORDS or head[0] != MAGIC or head[1] != VERSION:
         raise ShardError(f"token shard {path}: expected a header starting with magic {MAGIC} version {VERSION}, "
                          f"found {head[:2].tolist()}; build the shards again (python -m train.shards)")
-    itemsize, count = int(head[3]), int(head[4])
+    head_vocab, itemsize, count = int(head[2]), int(head[3]), int(head[4])
     dtype = _dtype(itemsize)
     if dtype is None or count < 0 or size != HEADER_BYTES + count * itemsize:
         raise ShardError(f"token shard {path}: header says {count} tokens of {itemsize} bytes, the file has "
                          f"{size - HEADER_BYTES} bytes after the header (truncated?); build the shards again")
+    if vocab is not None and head_vocab != vocab:
+        raise ShardError(f"token shard {path}: header says a vocabulary of {head_vocab}, {META} says {vocab}; "
+                         "build the shards again (python -m train.shards)")
     if count == 0:
         return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+    tokens = np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+    _check_ids(path, tokens, head_vocab)
+    return tokens
+
+
+def _check_ids(path: Path, tokens: np.ndarray, vocab: int) -> None:
+    """Every id below `vocab`, so none can index past the embedding; one vectorized pass over the
+    memory-mapped file (a read of it, at disk speed), skipped when the dtype cannot hold a larger id."""
+    if int(np.iinfo(tokens.dtype).max) < vocab:
+        return
+    if int(tokens.max()) >= vocab:
+        at = int(np.argmax(tokens >= vocab))          # the first bad one
+        raise ShardError(f"token shard {path}: holds token id {int(tokens[at])} at token {at}; expected ids below the "
+                         f"vocabulary size {vocab} (it was overwritten or damaged after tokenizing); build the "
+                         "shards again (python -m train.shards)")
 
 
 def open_shards(directory: str | Path) -> ShardSet:
@@ -135,6 +153,7 @@ def open_shards(directory: str | Path) -> ShardSet:
     try:
         meta = json.loads((directory / META).read_text())
         files = {split: [(directory / s["file"], int(s["tokens"])) for s in meta["shards"][split]] for split in SPLITS}
+        vocab = int(meta["vocab_size"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ShardError(f"{directory / META}: expected the shard index, found an unreadable or incomplete file "
                          f"({type(e).__name__}); build the shards again") from None
@@ -142,7 +161,7 @@ def open_shards(directory: str | Path) -> ShardSet:
     for split, entries in files.items():
         arrays = []
         for path, expected in entries:
-            a = read_shard(path)
+            a = read_shard(path, vocab)
             if len(a) != expected:
                 raise ShardError(f"token shard {path}: holds {len(a)} tokens, {META} says {expected}; build the shards again")
             arrays.append(a)

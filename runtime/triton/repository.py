@@ -116,7 +116,10 @@ def add_control_inputs(src: Path, dst: Path) -> OnnxIO:
     """
     import onnx
     from onnx import TensorProto, helper
-    proto = onnx.load(str(src))
+    try:
+        proto = load_onnx(src)
+    except ContractError as e:
+        raise RepositoryError(str(e)) from None
     batch = proto.graph.input[0].type.tensor_type.shape.dim[0]
     for name in CONTROLS:
         if any(i.name == name for i in proto.graph.input):

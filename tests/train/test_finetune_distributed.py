@@ -36,7 +36,7 @@ def source(tmp_path_factory):
 
 def _training_state(out: Path) -> dict:
     """The training model's tensors (FakeLN's saved checkpoint scales gamma by 1e6 / std: compare these)."""
-    return torch.load(out / loop.RUN_STATE, map_location="cpu", weights_only=False)["model"]
+    return loop.load_run_state(out)["model"]
 
 
 def _max_diff(a: dict, b: dict) -> float:

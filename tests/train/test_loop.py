@@ -24,7 +24,8 @@ def test_every_preset_trains_saves_and_loads(tmp_path, preset):
     log, out = _run(tmp_path, preset)
     model = load_checkpoint(out)
     assert sorted(p.name for p in out.iterdir()) == [".tapernorm-output.json", "config.json", "model.safetensors",
-                                                     "tokenizer.json", "train_log.json", "train_state.pt"]
+                                                     "tokenizer.json", "train_log.json", "train_state.json",
+                                                     "train_state.safetensors"]
     assert [e["step"] for e in log["evals"]] == [0, 2, 4, 6]
     for e in log["evals"]:
         assert math.isfinite(e["val_loss"]) and e["prelogit_rms"] > 0 and e["max_abs_logit"] > 0
