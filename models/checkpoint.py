@@ -83,7 +83,7 @@ def _upgrade_v1(where: Path, raw: dict) -> dict:
     return {**raw, **FORMAT_1_MEANT, "format": FORMAT_VERSION}
 
 
-def _validate_config(path: Path, raw: dict) -> DecoderConfig:
+def _validate_config(path: Path, raw: dict, memory: bool = True) -> DecoderConfig:
     where = path / CONFIG
     if "format" not in raw and isinstance(raw.get("model_type"), str):
         raise CheckpointError(f"{path}: a Hugging Face model folder (model_type {raw['model_type']!r}), not a checkpoint; "
@@ -102,8 +102,10 @@ def _validate_config(path: Path, raw: dict) -> DecoderConfig:
         cfg.validate()
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: field {e}") from None
-    # weights in the model plus the loaded tensors, fp32: refuse before allocating
-    check_memory(2 * 4 * cfg.approx_param_count(), f"{where}: the model it describes",
+    # weights in the model plus the loaded tensors, fp32: refuse before allocating (not when
+    # the weights are streamed a tensor at a time: models/weights.py)
+    if memory:
+        check_memory(2 * 4 * cfg.approx_param_count(), f"{where}: the model it describes",
                  "check vocab_size, d_model, n_layer and max_seq_len")
     gate = raw.get("gate")
     if cfg.norm == "taper":
@@ -160,21 +162,32 @@ def _load_weights(path: Path, model: Decoder) -> None:
     model.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()}, strict=False)
 
 
-def load_checkpoint(path: str | os.PathLike) -> Decoder:
-    """Validated model in eval mode, gate and per-layer c applied."""
-    path = Path(path)
+def read_checkpoint_config(path: Path, memory_check: bool = True) -> tuple[dict, DecoderConfig]:
+    """config.json of a checkpoint directory, validated: (the raw JSON, the DecoderConfig).
+    memory_check: refuse a model that cannot be loaded whole (off when it is streamed)."""
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory (expected a folder with {CONFIG}, {WEIGHTS}, {TOKENIZER})")
     raw = _read_config(path)
-    cfg = _validate_config(path, raw)
+    return raw, _validate_config(path, raw, memory_check)
+
+
+def apply_taper_state(where: Path, model: Decoder, raw: dict) -> None:
+    """The per-layer c and the gate of config.json (`where`), set on `model` (no-op unless taper)."""
+    _apply_taper_c(where, model, raw.get("taper_c"))
+    if model.cfg.norm == "taper":
+        model.set_gate(raw["gate"])
+
+
+def load_checkpoint(path: str | os.PathLike) -> Decoder:
+    """Validated model in eval mode, gate and per-layer c applied."""
+    path = Path(path)
+    raw, cfg = read_checkpoint_config(path)
     if raw["has_tokenizer"]:
         if not (path / TOKENIZER).is_file():
             raise CheckpointError(f"{path / TOKENIZER}: missing; {NEEDS}")
         check_tokenizer_fits(path, cfg.vocab_size)
     model = Decoder(cfg)
-    _apply_taper_c(path / CONFIG, model, raw.get("taper_c"))
-    if cfg.norm == "taper":
-        model.set_gate(raw["gate"])
+    apply_taper_state(path / CONFIG, model, raw)
     _load_weights(path, model)
     return model.eval()
 

@@ -357,34 +357,93 @@ def read_weights(path: Path) -> dict[str, tuple[torch.Tensor, Path]]:
     return out
 
 
-def map_weights(path: Path, f: _Fields, cfg: DecoderConfig, tensors: dict) -> dict[str, torch.Tensor]:
-    """Our state dict from the folder's tensors; refuses a missing, misshapen or unplaced tensor."""
+@dataclass
+class TensorInfo:
+    """What a weights file's header says of one tensor (nothing is read)."""
+    shape: tuple[int, ...]
+    floating: bool
+    file: Path
+
+
+def plan_weights(path: Path, f: _Fields, cfg: DecoderConfig, infos: dict[str, TensorInfo]
+                 ) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
+    """Our tensor name -> (the folder's tensor name, the function that maps it), from the headers;
+    refuses a missing, misshapen or unplaced tensor."""
     params, prefixes = expected_params(f, cfg)
-    state, used = {}, set()
+    plan, used = {}, set()
     for p in params:
-        name = next((pre + p.hf_name for pre in prefixes if pre + p.hf_name in tensors), None)
+        name = next((pre + p.hf_name for pre in prefixes if pre + p.hf_name in infos), None)
         if name is None and p.hf_name == "lm_head.weight":
-            name = p.hf_name if p.hf_name in tensors else None
+            name = p.hf_name if p.hf_name in infos else None
         if name is None:
             raise ConvertError(f"{path}: the weights lack tensor {prefixes[0] + p.hf_name!r} that config.json implies "
-                               f"(looked in {', '.join(sorted({f.name for _, f in tensors.values()}))}); "
+                               f"(looked in {', '.join(sorted({i.file.name for i in infos.values()}))}); "
                                "the folder is incomplete or its config.json belongs to another model")
-        t, src = tensors[name]
-        if tuple(t.shape) != p.shape:
-            raise ConvertError(f"{src}: tensor {name!r} has shape {list(t.shape)}; config.json implies {list(p.shape)} "
-                               "(the weights and config.json disagree: re-save the folder)")
-        if not t.is_floating_point():
-            raise ConvertError(f"{src}: tensor {name!r} has dtype {str(t.dtype).replace('torch.', '')}; "
-                               "expected floating-point weights")
+        info = infos[name]
+        if info.shape != p.shape:
+            raise ConvertError(f"{info.file}: tensor {name!r} has shape {list(info.shape)}; config.json implies "
+                               f"{list(p.shape)} (the weights and config.json disagree: re-save the folder)")
+        if not info.floating:
+            raise ConvertError(f"{info.file}: tensor {name!r} is not floating-point; expected floating-point weights")
         for ours, fn in p.targets:
-            state[ours] = fn(t.to(torch.float32)).contiguous()
+            plan[ours] = (name, fn)
         used.add(name)
-    tied_head = cfg.tie_embeddings and "lm_head.weight" in tensors
-    extra = sorted(n for n in tensors if n not in used and not IGNORED.match(n) and not (tied_head and n == "lm_head.weight"))
+    tied_head = cfg.tie_embeddings and "lm_head.weight" in infos
+    extra = sorted(n for n in infos if n not in used and not IGNORED.match(n) and not (tied_head and n == "lm_head.weight"))
     if extra:
-        raise ConvertError(f"{tensors[extra[0]][1]}: tensor {extra[0]!r} has no place in the {f.kind} layout "
+        raise ConvertError(f"{infos[extra[0]].file}: tensor {extra[0]!r} has no place in the {f.kind} layout "
                            f"({len(extra)} such tensor(s)); the model has parts the converter does not support")
-    return state
+    return plan
+
+
+def map_weights(path: Path, f: _Fields, cfg: DecoderConfig, tensors: dict) -> dict[str, torch.Tensor]:
+    """Our state dict from the folder's tensors (plan_weights' checks first)."""
+    infos = {n: TensorInfo(tuple(t.shape), t.is_floating_point(), src) for n, (t, src) in tensors.items()}
+    return {ours: fn(tensors[name][0].to(torch.float32)).contiguous()
+            for ours, (name, fn) in plan_weights(path, f, cfg, infos).items()}
+
+
+def _header(where: Path) -> dict[str, TensorInfo]:
+    """Tensor name -> TensorInfo of one weights file, from its header (safetensors) or a memory
+    map (pytorch_model.bin, weights_only): no tensor data is read."""
+    try:
+        if where.suffix == ".safetensors":
+            from safetensors import safe_open
+            with safe_open(str(where), framework="pt") as sf:
+                return {k: TensorInfo(tuple(sf.get_slice(k).get_shape()), sf.get_slice(k).get_dtype().startswith(("F", "BF")),
+                                      where) for k in sf.keys()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            state = torch.load(where, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # safetensors, pickle and zip readers raise many types on a damaged file
+        raise ConvertError(f"{where}: not a readable {'safetensors' if where.suffix == '.safetensors' else 'PyTorch'} "
+                           f"weights file ({first_line(e)[:200]}); re-download or re-save it") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConvertError(f"{where}: expected a state dict of tensors, found {type(state).__name__}; re-save the folder")
+    return {k: TensorInfo(tuple(v.shape), v.is_floating_point(), where) for k, v in state.items()}
+
+
+@dataclass
+class WeightPlan:
+    """A Hugging Face folder mapped without reading a tensor: what models/weights.py streams."""
+    raw: dict
+    cfg: DecoderConfig
+    places: dict[str, tuple[Path, str, Callable[[torch.Tensor], torch.Tensor]]]   # ours -> (file, name, fn)
+    notes: list[str]
+
+
+def hf_weight_plan(path: str | os.PathLike, max_seq_len: int | None = None) -> WeightPlan:
+    """The config and the tensor map of an HF folder, checked against the files' headers."""
+    path = Path(path)
+    raw = read_hf_config(path)
+    f = _Fields(path / CONFIG, raw)
+    cfg = hf_decoder_config(f, max_seq_len)
+    infos = {k: v for file in weight_files(path) for k, v in _header(file).items()}
+    plan = plan_weights(path, f, cfg, infos)
+    places = {ours: (infos[name].file, name, fn) for ours, (name, fn) in plan.items()}
+    if cfg.tie_embeddings:
+        places["lm_head.weight"] = places["wte.weight"]
+    return WeightPlan(raw, cfg, places, _folder_notes(path, raw, cfg))
 
 
 # --- the whole folder -------------------------------------------------------------------------
@@ -423,16 +482,21 @@ def convert(path: str | os.PathLike, max_seq_len: int | None = None) -> Converte
     for name, t in model.state_dict().items():
         if not torch.isfinite(t).all():
             raise ConvertError(f"{path}: tensor for {name!r} contains NaN or Inf; the weights are corrupt")
+    notes = _folder_notes(path, raw, cfg)
+    tok = path / TOKENIZER if (path / TOKENIZER).is_file() else None
+    return Converted(model.eval(), tok, raw["model_type"], notes)
+
+
+def _folder_notes(path: Path, raw: dict, cfg: DecoderConfig) -> list[str]:
+    """What to tell the user of a folder (capacity, a missing tokenizer); checks the tokenizer fits."""
     notes = [f"converted Hugging Face {raw['model_type']} folder {path}: capacity {cfg.max_seq_len} tokens"]
-    tok = path / TOKENIZER
-    if tok.is_file():
+    if (path / TOKENIZER).is_file():
         check_tokenizer_fits(path, cfg.vocab_size)
     else:
-        tok = None
         notes.append(f"no {TOKENIZER} in {path}: the model converts, exports and builds, but generation needs a "
                      f"tokenizer (save one with AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR), "
                      f"then convert again or copy it beside the model)")
-    return Converted(model.eval(), tok, raw["model_type"], notes)
+    return notes
 
 
 # --- CLI --------------------------------------------------------------------------------------

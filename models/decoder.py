@@ -335,14 +335,7 @@ class Decoder(nn.Module):
         caches (the same tensors, written in place, outside export); with
         return_hidden, also the pre-logit hidden state [B, T, d] after norm_f.
         """
-        b, t = input_ids.shape
-        if cache is None:
-            pos_ids = torch.arange(t, device=input_ids.device)[None, :].expand(b, t)      # [B, T]
-            keys = torch.arange(t, device=input_ids.device)
-        else:
-            pos_ids = position[:, None] + torch.arange(t, device=input_ids.device)[None, :]  # [B, T]
-            keys = torch.arange(self.cfg.max_seq_len, device=input_ids.device)
-        mask = (keys[None, None, :] <= pos_ids[:, :, None])[:, None]                       # [B, 1, T, S]
+        pos_ids, mask = self.positions_and_mask(input_ids, position if cache is not None else None)
         x = self.wte(input_ids)                                                            # [B, T, d]
         rope = None
         if self.cfg.pos_embedding == "learned":
@@ -359,6 +352,18 @@ class Decoder(nn.Module):
         if return_hidden:
             out = out + (h,)
         return out[0] if len(out) == 1 else out
+
+    def positions_and_mask(self, input_ids: torch.Tensor, position: torch.Tensor | None):
+        """Position ids [B, T] of the tokens and the attention mask [B, 1, T, S] (S: the cache's
+        capacity with a cache, i.e. with `position`; else T)."""
+        b, t = input_ids.shape
+        if position is None:
+            pos_ids = torch.arange(t, device=input_ids.device)[None, :].expand(b, t)      # [B, T]
+            keys = torch.arange(t, device=input_ids.device)
+        else:
+            pos_ids = position[:, None] + torch.arange(t, device=input_ids.device)[None, :]  # [B, T]
+            keys = torch.arange(self.cfg.max_seq_len, device=input_ids.device)
+        return pos_ids, (keys[None, None, :] <= pos_ids[:, :, None])[:, None]
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,70 @@
+"""The torch reference of a model too large to hold, run one block at a time.
+
+    outs = layerwise_run(source, [steps_a, steps_b])   # per session, per step: {"logits": ...},
+                                                       # the last step also the caches written
+
+Every session's steps go through block 0, then block 1, ...: one block's weights (read from
+the memory-mapped checkpoint, models/weights.py) are alive at a time, and what is kept
+between blocks is the hidden state of every step (a few tokens) and the cache slots the
+steps wrote. The result is the same computation as Decoder.forward over a cache, step by
+step (the steps of a session are fixed in advance, teacher-forced, so they do not depend on
+the outputs). Used by the streamed build's verification (export/stream.py).
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from models.decoder import RotaryEmbedding
+
+
+def used_slots(steps) -> int:
+    """Cache slots the steps of a session write: the caches are compared up to here."""
+    return int(max((s.position + s.input_ids.shape[1]).max() for s in steps))
+
+
+@torch.no_grad()
+def layerwise_run(source, sessions, dtype: torch.dtype = torch.float32) -> list[list[dict[str, np.ndarray]]]:
+    """Outputs of the decode steps of each session (Step lists, export/conventions.py): logits of
+    every step and, on the last step, present_key_i / present_value_i cut to the slots written
+    ([B, H_kv, used_slots, D])."""
+    cfg, skel = source.cfg, source.skeleton
+    layout = cfg.cache_layout()
+    ids = [[torch.from_numpy(s.input_ids) for s in steps] for steps in sessions]
+    pos = [[torch.from_numpy(s.position) for s in steps] for steps in sessions]
+    masks = [[skel.positions_and_mask(i, p) for i, p in zip(ii, pp)] for ii, pp in zip(ids, pos)]
+    table = source.tensor("wte.weight")                                      # [V, d]
+    xs = [[F.embedding(i, table).to(dtype) for i in ii] for ii in ids]           # [B, T, d] per step
+    del table
+    rope = None
+    if cfg.pos_embedding == "learned":
+        wpe = source.tensor("wpe.weight").to(dtype)
+        xs = [[x + wpe[pid] for x, (pid, _) in zip(xx, mm)] for xx, mm in zip(xs, masks)]
+        del wpe
+    else:
+        rotary = RotaryEmbedding(cfg)
+        rope = [[rotary(pid) for pid, _ in mm] for mm in masks]
+    outs = [[{} for _ in steps] for steps in sessions]
+    for i in range(cfg.n_layer):
+        block = source.block(i).to(dtype)
+        for s, steps in enumerate(sessions):
+            batch = steps[0].input_ids.shape[0]
+            cache = (torch.zeros(layout.shape(batch), dtype=dtype),              # this layer's key, value [B, H_kv, S, D]
+                     torch.zeros(layout.shape(batch), dtype=dtype))
+            for t, step in enumerate(steps):
+                xs[s][t], cache = block(xs[s][t], masks[s][t][1], cache, pos[s][t],
+                                        None if rope is None else rope[s][t])
+            used = used_slots(steps)
+            outs[s][-1][f"present_key_{i}"] = cache[0][:, :, :used].float().numpy().copy()
+            outs[s][-1][f"present_value_{i}"] = cache[1][:, :, :used].float().numpy().copy()
+        del block
+    ln_f = copy.deepcopy(skel.ln_f)
+    ln_f = (source.fill(ln_f, "ln_f.") if any(True for _ in ln_f.parameters()) else ln_f).to(dtype)
+    head = source.tensor("lm_head.weight").to(dtype)                           # [V, d]
+    for s, xx in enumerate(xs):
+        for t, x in enumerate(xx):
+            outs[s][t]["logits"] = (ln_f(x) @ head.T).float().numpy()
+    return outs

@@ -1,0 +1,136 @@
+"""A model's weights read one tensor at a time from memory-mapped files, never the whole model.
+
+    source = open_weights(DIR)                 # our checkpoint or a Hugging Face folder
+    source.cfg, source.skeleton                # the config; a Decoder on the meta device (gate, c set)
+    block = source.block(3)                    # blocks.3 as an fp32 module, its weights read now
+    source.tensor("wte.weight")                # one fp32 tensor, our name
+
+The streamed build (export/stream.py) and the layer-by-layer reference (models/layerwise.py)
+read real-size models through this: safetensors files are opened with safe_open (memory
+mapped: a tensor is read when asked for), pytorch_model.bin with torch.load(mmap=True,
+weights_only=True). Hugging Face names and layouts are mapped with models/convert.py's table
+(`expected_params`), checked against the files' headers before any tensor is read (names,
+shapes, float dtypes), and every tensor is checked finite as it is read. Peak memory is one
+block (plus the tensor being converted), whatever the model's size.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from models.checkpoint import (CONFIG, WEIGHTS, CheckpointError, apply_taper_state, read_checkpoint_config)
+from models.decoder import Block, Decoder, DecoderConfig
+
+
+@dataclass
+class _Place:
+    """Where one of our tensors comes from: a file's tensor and the function that maps it."""
+    file: Path
+    name: str
+    fn: Callable[[torch.Tensor], torch.Tensor]
+
+
+class WeightSource:
+    """Our-named fp32 tensors of one model, read on demand."""
+
+    def __init__(self, where: Path, cfg: DecoderConfig, places: dict[str, _Place], raw_config: dict,
+                 source: str, notes: list[str] | None = None):
+        self.where, self.cfg, self.places, self.raw_config = where, cfg, places, raw_config
+        self.source = source                    # "checkpoint" | "hf:<model_type>"
+        self.notes = notes or []
+        self._files: dict[Path, object] = {}
+        with torch.device("meta"):
+            self.skeleton = Decoder(cfg)
+        if source == "checkpoint":
+            apply_taper_state(where / CONFIG, self.skeleton, raw_config)
+
+    # --- reading ----------------------------------------------------------------------------------
+
+    def _open(self, file: Path):
+        if file not in self._files:
+            if file.suffix == ".safetensors":
+                from safetensors import safe_open
+                self._files[file] = safe_open(str(file), framework="pt")
+            else:
+                self._files[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        return self._files[file]
+
+    def _raw(self, place: _Place) -> torch.Tensor:
+        f = self._open(place.file)
+        return f.get_tensor(place.name) if place.file.suffix == ".safetensors" else f[place.name]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Our tensor `name` (e.g. blocks.0.attn.q_proj.weight) in fp32, checked finite."""
+        place = self.places[name]
+        t = place.fn(self._raw(place).to(torch.float32)).contiguous()
+        if not torch.isfinite(t).all():
+            raise CheckpointError(f"{place.file}: tensor {place.name!r} contains NaN or Inf; the weights are corrupt")
+        return t
+
+    def fill(self, module: nn.Module, prefix: str) -> nn.Module:
+        """Give the meta-device `module` (our names under `prefix`) its weights, fp32 on the CPU."""
+        module = module.to_empty(device="cpu")
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                p.copy_(self.tensor(prefix + name))
+        return module
+
+    def block(self, i: int) -> Block:
+        """blocks.i with its weights (a fresh module each call; the skeleton stays on meta)."""
+        import copy
+        # deepcopy keeps what is not a tensor: TaperNorm's c and its gate's value
+        return self.fill(copy.deepcopy(self.skeleton.blocks[i]), f"blocks.{i}.").eval()
+
+    def close(self) -> None:
+        self._files.clear()
+
+    def weight_bytes(self) -> int:
+        """fp32 bytes of the model's parameters (a tied table once)."""
+        return 4 * sum(p.numel() for p in {id(p): p for p in self.skeleton.parameters()}.values())
+
+
+def _checkpoint_source(path: Path, max_seq_len: int | None) -> WeightSource:
+    raw, cfg = read_checkpoint_config(path, memory_check=False)
+    where = path / WEIGHTS
+    if not where.is_file():
+        raise CheckpointError(f"{where}: missing; a checkpoint directory holds {WEIGHTS}")
+    from safetensors import safe_open
+    try:
+        with safe_open(str(where), framework="pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # safetensors raises several types on a damaged header
+        from core.errors import first_line
+        raise CheckpointError(f"{where}: not a readable safetensors file ({first_line(e)}); re-save the checkpoint") from None
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Decoder(cfg).state_dict().items()}
+    if cfg.tie_embeddings:
+        expected.pop("lm_head.weight")
+    missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: tensors disagree with config.json (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    for k, shape in expected.items():
+        if shapes[k] != shape:
+            raise CheckpointError(f"{where}: tensor '{k}' has shape {list(shapes[k])}; config.json implies {list(shape)}")
+    places = {k: _Place(where, k, lambda t: t) for k in expected}
+    if cfg.tie_embeddings:
+        places["lm_head.weight"] = places["wte.weight"]
+    return WeightSource(path, cfg, places, raw, "checkpoint")
+
+
+def _hf_source(path: Path, max_seq_len: int | None) -> WeightSource:
+    from models.convert import hf_weight_plan
+    plan = hf_weight_plan(path, max_seq_len)
+    places = {ours: _Place(file, hf_name, fn) for ours, (file, hf_name, fn) in plan.places.items()}
+    return WeightSource(path, plan.cfg, places, plan.raw, f"hf:{plan.raw['model_type']}", plan.notes)
+
+
+def open_weights(path: str | os.PathLike, max_seq_len: int | None = None) -> WeightSource:
+    """The weights of our checkpoint or of a Hugging Face folder, to be read tensor by tensor."""
+    from models.convert import is_hf_folder
+    path = Path(path)
+    return _hf_source(path, max_seq_len) if is_hf_folder(path) else _checkpoint_source(path, max_seq_len)
