@@ -135,9 +135,9 @@ def _drop_unused_outputs(proto: onnx.ModelProto, op_type: str) -> None:
                 n.output.pop()
 
 
-def export_onnx(model: Decoder, path: str | Path, dtype: str = "fp32", verbose: bool = False,
+def export_onnx(model: Decoder, path: str | Path | None, dtype: str = "fp32", verbose: bool = False,
                 attention: str = "plain") -> onnx.ModelProto:
-    """Export `model` (not modified) to `path` and return the ONNX model. attention: "plain"
+    """Export `model` (not modified) to `path` (None: not saved) and return the ONNX model. attention: "plain"
     (the portable form) or "fused" (one ONNX Attention op per layer, models/attention.py)."""
     from models.attention import fused_attention_export
     if dtype not in DTYPES:
@@ -170,5 +170,7 @@ def export_onnx(model: Decoder, path: str | Path, dtype: str = "fp32", verbose: 
     _drop_unused_outputs(proto, "Attention")
     for k, v in {**model_metadata(model, dtype), META_PREFIX + "attention": attention}.items():
         proto.metadata_props.add(key=k, value=v)
-    onnx.save(proto, str(path))
+    if path is not None:
+        from core.onnx_writer import save_onnx
+        save_onnx(proto, path)
     return proto

@@ -295,7 +295,7 @@ def quantize_embedding_like_head(model: onnx.ModelProto, cfg: QuantConfig) -> st
                           [numpy_helper.from_array(np.ascontiguousarray(table.T), "W")])
     head_cfg = QuantConfig(cfg.head_dtype, cfg.block_size, cfg.accuracy_level, "rtn")
     q = MatMulNBitsQuantizer(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]),
-                             algo_config=_algo_config(head_cfg, ("MatMul",)))
+                             algo_config=algo_config(head_cfg, ("MatMul",)))
     q.process()
     rows = {i.name: numpy_helper.to_array(i) for i in q.model.model.graph.initializer}
     node = q.model.model.graph.node[0]
@@ -306,7 +306,7 @@ def quantize_embedding_like_head(model: onnx.ModelProto, cfg: QuantConfig) -> st
     return f"token embedding int{head_cfg.bits} like the head (GatherBlockQuantized)"
 
 
-def _algo_config(cfg: QuantConfig, op_types: tuple[str, ...]):
+def algo_config(cfg: QuantConfig, op_types: tuple[str, ...]):
     from onnxruntime.quantization import matmul_nbits_quantizer as mq
     axes = (("MatMul", 0), ("Gather", 1))     # blocks along K of W [K, N]; along d of E [V, d]
     if cfg.algo == "hqq":
@@ -340,13 +340,13 @@ def quantize_weights(proto: onnx.ModelProto, cfg: QuantConfig) -> tuple[onnx.Mod
     tied = _tied_outputs(proto)
     try:
         q = MatMulNBitsQuantizer(model, nodes_to_exclude=_other_gathers(proto) + ([head] if own_head else []) + int8,
-                                 algo_config=_algo_config(cfg, op_types))
+                                 algo_config=algo_config(cfg, op_types))
         q.process()
         out = q.model.model
         if (own_head and cfg.head_dtype == "int8") or int8:   # second pass, int8: the constant MatMuls left
                                                               # (an fp32 head stays fp32)
             q = MatMulNBitsQuantizer(out, nodes_to_exclude=[head] if cfg.head_dtype == "fp32" else [],
-                                     algo_config=_algo_config(QuantConfig("int8", cfg.block_size, cfg.accuracy_level),
+                                     algo_config=algo_config(QuantConfig("int8", cfg.block_size, cfg.accuracy_level),
                                                               ("MatMul",)))
             q.process()
             out = q.model.model

@@ -1,0 +1,101 @@
+"""The one ONNX writer: a graph with its weights inline, or in one external file beside it.
+
+    save_onnx(proto, path)                          # a graph in memory (graph passes, small builds)
+    with StreamedWeights(path, external=True) as w: # a graph whose weights arrive one at a time
+        w.put(initializer_proto, array)              # written now, to path + ".data"; then freed
+    ...
+    w.save(proto)
+
+One rule for external data (EXTERNAL_AT): a graph whose weights reach it keeps them in
+`<file>.data` beside `<file>` (protobuf cannot serialize a message over 2 GB, and a loader
+can then memory-map the weights); below it, inline. Offsets in the data file are aligned to
+ALIGN bytes (the page size), so a runtime can map each tensor without copying it. Numbers
+are written little-endian as ONNX's raw_data requires; int4 values are packed two a byte by
+the caller (ONNX Runtime's MatMulNBits blobs already are).
+
+The file goes wherever the caller says: atomicity (a temporary path renamed into place) is the
+caller's, through core.outputs, which every command already uses.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+EXTERNAL_AT = 2_000_000_000 - (64 << 20)    # bytes of weights from which a graph keeps them in a .data file
+ALIGN = 4096
+
+
+def data_file_name(path: str | os.PathLike) -> str:
+    return Path(path).name + ".data"
+
+
+def initializer_bytes(proto) -> int:
+    """Bytes of a graph's initializers as stored (int4 at half a byte), inline or external."""
+    import numpy as np
+    import onnx
+    from onnx.helper import tensor_dtype_to_np_dtype
+    packed = (onnx.TensorProto.INT4, onnx.TensorProto.UINT4)      # two values a byte (numpy holds one a byte)
+    return sum(-(-int(np.prod(t.dims, dtype=np.int64)) // 2) if t.data_type in packed else
+               int(np.prod(t.dims, dtype=np.int64)) * tensor_dtype_to_np_dtype(t.data_type).itemsize
+               for t in proto.graph.initializer)
+
+
+def save_onnx(proto, path: str | os.PathLike) -> None:
+    """Write a graph held in memory: inline below EXTERNAL_AT, else its weights in `<file>.data`."""
+    import onnx
+    if initializer_bytes(proto) < EXTERNAL_AT:
+        onnx.save(proto, str(path))
+    else:
+        onnx.save(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=data_file_name(path), size_threshold=1024, convert_attribute=False)
+
+
+class StreamedWeights:
+    """Initializers written one at a time: to `<path>.data` (external) or into the graph (inline)."""
+
+    def __init__(self, path: str | os.PathLike, external: bool):
+        self.path, self.external = Path(path), external
+        self.location = data_file_name(path)
+        self.bytes = 0
+        self._file = None
+
+    def __enter__(self) -> "StreamedWeights":
+        if self.external:
+            self._file = open(self.path.parent / self.location, "wb")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def put(self, tensor, array) -> None:
+        """Store `array` (numpy, already in the tensor's dtype and shape) as the initializer `tensor`
+        (an onnx.TensorProto whose name, data_type and dims are set)."""
+        import numpy as np
+        import onnx
+        data = np.ascontiguousarray(array)
+        if data.dtype.byteorder == ">":
+            data = data.byteswap().view(data.dtype.newbyteorder("<"))
+        tensor.ClearField("raw_data")
+        del tensor.external_data[:]
+        if not self.external:
+            tensor.raw_data = data.tobytes()
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            self.bytes += data.nbytes
+            return
+        offset = -(-self._file.tell() // ALIGN) * ALIGN
+        self._file.seek(offset)
+        self._file.write(data.reshape(-1).view(np.uint8))
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        for k, v in (("location", self.location), ("offset", str(offset)), ("length", str(data.nbytes))):
+            tensor.external_data.add(key=k, value=v)
+        self.bytes += data.nbytes
+
+    def save(self, proto) -> None:
+        """Write the graph itself (its initializers already put)."""
+        import onnx
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        onnx.save(proto, str(self.path))
