@@ -18,6 +18,15 @@ runtime.generate --backend torch and train.finetune read; `export.build
     qwen2    tied head; qwen2 has q/k/v biases; mistral's sliding window must cover the
              capacity (--max-seq-len).
 
+config.json and the weights mean what they mean to the installed transformers (5.x),
+whose forward the tests compare against: the rope settings are rope_scaling when it is
+non-empty, else rope_parameters (top-level rope_theta fills in); partial_rotary_factor
+is ignored with default rope, as transformers' llama family ignores it; a tied config's
+stored lm_head.weight that differs from the embedding is kept (untied), and a missing
+embedding is the stored head. Names, shapes and the family are checked from the files'
+headers before the memory estimate; a pytorch_model.bin is read weights-only (a pickle
+that would call code is refused).
+
 The KV-cache capacity (max_seq_len) is min(max_position_embeddings, --max-seq-len,
 default DEFAULT_CAPACITY): a cache is preallocated at full capacity. Everything
 else that the decoder cannot express (another model_type, rope scaling type,
@@ -26,11 +35,14 @@ with no place in the layout) is refused with one line naming it.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import pickle
 import re
 import sys
 import warnings
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -73,6 +85,9 @@ HF_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu
 IGNORED = re.compile(r".*(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
 
 
+MISSING = object()   # a key a config.json leaves out (distinct from a null value)
+
+
 class ConvertError(CheckpointError):
     """A Hugging Face folder that cannot be converted; one line naming the file and what is wrong."""
 
@@ -93,6 +108,10 @@ def read_hf_config(path: Path) -> dict:
         raise ConvertError(f"{where}: expected a readable JSON file, found {first_line(e)}; re-save the folder") from None
     if not isinstance(raw, dict):
         raise ConvertError(f"{where}: expected a JSON object, found {type(raw).__name__}")
+    if "format" in raw and "norm" in raw:       # models/checkpoint.py's config.json, not a Hugging Face one
+        raise ConvertError(f"{where}: expected a Hugging Face config.json, found one of our checkpoints "
+                           f"(format {raw['format']!r}, norm {raw['norm']!r}); this is already a checkpoint: "
+                           f"use it directly (export.build --checkpoint {path})")
     kind = raw.get("model_type")
     if kind not in SUPPORTED:
         raise ConvertError(f"{where}: model_type {kind!r} is not supported; supported: {', '.join(SUPPORTED)}")
@@ -114,6 +133,7 @@ class _Fields:
     def __init__(self, where: Path, raw: dict):
         self.where, self.raw, self.kind = where, raw, raw["model_type"]
         self.defaults = HF_DEFAULTS[self.kind]
+        self.notes: list[str] = []      # what the user should hear about a choice made for them
 
     def get(self, key: str, default=None):
         return self.raw[key] if key in self.raw else self.defaults.get(key, default)
@@ -126,15 +146,16 @@ class _Fields:
             self.refuse(key, v, "a positive integer")
         return v
 
-    def number(self, key: str, value=None) -> float:
-        """A positive number (config key, or a value read from under it)."""
-        v = self.get(key) if value is None else value
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v:
+    def number(self, key: str, *value) -> float:
+        """A positive number: the config key's, or the value given (read from under it, MISSING if absent)."""
+        v = value[0] if value else self.get(key)
+        if v is MISSING or isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v:
             self.refuse(key, v, "a positive number")
         return float(v)
 
     def refuse(self, key: str, value, expected: str):
-        raise ConvertError(f"{self.where}: {self.kind} field {key!r} is {value!r}; expected {expected}")
+        found = "missing" if value is MISSING else repr(value)
+        raise ConvertError(f"{self.where}: {self.kind} field {key!r} is {found}; expected {expected}")
 
     def unsupported(self, what: str):
         raise ConvertError(f"{self.where}: {what} is not supported by the converter ({self.kind}); "
@@ -151,35 +172,56 @@ def _capacity(f: _Fields, key: str, max_seq_len: int | None) -> int:
     return min(f.int(key), max_seq_len or DEFAULT_CAPACITY)
 
 
-def _rope(f: _Fields, head_dim: int) -> dict:
-    """rope_theta, rotary_dim and rope_scaling from rope_parameters (transformers 5) or the older keys."""
-    params = f.get("rope_parameters")
-    if params is None:
-        if not isinstance(f.get("rope_scaling") or {}, dict):
-            f.refuse("rope_scaling", f.get("rope_scaling"), "an object or null")
-        params = dict(f.get("rope_scaling") or {})
-        params.setdefault("rope_theta", f.get("rope_theta"))
-        if "partial_rotary_factor" in f.raw:
-            params.setdefault("partial_rotary_factor", f.raw["partial_rotary_factor"])
-        if "type" in params and "rope_type" not in params:
-            params["rope_type"] = params["type"]
-    if not isinstance(params, dict):
-        f.refuse("rope_parameters", params, "an object")
-    kind = params.get("rope_type", "default")
-    theta = f.number("rope_theta", params.get("rope_theta", f.defaults["rope_theta"]))
+def _rope_settings(f: _Fields) -> tuple[str, dict]:
+    """The rope settings as the installed transformers reads them, and the key they came from.
+
+    PreTrainedConfig.convert_rope_params_to_dict / standardize_rope_params (transformers 5): a
+    non-empty rope_scaling replaces rope_parameters whole (its rope_theta too); rope_theta and
+    partial_rotary_factor at the top level fill what the dict leaves out; rope_type defaults to
+    the legacy 'type', then 'default'; llama3's original length defaults to max_position_embeddings.
+    """
+    scaling, params = f.raw.get("rope_scaling"), f.raw.get("rope_parameters")
+    key, chosen = ("rope_scaling", scaling) if scaling else ("rope_parameters", params)
+    chosen = {} if chosen is None else chosen
+    if not isinstance(chosen, dict):
+        f.refuse(key, chosen, "an object")
+    if any(isinstance(v, dict) for v in chosen.values()):     # transformers' per-layer-type form (nested dicts)
+        f.unsupported(f"{key} per layer type")
+    if scaling and params and params != scaling:
+        f.notes.append(f"{f.where} has both rope_scaling and rope_parameters: rope_scaling is used and "
+                       "rope_parameters ignored, as transformers does (keep one of them)")
+    p = dict(chosen)
+    p.setdefault("rope_theta", f.get("rope_theta"))
+    if f.raw.get("partial_rotary_factor") is not None:
+        p.setdefault("partial_rotary_factor", f.raw["partial_rotary_factor"])
+    p.setdefault("rope_type", p.get("type", "default"))
+    if p["rope_type"] == "llama3":
+        p.setdefault("original_max_position_embeddings", f.get("max_position_embeddings"))
+    return key, p
+
+
+def _rope(f: _Fields) -> dict:
+    """rope_theta and rope_scaling of the decoder; refuses what it cannot compute."""
+    key, params = _rope_settings(f)
+    kind = params["rope_type"]
+    theta = f.number("rope_theta", params["rope_theta"])
     needs = {"default": (), "linear": ("factor",),
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
     if not isinstance(kind, str) or kind not in needs:
-        f.unsupported(f"rope type {kind!r} (supported: {', '.join(needs)})")
+        f.unsupported(f"rope type {kind!r} (supported: {', '.join(needs)}) from {key}")
     for k in needs[kind]:
-        f.number(f"rope_parameters.{k}", params.get(k, "missing"))
-    factor = f.number("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
-    rotary_dim = int(head_dim * factor)
-    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
-        f.refuse("partial_rotary_factor", factor, f"a fraction of the head width {head_dim} giving an even width")
+        f.number(f"{key}.{k}", params.get(k, MISSING))
+    # transformers' llama, mistral and qwen2 rotate the whole head: their default rope ignores
+    # partial_rotary_factor, and a scaled rope with it fails there (cos/sin narrower than the head)
+    partial = params.get("partial_rotary_factor", 1.0)
+    if partial != 1.0 and kind != "default":
+        f.unsupported(f"partial_rotary_factor {partial!r} with rope type {kind!r} from {key} "
+                      "(transformers cannot run it either)")
+    if partial != 1.0:
+        f.notes.append(f"{f.where}: partial_rotary_factor {partial!r} is ignored, as transformers' {f.kind} "
+                       "ignores it (its rotary embedding covers the whole head)")
     scaling = None if kind == "default" else {"rope_type": kind, **{k: params[k] for k in needs[kind]}}
-    return dict(pos_embedding="rope", rope_theta=theta, rope_scaling=scaling,
-                rotary_dim=None if rotary_dim == head_dim else rotary_dim)
+    return dict(pos_embedding="rope", rope_theta=theta, rope_scaling=scaling)
 
 
 def gpt2_config(f: _Fields, max_seq_len: int | None) -> DecoderConfig:
@@ -223,7 +265,7 @@ def llama_config(f: _Fields, max_seq_len: int | None) -> DecoderConfig:
                          max_seq_len=capacity, mlp="swiglu", norm="rmsnorm",
                          tie_embeddings=bool(f.get("tie_word_embeddings")), eps=eps,
                          mlp_hidden=f.int("intermediate_size"), activation=f.activation("hidden_act"),
-                         **_rope(f, head_dim), **bias)
+                         **_rope(f), **bias)
 
 
 def hf_decoder_config(f: _Fields, max_seq_len: int | None = None) -> DecoderConfig:
@@ -245,6 +287,7 @@ class Param:
     hf_name: str
     shape: tuple[int, ...]
     targets: list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = field(default_factory=list)
+    prefixed: bool = True        # stored under the base model's prefix (transformer. / model.); the head never is
 
 
 def _same(t):
@@ -303,12 +346,34 @@ def llama_params(cfg: DecoderConfig) -> list[Param]:
     return ps
 
 
-def expected_params(f: _Fields, cfg: DecoderConfig) -> tuple[list[Param], tuple[str, ...]]:
-    """The tensors a folder of this kind must hold, and the prefixes its names may carry."""
+HEAD = "lm_head.weight"
+# the embedding's name tells the two layouts apart (llama, mistral and qwen2 share theirs)
+EMBEDDINGS = {"gpt2": ("wte.weight", "gpt2"), "llama": ("embed_tokens.weight", "llama, mistral or qwen2")}
+
+
+def expected_params(f: _Fields, cfg: DecoderConfig, head_stored: bool) -> tuple[list[Param], tuple[str, ...]]:
+    """The tensors a folder of this kind must hold (the embedding first), and the prefixes its names may carry.
+
+    A tied config's stored head is read too: transformers ties only a head equal to the embedding.
+    """
     params = gpt2_params(cfg, f.int("n_positions")) if f.kind == "gpt2" else llama_params(cfg)
-    if not cfg.tie_embeddings:
-        params.append(Param("lm_head.weight", (cfg.vocab_size, cfg.d_model), [("lm_head.weight", _same)]))
+    if not cfg.tie_embeddings or head_stored:
+        params.append(Param(HEAD, (cfg.vocab_size, cfg.d_model), [("lm_head.weight", _same)], prefixed=False))
     return params, (("transformer.", "") if f.kind == "gpt2" else ("model.", ""))
+
+
+def _file_problem(p: Path) -> str | None:
+    """What is wrong with a name that is there but is no readable file; None when it is a file or absent."""
+    if not os.path.lexists(p) or p.is_file():
+        return None
+    if p.is_symlink():
+        try:
+            p.stat()
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return "a symlink loop"
+            return f"a broken symlink (to {os.readlink(p)}, which does not exist)"
+    return "a directory" if p.is_dir() else "not a regular file"
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -326,124 +391,200 @@ def weight_files(path: Path) -> list[Path]:
             for s in shards:
                 if not isinstance(s, str) or "/" in s or s in ("", ".", ".."):
                     raise ConvertError(f"{path / index}: shard name {s!r} is not a file name in the folder; re-save the folder")
+                if problem := _file_problem(path / s):
+                    raise ConvertError(f"{path / s}: expected a shard file, found {problem}; {index} lists it "
+                                       "(copy the real shard into the folder)")
                 if not (path / s).is_file():
                     raise ConvertError(f"{path / s}: missing; {index} lists it as a shard (copy every shard into the folder)")
             return [path / s for s in shards]
+    # like transformers, a usable later file wins over a broken earlier one; with none, name the broken one
+    for name in (SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN, TORCH_BIN_INDEX):
+        if problem := _file_problem(path / name):
+            raise ConvertError(f"{path / name}: expected a weights file, found {problem}; "
+                               "put the real file there (or remove the name)")
     raise ConvertError(f"{path}: no weights found; expected {WEIGHT_FILES}")
 
 
-def _read_file(where: Path) -> dict[str, torch.Tensor]:
+@dataclass
+class Stored:
+    """One tensor of the folder: its shape from the file's header, its data read only when asked for."""
+    file: Path
+    shape: tuple[int, ...]
+    read: Callable[[], torch.Tensor]
+
+
+def _unreadable(where: Path, reason: str) -> ConvertError:
+    kind = "safetensors" if where.suffix == ".safetensors" else "PyTorch"
+    return ConvertError(f"{where}: not a readable {kind} weights file ({reason[:200]}); re-download or re-save it")
+
+
+def _pickle_callables(where: Path) -> list[str]:
+    """The callables a pickle names (GLOBAL, STACK_GLOBAL, INST), read with pickletools: nothing is run.
+
+    A pickle runs code by calling what it names; tensors name only torch's rebuild functions.
+    torch's weights-only reader may stop earlier (at protocol 4's FRAME), so it cannot tell us.
+    """
+    import io
+    import pickletools
+    names: list[str] = []
+    try:
+        if zipfile.is_zipfile(where):
+            with zipfile.ZipFile(where) as z:
+                stream = io.BytesIO(z.read(next(n for n in z.namelist() if n.endswith("data.pkl"))))
+        else:   # legacy format: a few pickles in a row (magic number, protocol, sys info, the state dict)
+            stream = open(where, "rb")
+        with stream:
+            for _ in range(4):
+                strings: list[str] = []
+                for op, arg, _ in pickletools.genops(stream):
+                    if op.name in ("GLOBAL", "INST"):    # protocols 0-2 say __builtin__, as Python 2 did
+                        names.append(arg.replace(" ", ".").replace("__builtin__.", "builtins."))
+                    elif op.name == "STACK_GLOBAL":
+                        names.append(".".join(strings[-2:]))
+                    elif isinstance(arg, str):
+                        strings.append(arg)
+    except Exception:   # damaged, or the end of a lone pickle: what was read so far
+        pass
+    return names
+
+
+def _pickle_refused(where: Path, e: pickle.UnpicklingError) -> ConvertError:
+    """torch's weights-only reader refused the file: say why in our words, never its advice to turn it off."""
+    # a dotted name, not one of the rebuild functions tensors use (random bytes seldom spell one)
+    code = [n for n in _pickle_callables(where) if re.fullmatch(r"[A-Za-z_][\w.]*\.\w+", n)
+            and not n.startswith(("torch.", "collections.OrderedDict"))]
+    if code:
+        return ConvertError(f"{where}: expected a pickle of tensors only, found one that calls {code[0]}; "
+                            "refused because loading it could run code (load only files you trust; convert it "
+                            "to safetensors with a tool you trust)")
+    reason = next((line.strip() for line in str(e).splitlines() if line.strip() and "weights_only" not in line
+                   and not line.startswith(("Weights only load failed", "Check the documentation"))), "damaged")
+    return _unreadable(where, reason)
+
+
+def _read_file(where: Path) -> dict[str, Stored]:
+    """The tensors of one weights file by name; the data of a safetensors file stays on disk until read."""
     try:
         if where.suffix == ".safetensors":
-            from safetensors.torch import load_file
-            return load_file(str(where))
+            from safetensors import safe_open
+            handle = safe_open(str(where), framework="pt")
+            return {n: Stored(where, tuple(handle.get_slice(n).get_shape()), lambda n=n: handle.get_tensor(n))
+                    for n in handle.keys()}
         with warnings.catch_warnings():     # a damaged pickle warns before it fails: one line only
             warnings.simplefilter("ignore")
-            state = torch.load(where, map_location="cpu", weights_only=True)
+            # memory-mapped where the format allows it (zip, torch >= 1.6): shapes now, data when used
+            state = torch.load(where, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(where))
+    except pickle.UnpicklingError as e:
+        raise _pickle_refused(where, e) from None
     except Exception as e:  # safetensors, pickle and zip readers raise many types on a damaged file
-        raise ConvertError(f"{where}: not a readable {'safetensors' if where.suffix == '.safetensors' else 'PyTorch'} "
-                           f"weights file ({first_line(e)[:200]}); re-download or re-save it") from None
+        raise _unreadable(where, first_line(e)) from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConvertError(f"{where}: expected a state dict of tensors, found {type(state).__name__}; re-save the folder")
-    return state
+    return {n: Stored(where, tuple(t.shape), lambda t=t: t) for n, t in state.items()}
 
 
-def read_weights(path: Path) -> dict[str, tuple[torch.Tensor, Path]]:
-    """Every tensor of the folder -> (tensor, the file it came from)."""
-    out: dict[str, tuple[torch.Tensor, Path]] = {}
+def read_weights(path: Path) -> dict[str, Stored]:
+    """Every tensor of the folder by name (shapes only: nothing is read yet)."""
+    out: dict[str, Stored] = {}
     for f in weight_files(path):
-        for name, t in _read_file(f).items():
-            out[name] = (t, f)
+        out.update(_read_file(f))
     return out
 
 
-@dataclass
-class TensorInfo:
-    """What a weights file's header says of one tensor (nothing is read)."""
-    shape: tuple[int, ...]
-    floating: bool
-    file: Path
+def _check_layout(path: Path, f: _Fields, stored: dict[str, Stored], expected: str) -> None:
+    """The embedding is missing: if the other layout's is there, config.json and the weights are different models."""
+    embedding, family = EMBEDDINGS["llama" if f.kind == "gpt2" else "gpt2"]
+    found = next((n for n in stored if n == embedding or n.endswith("." + embedding)), None)
+    if found:
+        raise ConvertError(f"{path}: config.json says model_type {f.kind!r}, but the weights are a {family} model's "
+                           f"(they hold {found!r}, not {expected!r}); use the config.json that came with the weights")
 
 
-def plan_weights(path: Path, f: _Fields, cfg: DecoderConfig, infos: dict[str, TensorInfo]
-                 ) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
-    """Our tensor name -> (the folder's tensor name, the function that maps it), from the headers;
-    refuses a missing, misshapen or unplaced tensor."""
-    params, prefixes = expected_params(f, cfg)
-    plan, used = {}, set()
+def plan_weights(path: Path, f: _Fields, cfg: DecoderConfig, stored: dict[str, Stored]) -> list[tuple[Param, str]]:
+    """Which stored tensor fills each expected one, checked by name and shape before any data is read."""
+    params, prefixes = expected_params(f, cfg, head_stored=HEAD in stored)
+    # missing names are given as the user's file spells them: with the prefix its embedding has
+    prefix = next((pre for pre in prefixes if pre + params[0].hf_name in stored), prefixes[0])
+    plan = []
     for p in params:
-        name = next((pre + p.hf_name for pre in prefixes if pre + p.hf_name in infos), None)
-        if name is None and p.hf_name == "lm_head.weight":
-            name = p.hf_name if p.hf_name in infos else None
+        names = [pre + p.hf_name for pre in prefixes] if p.prefixed else [p.hf_name]
+        if p is params[0] and cfg.tie_embeddings:
+            names.append(HEAD)      # transformers ties a missing embedding to the stored head (tie_weights swaps)
+        name = next((n for n in names if n in stored), None)
         if name is None:
-            raise ConvertError(f"{path}: the weights lack tensor {prefixes[0] + p.hf_name!r} that config.json implies "
-                               f"(looked in {', '.join(sorted({i.file.name for i in infos.values()}))}); "
+            theirs = prefix + p.hf_name if p.prefixed else p.hf_name
+            if p is params[0]:
+                _check_layout(path, f, stored, theirs)
+            raise ConvertError(f"{path}: the weights lack tensor {theirs!r} that config.json implies "
+                               f"(looked in {', '.join(sorted({s.file.name for s in stored.values()}))}); "
                                "the folder is incomplete or its config.json belongs to another model")
-        info = infos[name]
-        if info.shape != p.shape:
-            raise ConvertError(f"{info.file}: tensor {name!r} has shape {list(info.shape)}; config.json implies "
+        t = stored[name]
+        if t.shape != p.shape:
+            raise ConvertError(f"{t.file}: tensor {name!r} has shape {list(t.shape)}; config.json implies "
                                f"{list(p.shape)} (the weights and config.json disagree: re-save the folder)")
-        if not info.floating:
-            raise ConvertError(f"{info.file}: tensor {name!r} is not floating-point; expected floating-point weights")
-        for ours, fn in p.targets:
-            plan[ours] = (name, fn)
-        used.add(name)
-    tied_head = cfg.tie_embeddings and "lm_head.weight" in infos
-    extra = sorted(n for n in infos if n not in used and not IGNORED.match(n) and not (tied_head and n == "lm_head.weight"))
+        plan.append((p, name))
+    used = {name for _, name in plan}
+    extra = sorted(n for n in stored if n not in used and not IGNORED.match(n))
     if extra:
-        raise ConvertError(f"{infos[extra[0]].file}: tensor {extra[0]!r} has no place in the {f.kind} layout "
+        raise ConvertError(f"{stored[extra[0]].file}: tensor {extra[0]!r} has no place in the {f.kind} layout "
                            f"({len(extra)} such tensor(s)); the model has parts the converter does not support")
     return plan
 
 
-def map_weights(path: Path, f: _Fields, cfg: DecoderConfig, tensors: dict) -> dict[str, torch.Tensor]:
-    """Our state dict from the folder's tensors (plan_weights' checks first)."""
-    infos = {n: TensorInfo(tuple(t.shape), t.is_floating_point(), src) for n, (t, src) in tensors.items()}
-    return {ours: fn(tensors[name][0].to(torch.float32)).contiguous()
-            for ours, (name, fn) in plan_weights(path, f, cfg, infos).items()}
-
-
-def _header(where: Path) -> dict[str, TensorInfo]:
-    """Tensor name -> TensorInfo of one weights file, from its header (safetensors) or a memory
-    map (pytorch_model.bin, weights_only): no tensor data is read."""
-    try:
-        if where.suffix == ".safetensors":
-            from safetensors import safe_open
-            with safe_open(str(where), framework="pt") as sf:
-                return {k: TensorInfo(tuple(sf.get_slice(k).get_shape()), sf.get_slice(k).get_dtype().startswith(("F", "BF")),
-                                      where) for k in sf.keys()}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            state = torch.load(where, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # safetensors, pickle and zip readers raise many types on a damaged file
-        raise ConvertError(f"{where}: not a readable {'safetensors' if where.suffix == '.safetensors' else 'PyTorch'} "
-                           f"weights file ({first_line(e)[:200]}); re-download or re-save it") from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ConvertError(f"{where}: expected a state dict of tensors, found {type(state).__name__}; re-save the folder")
-    return {k: TensorInfo(tuple(v.shape), v.is_floating_point(), where) for k, v in state.items()}
+def load_weights(f: _Fields, cfg: DecoderConfig, stored: dict[str, Stored], plan: list[tuple[Param, str]]) -> dict:
+    """Our state dict (fp32), one stored tensor read at a time; unties a tied config whose stored head differs."""
+    state = {}
+    for p, name in plan:
+        src = stored[name].file
+        try:
+            t = stored[name].read()
+        except Exception as e:      # a file damaged past its header
+            raise _unreadable(src, first_line(e)) from None
+        if not t.is_floating_point():
+            raise ConvertError(f"{src}: tensor {name!r} has dtype {str(t.dtype).replace('torch.', '')}; "
+                               "expected floating-point weights")
+        for ours, fn in p.targets:
+            state[ours] = fn(t.to(torch.float32)).contiguous()
+    if cfg.tie_embeddings and "lm_head.weight" in state:
+        head = state.pop("lm_head.weight")
+        if not torch.equal(head, state["wte.weight"]):
+            # transformers (modeling_utils.tie_weights) keeps both when they differ, whatever config.json says
+            cfg.tie_embeddings = False
+            state["lm_head.weight"] = head
+            f.notes.append(f"{f.where} sets tie_word_embeddings, but the stored {HEAD} differs from the embedding: "
+                           "kept untied, as transformers does (set tie_word_embeddings to false to say so)")
+    return state
 
 
 @dataclass
 class WeightPlan:
-    """A Hugging Face folder mapped without reading a tensor: what models/weights.py streams."""
+    """A Hugging Face folder mapped without reading it whole: what models/weights.py streams."""
     raw: dict
     cfg: DecoderConfig
-    places: dict[str, tuple[Path, str, Callable[[torch.Tensor], torch.Tensor]]]   # ours -> (file, name, fn)
+    places: dict[str, tuple[Stored, Callable[[torch.Tensor], torch.Tensor]]]   # ours -> (stored tensor, map)
     notes: list[str]
 
 
 def hf_weight_plan(path: str | os.PathLike, max_seq_len: int | None = None) -> WeightPlan:
-    """The config and the tensor map of an HF folder, checked against the files' headers."""
+    """The config and the tensor map of an HF folder, checked against the files' headers (the
+    tie rule reads the embedding and the stored head once, as load_weights does)."""
     path = Path(path)
     raw = read_hf_config(path)
     f = _Fields(path / CONFIG, raw)
     cfg = hf_decoder_config(f, max_seq_len)
-    infos = {k: v for file in weight_files(path) for k, v in _header(file).items()}
-    plan = plan_weights(path, f, cfg, infos)
-    places = {ours: (infos[name].file, name, fn) for ours, (name, fn) in plan.items()}
+    stored = read_weights(path)
+    places = {ours: (stored[name], fn) for p, name in plan_weights(path, f, cfg, stored) for ours, fn in p.targets}
+    if cfg.tie_embeddings and "lm_head.weight" in places:
+        head, emb = places["lm_head.weight"], places["wte.weight"]
+        if torch.equal(head[1](head[0].read()), emb[1](emb[0].read())):
+            del places["lm_head.weight"]
+        else:
+            cfg.tie_embeddings = False
+            f.notes.append(f"{f.where} sets tie_word_embeddings, but the stored {HEAD} differs from the embedding: "
+                           "kept untied, as transformers does (set tie_word_embeddings to false to say so)")
     if cfg.tie_embeddings:
         places["lm_head.weight"] = places["wte.weight"]
-    return WeightPlan(raw, cfg, places, _folder_notes(path, raw, cfg))
+    return WeightPlan(raw, cfg, places, _folder_notes(path, raw, cfg, f.notes))
 
 
 # --- the whole folder -------------------------------------------------------------------------
@@ -463,11 +604,13 @@ def convert(path: str | os.PathLike, max_seq_len: int | None = None) -> Converte
     raw = read_hf_config(path)
     f = _Fields(path / CONFIG, raw)
     cfg = hf_decoder_config(f, max_seq_len)
-    check_memory(3 * 4 * cfg.approx_param_count(), f"{path}: converting the model it holds",
+    stored = read_weights(path)
+    plan = plan_weights(path, f, cfg, stored)     # names and shapes first: a mismatch is named, not sized
+    kept_head = cfg.vocab_size * cfg.d_model if cfg.tie_embeddings and HEAD in stored else 0   # may stay untied
+    check_memory(3 * 4 * (cfg.approx_param_count() + kept_head), f"{path}: converting the model it holds",
                  "convert on a machine with more memory")
-    tensors = read_weights(path)
-    state = map_weights(path, f, cfg, tensors)
-    del tensors
+    state = load_weights(f, cfg, stored, plan)
+    del stored, plan
     with torch.device("meta"):
         model = Decoder(cfg)
     model = model.to_empty(device="cpu")
@@ -482,14 +625,15 @@ def convert(path: str | os.PathLike, max_seq_len: int | None = None) -> Converte
     for name, t in model.state_dict().items():
         if not torch.isfinite(t).all():
             raise ConvertError(f"{path}: tensor for {name!r} contains NaN or Inf; the weights are corrupt")
-    notes = _folder_notes(path, raw, cfg)
+    notes = _folder_notes(path, raw, cfg, f.notes)
     tok = path / TOKENIZER if (path / TOKENIZER).is_file() else None
     return Converted(model.eval(), tok, raw["model_type"], notes)
 
 
-def _folder_notes(path: Path, raw: dict, cfg: DecoderConfig) -> list[str]:
-    """What to tell the user of a folder (capacity, a missing tokenizer); checks the tokenizer fits."""
-    notes = [f"converted Hugging Face {raw['model_type']} folder {path}: capacity {cfg.max_seq_len} tokens"]
+def _folder_notes(path: Path, raw: dict, cfg: DecoderConfig, notes: list[str]) -> list[str]:
+    """What to tell the user of a folder (capacity, the converter's notes, a missing tokenizer);
+    checks the tokenizer fits."""
+    notes = [f"converted Hugging Face {raw['model_type']} folder {path}: capacity {cfg.max_seq_len} tokens", *notes]
     if (path / TOKENIZER).is_file():
         check_tokenizer_fits(path, cfg.vocab_size)
     else:

@@ -29,9 +29,10 @@ from models.decoder import Block, Decoder, DecoderConfig
 
 @dataclass
 class _Place:
-    """Where one of our tensors comes from: a file's tensor and the function that maps it."""
+    """Where one of our tensors comes from: a file's tensor, how to read it, the function that maps it."""
     file: Path
     name: str
+    read: Callable[[], torch.Tensor]
     fn: Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -43,31 +44,24 @@ class WeightSource:
         self.where, self.cfg, self.places, self.raw_config = where, cfg, places, raw_config
         self.source = source                    # "checkpoint" | "hf:<model_type>"
         self.notes = notes or []
-        self._files: dict[Path, object] = {}
         with torch.device("meta"):
             self.skeleton = Decoder(cfg)
         if source == "checkpoint":
             apply_taper_state(where / CONFIG, self.skeleton, raw_config)
 
-    # --- reading ----------------------------------------------------------------------------------
-
-    def _open(self, file: Path):
-        if file not in self._files:
-            if file.suffix == ".safetensors":
-                from safetensors import safe_open
-                self._files[file] = safe_open(str(file), framework="pt")
-            else:
-                self._files[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        return self._files[file]
-
-    def _raw(self, place: _Place) -> torch.Tensor:
-        f = self._open(place.file)
-        return f.get_tensor(place.name) if place.file.suffix == ".safetensors" else f[place.name]
-
     def tensor(self, name: str) -> torch.Tensor:
-        """Our tensor `name` (e.g. blocks.0.attn.q_proj.weight) in fp32, checked finite."""
+        """Our tensor `name` (e.g. blocks.0.attn.q_proj.weight) in fp32, checked float and finite."""
         place = self.places[name]
-        t = place.fn(self._raw(place).to(torch.float32)).contiguous()
+        try:
+            raw = place.read()
+        except Exception as e:      # a file damaged past its header
+            from core.errors import first_line
+            raise CheckpointError(f"{place.file}: tensor {place.name!r} cannot be read ({first_line(e)}); "
+                                  "re-save the weights") from None
+        if not raw.is_floating_point():
+            raise CheckpointError(f"{place.file}: tensor {place.name!r} has dtype {str(raw.dtype).replace('torch.', '')}; "
+                                  "expected floating-point weights")
+        t = place.fn(raw.to(torch.float32)).contiguous()
         if not torch.isfinite(t).all():
             raise CheckpointError(f"{place.file}: tensor {place.name!r} contains NaN or Inf; the weights are corrupt")
         return t
@@ -86,9 +80,6 @@ class WeightSource:
         # deepcopy keeps what is not a tensor: TaperNorm's c and its gate's value
         return self.fill(copy.deepcopy(self.skeleton.blocks[i]), f"blocks.{i}.").eval()
 
-    def close(self) -> None:
-        self._files.clear()
-
     def weight_bytes(self) -> int:
         """fp32 bytes of the model's parameters (a tied table once)."""
         return 4 * sum(p.numel() for p in {id(p): p for p in self.skeleton.parameters()}.values())
@@ -101,8 +92,8 @@ def _checkpoint_source(path: Path, max_seq_len: int | None) -> WeightSource:
         raise CheckpointError(f"{where}: missing; a checkpoint directory holds {WEIGHTS}")
     from safetensors import safe_open
     try:
-        with safe_open(str(where), framework="pt") as f:
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        handle = safe_open(str(where), framework="pt")
+        shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
     except Exception as e:  # safetensors raises several types on a damaged header
         from core.errors import first_line
         raise CheckpointError(f"{where}: not a readable safetensors file ({first_line(e)}); re-save the checkpoint") from None
@@ -116,7 +107,7 @@ def _checkpoint_source(path: Path, max_seq_len: int | None) -> WeightSource:
     for k, shape in expected.items():
         if shapes[k] != shape:
             raise CheckpointError(f"{where}: tensor '{k}' has shape {list(shapes[k])}; config.json implies {list(shape)}")
-    places = {k: _Place(where, k, lambda t: t) for k in expected}
+    places = {k: _Place(where, k, lambda k=k: handle.get_tensor(k), lambda t: t) for k in expected}
     if cfg.tie_embeddings:
         places["lm_head.weight"] = places["wte.weight"]
     return WeightSource(path, cfg, places, raw, "checkpoint")
@@ -125,7 +116,7 @@ def _checkpoint_source(path: Path, max_seq_len: int | None) -> WeightSource:
 def _hf_source(path: Path, max_seq_len: int | None) -> WeightSource:
     from models.convert import hf_weight_plan
     plan = hf_weight_plan(path, max_seq_len)
-    places = {ours: _Place(file, hf_name, fn) for ours, (file, hf_name, fn) in plan.places.items()}
+    places = {ours: _Place(stored.file, ours, stored.read, fn) for ours, (stored, fn) in plan.places.items()}
     return WeightSource(path, plan.cfg, places, plan.raw, f"hf:{plan.raw['model_type']}", plan.notes)
 
 
