@@ -66,17 +66,23 @@ def session_steps(iface: DecodeContract, seed: int = 0, batch: int = 2, prompt: 
     return steps
 
 
-def run_onnx(sess, iface: DecodeContract, steps: list[Step]) -> list[dict[str, np.ndarray]]:
-    """Outputs of every step; the present caches of one step are the next step's past."""
+def run_onnx(sess, iface: DecodeContract, steps: list[Step], trim: int | None = None) -> list[dict[str, np.ndarray]]:
+    """Outputs of every step; the present caches of one step are the next step's past.
+    trim: keep the logits of every step and, of the last step only, the caches cut to their
+    first `trim` slots (what a real-size verification can hold: models/layerwise.py)."""
     batch = steps[0].input_ids.shape[0]
     shape = iface.cache_shape(batch)
     caches = {n: np.zeros(shape, NP_DTYPES[iface.dtype]) for n in iface.cache_names()}
     out_names = [o.name for o in sess.get_outputs()]
     results = []
-    for step in steps:
+    for i, step in enumerate(steps):
         feeds = {"input_ids": step.input_ids, "position": step.position, **caches}
         outs = dict(zip(out_names, sess.run(out_names, feeds)))
         caches = {n: outs[f"present_{n}"] for n in iface.cache_names()}
+        if trim is not None:
+            last = i == len(steps) - 1
+            outs = {k: (v[:, :, :trim].copy() if k != "logits" else v) for k, v in outs.items()
+                    if k == "logits" or last}
         results.append(outs)
     return results
 
