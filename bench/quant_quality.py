@@ -113,13 +113,13 @@ def markdown(rows: list[dict]) -> str:
 def run(argv: list[str]) -> int:
     from core.errors import ArgumentParser, UserError, int_in
     from core.outputs import write_json
-    from export.quantize import ALGOS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, HEAD_DTYPES, QuantConfig
+    from export.quantize import ALGOS, BLOCK_SIZES, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, HEAD_DTYPES, QuantConfig
     p = ArgumentParser(prog="python -m bench.quant_quality", description=__doc__.split("\n\n")[1])
     p.add_argument("--json", type=Path, required=True, help="where the numbers go (a JSON report)")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of zoo models ({', '.join(KINDS)})")
     p.add_argument("--dtypes", default="int8,int4", help="comma list of int8, int4")
     p.add_argument("--stories", type=int_in(1, 300), default=64, help="held-out stories (default 64)")
-    p.add_argument("--block-size", type=int_in(16, 4096), default=DEFAULT_BLOCK_SIZE,
+    p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=DEFAULT_BLOCK_SIZE,
                    help=f"MatMulNBits block size (default {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--accuracy-level", type=int_in(0, 4), default=DEFAULT_ACCURACY_LEVEL,
                    help=f"MatMulNBits compute type, 4 = int8 activations, 0/1 = fp32 (default {DEFAULT_ACCURACY_LEVEL})")
