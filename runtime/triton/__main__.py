@@ -22,7 +22,8 @@ import signal
 import sys
 import threading
 
-from core.errors import ArgumentParser, float_in, int_in, nonnegative_int, positive_int, run_cli, seed_int
+from core.errors import (ArgumentParser, UsageError, float_in, int_in, nonnegative_int, positive_int, run_cli,
+                         seed_int)
 
 port = int_in(1, 65535)
 
@@ -74,7 +75,19 @@ def _parser() -> ArgumentParser:
     return p
 
 
+def _check_ports(args) -> None:
+    """Two listeners on one port: Triton would start, print its whole usage text and exit; say it first."""
+    given = [(o, v) for o, v in (("--http-port", args.http_port), ("--grpc-port", args.grpc_port),
+                                 ("--metrics-port", args.metrics_port)) if v is not None]
+    for i, (a, port_a) in enumerate(given):
+        for b, port_b in given[i + 1:]:
+            if port_a == port_b:
+                raise UsageError(f"{a} and {b}: expected different ports, found both {port_a}; "
+                                 f"give {b} another port")
+
+
 def _serve(args) -> int:
+    _check_ports(args)
     from runtime.triton.server import TritonServer
     server = TritonServer(args.repo, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                           metrics_port=args.metrics_port, log_verbose=args.log_verbose, echo_log=True)

@@ -71,6 +71,12 @@ def _user_repo(s: Path) -> Path:
     return repo.parent
 
 
+def _our_repo(s: Path, build: Path) -> Path:
+    r = cli("runtime.triton", ["repo", "--build", build, "--out", s / "repo"])
+    assert r.code == 0, r.err
+    return s / "repo"
+
+
 def _project(s: Path) -> Path:
     p = s / "project"
     (p / "src").mkdir(parents=True)
@@ -289,6 +295,13 @@ CASES = [
     ("triton-client-http-to-a-non-http-port", "runtime.triton",
      ["client", "--url", "127.0.0.1:{garbage_port}", "--prompt", "hi", "--timeout", "5"], None, 1, "127.0.0.1"),
     ("triton-usage-unknown-subcommand", "runtime.triton", ["bogus"], None, 2, "invalid choice"),
+    # one port for two listeners: refused before a server starts (was: Triton's usage text, then our line)
+    ("triton-serve-http-port-is-grpc-port", "runtime.triton",
+     ["serve", "--repo", "{s}/repo", "--http-port", "{closed_port}", "--grpc-port", "{closed_port}"],
+     lambda s, fx: _our_repo(s, fx["build"]), 2, "--http-port and --grpc-port"),
+    ("triton-serve-metrics-port-is-http-port", "runtime.triton",
+     ["serve", "--repo", "{s}/repo", "--grpc-port", "{closed_port}", "--metrics-port", "8000"],
+     lambda s, fx: _our_repo(s, fx["build"]), 2, "--http-port and --metrics-port"),
     ("triton-repo-zero-slots", "runtime.triton", ["repo", "--build", "{build}", "--out", "{s}/r", "--slots", "0"],
      None, 2, "--slots"),
     ("triton-client-stream-nothing-listening", "runtime.triton",
