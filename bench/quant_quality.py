@@ -111,7 +111,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def run(argv: list[str]) -> int:
-    from core.errors import ArgumentParser, UserError, int_in
+    from core.errors import ArgumentParser, UsageError, int_in
     from core.outputs import write_json
     from export.quantize import ALGOS, BLOCK_SIZES, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, HEAD_DTYPES, QuantConfig
     p = ArgumentParser(prog="python -m bench.quant_quality", description=__doc__.split("\n\n")[1])
@@ -131,8 +131,8 @@ def run(argv: list[str]) -> int:
     dtypes = [d for d in args.dtypes.split(",") if d]
     bad = [k for k in kinds if k not in KINDS] + [d for d in dtypes if d not in ("int8", "int4")]
     if bad or not kinds or not dtypes:
-        raise UserError(f"--kinds/--dtypes: unknown or empty ({', '.join(bad) or 'nothing given'}); "
-                        f"expected kinds from {', '.join(KINDS)} and dtypes from int8, int4")
+        raise UsageError(f"--kinds/--dtypes: unknown or empty ({', '.join(bad) or 'nothing given'}); "
+                         f"expected kinds from {', '.join(KINDS)} and dtypes from int8, int4")
     command = "python -m bench.quant_quality " + " ".join(argv)
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     quant = {"block_size": args.block_size, "accuracy_level": args.accuracy_level, "algo": args.algo,
