@@ -71,6 +71,20 @@ def _user_repo(s: Path) -> Path:
     return repo.parent
 
 
+def _hf_gpt2(s: Path) -> Path:
+    """A real (tiny, random) GPT-2 folder, as save_pretrained writes it."""
+    from tests.hf_models import hf_model, save_hf
+    return save_hf(hf_model("gpt2"), s / "hf")
+
+
+def _text_folder(s: Path) -> Path:
+    from train.corpus import generate_stories
+    src = s / "texts"
+    src.mkdir()
+    (src / "stories.txt").write_text("\n\n".join(generate_stories(20, seed=5)))
+    return src
+
+
 def _our_repo(s: Path, build: Path) -> Path:
     r = cli("runtime.triton", ["repo", "--build", build, "--out", s / "repo"])
     assert r.code == 0, r.err
@@ -437,6 +451,27 @@ CASES = [
                                                "bf16"], None, 2, "bf16 autocast is for CUDA"),
     ("finetune-resume-new-dtype", "train.finetune", ["--out", "{s}/run", "--resume", "--dtype", "bf16"],
      lambda s, fx: copy_tree(fx["run"], s / "run"), 2, "drop --dtype"),
+    # --- an output inside one of the command's input folders: refused, naming both ------------------------
+    ("convert-into-its-hf-folder", "models.convert", ["{s}/hf", "--out", "{s}/hf/ckpt"],
+     lambda s, fx: _hf_gpt2(s), 1, "is inside the command's input"),
+    ("build-into-its-checkpoint", "export.build", ["--checkpoint", "{s}/ck", "--out", "{s}/ck/build"],
+     lambda s, fx: copy_tree(fx["ckpt"], s / "ck"), 1, "is inside the command's input"),
+    ("build-triton-repo-into-its-build", "export.build",
+     ["--checkpoint", "{ckpt}", "--out", "{s}/b", "--triton-repo", "{s}/b/repo"], None, 1,
+     "is inside the command's input"),
+    ("triton-repo-into-its-build", "runtime.triton", ["repo", "--build", "{s}/b", "--out", "{s}/b/repo"],
+     lambda s, fx: copy_tree(fx["build"], s / "b"), 1, "is inside the command's input"),
+    ("finetune-into-its-source", "train.finetune", ["--from", "{s}/r", "--method", "vanilla", "--out", "{s}/r/ft",
+                                                    *TINY_TRAIN[6:]],
+     lambda s, fx: copy_tree(fx["run"], s / "r"), 1, "is inside the command's input"),
+    ("train-into-its-data-folder", "train", ["--preset", "baseline", "--out", "{s}/texts/run", "--data", "{s}/texts",
+                                             *TINY_TRAIN], lambda s, fx: _text_folder(s), 1,
+     "is inside the command's input"),
+    ("shards-into-its-source-folder", "train.shards", ["{s}/texts", "--out", "{s}/texts/t", "--quiet"],
+     lambda s, fx: _text_folder(s), 1, "is inside the command's input"),
+    ("slots-json-into-its-build", "bench.slots", ["--model", "{s}/b", "--json", "{s}/b/slots.json", "--prompt", "8",
+                                                "--slots", "2", "--rounds", "3", "--threads", "1"],
+     lambda s, fx: copy_tree(fx["build"], s / "b"), 1, "is inside the command's input"),
     # --- a wrong command line exits 2 whatever the files hold (README, "Errors"): options that cannot go
     # together, and values no input makes right -----------------------------------------------------------
     ("train-resume-with-run-flags", "train", ["--out", "{s}/run", "--resume", "--steps", "10", "--lr", "0.1"],
