@@ -17,6 +17,9 @@ Timings are greedy generations of exactly --new-tokens tokens from random prompt
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import json
 import os
 import platform

@@ -21,6 +21,9 @@ step is largest there). Speed only: correctness of the CUDA-graph decode is a gp
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import copy
 import time
 

@@ -17,6 +17,9 @@ each the mean of enough calls to take ~0.1 s, after a warm-up.
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import time
 from pathlib import Path
 

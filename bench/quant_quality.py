@@ -21,6 +21,9 @@ each cut to the model's capacity. Prints a Markdown table; writes the numbers to
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import sys
 import time
 from pathlib import Path

@@ -17,6 +17,9 @@ table; --json writes the figures (a signed JSON file).
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import os
 import shlex
 import sys

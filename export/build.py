@@ -22,6 +22,9 @@ repository belongs to the runtime layer above, so it is wired here, in the CLI.
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import subprocess
 import sys
 from pathlib import Path

@@ -19,6 +19,9 @@ batch mode) and TTFT, TPOT (p50/p90) and tokens/s on stderr.
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import sys
 import time
 from dataclasses import dataclass, field

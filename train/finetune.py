@@ -30,6 +30,9 @@ the model's tokenizer (see python -m train --help).
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import argparse
 import shlex
 import sys

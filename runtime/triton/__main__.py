@@ -18,6 +18,9 @@ piece by piece as the tokens arrive).
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import signal
 import sys
 import threading
