@@ -9,7 +9,8 @@ A command replaces a directory only when it carries the marker of the kind that
 command writes (OutputKind). Anything else is refused with one line naming the path
 and the fix: a non-empty directory without the marker, a marker of another kind, a
 file where a directory goes, the command's own input, a parent of it, or a path inside
-an input folder. Nothing is guessed from file names. An empty directory holds nothing to lose and may be filled.
+an input folder. Nothing is guessed from file names. An empty directory holds nothing
+to lose and may be filled.
 
 Standalone files (a rewritten ONNX graph, a JSON report, a figure) carry their
 signature inside: ONNX metadata `tapernorm.output`, a JSON key `tapernorm_output`,
@@ -136,10 +137,11 @@ def _related(out: Path, inputs, what: str, option: str) -> str | None:
         if inp is None:
             continue
         i = Path(inp).resolve()
+        replaces = f"and writing {what} there would replace it; choose another {option}"
         if o == i:
-            return f"it is the command's own input {inp}, and writing {what} there would replace it; choose another {option}"
+            return f"it is the command's own input {inp}, {replaces}"
         if o in i.parents:
-            return f"it holds the command's own input {inp}, and writing {what} there would replace it; choose another {option}"
+            return f"it holds the command's own input {inp}, {replaces}"
         if i in o.parents:
             return (f"it is inside the command's input {inp}, and writing {what} there would change that input; "
                     f"choose another {option} outside {inp}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 from core.errors import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
+import itertools
 import signal
 import sys
 import threading
@@ -82,11 +83,9 @@ def _check_ports(args) -> None:
     """Two listeners on one port: Triton would start, print its whole usage text and exit; say it first."""
     given = [(o, v) for o, v in (("--http-port", args.http_port), ("--grpc-port", args.grpc_port),
                                  ("--metrics-port", args.metrics_port)) if v is not None]
-    for i, (a, port_a) in enumerate(given):
-        for b, port_b in given[i + 1:]:
-            if port_a == port_b:
-                raise UsageError(f"{a} and {b}: expected different ports, found both {port_a}; "
-                                 f"give {b} another port")
+    for (a, port), (b, other) in itertools.combinations(given, 2):
+        if port == other:
+            raise UsageError(f"{a} and {b}: expected different ports, found both {port}; give {b} another port")
 
 
 def _serve(args) -> int:
