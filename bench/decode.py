@@ -17,6 +17,9 @@ Timings are greedy generations of exactly --new-tokens tokens from random prompt
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import json
 import os
 import platform
@@ -307,26 +310,26 @@ def _parser():
 
 
 def _csv(value, default, known=None, what=""):
-    from core.errors import UserError
+    from core.errors import UsageError
     items = [x.strip() for x in (value.split(",") if value else default) if x.strip()]
     if not items:
-        raise UserError(f"--{what}s {value!r}: expected a comma list, found nothing; see --help")
+        raise UsageError(f"--{what}s {value!r}: expected a comma list, found nothing; see --help")
     if known is not None:
         bad = [x for x in items if x not in known]
         if bad:
-            raise UserError(f"--{what}s: unknown {what} {', '.join(bad)}; expected some of {', '.join(known)}")
+            raise UsageError(f"--{what}s: unknown {what} {', '.join(bad)}; expected some of {', '.join(known)}")
     return items
 
 
 def _batches(value, default) -> list[int]:
-    from core.errors import UserError
+    from core.errors import UsageError
     items = _csv(value, default, what="batche")
     try:
         batches = [int(b) for b in items]
     except ValueError:
-        raise UserError(f"--batches {value!r}: expected integers in [1, 256], found {items}; e.g. --batches 1,8") from None
+        raise UsageError(f"--batches {value!r}: expected integers in [1, 256], found {items}; e.g. --batches 1,8") from None
     if any(not 1 <= b <= 256 for b in batches):
-        raise UserError(f"--batches {value!r}: expected integers in [1, 256]; e.g. --batches 1,8")
+        raise UsageError(f"--batches {value!r}: expected integers in [1, 256]; e.g. --batches 1,8")
     return batches
 
 
@@ -336,7 +339,7 @@ def main(argv=None) -> int:
 
 
 def run(argv) -> int:
-    from core.errors import UsageError, UserError
+    from core.errors import UsageError
     from core.outputs import BENCH_CACHE, BENCH_RESULTS, check_output_dir, claim_dir
     args = _parser().parse_args(argv)
     if args.worker:
@@ -381,7 +384,7 @@ def run(argv) -> int:
     backends = [b for b in wanted if b not in skipped]
     cap = args.capacity or capacity_for(args.prompt, new_tokens)
     if cap < args.prompt + new_tokens:
-        raise UserError(f"--capacity {cap}: expected at least --prompt + --new-tokens = {args.prompt + new_tokens}; "
+        raise UsageError(f"--capacity {cap}: expected at least --prompt + --new-tokens = {args.prompt + new_tokens}; "
                         "raise it or drop it")
     if args.cache is not None:      # both refused before either is created: nothing half-written
         check_output_dir(args.cache, BENCH_CACHE, option="--cache")

@@ -21,6 +21,9 @@ step is largest there). Speed only: correctness of the CUDA-graph decode is a gp
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import copy
 import time
 
@@ -113,23 +116,23 @@ def format_cell(size: str, dtype: str, batch: int, cell: dict, device: str = "cu
 
 
 def _csv(value: str, known, what: str) -> list[str]:
-    """The items of a comma list, each one of `known`; UserError naming the option otherwise."""
-    from core.errors import UserError
+    """The items of a comma list, each one of `known`; UsageError naming the option otherwise."""
+    from core.errors import UsageError
     items = [v.strip() for v in value.split(",") if v.strip()]
     bad = [v for v in items if v not in known]
     if not items or bad:
-        raise UserError(f"--{what} {value!r}: expected a comma list of {', '.join(known)}, found "
-                        f"{', '.join(bad) or 'nothing'}; pass e.g. --{what} {','.join(list(known)[:2])}")
+        raise UsageError(f"--{what} {value!r}: expected a comma list of {', '.join(known)}, found "
+                         f"{', '.join(bad) or 'nothing'}; pass e.g. --{what} {','.join(list(known)[:2])}")
     return items
 
 
 def _batches(value: str) -> list[int]:
-    from core.errors import UserError
+    from core.errors import UsageError
     items = [v.strip() for v in value.split(",") if v.strip()]
     bad = [v for v in items if not (v.isascii() and v.isdigit() and 1 <= int(v) <= 256)]
     if not items or bad:
-        raise UserError(f"--batches {value!r}: expected a comma list of batch sizes in [1, 256], found "
-                        f"{', '.join(bad) or 'nothing'}; pass e.g. --batches 1,8")
+        raise UsageError(f"--batches {value!r}: expected a comma list of batch sizes in [1, 256], found "
+                         f"{', '.join(bad) or 'nothing'}; pass e.g. --batches 1,8")
     return [int(v) for v in items]
 
 

@@ -17,6 +17,9 @@ each the mean of enough calls to take ~0.1 s, after a warm-up.
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import time
 from pathlib import Path
 
@@ -125,7 +128,7 @@ def _summary(us: list[float]) -> str:
 
 
 def run(argv: list[str]) -> int:
-    from core.errors import ArgumentParser, UserError, int_in
+    from core.errors import ArgumentParser, UsageError, int_in
     from core.outputs import write_json
     ap = ArgumentParser(prog="python -m bench.ort_kernels", description=__doc__.split("\n\n")[1])
     ap.add_argument("--threads", type=int_in(1, 256), default=1, help="intra-op threads (default 1)")
@@ -137,7 +140,7 @@ def run(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     d = args.d_model
     if d % 64:
-        raise UserError(f"--d-model {d}: expected a multiple of 64 (heads of 64, blocks of {BLOCK}); e.g. 768")
+        raise UsageError(f"--d-model {d}: expected a multiple of 64 (heads of 64, blocks of {BLOCK}); e.g. 768")
     print(f"bench.ort_kernels: d_model {d}, vocab {args.vocab}, {args.threads} thread(s), {args.rounds} rounds")
     rows = []
     for k, n in ((d, 4 * d), (4 * d, d), (d, args.vocab)):

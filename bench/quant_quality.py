@@ -21,6 +21,9 @@ each cut to the model's capacity. Prints a Markdown table; writes the numbers to
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import sys
 import time
 from pathlib import Path
@@ -111,15 +114,15 @@ def markdown(rows: list[dict]) -> str:
 
 
 def run(argv: list[str]) -> int:
-    from core.errors import ArgumentParser, UserError, int_in
+    from core.errors import ArgumentParser, UsageError, int_in
     from core.outputs import write_json
-    from export.quantize import ALGOS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, HEAD_DTYPES, QuantConfig
+    from export.quantize import ALGOS, BLOCK_SIZES, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, HEAD_DTYPES, QuantConfig
     p = ArgumentParser(prog="python -m bench.quant_quality", description=__doc__.split("\n\n")[1])
     p.add_argument("--json", type=Path, required=True, help="where the numbers go (a JSON report)")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of zoo models ({', '.join(KINDS)})")
     p.add_argument("--dtypes", default="int8,int4", help="comma list of int8, int4")
     p.add_argument("--stories", type=int_in(1, 300), default=64, help="held-out stories (default 64)")
-    p.add_argument("--block-size", type=int_in(16, 4096), default=DEFAULT_BLOCK_SIZE,
+    p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=DEFAULT_BLOCK_SIZE,
                    help=f"MatMulNBits block size (default {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--accuracy-level", type=int_in(0, 4), default=DEFAULT_ACCURACY_LEVEL,
                    help=f"MatMulNBits compute type, 4 = int8 activations, 0/1 = fp32 (default {DEFAULT_ACCURACY_LEVEL})")
@@ -131,8 +134,8 @@ def run(argv: list[str]) -> int:
     dtypes = [d for d in args.dtypes.split(",") if d]
     bad = [k for k in kinds if k not in KINDS] + [d for d in dtypes if d not in ("int8", "int4")]
     if bad or not kinds or not dtypes:
-        raise UserError(f"--kinds/--dtypes: unknown or empty ({', '.join(bad) or 'nothing given'}); "
-                        f"expected kinds from {', '.join(KINDS)} and dtypes from int8, int4")
+        raise UsageError(f"--kinds/--dtypes: unknown or empty ({', '.join(bad) or 'nothing given'}); "
+                         f"expected kinds from {', '.join(KINDS)} and dtypes from int8, int4")
     command = "python -m bench.quant_quality " + " ".join(argv)
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     quant = {"block_size": args.block_size, "accuracy_level": args.accuracy_level, "algo": args.algo,

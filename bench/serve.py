@@ -27,6 +27,9 @@ Untimed warm-up requests (--warmup) run first. The server's model sets the pool 
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import json
 import os
 import shlex

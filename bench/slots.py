@@ -17,6 +17,9 @@ table; --json writes the figures (a signed JSON file).
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import os
 import shlex
 import sys
@@ -111,7 +114,7 @@ def run(argv: list[str] | None = None) -> int:
     from core.outputs import check_output_file, REPORT_JSON, write_json
     args = _parser().parse_args(argv)
     if args.json is not None:
-        check_output_file(args.json, REPORT_JSON)             # refused before the measurement
+        check_output_file(args.json, REPORT_JSON, inputs=[args.model])     # refused before the measurement
     loadavg = list(os.getloadavg())
     result = measure(args.model, args.slots, args.prompt, args.threads, args.rounds)
     result.update(settings={"slots": args.slots, "prompt": args.prompt, "threads": args.threads, "rounds": args.rounds},
@@ -120,7 +123,7 @@ def run(argv: list[str] | None = None) -> int:
                   loadavg={"start": loadavg, "end": list(os.getloadavg())})
     print(markdown(result))
     if args.json is not None:
-        write_json(args.json, result, REPORT_JSON)
+        write_json(args.json, result, REPORT_JSON, inputs=[args.model])
     return 0
 
 

@@ -10,7 +10,12 @@
     def main(argv=None) -> int:
         return run_cli(run, argv)
 
-What the user sees, whatever the command:
+An entry module's first statements, before its own imports (torch takes seconds to load):
+
+    from core.errors import guard_startup
+    guard_startup(__name__)
+
+What the user sees, whatever the command (and however early the Ctrl-C):
 
     bad input          one `error: ...` line on stderr, exit 1 (EXIT_USER)
     bad usage          argparse's complaint as one `error: prog: ...; see --help` line, exit 2 (EXIT_USAGE)
@@ -107,6 +112,9 @@ finite_float = float_in()
 
 # --- the runner -----------------------------------------------------------------------------
 
+NOTHING_WRITTEN = "interrupted; nothing was written"
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -116,7 +124,37 @@ def interrupted_message() -> str:
     done = committed_outputs()
     if done:
         return "interrupted; complete: " + ", ".join(str(p) for p in done) + "; nothing else was written"
-    return "interrupted; nothing was written"
+    return NOTHING_WRITTEN
+
+
+def guard_startup(name: str) -> None:
+    """Called first by every `python -m` entry module with its __name__: until run_cli takes over, a
+    Ctrl-C or SIGTERM prints run_cli's interrupt line and exits 130 at once.
+
+    Without it, a Ctrl-C while the module's imports load (torch: seconds) raised KeyboardInterrupt
+    out of an import, a 30-line traceback. The handler exits rather than raising: nothing has been
+    written yet, and a KeyboardInterrupt raised inside an import can be swallowed by importlib
+    (train/interrupts.py). A no-op for a module imported as a library (or by the tests), and a
+    signal the process was started deaf to (nohup, a background job) stays ignored.
+    """
+    if name != "__main__":
+        return
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupted_at_startup)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _interrupted_at_startup)
+
+
+def _interrupted_at_startup(signum, frame):
+    os.write(2, f"error: {NOTHING_WRITTEN}\n".encode())
+    os._exit(EXIT_INTERRUPTED)
+
+
+def _end_startup_guard() -> None:
+    """Hand SIGINT / SIGTERM back to Python's defaults (run_cli then raises KeyboardInterrupt on either)."""
+    for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+        if signal.getsignal(sig) is _interrupted_at_startup:
+            signal.signal(sig, default)
 
 
 def exit_after(code: int):
@@ -171,6 +209,7 @@ def run_cli(run, argv: list[str] | None = None) -> int:
     from core.outputs import forget_committed
     argv = sys.argv[1:] if argv is None else list(argv)
     forget_committed()          # the interrupt message lists what this command completed
+    _end_startup_guard()
     previous = None
     try:
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)

@@ -8,8 +8,9 @@ and the writer's version:
 A command replaces a directory only when it carries the marker of the kind that
 command writes (OutputKind). Anything else is refused with one line naming the path
 and the fix: a non-empty directory without the marker, a marker of another kind, a
-file where a directory goes, the command's own input, or a parent of it. Nothing is
-guessed from file names. An empty directory holds nothing to lose and may be filled.
+file where a directory goes, the command's own input, a parent of it, or a path inside
+an input folder. Nothing is guessed from file names. An empty directory holds nothing
+to lose and may be filled.
 
 Standalone files (a rewritten ONNX graph, a JSON report, a figure) carry their
 signature inside: ONNX metadata `tapernorm.output`, a JSON key `tapernorm_output`,
@@ -125,17 +126,25 @@ def marker_kind(path: Path) -> str | None:
     return None if m is None else m.get("kind")
 
 
-def _related(out: Path, inputs) -> str | None:
-    """Why `out` may not be replaced given the command's inputs, or None."""
+def _related(out: Path, inputs, what: str, option: str) -> str | None:
+    """Why `out` may not be written given the command's inputs (`<why>; <fix>`), or None.
+
+    Besides the input itself and a folder holding it, a path inside an input folder is refused:
+    writing there changes what the command reads (models.convert HF --out HF/ckpt), and a later
+    run over that folder would read its own output."""
     o = out.resolve()
     for inp in inputs or ():
         if inp is None:
             continue
         i = Path(inp).resolve()
+        replaces = f"and writing {what} there would replace it; choose another {option}"
         if o == i:
-            return f"it is the command's own input {inp}"
+            return f"it is the command's own input {inp}, {replaces}"
         if o in i.parents:
-            return f"it holds the command's own input {inp}"
+            return f"it holds the command's own input {inp}, {replaces}"
+        if i in o.parents:
+            return (f"it is inside the command's input {inp}, and writing {what} there would change that input; "
+                    f"choose another {option} outside {inp}")
     return None
 
 
@@ -144,9 +153,9 @@ def check_output_dir(out: str | os.PathLike, kind: OutputKind, inputs=(), option
     docstring. `option` names the command-line option the fix points at."""
     out = Path(out)
     fix = f"choose another {option}"
-    why = _related(out, inputs)
+    why = _related(out, inputs, kind.what, option)
     if why:
-        raise UserError(f"{out}: {why}, and writing {kind.what} there would replace it; {fix}")
+        raise UserError(f"{out}: {why}")
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         found = "a symbolic link" if out.is_symlink() else "a file"
         raise UserError(f"{out}: expected {kind.what} or a new path, found {found}; {fix} (it is not ours to replace)")
@@ -211,9 +220,9 @@ def check_output_file(out: str | os.PathLike, kind: OutputKind, inputs=()) -> No
     """Refuse (UserError) an output file the command may not create or replace."""
     out = Path(out)
     fix = "choose another output path"
-    why = _related(out, inputs)
+    why = _related(out, inputs, kind.what, "output path")
     if why:
-        raise UserError(f"{out}: {why}; writing {kind.what} there would replace it; {fix}")
+        raise UserError(f"{out}: {why}")
     if out.is_dir():
         raise UserError(f"{out}: expected a file path for {kind.what}, found a directory; {fix} (e.g. {out / 'out'}"
                         f"{'.onnx' if kind is FUSED_ONNX else ''})")

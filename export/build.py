@@ -22,13 +22,17 @@ repository belongs to the runtime layer above, so it is wired here, in the CLI.
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import subprocess
 import sys
 from pathlib import Path
 
 from core.errors import ArgumentParser, UsageError, UserError, int_in, run_cli
 from core.outputs import BUILD, TRITON_REPOSITORY, check_output_dir
-from export.quantize import ALGOS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, HEAD_DTYPES, QUANT_BITS, QuantConfig
+from export.quantize import (ALGOS, BLOCK_SIZES, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, HEAD_DTYPES, QUANT_BITS,
+                             QuantConfig)
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "models" / "zoo" / "internal-taper"
 
@@ -49,8 +53,8 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--quantize", choices=tuple(QUANT_BITS), default=None,
                     help="with --fuse: also write model.<int8|int4>.onnx, the folded weights quantized "
                          "(weight-only, ONNX Runtime MatMulNBits)")
-    ap.add_argument("--block-size", type=int_in(16, 4096), default=DEFAULT_BLOCK_SIZE,
-                    help=f"--quantize: weights per scale, a power of 2 (default {DEFAULT_BLOCK_SIZE})")
+    ap.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=DEFAULT_BLOCK_SIZE,
+                    help=f"--quantize: weights per scale (default {DEFAULT_BLOCK_SIZE})")
     ap.add_argument("--accuracy-level", type=int_in(0, 4), default=DEFAULT_ACCURACY_LEVEL,
                     help=f"--quantize: MatMulNBits compute type: 0 default, 1 fp32, 2 fp16, 3 bf16, 4 int8 "
                          f"(default {DEFAULT_ACCURACY_LEVEL})")

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import onnx
 
-from core.errors import UserError
+from core.errors import UsageError, UserError
 
 QUANT_BITS = {"int8": 8, "int4": 4}
 # --head: the LM head's own weight dtype (default: the --quantize dtype). On the 1M zoo the int4
@@ -47,7 +47,10 @@ QUANT_BITS = {"int8": 8, "int4": 4}
 # 124M the head is 38.6M of the 124M parameters.
 HEAD_DTYPES = ("int8", "int4", "fp32")
 ALGOS = ("rtn", "hqq")
-DEFAULT_BLOCK_SIZE = 32        # GenAI's CPU int4 default; MatMulNBits needs a power of 2 >= 16
+DEFAULT_BLOCK_SIZE = 32        # GenAI's CPU int4 default
+# The block sizes ONNX Runtime's weight quantizer takes (its C routine: "Only block sizes 16, 32,
+# 64, 128, 256 are supported"); checked up front, as anything else failed only after the export.
+BLOCK_SIZES = (16, 32, 64, 128, 256)
 # MatMulNBits accuracy_level: the compute type of the CPU kernel. 4 = int8 activations with
 # fp32 accumulation (ORT's fastest CPU path, what GenAI's int4 CPU build uses); 0 = the
 # kernel's default (fp32), 1 fp32, 2 fp16, 3 bf16.
@@ -65,6 +68,11 @@ META_KEY = "tapernorm.weight_quantization"   # JSON of the QuantConfig, on every
 
 class QuantizeError(UserError):
     """A quantization the build cannot do; one line for the user."""
+
+
+class QuantOptionError(QuantizeError, UsageError):
+    """Quantization options that cannot go together or a value no quantizer takes: the command
+    line is wrong (exit 2), whatever the model."""
 
 
 @dataclass(frozen=True)
@@ -86,22 +94,22 @@ class QuantConfig:
 
     def validate(self) -> None:
         if self.dtype not in QUANT_BITS:
-            raise QuantizeError(f"--quantize {self.dtype!r}: expected one of {', '.join(QUANT_BITS)}; pass one")
-        b = self.block_size
-        if b < 16 or b & (b - 1):
-            raise QuantizeError(f"--block-size {b}: expected a power of 2 >= 16 (MatMulNBits blocks); e.g. 32")
+            raise QuantOptionError(f"--quantize {self.dtype!r}: expected one of {', '.join(QUANT_BITS)}; pass one")
+        if self.block_size not in BLOCK_SIZES:
+            raise QuantOptionError(f"--block-size {self.block_size}: expected one of {', '.join(map(str, BLOCK_SIZES))} "
+                                   f"(what ONNX Runtime's quantizer takes); e.g. {DEFAULT_BLOCK_SIZE}")
         if self.accuracy_level not in ACCURACY_LEVELS:
-            raise QuantizeError(f"--accuracy-level {self.accuracy_level}: expected one of 0..4; e.g. 4 (int8 compute)")
+            raise QuantOptionError(f"--accuracy-level {self.accuracy_level}: expected one of 0..4; e.g. 4 (int8 compute)")
         if self.algo not in ALGOS:
-            raise QuantizeError(f"--algo {self.algo!r}: expected one of {', '.join(ALGOS)}; pass one")
+            raise QuantOptionError(f"--algo {self.algo!r}: expected one of {', '.join(ALGOS)}; pass one")
         if self.head is not None and self.head not in HEAD_DTYPES:
-            raise QuantizeError(f"--head {self.head!r}: expected one of {', '.join(HEAD_DTYPES)}; e.g. --head int8")
+            raise QuantOptionError(f"--head {self.head!r}: expected one of {', '.join(HEAD_DTYPES)}; e.g. --head int8")
         if self.int8_layers and (self.dtype != "int4" or self.algo != "rtn"):
-            raise QuantizeError(f"--int8-layers {','.join(self.int8_layers)}: expected --quantize int4 with rtn (it keeps "
-                                f"those layers in int8 among int4 ones), found {self.dtype} with {self.algo}; drop it")
+            raise QuantOptionError(f"--int8-layers {','.join(self.int8_layers)}: expected --quantize int4 with rtn (it keeps "
+                                   f"those layers in int8 among int4 ones), found {self.dtype} with {self.algo}; drop it")
         if self.algo == "hqq" and self.dtype != "int4":
-            raise QuantizeError(f"--algo hqq: expected --quantize int4 (ONNX Runtime's HQQ is 4-bit only), "
-                                f"found {self.dtype}; use --algo rtn for {self.dtype}")
+            raise QuantOptionError(f"--algo hqq: expected --quantize int4 (ONNX Runtime's HQQ is 4-bit only), "
+                                   f"found {self.dtype}; use --algo rtn for {self.dtype}")
 
     def file_name(self) -> str:
         return f"model.{self.dtype}.onnx"

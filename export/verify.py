@@ -20,6 +20,9 @@ compared is the graph as written, not what ORT's own fusions make of it.
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 from dataclasses import dataclass, field
 
 import numpy as np

@@ -4,7 +4,17 @@
 
 graph_passes depends on onnx, onnx-graphsurgeon and numpy only (never torch).
 """
-from graph_passes.base import Finding, Folded, GraphPass, Match, PassError, PassResult, Skip
-from graph_passes.registry import DEFAULT_PASSES, PASSES, passes_for, run_passes
+import importlib
 
-__all__ = ["GraphPass", "Match", "Skip", "Folded", "Finding", "PassError", "PassResult", "PASSES", "DEFAULT_PASSES", "passes_for", "run_passes"]
+_FROM = {**dict.fromkeys(("GraphPass", "Match", "Skip", "Folded", "Finding", "PassError", "PassResult"),
+                         "graph_passes.base"),
+         **dict.fromkeys(("PASSES", "DEFAULT_PASSES", "passes_for", "run_passes"), "graph_passes.registry")}
+__all__ = list(_FROM)
+
+
+def __getattr__(name: str):
+    """The package's names, loaded on first use (PEP 562) rather than on import: `python -m graph_passes`
+    imports this package before its __main__ can guard start-up against a Ctrl-C, and onnx takes a while."""
+    if name in _FROM:
+        return getattr(importlib.import_module(_FROM[name]), name)
+    raise AttributeError(f"module 'graph_passes' has no attribute {name!r}")

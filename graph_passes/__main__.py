@@ -10,6 +10,9 @@ place, and replaced only if this command wrote it.
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 from pathlib import Path
 
 from core.contract import load_onnx

@@ -35,6 +35,9 @@ with no place in the layout) is refused with one line naming it.
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import errno
 import json
 import os

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.session import DecoderSession, MissingExtraError, RuntimeUserError
+from runtime.session import DecoderSession, MissingExtraError, RuntimeUsageError
 
 
 @dataclass(frozen=True)
@@ -54,18 +54,18 @@ def require(backend: Backend) -> None:
 
 
 def check_device(backend: Backend, device: str) -> str:
-    """The device if the backend takes it, else RuntimeUserError naming the ones it takes."""
+    """The device if the backend takes it, else RuntimeUsageError naming the ones it takes."""
     ok = device in backend.devices or ("cuda:N" in backend.devices and re.fullmatch(r"cuda:\d{1,3}", device))
     if not ok:
-        raise RuntimeUserError(f"--device {device!r}: backend {backend.name!r} expected one of "
-                               f"{', '.join(backend.devices)}; pass one of those")
+        raise RuntimeUsageError(f"--device {device!r}: backend {backend.name!r} expected one of "
+                                f"{', '.join(backend.devices)}; pass one of those")
     return device
 
 
 def open_session(name: str, model: str | Path, device: str | None = None, **options) -> DecoderSession:
     """An inactive session of backend `name` over `model`; activate it (or use `with`)."""
     if name not in BACKENDS:
-        raise RuntimeUserError(f"backend {name!r}: expected one of {', '.join(BACKENDS)}; pass one of those")
+        raise RuntimeUsageError(f"backend {name!r}: expected one of {', '.join(BACKENDS)}; pass one of those")
     backend = BACKENDS[name]
     device = check_device(backend, device or backend.default_device)
     require(backend)

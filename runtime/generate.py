@@ -19,6 +19,9 @@ batch mode) and TTFT, TPOT (p50/p90) and tokens/s on stderr.
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,7 +30,7 @@ import numpy as np
 
 from runtime.sampling import SamplingConfig, sample
 from core.errors import run_cli
-from runtime.session import CapacityError, DecoderSession, RuntimeUserError
+from runtime.session import CapacityError, DecoderSession, RuntimeUsageError, RuntimeUserError
 
 
 @dataclass
@@ -224,8 +227,8 @@ def parse_stop_tokens(tok, stops: list[str] | None, ignore_eos: bool, vocab_size
             try:
                 i = int(s[3:])
             except ValueError:
-                raise RuntimeUserError(f"--stop {s!r}: expected id:N with N an integer token id, found {s[3:]!r}; "
-                                       "e.g. --stop id:0") from None
+                raise RuntimeUsageError(f"--stop {s!r}: expected id:N with N an integer token id, found {s[3:]!r}; "
+                                        "e.g. --stop id:0") from None
             if not 0 <= i < vocab_size:
                 raise RuntimeUserError(f"--stop {s!r}: expected a token id in [0, {vocab_size}), found {i}; pick another")
         else:
@@ -239,8 +242,8 @@ def parse_stop_tokens(tok, stops: list[str] | None, ignore_eos: bool, vocab_size
 def read_prompts(args) -> list[str]:
     from core.inputs import check_text, read_text_file
     if (args.prompt is None) == (args.batch_file is None):
-        raise RuntimeUserError("prompt: expected exactly one of --prompt TEXT or --batch-file F, found "
-                               + ("both" if args.prompt is not None else "neither") + "; pass one")
+        raise RuntimeUsageError("prompt: expected exactly one of --prompt TEXT or --batch-file F, found "
+                                + ("both" if args.prompt is not None else "neither") + "; pass one")
     if args.batch_file is None:
         return [check_text(args.prompt, "--prompt")]
     text = read_text_file(args.batch_file, "--batch-file", MAX_BATCH_FILE_BYTES)
@@ -262,7 +265,7 @@ def run(argv: list[str] | None = None) -> int:
     try:
         sampling.validate()
     except ValueError as e:
-        raise RuntimeUserError(f"sampling: {e}; fix the option") from None
+        raise RuntimeUsageError(f"sampling: {e}; fix the option") from None
     options = {"compile": True} if args.compile and args.backend == "torch" else {}
     session = open_session(args.backend, args.model, device=args.device, **options)
     with session:                      # activate first: a bad model file is reported before anything else

@@ -34,7 +34,7 @@ import abc
 import numpy as np
 
 from core.contract import DecodeContract
-from core.errors import UserError
+from core.errors import UsageError, UserError
 from core.inputs import check_memory
 
 INSTALL_EXTRA = "pip install 'tapernorm-deploy[{extra}]'"
@@ -44,6 +44,10 @@ ModelSpec = DecodeContract
 
 class RuntimeUserError(UserError):
     """A problem the user can fix; str(e) is one line: `<object>: <expected>, <found>; <fix>`."""
+
+
+class RuntimeUsageError(RuntimeUserError, UsageError):
+    """An option value no model makes right, or options that cannot go together: a wrong command line (exit 2)."""
 
 
 class ModelFileError(RuntimeUserError):

@@ -12,6 +12,9 @@ This is a quick runtime-level check; bench/ owns the benchmark reports.
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import sys
 import time
 

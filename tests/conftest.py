@@ -1,9 +1,13 @@
 import importlib
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
 # tests import their shared fixtures as `from tests.helpers import ...`
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(ROOT))
 
 
 def _importable(module: str) -> bool:
@@ -32,3 +36,36 @@ def pytest_report_header(config):
 def pytest_terminal_summary(terminalreporter):
     if GRAPHSURGEON_MISSING:
         terminalreporter.write_line(NOT_COLLECTED)
+
+
+# Tests write under temporary directories only. A fuzz example once left three garbage-named
+# outputs at the repository root, and they were committed with the next `git add`. So after each
+# test module, a path that appeared in the source tree (untracked or ignored, tool caches aside)
+# fails that module. New paths only: an edit to a tracked file during a run is the developer's.
+TOOL_CACHES = {"__pycache__", ".pytest_cache", ".hypothesis"}
+
+
+def stray_paths() -> set[str] | None:
+    """Untracked and ignored paths in the source tree, or None where it is no git work tree."""
+    try:
+        r = subprocess.run(["git", "status", "--porcelain", "--ignored", "-z"], cwd=ROOT, capture_output=True,
+                           timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if r.returncode != 0:
+        return None
+    found = set()
+    for entry in r.stdout.split(b"\0"):
+        path = entry[3:].decode(errors="backslashreplace")
+        if entry[:3] in (b"?? ", b"!! ") and not TOOL_CACHES & set(path.split("/")):
+            found.add(path)
+    return found
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _source_tree_unchanged():
+    before = stray_paths()
+    yield
+    if before is not None:
+        new = sorted(stray_paths() - before)
+        assert new == [], f"this test module wrote into the source tree: {new}; write under tmp_path instead"

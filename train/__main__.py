@@ -41,6 +41,9 @@ later runs; the same split and token streams as --corpus gives for the same text
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import argparse
 import shlex
 import sys

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.errors import UserError
+from core.errors import UsageError, UserError
 from train.presets import PRESETS, SIZES, TAPER_FRAC, WARMUP_FRAC
 
 DEFAULT_TOKENIZER = Path(__file__).resolve().parent / "data" / "tokenizer.json"
@@ -20,6 +20,10 @@ DTYPES = ("fp32", "bf16")
 
 class TrainError(UserError):
     """Bad training input; the message is one line `<object>: <expected>, <found>; <fix>`."""
+
+
+class TrainUsageError(TrainError, UsageError):
+    """A setting no input makes right, or two that cannot go together: a wrong command line (exit 2)."""
 
 
 @dataclass
@@ -59,9 +63,9 @@ class TrainConfig:
     def resolve(self) -> "TrainConfig":
         """Fill the size's defaults and check everything; raises TrainError with one line."""
         if self.preset not in PRESETS:
-            raise TrainError(f"preset {self.preset!r}: expected one of {', '.join(PRESETS)}; pick one of those")
+            raise TrainUsageError(f"preset {self.preset!r}: expected one of {', '.join(PRESETS)}; pick one of those")
         if self.size not in SIZES:
-            raise TrainError(f"size {self.size!r}: expected one of {', '.join(SIZES)}; pick one of those")
+            raise TrainUsageError(f"size {self.size!r}: expected one of {', '.join(SIZES)}; pick one of those")
         size = SIZES[self.size]
         for name in ("steps", "batch_size", "seq_len", "lr", "eval_every"):
             if getattr(self, name) is None:
@@ -69,14 +73,14 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "calib_batches", "grad_accum"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
-                raise TrainError(f"--{name.replace('_', '-')} {v}: expected a positive integer; pass a value > 0")
+                raise TrainUsageError(f"--{name.replace('_', '-')} {v}: expected a positive integer; pass a value > 0")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise TrainError(f"--lr {self.lr}: expected a positive finite number; pass e.g. --lr 2e-3")
+            raise TrainUsageError(f"--lr {self.lr}: expected a positive finite number; pass e.g. --lr 2e-3")
         taper = self.preset_model()["norm"] == "taper"
         if self.taper_steps is not None and self.taper_steps <= 0:
-            raise TrainError(f"--taper-steps {self.taper_steps}: expected a positive number of steps (the cosine needs at least one); pass a value > 0")
+            raise TrainUsageError(f"--taper-steps {self.taper_steps}: expected a positive number of steps (the cosine needs at least one); pass a value > 0")
         if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise TrainError(f"--warmup-steps {self.warmup_steps}: expected >= 0; pass 0 or more")
+            raise TrainUsageError(f"--warmup-steps {self.warmup_steps}: expected >= 0; pass 0 or more")
         if taper:
             if self.warmup_steps is None:
                 self.warmup_steps = round(WARMUP_FRAC * self.steps)
@@ -85,25 +89,25 @@ class TrainConfig:
         if self.embed_std is None:
             self.embed_std = PRESETS[self.preset].get("embed_std")
         if self.embed_std is not None and not (math.isfinite(self.embed_std) and self.embed_std > 0):
-            raise TrainError(f"--embed-std {self.embed_std}: expected a positive number; pass e.g. 0.02")
+            raise TrainUsageError(f"--embed-std {self.embed_std}: expected a positive number; pass e.g. 0.02")
         if self.aux_lambda is None:
             self.aux_lambda = 0.1 if PRESETS[self.preset]["aux"] else 0.0
         if not (isinstance(self.aux_lambda, (int, float)) and math.isfinite(self.aux_lambda) and self.aux_lambda >= 0):
-            raise TrainError(f"--aux-lambda {self.aux_lambda}: expected a number >= 0; pass 0 to switch the scale loss off")
+            raise TrainUsageError(f"--aux-lambda {self.aux_lambda}: expected a number >= 0; pass 0 to switch the scale loss off")
         if self.aux_lambda > 0 and not taper:
-            raise TrainError(f"--aux-lambda {self.aux_lambda}: the scale loss applies to taper models, preset {self.preset!r} is {self.preset_model()['norm']}; drop --aux-lambda")
+            raise TrainUsageError(f"--aux-lambda {self.aux_lambda}: the scale loss applies to taper models, preset {self.preset!r} is {self.preset_model()['norm']}; drop --aux-lambda")
         if self.s_tgt != "calib":
             try:
                 s = float(self.s_tgt)
             except ValueError:
                 s = float("nan")
             if not (math.isfinite(s) and s > 0):
-                raise TrainError(f"--s-tgt {self.s_tgt!r}: expected 'calib' or a positive number; pass e.g. --s-tgt 1.0")
+                raise TrainUsageError(f"--s-tgt {self.s_tgt!r}: expected 'calib' or a positive number; pass e.g. --s-tgt 1.0")
         d_model = self.model.get("d_model") or SIZES[self.size]["model"]["d_model"]
         n_head = self.model.get("n_head") or SIZES[self.size]["model"]["n_head"]
         if isinstance(d_model, int) and isinstance(n_head, int) and n_head > 0 and d_model % n_head:
-            raise TrainError(f"model config: n_head = {n_head}; expected a divisor of d_model ({d_model}); "
-                             f"change --d-model / --n-layer / --n-head")
+            raise TrainUsageError(f"model config: n_head = {n_head}; expected a divisor of d_model ({d_model}); "
+                                  f"change --d-model / --n-layer / --n-head")
         self._check_parallel_settings()
         self._check_data()
         if self.corpus != "generated" and not self.corpus.startswith("hf:") and not Path(self.corpus).is_file():
@@ -111,19 +115,19 @@ class TrainConfig:
         try:
             self.decoder_config().validate()
         except ValueError as e:
-            raise TrainError(f"model config: {e}; change --d-model / --n-layer / --n-head") from None
+            raise TrainUsageError(f"model config: {e}; change --d-model / --n-layer / --n-head") from None
         if self.seq_len > self.decoder_config().max_seq_len:
-            raise TrainError(f"--seq-len {self.seq_len}: expected <= max_seq_len {self.decoder_config().max_seq_len}; shorten it or raise --max-seq-len")
+            raise TrainUsageError(f"--seq-len {self.seq_len}: expected <= max_seq_len {self.decoder_config().max_seq_len}; shorten it or raise --max-seq-len")
         return self
 
     def _check_parallel_settings(self) -> None:
         if self.device not in DEVICES:
-            raise TrainError(f"--device {self.device!r}: expected one of {', '.join(DEVICES)}; pick one of those")
+            raise TrainUsageError(f"--device {self.device!r}: expected one of {', '.join(DEVICES)}; pick one of those")
         if self.dtype not in DTYPES:
-            raise TrainError(f"--dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}; pick one of those")
+            raise TrainUsageError(f"--dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}; pick one of those")
         if self.dtype == "bf16" and self.device != "cuda":
-            raise TrainError(f"--dtype bf16: bf16 autocast is for CUDA, this run is on --device {self.device}; "
-                             "pass --device cuda, or drop --dtype (fp32) on the CPU")
+            raise TrainUsageError(f"--dtype bf16: bf16 autocast is for CUDA, this run is on --device {self.device}; "
+                                  "pass --device cuda, or drop --dtype (fp32) on the CPU")
         self.check_world(1)
 
     def check_world(self, world_size: int) -> None:
@@ -133,26 +137,26 @@ class TrainConfig:
             fix = (f"pass a --grad-accum that divides {self.batch_size // world_size}, the batch of each process"
                    if self.batch_size % world_size == 0 else
                    f"start a number of processes that divides {self.batch_size}")
-            raise TrainError(f"--batch-size {self.batch_size}: expected a multiple of {world_size} process(es) x "
-                             f"--grad-accum {self.grad_accum} = {ways} (every rank takes an equal share of each "
-                             f"global batch); {fix} (or another --batch-size for a new run)")
+            raise TrainUsageError(f"--batch-size {self.batch_size}: expected a multiple of {world_size} process(es) x "
+                                  f"--grad-accum {self.grad_accum} = {ways} (every rank takes an equal share of each "
+                                  f"global batch); {fix} (or another --batch-size for a new run)")
 
     def _check_data(self) -> None:
         if self.data is None:
             if self.shards is not None:
-                raise TrainError(f"--shards {self.shards}: only applies with --data; add --data SOURCE or drop --shards")
+                raise TrainUsageError(f"--shards {self.shards}: only applies with --data; add --data SOURCE or drop --shards")
             return
         if self.corpus != "generated":
-            raise TrainError(f"--data {self.data} and --corpus {self.corpus}: expected one source of text; drop one")
+            raise TrainUsageError(f"--data {self.data} and --corpus {self.corpus}: expected one source of text; drop one")
         if self.tokenizer == "train":
-            raise TrainError(f"--data {self.data} with --tokenizer train: shards are tokenized once with a fixed "
-                             "tokenizer; pass a tokenizer.json (default: the bundled one)")
+            raise TrainUsageError(f"--data {self.data} with --tokenizer train: shards are tokenized once with a fixed "
+                                  "tokenizer; pass a tokenizer.json (default: the bundled one)")
         if not Path(self.data).exists():
             raise TrainError(f"--data {self.data}: not found; pass a .txt / .jsonl / .parquet file, a folder of them, "
                              "a datasets save_to_disk folder, or a token shard directory")
         if Path(self.out).resolve() in self.shard_dir().resolve().parents:
-            raise TrainError(f"--shards {self.shards}: inside --out {self.out}, which is replaced at every "
-                             "checkpoint; put the shards elsewhere")
+            raise TrainUsageError(f"--shards {self.shards}: inside --out {self.out}, which is replaced at every "
+                                  "checkpoint; put the shards elsewhere")
 
     def shard_dir(self) -> Path:
         """Where --data's token shards are (or will be) kept."""

@@ -30,12 +30,15 @@ the model's tokenizer (see python -m train --help).
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import argparse
 import shlex
 import sys
 from pathlib import Path
 
-from core.errors import ArgumentParser, UserError, float_in, int_in, seed_int
+from core.errors import ArgumentParser, UsageError, float_in, int_in, seed_int
 from train.config import DEVICES, DTYPES, TrainConfig, TrainError
 
 METHODS = ("internal-taper", "all-taper", "fakeln", "vanilla")
@@ -143,8 +146,8 @@ def run(argv: list[str]) -> int:
     if a.resume:
         given = sorted(k for k, v in vars(a).items() if k not in RESUME_OPTIONS and v != p.get_default(k))
         if given:
-            raise UserError(f"python -m train.finetune --resume: continues the run with its own settings; drop "
-                            f"{', '.join('--' + k.replace('_', '-').replace('source', 'from') for k in given)}")
+            raise UsageError(f"python -m train.finetune --resume: continues the run with its own settings; drop "
+                             f"{', '.join('--' + k.replace('_', '-').replace('source', 'from') for k in given)}")
         from train.loop import held_recipe, resume_config
         run_cfg = resume_config(a.out)
         recipe_info = held_recipe(a.out) or {}
@@ -159,16 +162,15 @@ def run(argv: list[str]) -> int:
         method, source, every = recipe_info["finetune"], recipe_info["from"], recipe_info["fakeln_every"]
     else:
         if a.source is None or a.method is None:
-            from core.errors import UsageError
             raise UsageError("python -m train.finetune: --from and --method are required for a new run "
                              "(or pass --resume); see --help")
-        check_output_dir(a.out, TRAINING_RUN, inputs=[a.source])
         method, source = a.method, a.source
         if method != "fakeln" and a.fakeln_every is not None:
-            raise TrainError(f"--fakeln-every: applies to --method fakeln, not {method}; drop it")
+            raise UsageError(f"--fakeln-every: applies to --method fakeln, not {method}; drop it")
         taper_only = [o for o, v in (("--warmup-steps", a.warmup_steps), ("--taper-steps", a.taper_steps)) if v is not None]
         if method not in ("internal-taper", "all-taper") and taper_only:
-            raise TrainError(f"{', '.join(taper_only)}: apply to the taper methods, not {method}; drop them")
+            raise UsageError(f"{', '.join(taper_only)}: apply to the taper methods, not {method}; drop them")
+        check_output_dir(a.out, TRAINING_RUN, inputs=[a.source])
         from train.recipes import load_source_model
         model = load_source_model(a.source)
         run_cfg = finetune_config(method, model, a)

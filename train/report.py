@@ -11,6 +11,9 @@ checkpoints (not all-taper-noanchor) into the zoo, each atomically.
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import argparse
 import json
 import shutil

@@ -16,6 +16,9 @@ leave-one-scale-out (a coin flip). Treat it as a hint; confirm by training both.
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import argparse
 import json
 import shutil

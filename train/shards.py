@@ -25,6 +25,9 @@ run being resumed are never rebuilt under it).
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import argparse
 import hashlib
 import json

@@ -8,6 +8,9 @@ train/data/tokenizer.json is committed; it was produced by
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import argparse
 import sys
 from pathlib import Path

@@ -18,11 +18,16 @@ piece by piece as the tokens arrive).
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
+import itertools
 import signal
 import sys
 import threading
 
-from core.errors import ArgumentParser, float_in, int_in, nonnegative_int, positive_int, run_cli, seed_int
+from core.errors import (ArgumentParser, UsageError, float_in, int_in, nonnegative_int, positive_int, run_cli,
+                         seed_int)
 
 port = int_in(1, 65535)
 
@@ -74,7 +79,17 @@ def _parser() -> ArgumentParser:
     return p
 
 
+def _check_ports(args) -> None:
+    """Two listeners on one port: Triton would start, print its whole usage text and exit; say it first."""
+    given = [(o, v) for o, v in (("--http-port", args.http_port), ("--grpc-port", args.grpc_port),
+                                 ("--metrics-port", args.metrics_port)) if v is not None]
+    for (a, port), (b, other) in itertools.combinations(given, 2):
+        if port == other:
+            raise UsageError(f"{a} and {b}: expected different ports, found both {port}; give {b} another port")
+
+
 def _serve(args) -> int:
+    _check_ports(args)
     from runtime.triton.server import TritonServer
     server = TritonServer(args.repo, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                           metrics_port=args.metrics_port, log_verbose=args.log_verbose, echo_log=True)

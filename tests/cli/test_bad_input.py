@@ -71,6 +71,26 @@ def _user_repo(s: Path) -> Path:
     return repo.parent
 
 
+def _hf_gpt2(s: Path) -> Path:
+    """A real (tiny, random) GPT-2 folder, as save_pretrained writes it."""
+    from tests.hf_models import hf_model, save_hf
+    return save_hf(hf_model("gpt2"), s / "hf")
+
+
+def _text_folder(s: Path) -> Path:
+    from train.corpus import generate_stories
+    src = s / "texts"
+    src.mkdir()
+    (src / "stories.txt").write_text("\n\n".join(generate_stories(20, seed=5)))
+    return src
+
+
+def _our_repo(s: Path, build: Path) -> Path:
+    r = cli("runtime.triton", ["repo", "--build", build, "--out", s / "repo"])
+    assert r.code == 0, r.err
+    return s / "repo"
+
+
 def _project(s: Path) -> Path:
     p = s / "project"
     (p / "src").mkdir(parents=True)
@@ -200,7 +220,7 @@ CASES = [
     ("train-over-zoo-copy", "train", ["--preset", "baseline", "--out", "{s}/zoo", *TINY_TRAIN],
      lambda s, fx: copy_tree(Path("models/zoo/baseline").resolve(), s / "zoo"), 1, "holds a checkpoint"),
     ("train-lr-inf-over-zoo-copy", "train", ["--preset", "baseline", "--out", "{s}/zoo", "--lr", "inf", *TINY_TRAIN],
-     lambda s, fx: copy_tree(Path("models/zoo/baseline").resolve(), s / "zoo"), 1, "--lr inf"),
+     lambda s, fx: copy_tree(Path("models/zoo/baseline").resolve(), s / "zoo"), 2, "--lr inf"),
     ("train-new-run-over-held-run", "train", ["--preset", "baseline", "--out", "{s}/run", *TINY_TRAIN],
      lambda s, fx: copy_tree(fx["run"], s / "run"), 1, "holds a training run at step 4"),
     ("build-over-folder-with-model-onnx", "export.build", ["--fuse", "--checkpoint", "{ckpt}", "--out", "{s}/o"],
@@ -240,13 +260,13 @@ CASES = [
      ["repo", "--build", "{build}", "--out", "{s}/r", "--max-new-tokens", "-5"], None, 2, "--max-new-tokens"),
     # --- tracebacks, before -----------------------------------------------------------------------------
     ("generate-stop-id-not-a-number", "runtime.generate", ["--model", "{build}", "--prompt", "hi", "--stop", "id:abc"],
-     None, 1, "--stop 'id:abc'"),
+     None, 2, "--stop 'id:abc'"),
     ("generate-stop-id-out-of-vocab", "runtime.generate", ["--model", "{build}", "--prompt", "hi", "--stop", "id:99999"],
      None, 1, "--stop 'id:99999'"),
     ("generate-bogus-device", "runtime.generate", ["--model", "{build}", "--prompt", "hi", "--device", "bogus"],
-     None, 1, "--device 'bogus'"),
+     None, 2, "--device 'bogus'"),
     ("generate-bogus-torch-device", "runtime.generate",
-     ["--model", "{ckpt}", "--backend", "torch", "--prompt", "hi", "--device", "bogus"], None, 1, "--device 'bogus'"),
+     ["--model", "{ckpt}", "--backend", "torch", "--prompt", "hi", "--device", "bogus"], None, 2, "--device 'bogus'"),
     ("generate-negative-seed", "runtime.generate",
      ["--model", "{build}", "--prompt", "hi", "--seed", "-1", "--temperature", "1"], None, 2, "--seed"),
     ("generate-binary-batch-file", "runtime.generate", ["--model", "{build}", "--batch-file", "{s}/bin.dat"],
@@ -289,6 +309,13 @@ CASES = [
     ("triton-client-http-to-a-non-http-port", "runtime.triton",
      ["client", "--url", "127.0.0.1:{garbage_port}", "--prompt", "hi", "--timeout", "5"], None, 1, "127.0.0.1"),
     ("triton-usage-unknown-subcommand", "runtime.triton", ["bogus"], None, 2, "invalid choice"),
+    # one port for two listeners: refused before a server starts (was: Triton's usage text, then our line)
+    ("triton-serve-http-port-is-grpc-port", "runtime.triton",
+     ["serve", "--repo", "{s}/repo", "--http-port", "{closed_port}", "--grpc-port", "{closed_port}"],
+     lambda s, fx: _our_repo(s, fx["build"]), 2, "--http-port and --grpc-port"),
+    ("triton-serve-metrics-port-is-http-port", "runtime.triton",
+     ["serve", "--repo", "{s}/repo", "--grpc-port", "{closed_port}", "--metrics-port", "8000"],
+     lambda s, fx: _our_repo(s, fx["build"]), 2, "--http-port and --metrics-port"),
     ("triton-repo-zero-slots", "runtime.triton", ["repo", "--build", "{build}", "--out", "{s}/r", "--slots", "0"],
      None, 2, "--slots"),
     ("triton-client-stream-nothing-listening", "runtime.triton",
@@ -308,20 +335,20 @@ CASES = [
     ("bench-slots-json-over-users-file", "bench.slots", ["--model", "{build}", "--json", "{s}/X"],
      lambda s, fx: _plain_file(s), 1, "X"),
     ("bench-slots-missing-model", "bench.slots", ["--model", "{s}/nothing"], None, 1, "nothing"),
-    ("bench-decode-usage-bad-batches", "bench.decode", ["--out", "{s}/r", "--batches", "0,x"], None, 1, "--batches"),
-    ("bench-decode-unknown-size", "bench.decode", ["--out", "{s}/r", "--sizes", "9T"], None, 1, "unknown size"),
+    ("bench-decode-usage-bad-batches", "bench.decode", ["--out", "{s}/r", "--batches", "0,x"], None, 2, "--batches"),
+    ("bench-decode-unknown-size", "bench.decode", ["--out", "{s}/r", "--sizes", "9T"], None, 2, "unknown size"),
     ("bench-decode-cache-in-users-folder", "bench.decode", ["--out", "{s}/r", "--cache", "{s}/project", "--build-only"],
      lambda s, fx: _project(s), 1, "choose another --cache"),
-    ("gpu-decode-unknown-size", "bench.gpu_decode", ["--sizes", "1M,9T"], None, 1, "--sizes"),
-    ("gpu-decode-bad-batches", "bench.gpu_decode", ["--batches", "0,x"], None, 1, "--batches"),
+    ("gpu-decode-unknown-size", "bench.gpu_decode", ["--sizes", "1M,9T"], None, 2, "--sizes"),
+    ("gpu-decode-bad-batches", "bench.gpu_decode", ["--batches", "0,x"], None, 2, "--batches"),
     ("gpu-decode-two-rounds", "bench.gpu_decode", ["--rounds", "2"], None, 2, "--rounds"),
     ("gpu-decode-json-over-a-users-file", "bench.gpu_decode", ["--json", "{s}/X"], lambda s, fx: _plain_file(s), 1,
      "not written by tapernorm-deploy"),
-    ("bench-decode-unknown-dtype", "bench.decode", ["--out", "{s}/r", "--dtypes", "fp32,int2"], None, 1, "unknown dtype"),
+    ("bench-decode-unknown-dtype", "bench.decode", ["--out", "{s}/r", "--dtypes", "fp32,int2"], None, 2, "unknown dtype"),
     ("bench-decode-unknown-attention", "bench.decode", ["--out", "{s}/r", "--attention", "flash"], None, 2, "invalid choice"),
     ("bench-decode-capacity-below-prompt-plus-new-tokens", "bench.decode",
-     ["--out", "{s}/r", "--capacity", "64", "--new-tokens", "128"], None, 1, "--capacity 64"),
-    ("quant-quality-unknown-kind", "bench.quant_quality", ["--json", "{s}/q.json", "--kinds", "gpt9"], None, 1, "gpt9"),
+     ["--out", "{s}/r", "--capacity", "64", "--new-tokens", "128"], None, 2, "--capacity 64"),
+    ("quant-quality-unknown-kind", "bench.quant_quality", ["--json", "{s}/q.json", "--kinds", "gpt9"], None, 2, "gpt9"),
     ("build-quantize-without-fuse", "export.build", ["--checkpoint", "{ckpt}", "--out", "{s}/b", "--quantize", "int4"],
      None, 2, "add --fuse"),
     ("build-quantize-fp16", "export.build",
@@ -329,15 +356,25 @@ CASES = [
     ("build-head-without-quantize", "export.build",
      ["--fuse", "--checkpoint", "{ckpt}", "--out", "{s}/b", "--head", "int8"], None, 2, "--head"),
     ("build-quantize-block-size-not-power-of-2", "export.build",
-     ["--fuse", "--checkpoint", "{ckpt}", "--out", "{s}/b", "--quantize", "int4", "--block-size", "48"], None, 1, "power of 2"),
+     ["--fuse", "--checkpoint", "{ckpt}", "--out", "{s}/b", "--quantize", "int4", "--block-size", "48"], None, 2,
+     "--block-size"),
+    # ONNX Runtime's quantizer takes blocks of 16..256 only: refused up front, not after the export
+    ("build-quantize-int4-block-size-1024", "export.build",
+     ["--fuse", "--checkpoint", "{ckpt}", "--out", "{s}/b", "--quantize", "int4", "--block-size", "1024"], None, 2,
+     "--block-size"),
+    ("build-quantize-int8-block-size-512", "export.build",
+     ["--fuse", "--checkpoint", "{ckpt}", "--out", "{s}/b", "--quantize", "int8", "--block-size", "512"], None, 2,
+     "--block-size"),
+    ("quant-quality-block-size-1024", "bench.quant_quality", ["--json", "{s}/q.json", "--block-size", "1024"], None, 2,
+     "--block-size"),
     ("build-quantize-hqq-int8", "export.build",
-     ["--fuse", "--checkpoint", "{ckpt}", "--out", "{s}/b", "--quantize", "int8", "--algo", "hqq"], None, 1, "4-bit only"),
+     ["--fuse", "--checkpoint", "{ckpt}", "--out", "{s}/b", "--quantize", "int8", "--algo", "hqq"], None, 2, "4-bit only"),
     ("build-int8-layers-without-quantize", "export.build",
      ["--fuse", "--checkpoint", "{ckpt}", "--out", "{s}/b", "--int8-layers", "v_proj"], None, 2, "--int8-layers"),
     ("build-int8-layers-unknown-layer", "export.build",
      ["--fuse", "--checkpoint", "{ckpt}", "--out", "{s}/b", "--quantize", "int4", "--int8-layers", "v_prj"], None, 1,
      "--int8-layers v_prj"),
-    ("ort-kernels-width-not-whole-heads", "bench.ort_kernels", ["--d-model", "100"], None, 1, "multiple of 64"),
+    ("ort-kernels-width-not-whole-heads", "bench.ort_kernels", ["--d-model", "100"], None, 2, "multiple of 64"),
     ("build-block-size-without-quantize", "export.build",
      ["--fuse", "--checkpoint", "{ckpt}", "--out", "{s}/b", "--block-size", "64"], None, 2, "--quantize"),
     ("build-quantize-unknown-dtype", "export.build", ["--fuse", "--quantize", "int2"], None, 2, "invalid choice"),
@@ -352,7 +389,7 @@ CASES = [
     ("train-data-missing", "train", ["--preset", "baseline", "--out", "{s}/new", "--data", "{s}/nope.jsonl", *TINY_TRAIN],
      None, 1, "nope.jsonl: not found"),
     ("train-data-and-corpus", "train", ["--preset", "baseline", "--out", "{s}/new", "--data", "{s}/X", "--corpus",
-                                        "{s}/X", *TINY_TRAIN], lambda s, fx: _plain_file(s), 1, "expected one source"),
+                                        "{s}/X", *TINY_TRAIN], lambda s, fx: _plain_file(s), 2, "expected one source"),
     ("train-data-users-folder-of-code", "train", ["--preset", "baseline", "--out", "{s}/new", "--data", "{s}/project",
                                                   *TINY_TRAIN], lambda s, fx: _project(s), 1, "no .jsonl"),
     ("train-data-binary", "train", ["--preset", "baseline", "--out", "{s}/new", "--data", "{s}/bin.dat", *TINY_TRAIN],
@@ -361,11 +398,11 @@ CASES = [
                                                  "--shards", "{s}/project", *TINY_TRAIN],
      lambda s, fx: (_plain_file(s), _project(s)), 1, "did not write"),
     ("train-shards-without-data", "train", ["--preset", "baseline", "--out", "{s}/new", "--shards", "{s}/t", *TINY_TRAIN],
-     None, 1, "only applies with --data"),
+     None, 2, "only applies with --data"),
     ("train-bf16-on-cpu", "train", ["--preset", "baseline", "--out", "{s}/new", "--dtype", "bf16", *TINY_TRAIN],
-     None, 1, "bf16 autocast is for CUDA"),
+     None, 2, "bf16 autocast is for CUDA"),
     ("train-batch-not-a-multiple-of-grad-accum", "train", ["--preset", "baseline", "--out", "{s}/new", "--grad-accum",
-                                                           "3", *TINY_TRAIN], None, 1, "expected a multiple of"),
+                                                           "3", *TINY_TRAIN], None, 2, "expected a multiple of"),
     ("train-grad-accum-zero", "train", ["--preset", "baseline", "--out", "{s}/new", "--grad-accum", "0", *TINY_TRAIN],
      None, 2, "--grad-accum"),
     ("train-tokenizer-not-a-tokenizer", "train", ["--preset", "baseline", "--out", "{s}/new", "--tokenizer", "{s}/X",
@@ -411,9 +448,57 @@ CASES = [
     ("finetune-from-itself", "train.finetune", ["--from", "{s}/r", "--method", "vanilla", "--out", "{s}/r"],
      lambda s, fx: copy_tree(fx["run"], s / "r"), 1, "own input"),
     ("finetune-bf16-on-cpu", "train.finetune", ["--from", "{run}", "--method", "vanilla", "--out", "{s}/o", "--dtype",
-                                               "bf16"], None, 1, "bf16 autocast is for CUDA"),
+                                               "bf16"], None, 2, "bf16 autocast is for CUDA"),
     ("finetune-resume-new-dtype", "train.finetune", ["--out", "{s}/run", "--resume", "--dtype", "bf16"],
-     lambda s, fx: copy_tree(fx["run"], s / "run"), 1, "drop --dtype"),
+     lambda s, fx: copy_tree(fx["run"], s / "run"), 2, "drop --dtype"),
+    # --- an output inside one of the command's input folders: refused, naming both ------------------------
+    ("convert-into-its-hf-folder", "models.convert", ["{s}/hf", "--out", "{s}/hf/ckpt"],
+     lambda s, fx: _hf_gpt2(s), 1, "is inside the command's input"),
+    ("build-into-its-checkpoint", "export.build", ["--checkpoint", "{s}/ck", "--out", "{s}/ck/build"],
+     lambda s, fx: copy_tree(fx["ckpt"], s / "ck"), 1, "is inside the command's input"),
+    ("build-triton-repo-into-its-build", "export.build",
+     ["--checkpoint", "{ckpt}", "--out", "{s}/b", "--triton-repo", "{s}/b/repo"], None, 1,
+     "is inside the command's input"),
+    ("triton-repo-into-its-build", "runtime.triton", ["repo", "--build", "{s}/b", "--out", "{s}/b/repo"],
+     lambda s, fx: copy_tree(fx["build"], s / "b"), 1, "is inside the command's input"),
+    ("finetune-into-its-source", "train.finetune", ["--from", "{s}/r", "--method", "vanilla", "--out", "{s}/r/ft",
+                                                    *TINY_TRAIN[6:]],
+     lambda s, fx: copy_tree(fx["run"], s / "r"), 1, "is inside the command's input"),
+    ("train-into-its-data-folder", "train", ["--preset", "baseline", "--out", "{s}/texts/run", "--data", "{s}/texts",
+                                             *TINY_TRAIN], lambda s, fx: _text_folder(s), 1,
+     "is inside the command's input"),
+    ("shards-into-its-source-folder", "train.shards", ["{s}/texts", "--out", "{s}/texts/t", "--quiet"],
+     lambda s, fx: _text_folder(s), 1, "is inside the command's input"),
+    ("slots-json-into-its-build", "bench.slots", ["--model", "{s}/b", "--json", "{s}/b/slots.json", "--prompt", "8",
+                                                "--slots", "2", "--rounds", "3", "--threads", "1"],
+     lambda s, fx: copy_tree(fx["build"], s / "b"), 1, "is inside the command's input"),
+    # --- a wrong command line exits 2 whatever the files hold (README, "Errors"): options that cannot go
+    # together, and values no input makes right -----------------------------------------------------------
+    ("train-resume-with-run-flags", "train", ["--out", "{s}/run", "--resume", "--steps", "10", "--lr", "0.1"],
+     lambda s, fx: copy_tree(fx["run"], s / "run"), 2, "drop --lr, --steps"),
+    ("finetune-resume-with-run-flags", "train.finetune", ["--out", "{s}/run", "--resume", "--steps", "10"],
+     lambda s, fx: copy_tree(fx["run"], s / "run"), 2, "drop --steps"),
+    ("finetune-fakeln-every-without-fakeln", "train.finetune",
+     ["--from", "{run}", "--method", "vanilla", "--out", "{s}/o", "--fakeln-every", "3"], None, 2, "--fakeln-every"),
+    ("finetune-taper-steps-without-taper", "train.finetune",
+     ["--from", "{run}", "--method", "vanilla", "--out", "{s}/o", "--taper-steps", "3"], None, 2, "--taper-steps"),
+    ("train-data-with-tokenizer-train", "train", ["--preset", "baseline", "--out", "{s}/new", "--data", "{s}/X",
+                                                  "--tokenizer", "train", *TINY_TRAIN],
+     lambda s, fx: _plain_file(s), 2, "--tokenizer train"),
+    ("train-aux-lambda-without-taper", "train", ["--preset", "baseline", "--out", "{s}/new", "--aux-lambda", "0.1",
+                                                 *TINY_TRAIN], None, 2, "drop --aux-lambda"),
+    ("train-seq-len-over-max-seq-len", "train", ["--preset", "baseline", "--out", "{s}/new", "--max-seq-len", "8",
+                                                 *TINY_TRAIN], None, 2, "--seq-len 16"),
+    ("train-shards-inside-out", "train", ["--preset", "baseline", "--out", "{s}/new", "--data", "{s}/X", "--shards",
+                                          "{s}/new/t", *TINY_TRAIN], lambda s, fx: _plain_file(s), 2, "inside --out"),
+    ("build-int8-layers-with-int8", "export.build",
+     ["--fuse", "--checkpoint", "{ckpt}", "--out", "{s}/b", "--quantize", "int8", "--int8-layers", "v_proj"], None, 2,
+     "--int8-layers"),
+    ("generate-prompt-and-batch-file", "runtime.generate",
+     ["--model", "{build}", "--prompt", "hi", "--batch-file", "{s}/X"], lambda s, fx: _plain_file(s), 2, "found both"),
+    ("generate-neither-prompt-nor-batch-file", "runtime.generate", ["--model", "{build}"], None, 2, "found neither"),
+    ("generate-top-p-zero", "runtime.generate", ["--model", "{build}", "--prompt", "hi", "--top-p", "0"], None, 2,
+     "sampling"),
 ]
 
 

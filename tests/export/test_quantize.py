@@ -178,15 +178,17 @@ def test_top1_agreement_is_one_against_itself_and_measures_drift():
 
 @pytest.mark.parametrize("cfg, match", [
     (QuantConfig("int3"), "--quantize 'int3'"),
-    (QuantConfig("int4", block_size=48), "power of 2"),
+    (QuantConfig("int4", block_size=48), "--block-size 48: expected one of 16, 32, 64, 128, 256"),
+    (QuantConfig("int8", block_size=1024), "--block-size 1024"),       # ORT's quantizer would fail after the export
     (QuantConfig("int4", accuracy_level=7), "0..4"),
     (QuantConfig("int4", algo="gptq"), "one of rtn, hqq"),
     (QuantConfig("int8", algo="hqq"), "4-bit only"),
     (QuantConfig("int4", head="int2"), "--head 'int2'"),
 ])
 def test_bad_configs_are_one_line_user_errors(cfg, match):
-    with pytest.raises(QuantizeError, match=match):
+    with pytest.raises(QuantizeError, match=match) as e:
         cfg.validate()
+    assert e.value.exit_code == 2           # options alone decide it: a wrong command line
 
 
 def test_build_quantize_and_gqa_attention_end_to_end(tmp_path):

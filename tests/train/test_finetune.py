@@ -97,12 +97,12 @@ def test_fakeln_resume_ends_with_the_same_weights(source, tmp_path, monkeypatch)
 
 @pytest.mark.parametrize("argv, needle, code", [
     (["--method", "fakeln", "--out", "{t}/o"], "--from and --method are required", 2),
-    (["--from", "{src}", "--method", "vanilla", "--out", "{t}/o", "--fakeln-every", "3"], "--fakeln-every", 1),
-    (["--from", "{src}", "--method", "fakeln", "--out", "{t}/o", "--taper-steps", "3"], "--taper-steps", 1),
+    (["--from", "{src}", "--method", "vanilla", "--out", "{t}/o", "--fakeln-every", "3"], "--fakeln-every", 2),
+    (["--from", "{src}", "--method", "fakeln", "--out", "{t}/o", "--taper-steps", "3"], "--taper-steps", 2),
     (["--from", "{src}", "--method", "fakeln", "--out", "{t}/o", "--steps", "4", "--fakeln-every", "1"],
      "need more than --steps 4", 1),
     (["--from", "{t}/nothing", "--method", "vanilla", "--out", "{t}/o"], "not a checkpoint directory", 1),
-    (["--out", "{src}", "--resume", "--steps", "3"], "drop --steps", 1),
+    (["--out", "{src}", "--resume", "--steps", "3"], "drop --steps", 2),
     (["--out", "{src}", "--resume"], "not of train.finetune", 1),
 ])
 def test_bad_usage_one_line(source, tmp_path, argv, needle, code):

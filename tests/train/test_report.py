@@ -20,10 +20,11 @@ def runs(tmp_path):
     logs = {"baseline": _log("baseline", [1, 1, 1, 1], [3.0, 2.0, 1.5, 1.0]),
             "all-taper": _log("all-taper", [1, 1.2, 1.2, 1.32], [3.0, 2.0, 1.5, 1.02], gate=0.0),
             "all-taper-noanchor": _log("all-taper-noanchor", [0.05, 1.0, 2.0, 4.0], [3.0, 2.0, 1.6, 1.1], gate=0.0)}
+    root = tmp_path / "runs"        # its own folder: the reports go beside it (an output inside an input is refused)
     for name, log in logs.items():
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "train_log.json").write_text(json.dumps(log))
-    return tmp_path
+        (root / name).mkdir(parents=True)
+        (root / name / "train_log.json").write_text(json.dumps(log))
+    return root
 
 
 def test_table_and_growth(runs, tmp_path):
