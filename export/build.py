@@ -34,6 +34,7 @@ from core.outputs import BUILD, TRITON_REPOSITORY, check_output_dir
 from export.quantize import (ALGOS, BLOCK_SIZES, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, HEAD_DTYPES, QUANT_BITS,
                              QuantConfig)
 
+ROUTES = ("auto", "in-memory", "streamed")
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "models" / "zoo" / "internal-taper"
 
 
@@ -66,6 +67,11 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--int8-layers", type=_names, default=(), metavar="NAME[,NAME...]",
                     help="--quantize int4: layers kept in int8, by module name or its last part, e.g. "
                          "v_proj,down_proj (llama.cpp's Q4_K_M keeps attention V and the MLP down in more bits)")
+    ap.add_argument("--route", choices=ROUTES, default="auto",
+                    help="in-memory: the whole model held (every stage on the graph, model.onnx and model.fused.onnx); "
+                         "streamed: weights read, folded and written block by block into one graph "
+                         "(model.fused.onnx, or model.<q>.onnx with --quantize), for models too large to hold; "
+                         "auto (default): in-memory when its memory estimate fits, else streamed")
     ap.add_argument("--triton-repo", type=Path, default=None,
                     help="also write a Triton model repository for the build (python -m runtime.triton repo)")
     return ap
@@ -84,9 +90,14 @@ def run(argv: list[str]) -> int:
     check_output_dir(out, BUILD, inputs=[ckpt])
     if args.triton_repo is not None:        # refuse before an export that would be wasted
         check_output_dir(args.triton_repo, TRITON_REPOSITORY, inputs=[ckpt, out])
-    from export.pipeline import build, check_quantize
+    from export.pipeline import build, check_attention, check_quantize
     check_quantize(quantize, args.fuse, args.dtype)
-    build(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=args.attention)
+    check_attention(args.attention, args.fuse, args.dtype)
+    if _streamed(args.route, ckpt):
+        from export.streamed import build_streamed
+        build_streamed(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=args.attention)
+    else:
+        build(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=args.attention)
     if args.triton_repo is not None:
         cmd = [sys.executable, "-m", "runtime.triton", "repo", "--build", str(out), "--out", str(args.triton_repo)]
         return subprocess.run(cmd).returncode      # its own one-line error, if any; the build stays
@@ -105,6 +116,23 @@ def _quant_config(args) -> QuantConfig | None:
                              "add --quantize int4 (or drop the option)")
         return None
     return QuantConfig(args.quantize, args.block_size, args.accuracy_level, args.algo, args.head, args.int8_layers)
+
+
+def _streamed(route: str, ckpt: Path) -> bool:
+    """Whether the build streams: asked for, or (auto) the in-memory build would not fit here."""
+    if route != "auto":
+        return route == "streamed"
+    from core.inputs import available_memory, human_bytes
+    from export.streamed import in_memory_peak
+    from models.weights import open_weights
+    cfg = open_weights(ckpt).cfg
+    avail = available_memory()
+    if avail is None or in_memory_peak(cfg) <= avail:
+        return False
+    print(f"note: {cfg.approx_param_count() / 1e9:.2f}B parameters: the in-memory build would need "
+          f"~{human_bytes(in_memory_peak(cfg))}, {human_bytes(avail)} available; streaming the weights "
+          "(--route streamed)")
+    return True
 
 
 def _names(text: str) -> tuple[str, ...]:

@@ -30,13 +30,13 @@ from pathlib import Path
 import numpy as np
 
 from core.errors import UserError
+from core.onnx_writer import save_onnx
 from core.outputs import BUILD, check_output_dir, output_dir, sign_onnx
 
 NORM_OPS = ("RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization")
 REAL_TEXT = ("Once upon a time there was a little girl named Lily. She loved to play in the garden "
              "with her red ball, and one day she saw a big dog under the tall tree.")
 UNFUSED, FUSED, REPORT = "model.onnx", "model.fused.onnx", "report.json"
-PROTOBUF_LIMIT = 2_000_000_000 - (64 << 20)   # bytes of weights above which a graph goes to external data
 
 
 class BuildError(UserError):
@@ -89,6 +89,8 @@ class BuildReport:
     source: str = "checkpoint"           # checkpoint | hf:<model_type> (converted in memory)
     eps_approximation: dict | None = None  # disabled norms: models.disabled_norm.EpsApproximation
     quantized: dict = field(default_factory=dict)      # --quantize: what was quantized, tolerance, drift
+    route: str = "in-memory"             # in-memory (this module) | streamed (export/streamed.py)
+    memory_estimate: dict | None = None  # streamed: the estimated peak and its parts, bytes
 
     @property
     def norm_ops(self) -> dict[str, int]:
@@ -267,18 +269,6 @@ def verify_quantized(verifier: "Verifier", loaded: Loaded, fused, fused_runs, qu
             "try --head int8, --block-size 16, --algo hqq, or int8"])
 
 
-def save_onnx(proto, path: Path) -> None:
-    """onnx.save, with the weights in one external file (path + '.data') when the model would
-    pass protobuf's 2 GB limit."""
-    import onnx
-    from export.quantize import initializer_bytes
-    if initializer_bytes(proto) < PROTOBUF_LIMIT:
-        onnx.save(proto, str(path))
-    else:
-        onnx.save(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=path.name + ".data")
-
-
 def _norm_layers(proto) -> list[str]:
     """Layer names of the normalization ops left in a graph."""
     from graph_passes.base import PassContext
@@ -305,7 +295,7 @@ def worst(per_session: dict, name: str | None = None) -> float:
     return max(vals, default=0.0)
 
 
-def _versions() -> dict:
+def versions() -> dict:
     import onnx
     import onnxruntime
     import torch
@@ -369,7 +359,7 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
             from graph_passes import passes_for
             t0 = stages.start(f"fuse: {', '.join(passes_for(attention))}")
             fused = fuse_stage(proto, report, attention)
-            onnx.save(sign_onnx(fused), str(tmp / FUSED))
+            save_onnx(sign_onnx(fused), tmp / FUSED)
             _graph_stats(report, "fused", fused)
             stages.done("fuse", t0, f": {len(report.folded)} layer(s) folded, nodes {len(proto.graph.node)} -> "
                         f"{len(fused.graph.node)}")
@@ -409,7 +399,7 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
             (tmp / CONFIG).write_text(json.dumps(checkpoint_config(model, loaded.tokenizer is not None), indent=2) + "\n")
         if loaded.tokenizer is not None:
             shutil.copyfile(loaded.tokenizer, tmp / TOKENIZER)
-        report.versions = _versions()
+        report.versions = versions()
         report.timings_s["total"] = round(time.perf_counter() - t_start, 3)
         report.files = sorted(p.name for p in tmp.iterdir()) + [REPORT]
         (tmp / REPORT).write_text(json.dumps(report.to_json(), indent=2) + "\n")

@@ -139,12 +139,7 @@ def quantized_config(proto: onnx.ModelProto) -> QuantConfig | None:
     return None
 
 
-def initializer_bytes(proto: onnx.ModelProto) -> int:
-    from onnx.helper import tensor_dtype_to_np_dtype
-    packed = (onnx.TensorProto.INT4, onnx.TensorProto.UINT4)      # two values a byte (numpy holds one a byte)
-    return sum(-(-int(np.prod(t.dims, dtype=np.int64)) // 2) if t.data_type in packed else
-               int(np.prod(t.dims, dtype=np.int64)) * tensor_dtype_to_np_dtype(t.data_type).itemsize
-               for t in proto.graph.initializer)
+from core.onnx_writer import initializer_bytes  # noqa: E402,F401  (one rule for weight bytes: the writer's)
 
 
 def _other_gathers(proto: onnx.ModelProto) -> list[str]:

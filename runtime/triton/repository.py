@@ -126,8 +126,8 @@ def add_control_inputs(src: Path, dst: Path) -> OnnxIO:
             continue
         vi = helper.make_tensor_value_info(name, TensorProto.BOOL, [batch.dim_param or None, 1])
         proto.graph.input.append(vi)
-    big = proto.ByteSize() > 1_900_000_000       # protobuf's 2 GB limit: weights go beside the graph
-    onnx.save(proto, str(dst), save_as_external_data=big, location=dst.name + ".data" if big else None)
+    from core.onnx_writer import save_onnx
+    save_onnx(proto, dst)
     return _io_of(proto)
 
 

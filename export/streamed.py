@@ -1,0 +1,261 @@
+"""The build for models too large to hold: `export.build --stream` (chosen by itself when the
+in-memory build would not fit), in named stages with the same report as export/pipeline.py.
+
+    open the weights (headers only) ─▶ memory estimate (refuse in one line when it cannot fit)
+      ─▶ plan the graph (two small proxies, export/stream.py) ─▶ write it, block by block
+      ─▶ torch reference, block by block (models/layerwise.py) ─▶ the graph in ONNX Runtime ─▶ compare
+
+One graph is written: model.fused.onnx with --fuse (model.onnx without), or with --quantize only
+model.<int8|int4>.onnx (an fp32 copy of a real-size model would cost its whole size in disk, time
+and verification memory, and nothing runs it). The graph is verified against the torch reference
+of the checkpoint itself (prefill + decode steps on random and real tokens; every logit, and the
+cache slots the steps wrote), with the tolerance of its dtype; a quantized graph also by its
+top-1 agreement with the reference over those positions. Only one model is alive at a time: the
+reference holds one block, then is gone before ONNX Runtime loads the graph.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from core.errors import UserError
+from core.inputs import available_memory, human_bytes
+from core.outputs import BUILD, check_output_dir, output_dir
+
+GIB = 1 << 30
+BASE_BYTES = int(1.2 * GIB)      # interpreter, torch, onnx and ONNX Runtime loaded (measured ~1 GiB)
+
+
+@dataclass
+class MemoryEstimate:
+    """Peak resident bytes of a build, by what is alive at its largest moment."""
+    peak: int
+    parts: dict[str, int]
+
+    def line(self) -> str:
+        big = max(self.parts, key=self.parts.get)
+        return f"~{human_bytes(self.peak)} at its peak ({big}: {human_bytes(self.parts[big])})"
+
+
+def graph_weight_bytes(cfg, dtype: str, quantize) -> int:
+    """Bytes of the weights in the written graph."""
+    params = cfg.approx_param_count()
+    if quantize is None:
+        return params * (4 if dtype == "fp32" else 2)
+    per_value = {4: 0.5, 8: 1.0}[quantize.bits] + 4 / quantize.block_size        # data + one fp32 scale a block
+    head = cfg.vocab_size * cfg.d_model
+    head_bytes = head * ({"int8": 1.0 + 4 / quantize.block_size, "int4": per_value, "fp32": 4.0}[quantize.head_dtype])
+    return int((params - head) * per_value + head_bytes)
+
+
+def streamed_memory(cfg, dtype: str, quantize) -> MemoryEstimate:
+    """The streamed build's peak: the largest of its stages, each alone (see the module doc).
+    The factors were measured on Llama-3.2-1B-shaped builds (docs/export.md, "Real sizes")."""
+    d, hidden, v = cfg.d_model, cfg.hidden, cfg.vocab_size
+    block = 4 * (d * cfg.head_dim * (2 * cfg.n_head + 2 * cfg.kv_heads) + (3 if cfg.mlp == "swiglu" else 2) * d * hidden)
+    table = 4 * v * d
+    head = table                     # the LM head (a copy once the final norm folds into a tied one)
+    parts = {
+        "writing a block": 3 * block,
+        "writing the embedding and head": 2 * table + head + (3 * head if quantize is not None else 0),
+        "the torch reference": 2 * block + table + head,
+        "ONNX Runtime over the graph": 2 * graph_weight_bytes(cfg, dtype, quantize),
+    }
+    return MemoryEstimate(BASE_BYTES + max(parts.values()), parts)
+
+
+def in_memory_peak(cfg) -> int:
+    """The in-memory build's peak (export/pipeline.py): the model is held several times (torch
+    module, traced graph, proto, graphsurgeon's copy, folded constants, two sessions); GPT-2
+    medium's shape (1.4 GB of fp32 weights) was OOM-killed at 24 GB, i.e. more than 17 copies."""
+    return BASE_BYTES + 18 * 4 * cfg.approx_param_count()
+
+
+def check_fits(estimate: MemoryEstimate, what: str, fix: str) -> None:
+    """One line, before anything is written, when the estimate exceeds what is available."""
+    avail = available_memory()
+    if avail is not None and estimate.peak > avail:
+        raise UserError(f"{what}: needs {estimate.line()}, this machine has {human_bytes(avail)} available; {fix}")
+
+
+def cheaper_option(cfg, dtype: str, quantize) -> str:
+    """What would fit: the first of int4, int8, fp16 whose estimate is lower and fits."""
+    from export.quantize import QuantConfig
+    avail = available_memory() or 0
+    for label, d, q in (("--quantize int4", "fp32", QuantConfig("int4")), ("--quantize int8", "fp32", QuantConfig("int8")),
+                        ("--dtype fp16", "fp16", None)):
+        if (label.endswith("fp16") and dtype == "fp16") or (q is not None and quantize is not None and q.bits >= quantize.bits):
+            continue
+        if streamed_memory(cfg, d, q).peak <= avail:
+            return f"build with {label} (needs ~{human_bytes(streamed_memory(cfg, d, q).peak)})"
+    return "use a machine with more memory"
+
+
+# --- the driver ----------------------------------------------------------------------------------
+
+def verification_sessions(iface, tokens):
+    """Random tokens (batched prefills from slot 0, what every graph kind takes) and real text."""
+    from export.conventions import session_steps
+    sessions = [(f"random tokens, seed {s}", session_steps(iface, seed=s, same_start=True)) for s in (0, 1)]
+    if tokens:
+        sessions.append(("real tokens", session_steps(iface, tokens=tokens)))
+    return sessions
+
+
+def top1(ref_runs, runs) -> tuple[float, int]:
+    """Share of positions (every step, every sequence) where both graphs' argmax agree."""
+    same = total = 0
+    for rs, gs in zip(ref_runs, runs):
+        for r, g in zip(rs, gs):
+            a, b = r["logits"].argmax(-1), g["logits"].argmax(-1)
+            same += int((a == b).sum())
+            total += a.size
+    return same / max(total, 1), total
+
+
+def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=print, quantize=None,
+                   attention: str = "plain", max_seq_len: int | None = None):
+    """The streamed build; returns the BuildReport (also OUT/report.json)."""
+    from export.pipeline import (REPORT, BuildReport, ModelSummary, Stages, check_attention, check_quantize,
+                                 summary, versions, worst)
+    from export.verify import ATOL, SCALE_TOL
+    from models.weights import open_weights
+    checkpoint, out = Path(checkpoint), Path(out)
+    check_output_dir(out, BUILD, inputs=[checkpoint])
+    check_quantize(quantize, fuse, dtype)
+    check_attention(attention, fuse, dtype)
+    t_start = time.perf_counter()
+    source = open_weights(checkpoint, max_seq_len)
+    cfg = source.cfg
+    _check_gate(source, fuse)
+    estimate = streamed_memory(cfg, dtype, quantize)
+    check_fits(estimate, f"{checkpoint}: the streamed build of {cfg.approx_param_count() / 1e9:.2f}B parameters",
+               cheaper_option(cfg, dtype, quantize))
+    key = quantize.dtype if quantize is not None else dtype
+    report = BuildReport(str(checkpoint), str(out), dtype, fuse, atol=ATOL[key], scale_tol=SCALE_TOL[key],
+                         attention=attention, route="streamed")
+    gate = source.skeleton.gate.value if cfg.norm == "taper" else None
+    report.model = ModelSummary(cfg.norm, cfg.taper_scope, gate, cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab_size,
+                                cfg.max_seq_len, cfg.tie_embeddings, cfg.approx_param_count(), cfg.kv_heads,
+                                cfg.pos_embedding)
+    report.source, report.notes = source.source, list(source.notes)
+    report.memory_estimate = {"peak_bytes": estimate.peak, **estimate.parts}
+    stages = Stages(report, 5, log)
+    t0 = stages.start(f"open {checkpoint} ({source.source}): weights read block by block, memory-mapped")
+    stages.done("open", t0, f": {cfg.approx_param_count():,} params, {cfg.n_layer} layers; estimated peak "
+                f"{estimate.line()}")
+    name = quantize.file_name() if quantize is not None else ("model.fused.onnx" if fuse else "model.onnx")
+    with output_dir(out, BUILD, inputs=[checkpoint]) as tmp:
+        from export.stream import plan_graph, write_graph
+        t0 = stages.start(f"plan {name}: {'fold, ' if fuse else ''}{attention} attention"
+                          f"{', ' + quantize.dtype if quantize else ''} on two small proxies of the model")
+        plan = plan_graph(source, dtype, fuse, attention, quantize)
+        stages.done("plan", t0, f": {len(plan.proto.graph.node)} nodes, {len(plan.recipes)} initializers")
+        t0 = stages.start(f"write {name} (weights read, {'folded, ' if fuse else ''}"
+                          f"{'quantized' if quantize else 'cast to ' + dtype} and written block by block)")
+        written = write_graph(plan, source, tmp / name, log)
+        stages.done("write_graph", t0, f": {written / 1e9:.2f} GB of weights")
+        _record_graph(report, plan, source, fuse, key)
+        if quantize is not None:
+            report.quantized["weight_bytes_after"] = written
+        runs_ref, sessions, iface = _reference(stages, source, tmp / name, dtype)
+        t0 = stages.start(f"verify {name} vs the torch reference in ONNX Runtime (tolerance {key}"
+                          f"{', top-1 agreement' if quantize else ''})")
+        _verify(report, tmp / name, iface, sessions, runs_ref, quantize, key)
+        stages.done("verify", t0, f": max |d logits| {worst(report.max_abs_diff['graph_vs_torch'], 'logits'):.3g}")
+        _write_files(source, tmp, cfg)
+        report.versions = versions()
+        report.timings_s["total"] = round(time.perf_counter() - t_start, 3)
+        report.files = sorted(p.name for p in tmp.iterdir()) + [REPORT]
+        (tmp / REPORT).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    summary(report, log)
+    return report
+
+
+def _check_gate(source, fuse: bool) -> None:
+    from export.pipeline import BuildError
+    skel = source.skeleton
+    if fuse and source.cfg.norm == "taper" and skel.gate.value != 0.0:
+        raise BuildError(f"{', '.join(skel.taper_layers())}: TaperNorm gate {skel.gate.value:g}; --fuse needs gate 0 "
+                         "(finish the taper, or build without --fuse)")
+
+
+def _record_graph(report, plan, source, fuse: bool, key: str) -> None:
+    from export.pipeline import NORM_OPS, Fold
+    from graph_passes.base import op_counts
+    kind = "fused" if fuse else "unfused"
+    report.op_counts[kind] = op_counts(plan.proto)
+    report.norm_layers[kind] = [n.name for n in plan.proto.graph.node if n.op_type in NORM_OPS]
+    if fuse:
+        from models.fold import keeps_tied_final_norm
+        kept = {"ln_f"} if keeps_tied_final_norm(source.skeleton) else set()
+        report.folded = [Fold("models.fold", n, "affine part folded into the next linear(s) while streaming")
+                         for n in source.cfg.norm_names() if n not in kept]
+    if plan.quantize is not None:
+        from dataclasses import asdict
+        ops = report.op_counts[kind]
+        report.quantized = {"file": plan.quantize.file_name(), "config": asdict(plan.quantize),
+                            "matmuls_quantized": ops.get("MatMulNBits", 0), "matmuls_left": ops.get("MatMul", 0),
+                            "gathers_quantized": ops.get("GatherBlockQuantized", 0), "head": plan.quantize.head_dtype,
+                            "weight_bytes_before": source.weight_bytes()}
+
+
+def _reference(stages, source, path: Path, dtype: str):
+    """The torch reference of the checkpoint, one block at a time, on the verification sessions."""
+    import torch
+    from core.contract import contract_of
+    from export.pipeline import REAL_TEXT
+    from models.checkpoint import TOKENIZER, load_tokenizer
+    from models.layerwise import layerwise_run
+    iface = contract_of(path)
+    tokens = None
+    tok = source.where / TOKENIZER
+    if tok.is_file():
+        tokens = [i for i in load_tokenizer(source.where).encode(REAL_TEXT).ids if i < source.cfg.vocab_size] or None
+    sessions = verification_sessions(iface, tokens)
+    t0 = stages.start(f"torch reference, block by block ({len(sessions)} sessions: prefill + decode steps)")
+    runs = layerwise_run(source, [steps for _, steps in sessions], {"fp32": torch.float32, "fp16": torch.float16}[dtype])
+    stages.done("reference", t0)
+    return runs, sessions, iface
+
+
+def _verify(report, path: Path, iface, sessions, runs_ref, quantize, key: str) -> None:
+    from export.conventions import run_onnx
+    from export.quantize import MIN_TOP1
+    from export.verify import VerificationError, compare_sessions, ort_session
+    from models.layerwise import used_slots
+    sess = ort_session(path)
+    runs = [run_onnx(sess, iface, steps, trim=used_slots(steps)) for _, steps in sessions]
+    del sess
+    results = compare_sessions([(label, ref, got) for (label, _), ref, got in zip(sessions, runs_ref, runs)],
+                               key, f"{path.name} vs torch")
+    report.max_abs_diff["graph_vs_torch"] = {c.what: c.max_abs_diff for c in results}
+    if quantize is not None:
+        from export.quantize import logits_diff
+        agree, n = top1(runs_ref, runs)
+        worst_logits, mean_logits, ref_scale = logits_diff(runs_ref, runs)
+        report.quantized["drift"] = {"logits_max_abs_diff": worst_logits, "logits_mean_abs_diff": mean_logits,
+                                     "logits_max_abs_fused": ref_scale, "top1_agreement": agree, "top1_positions": n,
+                                     "top1_prompt": "the verification sessions, teacher-forced"}
+        report.quantized["tolerance"] = {"atol": report.atol, "scale_tol": report.scale_tol,
+                                         "min_top1": MIN_TOP1[quantize.dtype]}
+        if agree < MIN_TOP1[quantize.dtype]:
+            raise VerificationError(f"{path.name} vs torch", [
+                f"top-1 agreement {agree:.3f} over {n} positions < {MIN_TOP1[quantize.dtype]} (the {quantize.dtype} "
+                "floor); try --head int8, --block-size 16, --algo hqq, or int8"])
+
+
+def _write_files(source, tmp: Path, cfg) -> None:
+    from models.checkpoint import CONFIG, TOKENIZER, checkpoint_config
+    if source.source == "checkpoint":
+        shutil.copyfile(source.where / CONFIG, tmp / CONFIG)
+    else:
+        (tmp / CONFIG).write_text(json.dumps(checkpoint_config(source.skeleton, (source.where / TOKENIZER).is_file()),
+                                             indent=2) + "\n")
+    if (source.where / TOKENIZER).is_file():
+        shutil.copyfile(source.where / TOKENIZER, tmp / TOKENIZER)
