@@ -74,6 +74,7 @@ REPORT_JSON = OutputKind("report-json", "a JSON report", "tapernorm-deploy")
 FIGURE = OutputKind("figure", "a figure", "tapernorm-deploy")
 TOKENIZER = OutputKind("tokenizer", "a tokenizer file", "python -m train.tokenizer")
 TOKEN_SHARDS = OutputKind("token-shards", "a token shard directory", "python -m train.shards")
+SCALE_FOLDER = OutputKind("scale-folder", "a random-init model folder", "python -m bench.scale make")
 
 _committed: list[Path] = []
 _lock = threading.Lock()

@@ -1,0 +1,368 @@
+"""python -m bench.scale make SHAPE --out DIR [--layers N] [--seed N] [--dtype bf16|fp16|fp32] [--shard-gb G]
+python -m bench.scale run --shapes SHAPE[,SHAPE...] --work DIR --options "NAME=BUILD ARGS[;NAME=BUILD ARGS...]"
+                          [--rounds N] [--decode-tokens N] [--threads N] [--layers N] [--peers genai] --json OUT.json
+
+What `python -m export.build` costs at real model sizes, and what its graphs decode at on CPU.
+
+make writes a random-init Hugging Face folder of a real shape (bench/shapes.py: llama-3.2-1b,
+llama-3.2-3b, llama-3-8b, qwen2.5-0.5b, gpt2-medium, gpt2-xl; or a config .json path), shard by
+shard, without building the model. run, for each shape: makes DIR/<shape> (reused when it is
+already that shape), then in interleaved rounds (bench.stats.round_order) runs, per option set,
+
+    python -m export.build --checkpoint DIR/<shape> --out DIR/build-<shape>-<option> <options>
+
+in a child process: wall seconds, peak resident memory (the child's ru_maxrss, read by a small
+wrapper process that starts it), exit code, the build folder's bytes; then the decode speed of
+the graph it wrote (model.int4.onnx, model.int8.onnx, model.fused.onnx or model.onnx, the first
+found) in another child (`python -m bench.scale decode GRAPH`): runtime.ort_session.OrtSession,
+batch 1, a prompt of --prompt-tokens random ids, an untimed warm-up, then --decode-tokens greedy
+steps at --threads intra-op threads; tokens/s over the decode steps only, and that child's peak
+RSS. --peers genai adds ONNX Runtime GenAI's model builder (`-p int4 -e cpu`, fed the folder plus
+a tokenizer, which the builder needs) measured the same way, decoded with bench.genai's runner.
+A failed build is reported with its last error line. GB are 10^9 bytes.
+"""
+from __future__ import annotations
+
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench import stats
+
+GRAPHS = ("model.int4.onnx", "model.int8.onnx", "model.fused.onnx", "model.onnx")    # decoded: the first found
+PEERS = ("genai",)
+GENAI = "genai-int4"
+OPTION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*$")
+GB = 1e9
+ROOT = Path(__file__).resolve().parent.parent
+# the children run this checkout's export.build and runtime, whatever the working directory
+CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+
+
+# --- measuring a child process ---------------------------------------------------------------------
+
+# The child's peak is read in a small wrapper process that starts it. Read in this process instead
+# (os.wait4, RUSAGE_CHILDREN), it could never be below this process's own peak: Linux carries the
+# parent's high-water RSS into a forked child's ru_maxrss across its exec, and this process has
+# held a whole shard while writing a folder.
+WRAPPER = """import resource, signal, subprocess, sys, time
+t0 = time.perf_counter()
+p = subprocess.Popen(sys.argv[2:])
+signal.signal(signal.SIGINT, signal.SIG_IGN)                    # a terminal's Ctrl-C reaches the child itself
+signal.signal(signal.SIGTERM, lambda *a: p.terminate())
+rc = p.wait()
+with open(sys.argv[1], "w") as f:
+    f.write(f"{rc} {time.perf_counter() - t0} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}")
+"""
+
+
+def measured(cmd: list[str]) -> dict:
+    """Run cmd to its end: exit code, wall seconds, peak RSS of it (and its children), stdout, last error line."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            tempfile.NamedTemporaryFile("r", prefix="bench-scale-usage-") as usage:
+        proc = subprocess.Popen([sys.executable, "-c", WRAPPER, usage.name, *cmd], stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=err, env=CHILD_ENV)
+        try:
+            proc.wait()
+        except BaseException:           # Ctrl-C / SIGTERM: let the child clean up its temporaries first
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+        # the wrapper itself killed (SIGKILL, out of memory) leaves no usage line
+        rc, wall, maxrss_kib = usage.read().split() or (proc.returncode, "nan", 0)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+    rc = int(rc)
+    lines = [ln.strip() for ln in (stderr or stdout).splitlines() if ln.strip()]
+    return {"rc": rc, "wall_s": round(float(wall), 2), "peak_rss_bytes": int(maxrss_kib) * 1024, "stdout": stdout,
+            "error": (lines[-1] if lines else f"exit code {rc}, no output") if rc else None}
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files
+               if not os.path.islink(os.path.join(d, f)))
+
+
+# --- the decode child ------------------------------------------------------------------------------
+
+def decode_speed(model: str, decode_tokens: int, prompt_tokens: int, threads: int, genai: bool = False) -> dict:
+    """Greedy decode at batch 1 after an untimed warm-up; tokens/s over the decode steps only."""
+    t0 = time.perf_counter()
+    if genai:
+        from bench.genai import GenAIRunner
+        runner = GenAIRunner({"path": model, "precision": "int4", "weight_bytes": 0, "source": "bench.scale"}, threads)
+        runner.activate()
+        vocab = json.loads((Path(model) / "genai_config.json").read_text())["model"]["vocab_size"]
+        run = lambda prompt, n: runner.generate(prompt[None], n).step_s      # noqa: E731
+    else:
+        from runtime.generate import GenerationConfig, generate
+        from runtime.ort_session import OrtSession
+        session = OrtSession(model, intra_op_threads=threads).activate()
+        vocab = session.spec.vocab_size
+        run = lambda prompt, n: generate(session, [prompt.tolist()], GenerationConfig(max_new_tokens=n)).step_s  # noqa: E731
+    load_s = time.perf_counter() - t0
+    prompt = np.random.default_rng(0).integers(0, vocab, prompt_tokens, dtype=np.int64)
+    run(prompt, 4)                                          # untimed warm-up
+    steps = run(prompt, decode_tokens + 1)                  # the first new token comes from the prefill
+    return {"tokens_per_s": len(steps) / sum(steps), "steps": len(steps), "load_s": round(load_s, 2),
+            "tpot_ms_p50": stats.median(steps) * 1e3}
+
+
+def graph_of(build: Path) -> Path | None:
+    return next((build / g for g in GRAPHS if (build / g).is_file()), None)
+
+
+# --- run ------------------------------------------------------------------------------------------
+
+def parse_options(text: str) -> dict[str, list[str]]:
+    """'name=--fuse --quantize int4;fp32=--fuse' -> {name: build args}."""
+    from core.errors import UsageError
+    options = {}
+    for item in (s.strip() for s in text.split(";")):
+        if not item:
+            continue
+        name, eq, args = item.partition("=")
+        name = name.strip()
+        if not eq or not OPTION_NAME.match(name) or name in options or name == GENAI:
+            raise UsageError(f"--options {item!r}: expected NAME=BUILD ARGS with a new name of letters, digits, "
+                             f"'.', '_', '-' (not {GENAI}), found {'no =' if not eq else repr(name)}; "
+                             "e.g. --options \"int4=--fuse --quantize int4;fp32=--fuse\"")
+        argv = shlex.split(args)
+        taken = [a for a in argv if a.split("=")[0] in ("--checkpoint", "--out", "--triton-repo")]
+        if taken:
+            raise UsageError(f"--options {name}: {taken[0].split('=')[0]} is set by bench.scale; drop it")
+        options[name] = argv
+    if not options:
+        raise UsageError("--options: expected at least one NAME=BUILD ARGS, found none; e.g. --options \"fp32=--fuse\"")
+    return options
+
+
+def genai_input(folder: Path, out: Path) -> Path:
+    """The folder's files (linked) plus a tokenizer: GenAI's builder loads one and fails without it."""
+    from core.outputs import SCALE_FOLDER, output_dir
+    from bench.genai import TOKENIZER
+    from transformers import PreTrainedTokenizerFast
+    with output_dir(out, SCALE_FOLDER, inputs=[folder]) as tmp:
+        for f in folder.iterdir():
+            if not f.name.startswith("."):
+                (tmp / f.name).symlink_to(f.resolve())
+        PreTrainedTokenizerFast(tokenizer_file=str(TOKENIZER), eos_token="<|endoftext|>",
+                                bos_token="<|endoftext|>").save_pretrained(tmp)
+    return out
+
+
+def genai_build(inp: Path, out: Path, cache: Path) -> dict:
+    """GenAI's model builder into `out` (replacing an earlier GenAI build there), measured."""
+    import shutil
+    from core.errors import UserError
+    if out.exists():
+        if not (out / "genai_config.json").is_file():
+            raise UserError(f"{out}: exists and is no GenAI build (no genai_config.json); move it away or use another --work")
+        shutil.rmtree(out)
+    return measured([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(inp), "-o", str(out),
+                     "-p", "int4", "-e", "cpu", "-c", str(cache)])
+
+
+def measure_option(name: str, argv: list[str], folder: Path, out: Path, args, genai_in: Path | None = None) -> dict:
+    """One build of one option set and, when it succeeded, the decode speed of what it wrote."""
+    if name == GENAI:
+        row = genai_build(genai_in, out, args.work / "genai-cache")
+        graph = out if (out / "genai_config.json").is_file() else None
+    else:
+        row = measured([sys.executable, "-m", "export.build", "--checkpoint", str(folder), "--out", str(out), *argv])
+        graph = graph_of(out) if row["rc"] == 0 else None
+    del row["stdout"]
+    row["output_bytes"] = folder_bytes(out) if row["rc"] == 0 and out.is_dir() else 0
+    if row["rc"] == 0 and graph is None:
+        row["rc"], row["error"] = -1, f"{out}: the build wrote none of {', '.join(GRAPHS)}"
+    if graph is None:
+        return row
+    row["graph"] = graph.name
+    cmd = [sys.executable, "-m", "bench.scale", "decode", str(graph), "--decode-tokens", str(args.decode_tokens),
+           "--prompt-tokens", str(args.prompt_tokens), "--threads", str(args.threads)] + (["--genai"] if name == GENAI else [])
+    dec = measured(cmd)
+    if dec["rc"] == 0:
+        dec.update(json.loads(dec["stdout"].strip().splitlines()[-1]))
+    del dec["stdout"]
+    row["decode"] = dec
+    return row
+
+
+def summarize(runs: list[dict]) -> dict:
+    ok = [r for r in runs if r["rc"] == 0]
+    dec = [r["decode"] for r in ok if r.get("decode", {}).get("rc") == 0]
+
+    def spread(values):
+        values = list(values)
+        return stats.Spread.of(values).as_dict() if values else None
+    return {"rounds": len(runs), "failed": len(runs) - len(ok), "wall_s": spread(r["wall_s"] for r in ok),
+            "peak_rss_gb": spread(r["peak_rss_bytes"] / GB for r in ok),
+            "output_gb": spread(r["output_bytes"] / GB for r in ok),
+            "decode_tokens_per_s": spread(d["tokens_per_s"] for d in dec),
+            "decode_peak_rss_gb": spread(d["peak_rss_bytes"] / GB for d in dec)}
+
+
+def table(shape: dict) -> str:
+    from bench.shapes import human
+
+    def f(s: dict, digits: int) -> str:
+        if s is None:
+            return "-"
+        return " / ".join(f"{s[k]:.{digits}f}" if digits else f"{s[k]:.3g}" for k in ("min", "median", "max"))
+    head = ["option", "ok / rounds", "build s", "build peak GB", "output GB", "decode tok/s", "decode peak GB"]
+    lines = [f"{shape['name']}: {human(shape['params'])} parameters, folder {human(shape['folder_bytes'], 'B')} "
+             "(min / median / max over rounds)",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, o in shape["options"].items():
+        s = o["summary"]
+        lines.append(f"| {name} | {s['rounds'] - s['failed']} / {s['rounds']} | {f(s['wall_s'], 1)} | "
+                     f"{f(s['peak_rss_gb'], 0)} | {f(s['output_gb'], 0)} | {f(s['decode_tokens_per_s'], 1)} | "
+                     f"{f(s['decode_peak_rss_gb'], 0)} |")
+    for name, o in shape["options"].items():
+        for r in o["runs"]:
+            err = r.get("error") or r.get("decode", {}).get("error")
+            if err:
+                lines.append(f"  {name} round {r['round']}: {err}")
+    lines += [f"  peer {k}: {v}" for k, v in shape["peers"].items() if isinstance(v, str)]
+    return "\n".join(lines)
+
+
+def bench_shape(spec: str, options: dict[str, list[str]], args, log=print) -> dict:
+    import importlib.util
+    from bench.shapes import folder_config, folder_matches, human, numel, resolve_shape, tensor_specs, write_random_folder
+    name, config = resolve_shape(spec)
+    config = folder_config(config, layers=args.layers)
+    folder = args.work / name
+    if folder_matches(folder, spec, layers=args.layers):
+        log(f"{name}: reusing {folder}")
+    else:
+        write_random_folder(spec, folder, layers=args.layers, log=log)
+    shape = {"name": name, "config": config, "folder": str(folder), "folder_bytes": folder_bytes(folder),
+             "params": sum(numel(s) for _, s, _ in tensor_specs(config)),
+             "options": {n: {"build_args": a, "runs": []} for n, a in options.items()}, "peers": {}}
+    genai_in = None
+    if "genai" in args.peers:
+        if importlib.util.find_spec("onnxruntime_genai") is None:
+            shape["peers"]["genai"] = "skipped: onnxruntime-genai not installed"
+        else:
+            genai_in = genai_input(folder, args.work / f"genai-input-{name}")
+            shape["options"][GENAI] = {"build_args": ["onnxruntime_genai.models.builder", "-p", "int4", "-e", "cpu"],
+                                       "runs": []}
+            shape["peers"]["genai"] = {"option": GENAI, "input": str(genai_in)}
+    for r in range(args.rounds):
+        for opt in stats.round_order(list(shape["options"]), r):
+            out = args.work / (f"genai-{name}-int4" if opt == GENAI else f"build-{name}-{opt}")
+            row = measure_option(opt, shape["options"][opt]["build_args"], folder, out, args, genai_in)
+            row["round"] = r + 1
+            shape["options"][opt]["runs"].append(row)
+            dec = row.get("decode", {})
+            log(f"  {name} {opt} round {r + 1}: " + (
+                f"build {row['wall_s']:.1f} s, peak {human(row['peak_rss_bytes'], 'B')}, "
+                f"output {human(row['output_bytes'], 'B')}; " if row["rc"] == 0 else f"build failed: {row['error']}") + (
+                f"decode {dec['tokens_per_s']:.1f} tok/s, peak {human(dec['peak_rss_bytes'], 'B')}"
+                if dec.get("rc") == 0 else (f"decode failed: {dec['error']}" if dec else "")), flush=True)
+    for o in shape["options"].values():
+        o["summary"] = summarize(o["runs"])
+    return shape
+
+
+def run_bench(args) -> int:
+    import platform
+    from bench.serve import machine_info
+    from bench.shapes import resolve_shape
+    from core.errors import UsageError, UserError
+    from core.outputs import REPORT_JSON, check_output_file, write_json
+    options = parse_options(args.options)
+    specs = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    names = [resolve_shape(s)[0] for s in specs]            # one error line before any work
+    if not specs or len(set(names)) < len(names):
+        raise UsageError(f"--shapes {args.shapes!r}: expected distinct shapes, found "
+                         f"{'none' if not specs else 'one twice'}; list each once")
+    args.peers = [p for p in args.peers.split(",") if p]
+    if any(p not in PEERS for p in args.peers):
+        raise UsageError(f"--peers {','.join(args.peers)}: expected {', '.join(PEERS)}; drop the others")
+    if args.work.exists() and not args.work.is_dir():
+        raise UserError(f"{args.work}: expected a work directory, found a file; choose another --work")
+    check_output_file(args.json, REPORT_JSON)
+    args.work.mkdir(parents=True, exist_ok=True)
+    import onnxruntime
+    report = {"command": "python -m bench.scale " + shlex.join(args.argv),
+              "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "machine": machine_info(),
+              "versions": {"onnxruntime": onnxruntime.__version__, "python": platform.python_version()},
+              "rounds": args.rounds, "decode_tokens": args.decode_tokens, "prompt_tokens": args.prompt_tokens,
+              "threads": args.threads, "shapes": []}
+    for spec in specs:
+        report["shapes"].append(bench_shape(spec, options, args))
+        write_json(args.json, report)               # after every shape: an interrupted run keeps the finished ones
+        print(table(report["shapes"][-1]), flush=True)
+    print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def run(argv: list[str]) -> int:
+    from core.errors import ArgumentParser, float_in, int_in, positive_int
+    from bench.shapes import DTYPES
+    p = ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[1])
+    sub = p.add_subparsers(dest="command", required=True)
+    mk = sub.add_parser("make", help="write a random-init Hugging Face folder of a real shape")
+    mk.add_argument("shape", help="a name from bench/shapes.py or a config .json path")
+    mk.add_argument("--out", type=Path, required=True, help="the folder to write (new, or an earlier one of ours)")
+    mk.add_argument("--layers", type=int_in(1, 1024), default=None, help="override the layer count")
+    mk.add_argument("--seed", type=int_in(0, 2**31 - 1), default=0)
+    mk.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    mk.add_argument("--shard-gb", type=float_in(1e-6), default=2 * 2**30 / GB, help="shard size in GB (default 2 GiB)")
+    rn = sub.add_parser("run", help="build and decode each shape with each option set, interleaved rounds")
+    rn.add_argument("--shapes", required=True, help="comma list of shape names or config .json paths")
+    rn.add_argument("--work", type=Path, required=True, help="folders and builds go here (reused when present)")
+    rn.add_argument("--options", required=True, help='"NAME=EXPORT.BUILD ARGS;..." e.g. "int4=--fuse --quantize int4"')
+    rn.add_argument("--rounds", type=int_in(1, 100), default=1)
+    rn.add_argument("--decode-tokens", type=int_in(1, 1024), default=64)
+    rn.add_argument("--prompt-tokens", type=int_in(1, 1024), default=16)
+    rn.add_argument("--threads", type=int_in(0, 1024), default=2, help="decode intra-op threads (0: ONNX Runtime's choice)")
+    rn.add_argument("--layers", type=int_in(1, 1024), default=None, help="override every shape's layer count")
+    rn.add_argument("--peers", default="", help="genai: also ONNX Runtime GenAI's builder, int4 (when installed)")
+    rn.add_argument("--json", type=Path, required=True, help="where the numbers go (a JSON report)")
+    dc = sub.add_parser("decode", help="(the child `run` measures) decode speed of one graph, one JSON line")
+    dc.add_argument("model", help="an .onnx graph, or with --genai a GenAI build folder")
+    dc.add_argument("--genai", action="store_true")
+    dc.add_argument("--decode-tokens", type=positive_int, default=64)
+    dc.add_argument("--prompt-tokens", type=positive_int, default=16)
+    dc.add_argument("--threads", type=int_in(0, 1024), default=2)
+    args = p.parse_args(argv)
+    args.argv = argv
+    if args.command == "make":
+        from bench.shapes import write_random_folder
+        out = write_random_folder(args.shape, args.out, seed=args.seed, dtype=args.dtype,
+                                  shard_bytes=max(1, int(args.shard_gb * GB)), layers=args.layers)
+        from bench.shapes import human
+        print(f"wrote {out}: {human(folder_bytes(out), 'B')}")
+        return 0
+    if args.command == "decode":
+        print(json.dumps(decode_speed(args.model, args.decode_tokens, args.prompt_tokens, args.threads, args.genai)))
+        return 0
+    return run_bench(args)
+
+
+def main(argv=None) -> int:
+    from core.errors import run_cli
+    return run_cli(run, argv)
+
+
+if __name__ == "__main__":
+    from core.errors import exit_after
+    exit_after(main())

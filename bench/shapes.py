@@ -1,0 +1,214 @@
+"""Real model shapes as Hugging Face config dicts, and random-init folders of them written tensor
+by tensor, without ever building the model.
+
+    write_random_folder("llama-3-8b", "work/llama-3-8b")     # 16 GB of bf16 in 2 GiB shards
+
+The folder is what `save_pretrained` writes (config.json; model.safetensors, or shards
+model-0000i-of-0000n.safetensors with model.safetensors.index.json), so transformers,
+models.convert, export.build and GenAI's model builder read it like a downloaded model. Every
+tensor comes from its own seeded generator (seed, tensor name): normal(0, 0.02) for matrices
+and embeddings, 1 for norm weights, 0 for biases, drawn directly in the folder's dtype; one
+shard's tensors are alive at a time, so memory peaks at about one shard. Speed does not depend
+on the values; conversion and export read every tensor, so the sizes are real.
+"""
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from pathlib import Path
+
+from core.errors import UserError
+from core.outputs import SCALE_FOLDER, check_output_dir, output_dir
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+_LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu", attention_bias=False,
+              mlp_bias=False, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001, vocab_size=128256,
+              rope_theta=500000.0, initializer_range=0.02)
+_GPT2 = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], activation_function="gelu_new",
+             layer_norm_epsilon=1e-5, vocab_size=50257, n_positions=1024, n_ctx=1024, tie_word_embeddings=True,
+             bos_token_id=50256, eos_token_id=50256, initializer_range=0.02)
+
+SHAPES: dict[str, dict] = {
+    "llama-3.2-1b": dict(_LLAMA, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=64, intermediate_size=8192, tie_word_embeddings=True, rope_scaling=_LLAMA3_ROPE,
+                         max_position_embeddings=131072),
+    "llama-3.2-3b": dict(_LLAMA, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+                         head_dim=128, intermediate_size=8192, tie_word_embeddings=True, rope_scaling=_LLAMA3_ROPE,
+                         max_position_embeddings=131072),
+    "llama-3-8b": dict(_LLAMA, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=14336, tie_word_embeddings=False, max_position_embeddings=8192),
+    "qwen2.5-0.5b": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu", hidden_size=896,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
+                         vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                         max_position_embeddings=32768, use_sliding_window=False, sliding_window=32768,
+                         max_window_layers=24, bos_token_id=151643, eos_token_id=151643, initializer_range=0.02),
+    "gpt2-medium": dict(_GPT2, n_embd=1024, n_layer=24, n_head=16),
+    "gpt2-xl": dict(_GPT2, n_embd=1600, n_layer=48, n_head=25),
+}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}      # --dtype -> torch / config name
+STD = 0.02
+
+
+def layer_key(config: dict) -> str:
+    return "n_layer" if config["model_type"] == "gpt2" else "num_hidden_layers"
+
+
+def resolve_shape(shape: str | dict) -> tuple[str, dict]:
+    """(name, config) of a SHAPES name, a path to a config .json file, or a config dict."""
+    if isinstance(shape, dict):
+        return shape.get("_name_or_path") or shape["model_type"], dict(shape)
+    if shape in SHAPES:
+        return shape, dict(SHAPES[shape])
+    if shape.endswith(".json"):
+        try:
+            config = json.loads(Path(shape).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise UserError(f"{shape}: expected a readable JSON config, found {type(e).__name__}: {e}; "
+                            "fix the file or pass a shape name") from None
+        if not isinstance(config, dict) or config.get("model_type") not in ("llama", "qwen2", "gpt2"):
+            raise UserError(f"{shape}: expected a config with model_type llama, qwen2 or gpt2, found "
+                            f"{config.get('model_type') if isinstance(config, dict) else type(config).__name__!r}; "
+                            "fix the file")
+        return Path(shape).stem, config
+    raise UserError(f"shape {shape!r}: expected one of {', '.join(SHAPES)} or a config .json path, found neither; "
+                    "pick one")
+
+
+def folder_config(config: dict, dtype: str = "bf16", layers: int | None = None) -> dict:
+    """config.json of the folder: the shape with its dtype and (for tests) a layer count."""
+    if dtype not in DTYPES:
+        raise UserError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}; pick one")
+    out = {k: v for k, v in config.items() if k != "_name_or_path"}
+    out["torch_dtype"] = DTYPES[dtype]
+    if layers is not None:
+        out[layer_key(out)] = layers
+    return out
+
+
+def tensor_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, init) of every stored tensor in save_pretrained's order; init: normal | ones | zeros."""
+    if config["model_type"] == "gpt2":
+        return _gpt2_specs(config)
+    d, v = config["hidden_size"], config["vocab_size"]
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    hd = config.get("head_dim") or d // heads
+    ff, bias = config["intermediate_size"], config["model_type"] == "qwen2"
+    specs = [("model.embed_tokens.weight", (v, d), "normal")]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        specs.append((p + "input_layernorm.weight", (d,), "ones"))
+        for n, rows in (("q", heads * hd), ("k", kv * hd), ("v", kv * hd)):
+            specs.append((f"{p}self_attn.{n}_proj.weight", (rows, d), "normal"))
+            if bias:
+                specs.append((f"{p}self_attn.{n}_proj.bias", (rows,), "zeros"))
+        specs += [(p + "self_attn.o_proj.weight", (d, heads * hd), "normal"),
+                  (p + "post_attention_layernorm.weight", (d,), "ones"),
+                  (p + "mlp.gate_proj.weight", (ff, d), "normal"), (p + "mlp.up_proj.weight", (ff, d), "normal"),
+                  (p + "mlp.down_proj.weight", (d, ff), "normal")]
+    specs.append(("model.norm.weight", (d,), "ones"))
+    if not config.get("tie_word_embeddings", False):
+        specs.append(("lm_head.weight", (v, d), "normal"))
+    return specs
+
+
+def _gpt2_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """GPT-2's Conv1D weights are stored [in, out]."""
+    d, ff = config["n_embd"], config.get("n_inner") or 4 * config["n_embd"]
+    specs = [("transformer.wte.weight", (config["vocab_size"], d), "normal"),
+             ("transformer.wpe.weight", (config["n_positions"], d), "normal")]
+    for i in range(config["n_layer"]):
+        p = f"transformer.h.{i}."
+        for name, shape in (("ln_1", None), ("attn.c_attn", (d, 3 * d)), ("attn.c_proj", (d, d)), ("ln_2", None),
+                            ("mlp.c_fc", (d, ff)), ("mlp.c_proj", (ff, d))):
+            specs.append((f"{p}{name}.weight", shape or (d,), "normal" if shape else "ones"))
+            specs.append((f"{p}{name}.bias", (shape[1] if shape else d,), "zeros"))
+    specs += [("transformer.ln_f.weight", (d,), "ones"), ("transformer.ln_f.bias", (d,), "zeros")]
+    if not config.get("tie_word_embeddings", True):
+        specs.append(("lm_head.weight", (config["vocab_size"], d), "normal"))
+    return specs
+
+
+def human(n: float, unit: str = "") -> str:
+    """1.24 B / 90.4 M / 512 k with unit "" (parameters); 16.1 GB / 3.52 MB / 12.0 kB with unit "B" (10^3 steps)."""
+    for div, prefix in ((1e9, " G" if unit else " B"), (1e6, " M"), (1e3, " k")):
+        if abs(n) >= div:
+            return f"{n / div:.3g}{prefix}{unit}"
+    return f"{n:.0f}{' ' + unit if unit else ''}"
+
+
+def numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def plan_shards(specs, itemsize: int, shard_bytes: int) -> list[list[tuple]]:
+    """Tensors grouped in order into shards of at most shard_bytes (a larger tensor gets a shard of its own)."""
+    shards, size = [[]], 0
+    for spec in specs:
+        nbytes = numel(spec[1]) * itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes
+    return shards
+
+
+def random_tensor(name: str, shape, init: str, seed: int, dtype):
+    """One tensor, the same for a given (seed, name) whatever the shard layout."""
+    import torch
+    if init == "ones":
+        return torch.ones(shape, dtype=dtype)
+    if init == "zeros":
+        return torch.zeros(shape, dtype=dtype)
+    g = torch.Generator().manual_seed((seed << 32) + zlib.crc32(name.encode()))
+    return torch.empty(shape, dtype=dtype).normal_(0.0, STD, generator=g)
+
+
+def write_random_folder(shape_name_or_config: str | dict, out_dir, seed: int = 0, dtype: str = "bf16",
+                        shard_bytes: int = 2 << 30, layers: int | None = None, log=print) -> Path:
+    """Write a random-init Hugging Face folder of the shape at out_dir (atomically); returns out_dir."""
+    import torch
+    from safetensors.torch import save_file
+    name, config = resolve_shape(shape_name_or_config)
+    config = folder_config(config, dtype, layers)
+    torch_dtype = getattr(torch, DTYPES[dtype])
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    specs = tensor_specs(config)
+    shards = plan_shards(specs, itemsize, shard_bytes)
+    total = sum(numel(s) for _, s, _ in specs) * itemsize
+    marker = {"shape": name, "seed": seed, "dtype": dtype, "config": config}
+    check_output_dir(out_dir, SCALE_FOLDER)         # before the line below says what it is about to write
+    log(f"{name}: {human(sum(numel(s) for _, s, _ in specs))} parameters, {human(total, 'B')} {dtype} "
+        f"in {len(shards)} shard(s) -> {out_dir}")
+    with output_dir(out_dir, SCALE_FOLDER, marker=marker) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        weight_map, written = {}, 0
+        for i, shard in enumerate(shards, 1):
+            t0 = time.perf_counter()
+            fname = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            tensors = {n: random_tensor(n, s, init, seed, torch_dtype) for n, s, init in shard}
+            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            nbytes = sum(t.numel() for t in tensors.values()) * itemsize
+            del tensors
+            weight_map.update({n: fname for n, _, _ in shard})
+            written += nbytes
+            log(f"  shard {i}/{len(shards)} {fname}: {len(shard)} tensors, {human(nbytes, 'B')} "
+                f"({human(written, 'B')} of {human(total, 'B')}) in {time.perf_counter() - t0:.1f} s")
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    return Path(out_dir)
+
+
+def folder_matches(folder, shape_name_or_config, seed: int = 0, dtype: str = "bf16", layers: int | None = None) -> bool:
+    """True when folder is a finished write_random_folder of exactly this shape, seed and dtype."""
+    from core.outputs import read_marker
+    name, config = resolve_shape(shape_name_or_config)
+    marker = read_marker(Path(folder)) or {}
+    return (marker.get("kind") == SCALE_FOLDER.name and marker.get("seed") == seed and marker.get("dtype") == dtype
+            and marker.get("config") == json.loads(json.dumps(folder_config(config, dtype, layers))))

@@ -1,0 +1,159 @@
+"""bench.shapes' random folders (every real shape's tensor list against transformers; tiny folders that
+transformers loads and models.convert converts) and bench.scale run end to end on a tiny Llama.
+No timing is asserted: only that every measurement is there and positive."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import scale
+from bench.shapes import SHAPES, folder_config, folder_matches, numel, tensor_specs, write_random_folder
+from core.outputs import JSON_SIGNATURE_KEY, REPORT_JSON
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  vocab_size=256, bos_token_id=0, eos_token_id=0)
+# each family at a tiny width, keeping the rest of its real config (llama3 rope scaling, qwen2 biases, GPT-2 Conv1D)
+TINY = {
+    "llama": dict(SHAPES["llama-3.2-1b"], **TINY_LLAMA),
+    "llama-untied": dict(SHAPES["llama-3-8b"], **TINY_LLAMA),
+    "qwen2": dict(SHAPES["qwen2.5-0.5b"], **{k: v for k, v in TINY_LLAMA.items() if k != "head_dim"}),
+    "gpt2": dict(SHAPES["gpt2-medium"], n_embd=64, n_head=4, vocab_size=256, n_positions=64, n_ctx=64,
+                 bos_token_id=0, eos_token_id=0),
+}
+# parameter counts of the published models (embedding counted once when tied)
+PARAMS = {"llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824, "llama-3-8b": 8_030_261_248,
+          "qwen2.5-0.5b": 494_032_768, "gpt2-medium": 354_823_168, "gpt2-xl": 1_557_611_200}
+
+
+def quiet(log_lines=None):
+    return (lambda *a, **k: log_lines.append(" ".join(map(str, a)))) if log_lines is not None else (lambda *a, **k: None)
+
+
+def hf_load(folder):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_every_real_shape_lists_the_tensors_transformers_builds(name):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    config = folder_config(SHAPES[name])
+    with torch.device("meta"):     # no memory: shapes only
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    ours = {n: s for n, s, _ in tensor_specs(config)}
+    assert ours == expected
+    assert sum(numel(s) for s in ours.values()) == PARAMS[name]
+    assert model.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_tiny_folder_loads_in_transformers_and_converts(family, tmp_path):
+    folder = write_random_folder(TINY[family], tmp_path / family, seed=3, layers=2, log=quiet())
+    model, info = hf_load(folder)
+    assert {k: v for k, v in info.items() if v} == {}          # no missing, unexpected or mismatched keys
+    assert model.dtype == torch.bfloat16 and model.config.num_hidden_layers == 2
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            assert torch.all(p == 0), name
+        elif p.dim() == 1:
+            assert torch.all(p == 1), name
+        else:
+            assert 0.015 < p.float().std().item() < 0.025, name
+    from models.convert import main as convert_main
+    assert convert_main([str(folder), "--out", str(tmp_path / "ckpt")]) == 0
+    assert (tmp_path / "ckpt" / "config.json").is_file()
+    assert folder_matches(folder, TINY[family], seed=3, layers=2)
+    assert not folder_matches(folder, TINY[family], seed=3, layers=3)
+    assert not folder_matches(folder, TINY[family], seed=4, layers=2)
+
+
+def test_sharded_folder_holds_the_same_tensors(tmp_path):
+    from safetensors.torch import load_file
+    log = []
+    one = write_random_folder(TINY["llama-untied"], tmp_path / "one", layers=2, log=quiet())
+    many = write_random_folder(TINY["llama-untied"], tmp_path / "many", layers=2, shard_bytes=40_000, log=quiet(log))
+    index = json.loads((many / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert sum(ln.strip().startswith("shard ") for ln in log) == len(files)
+    whole = load_file(one / "model.safetensors")
+    assert set(index["weight_map"]) == set(whole)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in whole.values())
+    for f in files:
+        for name, t in load_file(many / f).items():
+            assert index["weight_map"][name] == f and torch.equal(t, whole[name]), name
+    _, info = hf_load(many)
+    assert {k: v for k, v in info.items() if v} == {}
+
+
+def test_child_peak_is_not_floored_by_this_process():
+    ballast = torch.ones(300 << 20, dtype=torch.uint8)          # this process: >= 300 MB resident
+    row = scale.measured([sys.executable, "-c", "pass"])
+    assert row["rc"] == 0 and row["error"] is None
+    assert 0 < row["peak_rss_bytes"] < 150e6, row                 # an idle interpreter, not our 300 MB
+    failed = scale.measured([sys.executable, "-c", "import sys; print('a'); sys.exit('error: x: bad; fix it')"])
+    assert failed["rc"] == 1 and failed["error"] == "error: x: bad; fix it"
+    del ballast
+
+
+@pytest.mark.parametrize("text, complaint", [("fp32", "no ="), ("a=--fuse;a=--fuse", "'a'"), ("", "found none"),
+                                             ("x=--fuse --out y", "--out is set by bench.scale"),
+                                             (f"{scale.GENAI}=--fuse", "not genai-int4")])
+def test_bad_options_are_one_usage_line(text, complaint):
+    from core.errors import UsageError
+    with pytest.raises(UsageError, match=complaint):
+        scale.parse_options(text)
+
+
+def test_parse_options():
+    assert scale.parse_options("int4-gqa=--fuse --quantize int4 --attention gqa; fp32=--fuse") == {
+        "int4-gqa": ["--fuse", "--quantize", "int4", "--attention", "gqa"], "fp32": ["--fuse"]}
+
+
+def test_unknown_shape_is_one_error_line(tmp_path, capsys):
+    rc = scale.main(["run", "--shapes", "llama-9b", "--work", str(tmp_path / "w"), "--options", "a=--fuse",
+                     "--json", str(tmp_path / "o.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and err[0].startswith("error: shape 'llama-9b': expected one of llama-3.2-1b")
+    assert not (tmp_path / "w").exists()
+
+
+def test_run_on_a_tiny_llama(tmp_path):
+    """The whole run: folder made, one build measured, its graph decoded, the report written and signed."""
+    shape = tmp_path / "tiny-llama.json"
+    shape.write_text(json.dumps(dict(TINY["llama"], num_hidden_layers=2)))
+    out = tmp_path / "scale.json"
+    cmd = [sys.executable, "-m", "bench.scale", "run", "--shapes", str(shape), "--work", str(tmp_path / "work"),
+           "--options", "fuse=--fuse", "--rounds", "1", "--decode-tokens", "8", "--threads", "1",
+           "--peers", "genai", "--json", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report[JSON_SIGNATURE_KEY] == REPORT_JSON.name
+    (s,) = report["shapes"]
+    assert s["name"] == "tiny-llama" and s["params"] > 0 and s["folder_bytes"] > 0
+    (run,) = s["options"]["fuse"]["runs"]
+    assert run["rc"] == 0 and run["wall_s"] > 0 and run["peak_rss_bytes"] > 0 and run["output_bytes"] > 0
+    assert run["graph"] == "model.fused.onnx"
+    assert run["decode"]["rc"] == 0 and run["decode"]["tokens_per_s"] > 0 and run["decode"]["steps"] == 8
+    assert run["decode"]["peak_rss_bytes"] > 0
+    assert s["options"]["fuse"]["summary"]["decode_tokens_per_s"]["median"] > 0
+    assert "| fuse | 1 / 1 |" in r.stdout
+    genai = s["peers"]["genai"]
+    assert genai == "skipped: onnxruntime-genai not installed" or s["options"][scale.GENAI]["runs"][0]["rc"] == 0
+    # a second run reuses the folder and reports a failing build by its error line
+    cmd[cmd.index("fuse=--fuse")] = "bad=--quantize int4"
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "tiny-llama: reusing" in r.stdout and "| bad | 0 / 1 | - |" in r.stdout
+    (run,) = json.loads(out.read_text())["shapes"][0]["options"]["bad"]["runs"]
+    assert run["rc"] == 2 and run["error"].startswith("error: --quantize int4: expected --fuse") and "decode" not in run
