@@ -23,6 +23,7 @@ from pathlib import Path
 
 EXTERNAL_AT = 2_000_000_000 - (64 << 20)    # bytes of weights from which a graph keeps them in a .data file
 ALIGN = 4096
+INLINE_BELOW = 1024     # bytes: small tensors (shapes, scalars) stay in the graph, where shape inference reads them
 
 
 def data_file_name(path: str | os.PathLike) -> str:
@@ -73,24 +74,28 @@ class StreamedWeights:
         """Store `array` (numpy, already in the tensor's dtype and shape) as the initializer `tensor`
         (an onnx.TensorProto whose name, data_type and dims are set)."""
         import numpy as np
-        import onnx
         data = np.ascontiguousarray(array)
         if data.dtype.byteorder == ">":
             data = data.byteswap().view(data.dtype.newbyteorder("<"))
+        self.put_raw(tensor, data.reshape(-1).view(np.uint8))
+
+    def put_raw(self, tensor, raw) -> None:
+        """Store bytes already in ONNX's raw_data layout (e.g. int4 packed two a byte)."""
+        import onnx
         tensor.ClearField("raw_data")
         del tensor.external_data[:]
-        if not self.external:
-            tensor.raw_data = data.tobytes()
+        n = len(raw) if isinstance(raw, bytes) else raw.nbytes
+        self.bytes += n
+        if not self.external or n < INLINE_BELOW:
+            tensor.raw_data = bytes(raw)
             tensor.data_location = onnx.TensorProto.DEFAULT
-            self.bytes += data.nbytes
             return
         offset = -(-self._file.tell() // ALIGN) * ALIGN
         self._file.seek(offset)
-        self._file.write(data.reshape(-1).view(np.uint8))
+        self._file.write(raw)
         tensor.data_location = onnx.TensorProto.EXTERNAL
-        for k, v in (("location", self.location), ("offset", str(offset)), ("length", str(data.nbytes))):
+        for k, v in (("location", self.location), ("offset", str(offset)), ("length", str(n))):
             tensor.external_data.add(key=k, value=v)
-        self.bytes += data.nbytes
 
     def save(self, proto) -> None:
         """Write the graph itself (its initializers already put)."""

@@ -256,7 +256,10 @@ def _shape_of(recipe, skeleton_shapes: dict[str, tuple], dtype) -> tuple:
 
 def plan_graph(source, dtype: str = "fp32", fuse: bool = True, attention: str = "plain", quantize=None) -> GraphPlan:
     """Build the two proxies and trace every initializer of the final graph (see the module doc)."""
-    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    for name in ("torch.onnx._internal.exporter._registration", "onnxscript", "onnx_ir"):
+        # ONNX Runtime's quantizer sets the root logger to INFO on import: the exporter's notes would show
+        logging.getLogger(name).setLevel(logging.WARNING if name != "torch.onnx._internal.exporter._registration"
+                                         else logging.ERROR)
     if dtype not in TORCH_DTYPES:
         raise StreamError(f"--dtype {dtype}: the streamed build writes {', '.join(TORCH_DTYPES)}; pick one")
     skeleton = source.skeleton
@@ -348,9 +351,9 @@ def _rows_value(recipe: Rows, tensors: dict[str, torch.Tensor], np_dtype) -> np.
     return np.ascontiguousarray(x.astype(np_dtype, copy=False))
 
 
-def _quantize_one(x: np.ndarray, q: Quantized, qcfg) -> dict[int, np.ndarray]:
-    """ONNX Runtime's quantizer on one matrix alone: input index -> array, as it would write them
-    for that matrix inside the whole graph (the quantizer treats each weight on its own)."""
+def _quantize_one(x: np.ndarray, q: Quantized, qcfg) -> dict[int, onnx.TensorProto]:
+    """ONNX Runtime's quantizer on one matrix alone: input index -> the tensor it writes, as it
+    would for that matrix inside the whole graph (the quantizer treats each weight on its own)."""
     from onnx import TensorProto
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
     from export.quantize import QuantConfig, algo_config
@@ -383,17 +386,12 @@ def _quantize_one(x: np.ndarray, q: Quantized, qcfg) -> dict[int, np.ndarray]:
     model = quantizer.model.model
     qnode = next(nd for nd in model.graph.node if nd.op_type in ("MatMulNBits", "GatherBlockQuantized"))
     inits = {i.name: i for i in model.graph.initializer}
-    return {i: numpy_helper.to_array(inits[name]) for i, name in enumerate(qnode.input) if name in inits}
+    return {i: inits[name] for i, name in enumerate(qnode.input) if name in inits}
 
 
-def _load_group(source, group: int, fuse: bool):
-    """The real, folded (with fuse) parameters of one block, or of the rest (group -1), by name."""
-    if group >= 0:
-        block = source.block(group)
-        if fuse:
-            fold_block_norms(block)
-        prefix = f"blocks.{group}."
-        return {prefix + n: t for n, t in [*block.named_parameters(), *block.named_buffers()]}
+def load_top(source, fuse: bool) -> Decoder:
+    """The model without its blocks (embedding, positions, final norm, head), real weights, the
+    final norm folded as the graph passes fold it (with fuse)."""
     top = copy.deepcopy(source.skeleton)
     top.blocks = torch.nn.ModuleList()
     top = source.fill(top, "")
@@ -402,7 +400,19 @@ def _load_group(source, group: int, fuse: bool):
         top.rotary.inv_freq = rope_inv_freq(source.cfg)
     if fuse:
         fold_final_norm(top, keep_tied=True)
-    return {n: t for n, t in [*top.named_parameters(remove_duplicate=False), *top.named_buffers()]}
+    return top
+
+
+def _load_group(source, group: int, fuse: bool) -> dict[str, torch.Tensor]:
+    """The real, folded (with fuse) parameters and buffers of one block, or of the rest (group -1), by name."""
+    if group >= 0:
+        block = source.block(group)
+        if fuse:
+            fold_block_norms(block)
+        module, prefix = block, f"blocks.{group}."
+    else:
+        module, prefix = load_top(source, fuse), ""
+    return {prefix + n: t for n, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers()]}
 
 
 def write_graph(plan: GraphPlan, source, path, log=print) -> int:
@@ -442,9 +452,15 @@ def write_graph(plan: GraphPlan, source, path, log=print) -> int:
                     value = quantized_cache[key][recipe.role]
                 init = inits[name]
                 del init.dims[:]
-                init.dims.extend(value.shape)
-                init.data_type = helper.np_dtype_to_tensor_dtype(value.dtype)
-                out.put(init, value)
+                if isinstance(value, onnx.TensorProto):      # the quantizer's own tensor: its dtype (e.g. uint4) and bytes
+                    init.dims.extend(value.dims)
+                    init.data_type = value.data_type
+                    out.put_raw(init, value.raw_data if value.HasField("raw_data")
+                                else numpy_helper.to_array(value).tobytes())
+                else:
+                    init.dims.extend(value.shape)
+                    init.data_type = helper.np_dtype_to_tensor_dtype(value.dtype)
+                    out.put(init, value)
             del tensors, quantized_cache
             what = f"block {group + 1}/{source.cfg.n_layer}" if group >= 0 else "embedding, final norm, head"
             log(f"      [{k + 1}/{len(order)}] {what}: {len(by_group[group])} initializer(s), "

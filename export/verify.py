@@ -57,8 +57,18 @@ SCALE_TOL_FP16 = 4e-3
 ATOL_QUANT = 1e-2
 SCALE_TOL_INT8 = 0.05
 SCALE_TOL_INT4 = 0.50
-ATOL = {"fp32": ATOL_FP32, "fp16": ATOL_FP16, "int8": ATOL_QUANT, "int4": ATOL_QUANT}
-SCALE_TOL = {"fp32": 0.0, "fp16": SCALE_TOL_FP16, "int8": SCALE_TOL_INT8, "int4": SCALE_TOL_INT4}
+# A quantized graph against the torch model holding its own dequantized weights (the streamed
+# build, export/quant_reference.py): what is left is how MatMulNBits computes (int8 activations
+# at accuracy level 4, summation order). That rounding accumulates with depth: measured up to 2.6 %
+# of max |reference| on a 2-layer Llama and 4.0 % on the Llama-3.2-1B shape (16 layers, random init,
+# int4, deepest caches). 15 % leaves room for 64-layer models; a wrong block layout, axis, scale or
+# table moves outputs by about their whole scale or more, which stays far outside.
+ATOL_DEQUANTIZED = 1e-2
+SCALE_TOL_DEQUANTIZED = 0.15
+DEQUANTIZED = "dequantized"
+ATOL = {"fp32": ATOL_FP32, "fp16": ATOL_FP16, "int8": ATOL_QUANT, "int4": ATOL_QUANT, DEQUANTIZED: ATOL_DEQUANTIZED}
+SCALE_TOL = {"fp32": 0.0, "fp16": SCALE_TOL_FP16, "int8": SCALE_TOL_INT8, "int4": SCALE_TOL_INT4,
+             DEQUANTIZED: SCALE_TOL_DEQUANTIZED}
 
 
 class VerificationError(UserError):

@@ -465,14 +465,21 @@ def _pickle_refused(where: Path, e: pickle.UnpicklingError) -> ConvertError:
     return _unreadable(where, reason)
 
 
+def read_safetensor(where: Path, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+    with safe_open(str(where), framework="pt") as handle:
+        return handle.get_tensor(name)
+
+
 def _read_file(where: Path) -> dict[str, Stored]:
     """The tensors of one weights file by name; the data of a safetensors file stays on disk until read."""
     try:
         if where.suffix == ".safetensors":
             from safetensors import safe_open
-            handle = safe_open(str(where), framework="pt")
-            return {n: Stored(where, tuple(handle.get_slice(n).get_shape()), lambda n=n: handle.get_tensor(n))
-                    for n in handle.keys()}
+            with safe_open(str(where), framework="pt") as handle:
+                shapes = {n: tuple(handle.get_slice(n).get_shape()) for n in handle.keys()}
+            # opened again for each read: a handle kept open keeps every page it read mapped (resident)
+            return {n: Stored(where, shape, lambda n=n: read_safetensor(where, n)) for n, shape in shapes.items()}
         with warnings.catch_warnings():     # a damaged pickle warns before it fails: one line only
             warnings.simplefilter("ignore")
             # memory-mapped where the format allows it (zip, torch >= 1.6): shapes now, data when used

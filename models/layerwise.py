@@ -26,22 +26,49 @@ def used_slots(steps) -> int:
     return int(max((s.position + s.input_ids.shape[1]).max() for s in steps))
 
 
+class ModelParts:
+    """What the layer-by-layer run reads from a WeightSource: the model as the checkpoint holds it.
+    A subclass may hand out other weights for the same structure (export/stream.py: folded and
+    quantized-dequantized, the reference of a quantized graph)."""
+
+    def __init__(self, source):
+        self.source, self.cfg, self.skeleton = source, source.cfg, source.skeleton
+
+    def embedding(self) -> torch.Tensor:
+        return self.source.tensor("wte.weight")                                  # [V, d]
+
+    def positions(self) -> torch.Tensor:
+        return self.source.tensor("wpe.weight")                                  # [S, d]
+
+    def block(self, i: int) -> torch.nn.Module:
+        return self.source.block(i)
+
+    def final(self) -> tuple[torch.nn.Module, torch.Tensor]:
+        """The final norm (a module) and the LM head [V, d]."""
+        ln_f = copy.deepcopy(self.skeleton.ln_f)
+        if any(True for _ in ln_f.parameters()):
+            ln_f = self.source.fill(ln_f, "ln_f.")
+        return ln_f, self.source.tensor("lm_head.weight")
+
+
 @torch.no_grad()
-def layerwise_run(source, sessions, dtype: torch.dtype = torch.float32) -> list[list[dict[str, np.ndarray]]]:
+def layerwise_run(source, sessions, dtype: torch.dtype = torch.float32, parts: ModelParts | None = None
+                  ) -> list[list[dict[str, np.ndarray]]]:
     """Outputs of the decode steps of each session (Step lists, export/conventions.py): logits of
     every step and, on the last step, present_key_i / present_value_i cut to the slots written
-    ([B, H_kv, used_slots, D])."""
+    ([B, H_kv, used_slots, D]). `parts`: where the weights come from (default: the checkpoint's)."""
+    parts = parts or ModelParts(source)
     cfg, skel = source.cfg, source.skeleton
     layout = cfg.cache_layout()
     ids = [[torch.from_numpy(s.input_ids) for s in steps] for steps in sessions]
     pos = [[torch.from_numpy(s.position) for s in steps] for steps in sessions]
     masks = [[skel.positions_and_mask(i, p) for i, p in zip(ii, pp)] for ii, pp in zip(ids, pos)]
-    table = source.tensor("wte.weight")                                      # [V, d]
+    table = parts.embedding()                                                # [V, d]
     xs = [[F.embedding(i, table).to(dtype) for i in ii] for ii in ids]           # [B, T, d] per step
     del table
     rope = None
     if cfg.pos_embedding == "learned":
-        wpe = source.tensor("wpe.weight").to(dtype)
+        wpe = parts.positions().to(dtype)
         xs = [[x + wpe[pid] for x, (pid, _) in zip(xx, mm)] for xx, mm in zip(xs, masks)]
         del wpe
     else:
@@ -49,7 +76,7 @@ def layerwise_run(source, sessions, dtype: torch.dtype = torch.float32) -> list[
         rope = [[rotary(pid) for pid, _ in mm] for mm in masks]
     outs = [[{} for _ in steps] for steps in sessions]
     for i in range(cfg.n_layer):
-        block = source.block(i).to(dtype)
+        block = parts.block(i).to(dtype)
         for s, steps in enumerate(sessions):
             batch = steps[0].input_ids.shape[0]
             cache = (torch.zeros(layout.shape(batch), dtype=dtype),              # this layer's key, value [B, H_kv, S, D]
@@ -61,9 +88,8 @@ def layerwise_run(source, sessions, dtype: torch.dtype = torch.float32) -> list[
             outs[s][-1][f"present_key_{i}"] = cache[0][:, :, :used].float().numpy().copy()
             outs[s][-1][f"present_value_{i}"] = cache[1][:, :, :used].float().numpy().copy()
         del block
-    ln_f = copy.deepcopy(skel.ln_f)
-    ln_f = (source.fill(ln_f, "ln_f.") if any(True for _ in ln_f.parameters()) else ln_f).to(dtype)
-    head = source.tensor("lm_head.weight").to(dtype)                           # [V, d]
+    ln_f, head = parts.final()
+    ln_f, head = ln_f.to(dtype), head.to(dtype)                                 # head [V, d]
     for s, xx in enumerate(xs):
         for t, x in enumerate(xx):
             outs[s][t]["logits"] = (ln_f(x) @ head.T).float().numpy()

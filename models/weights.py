@@ -92,8 +92,8 @@ def _checkpoint_source(path: Path, max_seq_len: int | None) -> WeightSource:
         raise CheckpointError(f"{where}: missing; a checkpoint directory holds {WEIGHTS}")
     from safetensors import safe_open
     try:
-        handle = safe_open(str(where), framework="pt")
-        shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
+        with safe_open(str(where), framework="pt") as handle:
+            shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
     except Exception as e:  # safetensors raises several types on a damaged header
         from core.errors import first_line
         raise CheckpointError(f"{where}: not a readable safetensors file ({first_line(e)}); re-save the checkpoint") from None
@@ -107,7 +107,8 @@ def _checkpoint_source(path: Path, max_seq_len: int | None) -> WeightSource:
     for k, shape in expected.items():
         if shapes[k] != shape:
             raise CheckpointError(f"{where}: tensor '{k}' has shape {list(shapes[k])}; config.json implies {list(shape)}")
-    places = {k: _Place(where, k, lambda k=k: handle.get_tensor(k), lambda t: t) for k in expected}
+    from models.convert import read_safetensor
+    places = {k: _Place(where, k, lambda k=k: read_safetensor(where, k), lambda t: t) for k in expected}
     if cfg.tie_embeddings:
         places["lm_head.weight"] = places["wte.weight"]
     return WeightSource(path, cfg, places, raw, "checkpoint")
