@@ -28,7 +28,7 @@ from core.inputs import available_memory, human_bytes
 from core.outputs import BUILD, check_output_dir, output_dir
 
 GIB = 1 << 30
-BASE_BYTES = int(1.2 * GIB)      # interpreter, torch, onnx and ONNX Runtime loaded (measured ~1 GiB)
+BASE_BYTES = int(1.5 * GIB)      # interpreter, torch, onnx and ONNX Runtime loaded, allocator slack (measured)
 
 
 @dataclass
@@ -64,7 +64,8 @@ def streamed_memory(cfg, dtype: str, quantize) -> MemoryEstimate:
         "writing a block": 3 * block,
         "writing the embedding and head": 2 * table + head + (3 * head if quantize is not None else 0),
         "the torch reference": 2 * block + table + head,
-        "ONNX Runtime over the graph": 2 * graph_weight_bytes(cfg, dtype, quantize),
+        # ONNX Runtime maps external weights (measured: the 1B fp32 build peaked at 6.1 GiB over 6.0 GB of them)
+        "ONNX Runtime over the graph": int(1.25 * graph_weight_bytes(cfg, dtype, quantize)),
     }
     return MemoryEstimate(BASE_BYTES + max(parts.values()), parts)
 

@@ -3,6 +3,8 @@
     build/<name>/                 from export.build
         model.fused.onnx          preferred by the ort and trt backends
         model.onnx                used when no fused graph exists
+        model.int4.onnx           used when neither exists (a streamed --quantize build writes only
+        model.int8.onnx           its quantized graph: export/streamed.py)
         tokenizer.json, config.json, report.json
 
 --model may also name an .onnx file; its tokenizer.json is looked up beside it.
@@ -15,19 +17,22 @@ from core.contract import ContractError, DecodeContract, contract_of, read_contr
 from runtime.session import ModelFileError
 
 FUSED, UNFUSED, TOKENIZER = "model.fused.onnx", "model.onnx", "tokenizer.json"
+QUANTIZED = ("model.int4.onnx", "model.int8.onnx")
 BUILD_HINT = "build one with: python -m export.build --fuse --checkpoint CHECKPOINT --out DIR"
 
 
 def resolve_onnx(path: str | Path) -> Path:
-    """The graph to run: PATH itself if it is a file, else PATH/model.fused.onnx, else PATH/model.onnx."""
+    """The graph to run: PATH itself if it is a file, else PATH/model.fused.onnx, else PATH/model.onnx,
+    else a quantized graph (what a streamed quantized build holds)."""
     path = Path(path)
     if path.is_file():
         return path
     if path.is_dir():
-        for name in (FUSED, UNFUSED):
+        for name in (FUSED, UNFUSED, *QUANTIZED):
             if (path / name).is_file():
                 return path / name
-        raise ModelFileError(f"{path}: expected a build directory with {FUSED} or {UNFUSED}, found neither; {BUILD_HINT}")
+        raise ModelFileError(f"{path}: expected a build directory with {FUSED}, {UNFUSED} or {' or '.join(QUANTIZED)}, "
+                             f"found none; {BUILD_HINT}")
     raise ModelFileError(f"{path}: expected a build directory or an .onnx file, found nothing there; {BUILD_HINT}")
 
 
