@@ -70,7 +70,7 @@ class QuantizedParts(ModelParts):
                 fp = plan.float_recipes[recipe.source]
                 for p in fp.params if isinstance(fp, Rows) else []:
                     self.specs[p] = (recipe.op, recipe.bits)
-        self._top = None
+        self._tied_table = None
 
     def _weight(self, name: str, w: torch.Tensor) -> torch.Tensor:
         """w (nn.Linear [out, in] or a table [V, d]) as the graph holds it."""
@@ -90,20 +90,29 @@ class QuantizedParts(ModelParts):
                 p.copy_(self._weight(f"blocks.{i}.{name}", p))
         return block
 
-    def top(self):
-        if self._top is None:
-            from export.stream import load_top
-            self._top = load_top(self.source, fuse=self.plan.fuse)
-        return self._top
+    def _top(self):
+        """The model's embedding, positions, final norm and head (folded); read when asked for, not
+        kept: each table of a real model is a GB."""
+        from export.stream import load_top
+        return load_top(self.source, fuse=self.plan.fuse)
+
+    def _tied(self, top) -> bool:
+        # a tied head is the embedding's tensor: its blocks were traced under the embedding's name
+        return top.lm_head.weight is top.wte.weight and "lm_head.weight" not in self.specs
 
     def embedding(self) -> torch.Tensor:
-        return self._weight("wte.weight", self.top().wte.weight)
+        top = self._top()
+        table = self._weight("wte.weight", top.wte.weight)
+        self._tied_table = table if self._tied(top) else None      # the head is the same matrix: kept once
+        return table
 
     def positions(self) -> torch.Tensor:
-        return self.top().wpe.weight
+        return self._top().wpe.weight
 
     def final(self):
-        top = self.top()
-        # a tied head is the embedding's tensor: its blocks were traced under that name
-        tied = top.lm_head.weight is top.wte.weight and "lm_head.weight" not in self.specs
-        return top.ln_f, self._weight("wte.weight" if tied else "lm_head.weight", top.lm_head.weight)
+        top = self._top()
+        if self._tied(top):
+            head = self._tied_table if self._tied_table is not None else self._weight("wte.weight", top.lm_head.weight)
+            self._tied_table = None
+            return top.ln_f, head
+        return top.ln_f, self._weight("lm_head.weight", top.lm_head.weight)

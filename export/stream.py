@@ -351,6 +351,23 @@ def _rows_value(recipe: Rows, tensors: dict[str, torch.Tensor], np_dtype) -> np.
     return np.ascontiguousarray(x.astype(np_dtype, copy=False))
 
 
+def _rtn_matmul_blocks(w: np.ndarray, bits: int, block: int) -> dict[int, onnx.TensorProto]:
+    """What ONNX Runtime's quantizer writes for the MatMul weight w [K, N] (rtn, symmetric): its own
+    C++ kernel called as DefaultWeightOnlyQuantizer.qbits_block_quant calls it, without the one-node
+    graph's copies of w (a real LM head is a GB); tests/export/test_stream.py checks the bytes equal."""
+    from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    rows, cols = w.shape
+    k_blocks, kpack = -(-rows // block), 8 // bits
+    if k_blocks * block != rows:
+        w = np.pad(w, ((0, k_blocks * block - rows), (0, 0)), "constant")
+    packed = np.zeros((cols, k_blocks, block // kpack), dtype=np.uint8)           # [N, K/block, blob]
+    zero_point = np.zeros((cols, -(-k_blocks // kpack)), dtype=np.uint8)
+    scales = np.zeros((cols, k_blocks), dtype=np.float32)
+    (quantize_matmul_4bits if bits == 4 else quantize_matmul_8bits)(packed, w, scales, zero_point, block, cols, rows, True)
+    return {1: numpy_helper.from_array(packed), 2: numpy_helper.from_array(scales)}
+
+
 def _quantize_one(x: np.ndarray, q: Quantized, qcfg) -> dict[int, onnx.TensorProto]:
     """ONNX Runtime's quantizer on one matrix alone: input index -> the tensor it writes, as it
     would for that matrix inside the whole graph (the quantizer treats each weight on its own)."""
@@ -359,6 +376,8 @@ def _quantize_one(x: np.ndarray, q: Quantized, qcfg) -> dict[int, onnx.TensorPro
     from export.quantize import QuantConfig, algo_config
     bits_cfg = QuantConfig("int8" if q.bits == 8 else "int4", qcfg.block_size, qcfg.accuracy_level,
                            qcfg.algo if q.bits == 4 else "rtn")
+    if q.op != "Gather" and bits_cfg.algo == "rtn":
+        return _rtn_matmul_blocks(np.ascontiguousarray(x.T if q.op == "MatMulT" else x), q.bits, qcfg.block_size)
     if q.op == "Gather":
         v, d = x.shape
         node = helper.make_node("Gather", ["W", "ids"], ["y"], name="one")

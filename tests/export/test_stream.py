@@ -83,6 +83,32 @@ def test_streamed_build_equals_the_in_memory_route(tmp_path, source, attention, 
     assert json.loads((tmp_path / "out" / "report.json").read_text())["route"] == "streamed"
 
 
+@pytest.mark.parametrize("bits,k", [(4, 96), (4, 100), (8, 64)])
+def test_direct_block_quantization_equals_onnx_runtimes_quantizer(bits, k):
+    """The streamed build calls ORT's rtn kernel directly for a MatMul weight (no one-node graph, so no
+    copies of a GB head); its bytes must equal what the quantizer writes for that weight in a graph."""
+    import numpy as np
+    from onnx import helper, numpy_helper, TensorProto
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    from export.quantize import algo_config
+    from export.stream import _rtn_matmul_blocks
+    w = np.random.default_rng(0).standard_normal((k, 48)).astype(np.float32)
+    cfg = QuantConfig("int4" if bits == 4 else "int8", 32)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"], name="one")], "one",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 48])],
+                          [numpy_helper.from_array(w, "W")])
+    q = MatMulNBitsQuantizer(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]),
+                             algo_config=algo_config(cfg, ("MatMul",)))
+    q.process()
+    inits = {i.name: numpy_helper.to_array(i) for i in q.model.model.graph.initializer}
+    node = next(n for n in q.model.model.graph.node if n.op_type == "MatMulNBits")
+    mine = _rtn_matmul_blocks(w, bits, 32)
+    for role in (1, 2):
+        np.testing.assert_array_equal(numpy_helper.to_array(mine[role]), inits[node.input[role]])
+    assert len(node.input) < 4 or not node.input[3]            # symmetric: no zero points either way
+
+
 def test_a_build_that_cannot_fit_is_refused_in_one_line_and_writes_nothing(tmp_path, monkeypatch):
     import export.streamed as streamed
     from core.errors import UserError
