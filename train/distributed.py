@@ -145,6 +145,10 @@ def data_parallel(device: str):
     dist.init_process_group(backend=backend, **({"device_id": dev} if dev.type == "cuda" else {}))
     try:
         yield Parallel(rank, world, local, dev, backend)
+        # every rank leaves together (a normal end only: after an error a peer may be gone): a rank that
+        # tore its group down while rank 0 still wrote the last checkpoint was seen to abort in gloo
+        # (SIGABRT, "terminate called without an active exception") under a loaded machine
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
