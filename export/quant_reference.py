@@ -111,8 +111,9 @@ class QuantizedParts(ModelParts):
 
     def final(self):
         top = self._top()
+        bias = top.lm_head.bias                     # a final norm's shift folded into the head (None: none)
         if self._tied(top):
             head = self._tied_table if self._tied_table is not None else self._weight("wte.weight", top.lm_head.weight)
             self._tied_table = None
-            return top.ln_f, head
-        return top.ln_f, self._weight("lm_head.weight", top.lm_head.weight)
+            return top.ln_f, head, bias
+        return top.ln_f, self._weight("lm_head.weight", top.lm_head.weight), bias

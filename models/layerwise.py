@@ -43,12 +43,12 @@ class ModelParts:
     def block(self, i: int) -> torch.nn.Module:
         return self.source.block(i)
 
-    def final(self) -> tuple[torch.nn.Module, torch.Tensor]:
-        """The final norm (a module) and the LM head [V, d]."""
+    def final(self) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor | None]:
+        """The final norm (a module), the LM head [V, d] and its bias [V] (None: none; a fold may add one)."""
         ln_f = copy.deepcopy(self.skeleton.ln_f)
         if any(True for _ in ln_f.parameters()):
             ln_f = self.source.fill(ln_f, "ln_f.")
-        return ln_f, self.source.tensor("lm_head.weight")
+        return ln_f, self.source.tensor("lm_head.weight"), None
 
 
 @torch.no_grad()
@@ -88,9 +88,10 @@ def layerwise_run(source, sessions, dtype: torch.dtype = torch.float32, parts: M
             outs[s][-1][f"present_key_{i}"] = cache[0][:, :, :used].float().numpy().copy()
             outs[s][-1][f"present_value_{i}"] = cache[1][:, :, :used].float().numpy().copy()
         del block
-    ln_f, head = parts.final()
+    ln_f, head, bias = parts.final()
     ln_f, head = ln_f.to(dtype), head.to(dtype)                                 # head [V, d]
     for s, xx in enumerate(xs):
         for t, x in enumerate(xx):
-            outs[s][t]["logits"] = (ln_f(x) @ head.T).float().numpy()
+            logits = F.linear(ln_f(x), head, None if bias is None else bias.to(dtype))
+            outs[s][t]["logits"] = logits.float().numpy()
     return outs
