@@ -6,9 +6,10 @@
     ...
     w.save(proto)
 
-One rule for external data (EXTERNAL_AT): a graph whose weights reach it keeps them in
-`<file>.data` beside `<file>` (protobuf cannot serialize a message over 2 GB, and a loader
-can then memory-map the weights); below it, inline. Offsets in the data file are aligned to
+One rule for external data: a graph held in memory whose weights reach EXTERNAL_AT keeps them in
+`<file>.data` beside `<file>` (protobuf cannot serialize a message over 2 GB, and a loader can
+then memory-map the weights), below it inline; a graph whose weights are streamed keeps them
+in `<file>.data` whatever their size (inline, they would all be held until the graph is saved). Offsets in the data file are aligned to
 ALIGN bytes (the page size), so a runtime can map each tensor without copying it. Numbers
 are written little-endian as ONNX's raw_data requires; int4 values are packed two a byte by
 the caller (ONNX Runtime's MatMulNBits blobs already are).

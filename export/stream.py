@@ -437,7 +437,7 @@ def _load_group(source, group: int, fuse: bool) -> dict[str, torch.Tensor]:
 def write_graph(plan: GraphPlan, source, path, log=print) -> int:
     """Write the plan's graph to `path`, its weights read, folded, cast / quantized and written
     one block at a time. Returns the bytes of weights written."""
-    from core.onnx_writer import EXTERNAL_AT, StreamedWeights
+    from core.onnx_writer import StreamedWeights
     from export.verify import NP_DTYPES
     np_dtype = NP_DTYPES[plan.dtype]
     inits = {i.name: i for i in plan.proto.graph.initializer}
@@ -449,8 +449,9 @@ def write_graph(plan: GraphPlan, source, path, log=print) -> int:
             raise StreamError(f"streamed build: initializer {name} mixes parameters of several blocks; "
                               "build without --stream")
         by_group[groups.pop()].append(name)
-    itemsize = np.dtype(np_dtype).itemsize
-    external = source.weight_bytes() // 4 * itemsize >= EXTERNAL_AT
+    # always beside the graph: weights kept inline would all be held until the graph is saved
+    # (GPT-2 medium's 1.6 GB peaked at 8 GB that way)
+    external = True
     order = sorted(by_group, key=lambda g: (g < 0, g))
     with StreamedWeights(path, external) as out:
         for k, group in enumerate(order):
