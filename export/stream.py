@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 import logging
 import re
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -243,17 +243,6 @@ class GraphPlan:
     notes: list[str] = field(default_factory=list)
 
 
-def _shape_of(recipe, skeleton_shapes: dict[str, tuple], dtype) -> tuple:
-    if isinstance(recipe, Rows):
-        shapes = [skeleton_shapes[n] for n in recipe.params]
-        if len(shapes[0]) <= 1:
-            shape = (sum(s[0] for s in shapes),) if shapes[0] else ()
-        else:
-            shape = (sum(s[0] for s in shapes), *shapes[0][1:])
-        return shape[::-1] if recipe.transpose else shape
-    return recipe.value.shape
-
-
 def plan_graph(source, dtype: str = "fp32", fuse: bool = True, attention: str = "plain", quantize=None) -> GraphPlan:
     """Build the two proxies and trace every initializer of the final graph (see the module doc)."""
     for name in ("torch.onnx._internal.exporter._registration", "onnxscript", "onnx_ir"):
@@ -303,7 +292,7 @@ def plan_graph(source, dtype: str = "fp32", fuse: bool = True, attention: str = 
 def _real_size_graph(a: Proxy, b: Proxy, widths, recipes, skeleton: Decoder, dtype: str) -> onnx.ModelProto:
     """Proxy A's graph with real widths in attributes, I/O shapes and metadata; initializers
     emptied (their data is written by write_graph)."""
-    from export.onnx_export import META_PREFIX, model_metadata
+    from export.onnx_export import model_metadata
     proto = onnx.ModelProto()
     proto.CopyFrom(a.graph)
     for na, nb in zip(proto.graph.node, b.graph.graph.node):

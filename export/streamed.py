@@ -21,8 +21,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from core.errors import UserError
 from core.inputs import available_memory, human_bytes
 from core.outputs import BUILD, check_output_dir, output_dir
