@@ -93,9 +93,10 @@ def run(argv: list[str]) -> int:
     from export.pipeline import build, check_attention, check_quantize
     check_quantize(quantize, args.fuse, args.dtype)
     check_attention(args.attention, args.fuse, args.dtype)
-    if _streamed(args.route, ckpt):
+    source = _streamed(args.route, ckpt)
+    if source is not None:
         from export.streamed import build_streamed
-        build_streamed(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=args.attention)
+        build_streamed(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=args.attention, source=source)
     else:
         build(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=args.attention)
     if args.triton_repo is not None:
@@ -118,21 +119,24 @@ def _quant_config(args) -> QuantConfig | None:
     return QuantConfig(args.quantize, args.block_size, args.accuracy_level, args.algo, args.head, args.int8_layers)
 
 
-def _streamed(route: str, ckpt: Path) -> bool:
-    """Whether the build streams: asked for, or (auto) the in-memory build would not fit here."""
-    if route != "auto":
-        return route == "streamed"
+def _streamed(route: str, ckpt: Path):
+    """The opened weights (models.weights.WeightSource) when the build streams: asked for, or (auto)
+    the in-memory build would not fit here; else None. Opened once: the streamed build reuses them."""
+    if route == "in-memory":
+        return None
     from core.inputs import available_memory, human_bytes
     from export.streamed import in_memory_peak
     from models.weights import open_weights
-    cfg = open_weights(ckpt).cfg
-    avail = available_memory()
+    source = open_weights(ckpt)
+    if route == "streamed":
+        return source
+    cfg, avail = source.cfg, available_memory()
     if avail is None or in_memory_peak(cfg) <= avail:
-        return False
+        return None
     print(f"note: {cfg.approx_param_count() / 1e9:.2f}B parameters: the in-memory build would need "
           f"~{human_bytes(in_memory_peak(cfg))}, {human_bytes(avail)} available; streaming the weights "
           "(--route streamed)")
-    return True
+    return source
 
 
 def _names(text: str) -> tuple[str, ...]:

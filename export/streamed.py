@@ -121,8 +121,9 @@ def top1(ref_runs, runs) -> tuple[float, int]:
 
 
 def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=print, quantize=None,
-                   attention: str = "plain", max_seq_len: int | None = None):
-    """The streamed build; returns the BuildReport (also OUT/report.json)."""
+                   attention: str = "plain", max_seq_len: int | None = None, source=None):
+    """The streamed build; returns the BuildReport (also OUT/report.json). `source`: the checkpoint's
+    weights already opened (models.weights.open_weights), e.g. by the CLI's route choice."""
     from export.pipeline import (REPORT, BuildReport, ModelSummary, Stages, check_attention, check_quantize,
                                  summary, versions, worst)
     from export.verify import ATOL, SCALE_TOL
@@ -132,7 +133,7 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
     check_quantize(quantize, fuse, dtype)
     check_attention(attention, fuse, dtype)
     t_start = time.perf_counter()
-    source = open_weights(checkpoint, max_seq_len)
+    source = source or open_weights(checkpoint, max_seq_len)
     cfg = source.cfg
     _check_gate(source, fuse)
     estimate = streamed_memory(cfg, dtype, quantize)

@@ -60,13 +60,18 @@ def test_the_resume_state_is_safetensors_and_json(tiny_run):
     assert tensors["torch_rng"].dtype == torch.uint8 and tensors["data_rng"].dtype == torch.uint8
 
 
-def test_a_pickled_state_never_runs_and_is_refused_in_one_line(tiny_run, tmp_path):
-    run = copy_tree(tiny_run, tmp_path / "run")
+def _old_pickle_is_refused(source, tmp_path, command: str, *needles: str) -> None:
+    """A run folder whose state is the old pickle, with a payload: `command --resume` never runs it."""
+    run = copy_tree(source, tmp_path / "run")
     witness = tmp_path / "payload-ran"
     _plant_pickle(run, OLD_STATE, witness)
-    r = cli("train", ["--out", run, *RESUME])
+    r = cli(command, ["--out", run, *RESUME])
     assert not witness.exists()
-    _one_error_line(r, str(run / OLD_STATE), "run code", "another --out")
+    _one_error_line(r, str(run / OLD_STATE), "run code", *needles)
+
+
+def test_a_pickled_state_never_runs_and_is_refused_in_one_line(tiny_run, tmp_path):
+    _old_pickle_is_refused(tiny_run, tmp_path, "train", "another --out")
 
 
 def test_a_pickle_in_place_of_the_new_state_never_runs(tiny_run, tmp_path):
@@ -106,12 +111,7 @@ def finetune_run(tmp_path_factory):
 
 
 def test_finetune_resume_never_runs_a_pickled_state(finetune_run, tmp_path):
-    run = copy_tree(finetune_run, tmp_path / "ft")
-    witness = tmp_path / "payload-ran"
-    _plant_pickle(run, OLD_STATE, witness)
-    r = cli("train.finetune", ["--out", run, *RESUME])
-    assert not witness.exists()
-    _one_error_line(r, str(run / OLD_STATE), "run code")
+    _old_pickle_is_refused(finetune_run, tmp_path, "train.finetune")
 
 
 def test_plain_train_refuses_to_resume_a_finetune_run(finetune_run, tmp_path):
