@@ -4,8 +4,8 @@ One graph serves prefill and decode (export/onnx_export.py writes it):
 
     inputs   input_ids   int64 [batch, seq]
              position    int64 [batch]                      cache slot of each sequence's first new token
-             key_{i}     fp32|fp16 [batch, H_kv, S_max, D]  layer i key cache (value_{i} alike)
-    outputs  logits      fp32|fp16 [batch, seq, vocab]
+             key_{i}     fp32|fp16|bf16 [batch, H_kv, S_max, D]  layer i key cache (value_{i} alike)
+    outputs  logits      fp32|fp16|bf16 [batch, seq, vocab]
              present_key_{i}, present_value_{i}             the caches with the new tokens written
 
 `read_contract` checks a graph's I/O against it and returns a DecodeContract;
@@ -30,9 +30,9 @@ _ONNX_ELEM = {1: "fp32", 10: "fp16", 16: "bf16", 11: "fp64", 7: "int64", 6: "int
 _ORT_TYPES = {"tensor(float)": "fp32", "tensor(float16)": "fp16", "tensor(bfloat16)": "bf16",
               "tensor(double)": "fp64", "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(bool)": "bool",
               "tensor(uint8)": "uint8", "tensor(int8)": "int8", "tensor(string)": "string"}
-_NUMPY = {"float32": "fp32", "float16": "fp16", "float64": "fp64", "int64": "int64", "int32": "int32",
+_NUMPY = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64", "int64": "int64", "int32": "int32",
           "bool": "bool", "uint8": "uint8", "int8": "int8"}
-CACHE_DTYPES = ("fp32", "fp16")
+CACHE_DTYPES = ("fp32", "fp16", "bf16")
 ONNX_ELEM_OF = {v: k for k, v in _ONNX_ELEM.items()}
 REEXPORT = "re-export with python -m export.build"
 
@@ -47,6 +47,15 @@ def dtype_name(t) -> str:
         return _ONNX_ELEM.get(t, f"onnx-type-{t}")
     s = str(t)
     return _ORT_TYPES.get(s) or _NUMPY.get(s) or s
+
+
+def np_dtype(name: str):
+    """The numpy dtype of a float dtype name; bf16 is ml_dtypes' bfloat16 (what onnx itself uses)."""
+    import numpy as np
+    if name == "bf16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype({"fp32": np.float32, "fp16": np.float16}[name])
 
 
 def _dim(d) -> int | None:
@@ -72,18 +81,17 @@ class DecodeContract:
     head_dim: int
     capacity: int
     vocab_size: int
-    dtype: str = "fp32"                                     # cache and logits dtype: fp32 | fp16
+    dtype: str = "fp32"                                     # cache and logits dtype: fp32 | fp16 | bf16
     inputs: tuple[TensorSpec, ...] = field(default=(), compare=False)
     outputs: tuple[TensorSpec, ...] = field(default=(), compare=False)
 
     @property
     def np_dtype(self):
-        import numpy as np
-        return np.dtype({"fp32": np.float32, "fp16": np.float16}[self.dtype])
+        return np_dtype(self.dtype)
 
     @property
     def itemsize(self) -> int:
-        return {"fp32": 4, "fp16": 2}[self.dtype]
+        return np_dtype(self.dtype).itemsize
 
     def cache_shape(self, batch: int) -> tuple[int, int, int, int]:
         return (batch, self.n_kv_head, self.capacity, self.head_dim)

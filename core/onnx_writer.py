@@ -42,10 +42,17 @@ def initializer_bytes(proto) -> int:
                for t in proto.graph.initializer)
 
 
-def save_onnx(proto, path: str | os.PathLike) -> None:
-    """Write a graph held in memory: inline below EXTERNAL_AT, else its weights in `<file>.data`."""
+def inline_bytes(proto) -> int:
+    """Bytes of the initializers a graph holds in memory (not those already in an external file)."""
     import onnx
-    if initializer_bytes(proto) < EXTERNAL_AT:
+    return sum(t.ByteSize() for t in proto.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL)
+
+
+def save_onnx(proto, path: str | os.PathLike) -> None:
+    """Write a graph held in memory: inline below EXTERNAL_AT, else its weights in `<file>.data`.
+    Initializers already external (a graph loaded without its data) keep their file."""
+    import onnx
+    if inline_bytes(proto) < EXTERNAL_AT:
         onnx.save(proto, str(path))
     else:
         onnx.save(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,

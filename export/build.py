@@ -1,4 +1,4 @@
-"""python -m export.build [--fuse] [--checkpoint DIR] [--out DIR] [--dtype fp32|fp16] [--triton-repo DIR]
+"""python -m export.build [--fuse] [--checkpoint DIR] [--out DIR] [--dtype fp32|fp16|bf16] [--triton-repo DIR]
                         [--quantize int8|int4 [--block-size N] [--accuracy-level N] [--algo rtn|hqq] [--head int8|int4|fp32] [--int8-layers NAMES]]
                         [--attention plain|fused|gqa]
 
@@ -45,7 +45,9 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--out", type=Path, default=None,
                     help="output directory (default: build/<checkpoint name>/); replaced only if it is an earlier build")
     ap.add_argument("--fuse", action="store_true", help="also fold norms/scales into weights (model.fused.onnx)")
-    ap.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
+    ap.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32",
+                    help="the graph's float type; bf16 (for GPUs and TensorRT; ONNX Runtime's CPU has no bf16 "
+                         "kernels) is built by the streamed route")
     ap.add_argument("--attention", choices=("plain", "fused", "gqa"), default="plain",
                     help="plain: attention as MatMul/Softmax/... ops (portable, default); fused: one ONNX "
                          "Attention op per layer (opset 24; ONNX Runtime runs it as one kernel); gqa (with --fuse): "
@@ -93,7 +95,7 @@ def run(argv: list[str]) -> int:
     from export.pipeline import build, check_attention, check_quantize
     check_quantize(quantize, args.fuse, args.dtype)
     check_attention(args.attention, args.fuse, args.dtype)
-    source = _streamed(args.route, ckpt)
+    source = _streamed(args.route, ckpt, args.dtype)
     if source is not None:
         from export.streamed import build_streamed
         build_streamed(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=args.attention, source=source)
@@ -119,16 +121,19 @@ def _quant_config(args) -> QuantConfig | None:
     return QuantConfig(args.quantize, args.block_size, args.accuracy_level, args.algo, args.head, args.int8_layers)
 
 
-def _streamed(route: str, ckpt: Path):
-    """The opened weights (models.weights.WeightSource) when the build streams: asked for, or (auto)
-    the in-memory build would not fit here; else None. Opened once: the streamed build reuses them."""
+def _streamed(route: str, ckpt: Path, dtype: str):
+    """The opened weights (models.weights.WeightSource) when the build streams: asked for, bf16, or
+    (auto) the in-memory build would not fit here; else None. Opened once: the streamed build reuses them."""
+    if route == "in-memory" and dtype == "bf16":
+        raise UsageError("--dtype bf16: expected --route streamed or auto (bf16 graphs are written by the streamed "
+                         "build, each weight cast from fp32 once); drop --route in-memory")
     if route == "in-memory":
         return None
     from core.inputs import available_memory, human_bytes
     from export.streamed import in_memory_peak
     from models.weights import open_weights
     source = open_weights(ckpt)
-    if route == "streamed":
+    if route == "streamed" or dtype == "bf16":
         return source
     cfg, avail = source.cfg, available_memory()
     if avail is None or in_memory_peak(cfg) <= avail:

@@ -42,6 +42,9 @@ from models.decoder import Decoder, DecoderConfig
 from models.fold import fold_block_norms, fold_final_norm, fold_norms
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+DTYPES = ("fp32", "fp16", "bf16")
+# the dtype the proxies are exported at: a bf16 graph is the fp16 graph retyped (export/bfloat16.py)
+PROXY_DTYPE = {"fp32": "fp32", "fp16": "fp16", "bf16": "fp16"}
 PROXY_SEEDS = (0, 1)
 WIDTHS = ("d_model", "hidden", "vocab_size")
 
@@ -249,11 +252,11 @@ def plan_graph(source, dtype: str = "fp32", fuse: bool = True, attention: str = 
         # ONNX Runtime's quantizer sets the root logger to INFO on import: the exporter's notes would show
         logging.getLogger(name).setLevel(logging.WARNING if name != "torch.onnx._internal.exporter._registration"
                                          else logging.ERROR)
-    if dtype not in TORCH_DTYPES:
-        raise StreamError(f"--dtype {dtype}: the streamed build writes {', '.join(TORCH_DTYPES)}; pick one")
+    if dtype not in DTYPES:
+        raise StreamError(f"--dtype {dtype}: the streamed build writes {', '.join(DTYPES)}; pick one")
     skeleton = source.skeleton
-    a = build_proxy(skeleton, dtype, fuse, attention, quantize, PROXY_SEEDS[0], k=2)
-    b = build_proxy(skeleton, dtype, fuse, attention, quantize, PROXY_SEEDS[1], k=5)
+    a = build_proxy(skeleton, PROXY_DTYPE[dtype], fuse, attention, quantize, PROXY_SEEDS[0], k=2)
+    b = build_proxy(skeleton, PROXY_DTYPE[dtype], fuse, attention, quantize, PROXY_SEEDS[1], k=5)
     real = {"d_model": skeleton.cfg.d_model, "hidden": skeleton.cfg.hidden, "vocab_size": skeleton.cfg.vocab_size}
     widths = _widths_map(a, b, real)
     ops_a, ops_b = [n.op_type for n in a.graph.graph.node], [n.op_type for n in b.graph.graph.node]
@@ -286,6 +289,12 @@ def plan_graph(source, dtype: str = "fp32", fuse: bool = True, attention: str = 
         else:
             recipes[name] = trace_float(name, numpy_helper.to_array(init), inits_b[name])
     proto = _real_size_graph(a, b, widths, recipes, skeleton, dtype)
+    if dtype == "bf16":
+        from export.bfloat16 import NP, retype
+        retype(proto)
+        for name, r in recipes.items():
+            if isinstance(r, Const) and r.value.dtype == np.float16:
+                recipes[name] = Const(r.value.astype(np.float32).astype(NP[onnx.TensorProto.BFLOAT16]))
     return GraphPlan(proto, recipes, float_recipes, dtype, fuse, quantize)
 
 
@@ -426,9 +435,9 @@ def _load_group(source, group: int, fuse: bool) -> dict[str, torch.Tensor]:
 def write_graph(plan: GraphPlan, source, path, log=print) -> int:
     """Write the plan's graph to `path`, its weights read, folded, cast / quantized and written
     one block at a time. Returns the bytes of weights written."""
+    from core.contract import np_dtype as np_dtype_of
     from core.onnx_writer import StreamedWeights
-    from export.verify import NP_DTYPES
-    np_dtype = NP_DTYPES[plan.dtype]
+    np_dtype = np_dtype_of(plan.dtype)
     inits = {i.name: i for i in plan.proto.graph.initializer}
     by_group: dict[int, list[str]] = defaultdict(list)
     for name, recipe in plan.recipes.items():

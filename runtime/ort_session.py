@@ -97,6 +97,10 @@ class OrtSession(DecoderSession):
             self.session = ort.InferenceSession(str(self.path), so, providers=providers)
         except Exception as e:  # InvalidProtobuf, Fail, NotImplemented...: all mean an unusable file
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            if self.device == "cpu" and "NOT_IMPLEMENTED" in first and _is_bf16(self.path):
+                raise ModelFileError(f"{self.path}: a bf16 graph, and ONNX Runtime's CPU kernels do not compute bf16; "
+                                     "run it with TensorRT or --device cuda, or build --dtype fp16 / fp32 for the "
+                                     "CPU") from None
             raise ModelFileError(f"{self.path}: expected a loadable ONNX model, found an error ({first}); "
                                  "re-run python -m export.build") from None
         try:
@@ -263,3 +267,11 @@ class OrtSession(DecoderSession):
     def cache_array(self, name: str) -> np.ndarray:
         """The cache's contents (a view of the bound buffer on CPU, a copy on CUDA)."""
         return self.caches[name].numpy()
+
+
+def _is_bf16(path) -> bool:
+    """Whether the graph's logits are bf16 (read from the graph alone, not its weights)."""
+    import onnx
+    from core.contract import dtype_name
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return any(o.name == "logits" and dtype_name(o.type.tensor_type.elem_type) == "bf16" for o in graph.output)

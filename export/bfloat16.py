@@ -1,0 +1,119 @@
+"""bf16 graphs: made from the fp16 graph's structure, checked on a CPU that has no bf16 arithmetic.
+
+    retype(proto, FLOAT16, BFLOAT16)     # every fp16 type, Cast target and constant -> bf16
+    widened_copy(path)                   # beside path: the same graph computing in fp32 (for ORT CPU)
+
+Why from fp16: bf16 and fp16 are both 2-byte floats, and the torch model exported at fp16
+already keeps in fp32 what must stay fp32 (softmax statistics, rope angles where the model
+computes them so); exporting bf16 again would trace the same graph with another element type.
+The weights themselves never pass through fp16: the streamed build (export/stream.py) casts each
+folded fp32 matrix straight to bf16 as it writes it.
+
+Why widened: ONNX Runtime's CPU kernels have no bf16 MatMul, Add, Mul, Softmax, ... (checked on
+ORT 1.32: only Cast, Concat and the other data-movement ops take bf16), so a bf16 graph cannot run
+here. The widened copy keeps every bf16 initializer as it is in the .data file (no second copy of
+the weights) and casts it to fp32 where it is used (after a Gather, for an embedding table, so
+that the whole table is never widened); everything else computes in fp32. It checks the graph's
+structure and every one of its bf16 weights against the torch reference; what it cannot check
+is bf16 arithmetic itself, which is the GPU's (bench/gpu_check.sh).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from core.contract import np_dtype
+
+FLOAT, FLOAT16, BFLOAT16 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16
+NP = {FLOAT: np.float32, FLOAT16: np.float16, BFLOAT16: np_dtype("bf16")}
+WIDENED_SUFFIX = ".widened.onnx"
+
+
+def convert_tensor(t: onnx.TensorProto, dst: int) -> onnx.TensorProto:
+    """A tensor holding its data (inline) in another float type, same name."""
+    out = numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32).astype(NP[dst]), t.name)
+    out.data_type = dst             # (from_array may not know ml_dtypes' bfloat16 on every onnx version)
+    return out
+
+
+def _retype_value_infos(graph: onnx.GraphProto, src: int, dst: int) -> None:
+    for v in [*graph.input, *graph.output, *graph.value_info]:
+        if v.type.tensor_type.elem_type == src:
+            v.type.tensor_type.elem_type = dst
+
+
+def _retype_nodes(graph: onnx.GraphProto, src: int, dst: int) -> None:
+    """Cast targets and tensor-valued attributes (Constant, ConstantOfShape), subgraphs included."""
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.name == "to" and node.op_type == "Cast" and attr.i == src:
+                attr.i = dst
+            elif attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == src:
+                attr.t.CopyFrom(convert_tensor(attr.t, dst))
+            elif attr.type == onnx.AttributeProto.GRAPH:
+                retype_graph(attr.g, src, dst, initializers=True)
+
+
+def retype_graph(graph: onnx.GraphProto, src: int, dst: int, initializers: bool) -> None:
+    """Every `src` element type in `graph` -> `dst`. Initializers: retyped in place (with their
+    values when they hold data inline) when `initializers`, else left to the caller."""
+    _retype_value_infos(graph, src, dst)
+    _retype_nodes(graph, src, dst)
+    if initializers:
+        for init in graph.initializer:
+            if init.data_type != src:
+                continue
+            if init.dims and (init.HasField("raw_data") or len(init.int32_data)):
+                init.CopyFrom(convert_tensor(init, dst))
+            else:
+                init.data_type = dst        # data not written yet (a streamed plan), or empty
+
+
+def retype(proto: onnx.ModelProto, src: int = FLOAT16, dst: int = BFLOAT16) -> onnx.ModelProto:
+    retype_graph(proto.graph, src, dst, initializers=True)
+    return proto
+
+
+def widen(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The bf16 graph computing in fp32; its bf16 initializers kept, cast where they are read."""
+    graph = proto.graph
+    retype_graph(graph, BFLOAT16, FLOAT, initializers=False)
+    users: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in set(node.input):
+            users.setdefault(name, []).append(node)
+    first, after_gather = [], {}            # Casts of initializers lead the graph; a table's follows its Gather
+    for init in graph.initializer:
+        if init.data_type != BFLOAT16:
+            continue
+        stored = init.name + ".bf16"
+        readers = users.get(init.name, [])
+        if readers and all(n.op_type == "Gather" and list(n.input).index(init.name) == 0 for n in readers):
+            for n in readers:               # a table: gather bf16 rows, then widen only those
+                gathered = n.output[0] + ".bf16"
+                after_gather[id(n)] = helper.make_node("Cast", [gathered], [n.output[0]], to=FLOAT,
+                                                       name=gathered + ".widen")
+                n.output[0], n.input[0] = gathered, stored
+        else:
+            first.append(helper.make_node("Cast", [stored], [init.name], to=FLOAT, name=stored + ".widen"))
+        init.name = stored
+    nodes = list(first)
+    for n in graph.node:
+        nodes.append(n)
+        if id(n) in after_gather:
+            nodes.append(after_gather[id(n)])
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return proto
+
+
+def widened_copy(path: Path) -> Path:
+    """The widened graph written beside `path` (sharing its .data file); the caller removes it."""
+    from core.onnx_writer import save_onnx
+    proto = widen(onnx.load(str(path), load_external_data=False))
+    out = path.with_name(path.name + WIDENED_SUFFIX)
+    save_onnx(proto, out)
+    return out
