@@ -1,6 +1,7 @@
 """python -m bench.scale make SHAPE --out DIR [--layers N] [--seed N] [--dtype bf16|fp16|fp32] [--shard-gb G]
 python -m bench.scale run --shapes SHAPE[,SHAPE...] --work DIR --options "NAME=BUILD ARGS[;NAME=BUILD ARGS...]"
-                          [--rounds N] [--decode-tokens N] [--threads N] [--layers N] [--peers genai] --json OUT.json
+                          [--rounds N] [--decode-tokens N] [--threads N] [--layers N] [--peers genai]
+                          [--memory-cap GB] --json OUT.json
 
 What `python -m export.build` costs at real model sizes, and what its graphs decode at on CPU.
 
@@ -19,7 +20,10 @@ batch 1, a prompt of --prompt-tokens random ids, an untimed warm-up, then --deco
 steps at --threads intra-op threads; tokens/s over the decode steps only, and that child's peak
 RSS. --peers genai adds ONNX Runtime GenAI's model builder (`-p int4 -e cpu`, fed the folder plus
 a tokenizer, which the builder needs) measured the same way, decoded with bench.genai's runner.
-A failed build is reported with its last error line. GB are 10^9 bytes.
+A failed build is reported with its last error line; a bf16 graph is built and measured but not
+decoded (ONNX Runtime's CPU has no bf16 kernels). Every child runs under --memory-cap: its process
+tree is stopped when it passes the cap (and the row says so) instead of meeting the kernel's OOM
+killer. GB are 10^9 bytes.
 """
 from __future__ import annotations
 
@@ -56,23 +60,58 @@ CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p 
 # (os.wait4, RUSAGE_CHILDREN), it could never be below this process's own peak: Linux carries the
 # parent's high-water RSS into a forked child's ru_maxrss across its exec, and this process has
 # held a whole shard while writing a folder.
-WRAPPER = """import resource, signal, subprocess, sys, time
+# The wrapper also keeps the child's process tree under a memory cap: a peer that would meet the
+# kernel's OOM killer (GenAI's builder on an 8B folder here) is stopped instead, and the row says
+# so, rather than the killer picking a victim on a shared machine.
+WRAPPER = """import os, resource, signal, subprocess, sys, time
 t0 = time.perf_counter()
-p = subprocess.Popen(sys.argv[2:])
+cap = int(sys.argv[2])
+p = subprocess.Popen(sys.argv[3:])
 signal.signal(signal.SIGINT, signal.SIG_IGN)                    # a terminal's Ctrl-C reaches the child itself
 signal.signal(signal.SIGTERM, lambda *a: p.terminate())
+
+def tree(pid):
+    try:
+        kids = [int(c) for t in os.listdir(f"/proc/{pid}/task") for c in open(f"/proc/{pid}/task/{t}/children").read().split()]
+    except OSError:
+        return []
+    return [pid] + [q for k in kids for q in tree(k)]
+
+def rss(pids):
+    total = 0
+    for q in pids:
+        try:
+            total += int(open(f"/proc/{q}/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+capped = 0
+while p.poll() is None:
+    time.sleep(0.25)
+    pids = tree(p.pid)
+    now = rss(pids) if cap else 0
+    if cap and now > cap:
+        capped = now
+        for q in reversed(pids):
+            try:
+                os.kill(q, signal.SIGKILL)
+            except OSError:
+                pass
+        break
 rc = p.wait()
 with open(sys.argv[1], "w") as f:
-    f.write(f"{rc} {time.perf_counter() - t0} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}")
+    f.write(f"{rc} {time.perf_counter() - t0} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss} {capped}")
 """
 
 
-def measured(cmd: list[str]) -> dict:
-    """Run cmd to its end: exit code, wall seconds, peak RSS of it (and its children), stdout, last error line."""
+def measured(cmd: list[str], cap_bytes: int = 0) -> dict:
+    """Run cmd to its end: exit code, wall seconds, peak RSS of it (and its children), stdout, last
+    error line. With cap_bytes, its process tree is killed when its resident memory passes the cap."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
             tempfile.NamedTemporaryFile("r", prefix="bench-scale-usage-") as usage:
-        proc = subprocess.Popen([sys.executable, "-c", WRAPPER, usage.name, *cmd], stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=err, env=CHILD_ENV)
+        proc = subprocess.Popen([sys.executable, "-c", WRAPPER, usage.name, str(int(cap_bytes)), *cmd],
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=CHILD_ENV)
         try:
             proc.wait()
         except BaseException:           # Ctrl-C / SIGTERM: let the child clean up its temporaries first
@@ -83,14 +122,18 @@ def measured(cmd: list[str]) -> dict:
                 proc.kill()
             raise
         # the wrapper itself killed (SIGKILL, out of memory) leaves no usage line
-        rc, wall, maxrss_kib = usage.read().split() or (proc.returncode, "nan", 0)
+        rc, wall, maxrss_kib, capped = usage.read().split() or (proc.returncode, "nan", 0, 0)
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
     rc = int(rc)
     lines = [ln.strip() for ln in (stderr or stdout).splitlines() if ln.strip()]
+    error = (lines[-1] if lines else f"exit code {rc}, no output") if rc else None
+    if int(capped):
+        error = (f"stopped by the bench at {int(capped) / GB:.1f} GB resident (--memory-cap {cap_bytes / GB:.1f} GB), "
+                 "before the kernel's OOM killer")
     return {"rc": rc, "wall_s": round(float(wall), 2), "peak_rss_bytes": int(maxrss_kib) * 1024, "stdout": stdout,
-            "error": (lines[-1] if lines else f"exit code {rc}, no output") if rc else None}
+            "error": error, "capped": bool(int(capped))}
 
 
 def folder_bytes(path: Path) -> int:
@@ -121,6 +164,14 @@ def decode_speed(model: str, decode_tokens: int, prompt_tokens: int, threads: in
     steps = run(prompt, decode_tokens + 1)                  # the first new token comes from the prefill
     return {"tokens_per_s": len(steps) / sum(steps), "steps": len(steps), "load_s": round(load_s, 2),
             "tpot_ms_p50": stats.median(steps) * 1e3}
+
+
+def graph_dtype(graph: Path) -> str:
+    """The graph's logits dtype, read from the graph alone (not its weights)."""
+    import onnx
+    from core.contract import dtype_name
+    out = onnx.load(str(graph), load_external_data=False).graph.output
+    return next(dtype_name(o.type.tensor_type.elem_type) for o in out if o.name == "logits")
 
 
 def graph_of(build: Path) -> Path | None:
@@ -166,7 +217,7 @@ def genai_input(folder: Path, out: Path) -> Path:
     return out
 
 
-def genai_build(inp: Path, out: Path, cache: Path) -> dict:
+def genai_build(inp: Path, out: Path, cache: Path, cap_bytes: int = 0) -> dict:
     """GenAI's model builder into `out` (replacing an earlier GenAI build there), measured."""
     import shutil
     from core.errors import UserError
@@ -175,16 +226,17 @@ def genai_build(inp: Path, out: Path, cache: Path) -> dict:
             raise UserError(f"{out}: exists and is no GenAI build (no genai_config.json); move it away or use another --work")
         shutil.rmtree(out)
     return measured([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(inp), "-o", str(out),
-                     "-p", "int4", "-e", "cpu", "-c", str(cache)])
+                     "-p", "int4", "-e", "cpu", "-c", str(cache)], cap_bytes)
 
 
 def measure_option(name: str, argv: list[str], folder: Path, out: Path, args, genai_in: Path | None = None) -> dict:
     """One build of one option set and, when it succeeded, the decode speed of what it wrote."""
     if name == GENAI:
-        row = genai_build(genai_in, out, args.work / "genai-cache")
+        row = genai_build(genai_in, out, args.work / "genai-cache", args.cap_bytes)
         graph = out if (out / "genai_config.json").is_file() else None
     else:
-        row = measured([sys.executable, "-m", "export.build", "--checkpoint", str(folder), "--out", str(out), *argv])
+        row = measured([sys.executable, "-m", "export.build", "--checkpoint", str(folder), "--out", str(out), *argv],
+                       args.cap_bytes)
         graph = graph_of(out) if row["rc"] == 0 else None
     del row["stdout"]
     row["output_bytes"] = folder_bytes(out) if row["rc"] == 0 and out.is_dir() else 0
@@ -193,9 +245,12 @@ def measure_option(name: str, argv: list[str], folder: Path, out: Path, args, ge
     if graph is None:
         return row
     row["graph"] = graph.name
+    if name != GENAI and graph_dtype(graph) == "bf16":
+        row["decode"] = {"skipped": "bf16: ONNX Runtime's CPU kernels do not compute bf16 (bench/gpu_check.sh does)"}
+        return row
     cmd = [sys.executable, "-m", "bench.scale", "decode", str(graph), "--decode-tokens", str(args.decode_tokens),
            "--prompt-tokens", str(args.prompt_tokens), "--threads", str(args.threads)] + (["--genai"] if name == GENAI else [])
-    dec = measured(cmd)
+    dec = measured(cmd, args.cap_bytes)
     if dec["rc"] == 0:
         dec.update(json.loads(dec["stdout"].strip().splitlines()[-1]))
     del dec["stdout"]
@@ -235,7 +290,7 @@ def table(shape: dict) -> str:
                      f"{f(s['decode_peak_rss_gb'], 0)} |")
     for name, o in shape["options"].items():
         for r in o["runs"]:
-            err = r.get("error") or r.get("decode", {}).get("error")
+            err = r.get("error") or r.get("decode", {}).get("error") or r.get("decode", {}).get("skipped")
             if err:
                 lines.append(f"  {name} round {r['round']}: {err}")
     lines += [f"  peer {k}: {v}" for k, v in shape["peers"].items() if isinstance(v, str)]
@@ -275,7 +330,8 @@ def bench_shape(spec: str, options: dict[str, list[str]], args, log=print) -> di
                 f"build {row['wall_s']:.1f} s, peak {human(row['peak_rss_bytes'], 'B')}, "
                 f"output {human(row['output_bytes'], 'B')}; " if row["rc"] == 0 else f"build failed: {row['error']}") + (
                 f"decode {dec['tokens_per_s']:.1f} tok/s, peak {human(dec['peak_rss_bytes'], 'B')}"
-                if dec.get("rc") == 0 else (f"decode failed: {dec['error']}" if dec else "")), flush=True)
+                if dec.get("rc") == 0 else (f"decode skipped: {dec['skipped']}" if "skipped" in dec else
+                                            f"decode failed: {dec['error']}" if dec else "")), flush=True)
     for o in shape["options"].values():
         o["summary"] = summarize(o["runs"])
     return shape
@@ -300,12 +356,16 @@ def run_bench(args) -> int:
         raise UserError(f"{args.work}: expected a work directory, found a file; choose another --work")
     check_output_file(args.json, REPORT_JSON)
     args.work.mkdir(parents=True, exist_ok=True)
+    from core.inputs import available_memory
+    avail = available_memory()
+    args.cap_bytes = int(args.memory_cap * GB) if args.memory_cap is not None else \
+        (max(avail - 2**30, 0) if avail is not None else 0)
     import onnxruntime
     report = {"command": "python -m bench.scale " + shlex.join(args.argv),
               "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "machine": machine_info(),
               "versions": {"onnxruntime": onnxruntime.__version__, "python": platform.python_version()},
               "rounds": args.rounds, "decode_tokens": args.decode_tokens, "prompt_tokens": args.prompt_tokens,
-              "threads": args.threads, "shapes": []}
+              "threads": args.threads, "memory_cap_bytes": args.cap_bytes, "shapes": []}
     for spec in specs:
         report["shapes"].append(bench_shape(spec, options, args))
         write_json(args.json, report)               # after every shape: an interrupted run keeps the finished ones
@@ -336,6 +396,9 @@ def run(argv: list[str]) -> int:
     rn.add_argument("--threads", type=int_in(0, 1024), default=2, help="decode intra-op threads (0: ONNX Runtime's choice)")
     rn.add_argument("--layers", type=int_in(1, 1024), default=None, help="override every shape's layer count")
     rn.add_argument("--peers", default="", help="genai: also ONNX Runtime GenAI's builder, int4 (when installed)")
+    rn.add_argument("--memory-cap", type=float_in(0.1), default=None, metavar="GB",
+                    help="stop any command whose process tree passes GB resident (default: the memory available "
+                         "at the start less 1 GiB), so that no peer meets the kernel's OOM killer")
     rn.add_argument("--json", type=Path, required=True, help="where the numbers go (a JSON report)")
     dc = sub.add_parser("decode", help="(the child `run` measures) decode speed of one graph, one JSON line")
     dc.add_argument("model", help="an .onnx graph, or with --genai a GenAI build folder")

@@ -105,6 +105,15 @@ def test_child_peak_is_not_floored_by_this_process():
     del ballast
 
 
+def test_a_child_past_the_memory_cap_is_stopped_and_said():
+    """A process tree that grows past --memory-cap is killed by the bench (not the OOM killer); the row says so."""
+    grow = "import time; x = bytearray(400 << 20); x[::4096] = b'1' * len(x[::4096]); time.sleep(30)"
+    row = scale.measured([sys.executable, "-c", grow], cap_bytes=200 << 20)
+    assert row["capped"] and row["rc"] != 0 and row["wall_s"] < 20
+    assert row["error"].startswith("stopped by the bench at") and "OOM" in row["error"]
+    assert not scale.measured([sys.executable, "-c", "pass"], cap_bytes=200 << 20)["capped"]
+
+
 @pytest.mark.parametrize("text, complaint", [("fp32", "no ="), ("a=--fuse;a=--fuse", "'a'"), ("", "found none"),
                                              ("x=--fuse --out y", "--out is set by bench.scale"),
                                              (f"{scale.GENAI}=--fuse", "not genai-int4")])
@@ -133,7 +142,7 @@ def test_run_on_a_tiny_llama(tmp_path):
     shape.write_text(json.dumps(dict(TINY["llama"], num_hidden_layers=2)))
     out = tmp_path / "scale.json"
     cmd = [sys.executable, "-m", "bench.scale", "run", "--shapes", str(shape), "--work", str(tmp_path / "work"),
-           "--options", "fuse=--fuse", "--rounds", "1", "--decode-tokens", "8", "--threads", "1",
+           "--options", "fuse=--fuse;bf16=--fuse --dtype bf16", "--rounds", "1", "--decode-tokens", "8", "--threads", "1",
            "--peers", "genai", "--json", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -148,10 +157,12 @@ def test_run_on_a_tiny_llama(tmp_path):
     assert run["decode"]["peak_rss_bytes"] > 0
     assert s["options"]["fuse"]["summary"]["decode_tokens_per_s"]["median"] > 0
     assert "| fuse | 1 / 1 |" in r.stdout
+    (bf16,) = s["options"]["bf16"]["runs"]          # built and measured; not decoded on this CPU, and said why
+    assert bf16["rc"] == 0 and bf16["output_bytes"] < run["output_bytes"] and "bf16" in bf16["decode"]["skipped"]
     genai = s["peers"]["genai"]
     assert genai == "skipped: onnxruntime-genai not installed" or s["options"][scale.GENAI]["runs"][0]["rc"] == 0
     # a second run reuses the folder and reports a failing build by its error line
-    cmd[cmd.index("fuse=--fuse")] = "bad=--quantize int4"
+    cmd[cmd.index("fuse=--fuse;bf16=--fuse --dtype bf16")] = "bad=--quantize int4"
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "tiny-llama: reusing" in r.stdout and "| bad | 0 / 1 | - |" in r.stdout
