@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import struct
+import warnings
 from pathlib import Path
 
 import torch
@@ -92,7 +93,9 @@ def save_sharded_state(directory: Path, model: nn.Module, opt: torch.optim.Optim
     """Every rank writes its shards into `directory` (a path all ranks see: inside the temporary run
     folder rank 0 commits afterwards, so a stopped save leaves the previous checkpoint whole)."""
     import torch.distributed.checkpoint as dcp
-    dcp.save(_state(model, opt), checkpoint_id=str(directory))
+    with warnings.catch_warnings():          # one process (no process group) writes the same format
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save(_state(model, opt), checkpoint_id=str(directory), no_dist=not dist.is_initialized())
 
 
 def load_sharded_state(directory: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -101,7 +104,9 @@ def load_sharded_state(directory: Path, model: nn.Module, opt: torch.optim.Optim
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
     state = _state(model, opt)
-    dcp.load(state, checkpoint_id=str(directory))
+    with warnings.catch_warnings():          # one process reading a sharded run is intended, not a mistake
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
