@@ -1,6 +1,7 @@
 """python -m train --preset P --size S --out DIR [--steps N] [--d-model D --n-layer L --n-head H] [--seed K]
 python -m train --out DIR --resume [--threads N] [--grad-accum K] [--device cpu|cuda]
 torchrun --standalone --nproc-per-node N -m train ... [--device cuda] [--dtype bf16] [--grad-accum K]
+torchrun --standalone --nproc-per-node N -m train ... --fsdp [--checkpoint-activations]   # sharded (FSDP2)
 
 Trains a pre-norm decoder with the TaperNorm schedule and saves a checkpoint
 directory (config.json with the gate and each layer's c, model.safetensors,

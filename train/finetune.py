@@ -4,6 +4,7 @@ protocol) or FakeLN (Baroni et al. 2025), on the project's corpus.
     python -m train.finetune --from CKPT_OR_HF_DIR --method METHOD --out DIR [--steps N] [--lr LR] ...
     python -m train.finetune --out DIR --resume [--grad-accum K] [--device cpu|cuda]
     torchrun --standalone --nproc-per-node N -m train.finetune ... [--device cuda] [--dtype bf16] [--grad-accum K]
+    torchrun --standalone --nproc-per-node N -m train.finetune ... --fsdp [--checkpoint-activations]   # sharded (FSDP2)
 
 Methods (the model starts from --from, a checkpoint or a Hugging Face folder, with real norms):
   internal-taper  every block norm becomes a TaperNorm (TaperLN for a LayerNorm model: LN base and

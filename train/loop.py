@@ -23,6 +23,12 @@ same global batch. Only rank 0 writes `out`; the resume state holds nothing per-
 resumes with any number of processes. The log's "parallel" list records, from each start
 or resume on, the world size, per-rank batch, micro-batch, backend, device and dtype.
 
+Sharded (--fsdp; train/sharded.py): the same loop with every block, the embedding / head and the root
+fully_shard-ed instead of DDP; each rank holds 1/N of the weights, gradients and AdamW state, every rank
+writes its shards of the resume state (train_state.dcp) into rank 0's temporary run folder, and the
+consolidated model.safetensors is streamed into it tensor by tensor. Before step 0 rank 0 prints the
+estimate of one rank's memory (train/memory.py); a run that cannot fit stops there with one line.
+
 A Recipe (train/finetune.py) changes where a run starts and what happens around
 the schedule: the model it starts from, an action before each step (e.g. fixing a
 norm's std), and the model a checkpoint saves; the default trains from scratch.

@@ -3,7 +3,9 @@
     train_state.safetensors   every tensor: model.<name>, optimizer.<param index>.<key> (AdamW's step
                               and moments), data_rng and torch_rng (the generators' states, uint8)
     train_state.json          the plain rest: format, step, each TaperNorm's c, the scale-loss state,
-                              the optimizer's param groups, the log
+                              the optimizer's param groups, the log, "sharded"
+    train_state.dcp/          --fsdp runs ("sharded": true): model and optimizer as torch.distributed.checkpoint
+                              shards (train/sharded.py), which train_state.safetensors then leaves out
 
     write_run_state(directory, state)    state: the dict load_run_state returns
     load_run_state(run_dir) -> dict      {"step", "model", "taper_c", "optimizer", "data_rng", "torch_rng",
