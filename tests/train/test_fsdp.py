@@ -209,3 +209,13 @@ def test_a_run_that_cannot_fit_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(TrainError, match=r"training all-taper: needs about .* per rank \(replicated \(DDP\).*use --fsdp"):
         loop.train(TrainConfig(**TINY, out=str(tmp_path / "r")))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_checkpointed_activations_give_the_same_weights(tmp_path):
+    """--checkpoint-activations recomputes each block in backward: the same arithmetic, the same weights."""
+    cfg = {**TINY, "steps": 4, "eval_every": 4}
+    loop.train(TrainConfig(**cfg, out=str(tmp_path / "plain")))
+    log = loop.train(TrainConfig(**cfg, out=str(tmp_path / "ckpt"), checkpoint_activations=True))
+    assert log["parallel"][0]["checkpoint_activations"] is True
+    a, b = load_file(str(tmp_path / "plain" / "model.safetensors")), load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    assert _max_diff(a, b) <= 1e-7
