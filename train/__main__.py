@@ -1,6 +1,7 @@
 """python -m train --preset P --size S --out DIR [--steps N] [--d-model D --n-layer L --n-head H] [--seed K]
 python -m train --out DIR --resume [--threads N] [--grad-accum K] [--device cpu|cuda]
 torchrun --standalone --nproc-per-node N -m train ... [--device cuda] [--dtype bf16] [--grad-accum K]
+torchrun --standalone --nproc-per-node N -m train ... --fsdp [--checkpoint-activations]   # sharded (FSDP2)
 
 Trains a pre-norm decoder with the TaperNorm schedule and saves a checkpoint
 directory (config.json with the gate and each layer's c, model.safetensors,
@@ -53,7 +54,7 @@ from train.config import DEVICES, DTYPES, TrainConfig, TrainError
 from train.presets import PRESETS, SIZES
 
 # what --resume may be given beside --out: how the run is executed, not what it computes
-RESUME_OPTIONS = {"out", "resume", "threads", "quiet", "grad_accum", "device"}
+RESUME_OPTIONS = {"out", "resume", "threads", "quiet", "grad_accum", "device", "checkpoint_activations"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,7 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--grad-accum", type=int_in(1, 65536), help="micro-batches per step on each rank (default 1); "
                    "--batch-size must be a multiple of processes x grad-accum")
     d.add_argument("--device", choices=DEVICES, help="cpu (default; gloo between ranks) or cuda (one GPU per rank, nccl)")
-    d.add_argument("--dtype", choices=DTYPES, default="fp32", help="fp32 (default) or bf16 autocast (CUDA only)")
+    d.add_argument("--dtype", choices=DTYPES, default="fp32", help="fp32 (default) or bf16 autocast (CUDA only; "
+                   "with --fsdp: bf16 compute, fp32 master weights and reductions)")
+    d.add_argument("--fsdp", action="store_true", help="sharded data parallel (FSDP2): each rank holds 1/N of the "
+                   "weights, gradients and optimizer state; a run setting (--resume keeps it)")
+    d.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute each block's activations in backward (less memory, ~1/3 more compute)")
     g = p.add_argument_group("architecture (overrides the size)")
     g.add_argument("--d-model", type=int_in(None, 65536))
     g.add_argument("--n-layer", type=int_in(None, 1024))
@@ -111,7 +117,8 @@ def _config(a) -> TrainConfig:
               model=dict(d_model=a.d_model, n_layer=a.n_layer, n_head=a.n_head, vocab_size=a.vocab_size,
                          max_seq_len=a.max_seq_len, mlp=a.mlp, dyt_alpha_init=a.dyt_alpha_init),
               embed_std=a.embed_std, threads=a.threads, progress=not a.quiet, data=a.data, shards=a.shards,
-              grad_accum=a.grad_accum or 1, device=a.device or "cpu", dtype=a.dtype)
+              grad_accum=a.grad_accum or 1, device=a.device or "cpu", dtype=a.dtype, fsdp=a.fsdp,
+              checkpoint_activations=a.checkpoint_activations)
     if a.tokenizer is not None:
         kw["tokenizer"] = a.tokenizer
     return TrainConfig(**kw)
@@ -133,6 +140,8 @@ def _resume_config(p: argparse.ArgumentParser, a) -> TrainConfig:
         run.grad_accum = a.grad_accum
     if a.device is not None:
         run.device = a.device
+    if a.checkpoint_activations:
+        run.checkpoint_activations = True
     return run
 
 

@@ -59,6 +59,8 @@ class TrainConfig:
     grad_accum: int = 1                 # micro-batches per optimizer step on each rank
     dtype: str = "fp32"                 # "fp32", or "bf16" autocast (CUDA)
     device: str = "cpu"                 # "cpu" or "cuda" (under torchrun: the local rank's GPU)
+    fsdp: bool = False                  # sharded data parallel (train/sharded.py); the run's resume state is sharded
+    checkpoint_activations: bool = False   # recompute each block's activations in backward
 
     def resolve(self) -> "TrainConfig":
         """Fill the size's defaults and check everything; raises TrainError with one line."""

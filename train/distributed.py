@@ -39,6 +39,7 @@ class Parallel:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     backend: str | None = None          # None: one process, no process group
+    sharded: bool = False               # --fsdp across ranks: the model is fully_shard-ed (train/sharded.py)
 
     @property
     def is_main(self) -> bool:
@@ -78,9 +79,25 @@ class Parallel:
 
     def shard(self, n: int) -> range:
         """This rank's contiguous share of n items (the first n % world ranks take one more)."""
+        return self.shard_of(self.rank, n)
+
+    def batches(self, windows: torch.Tensor, batch_size: int):
+        """This rank's share of `windows` [n, T + 1] in batches of `batch_size`, on the rank's device.
+        Sharded, every forward all-gathers parameters with the other ranks, so every rank runs as
+        many as the one with the largest share (rank 0): a rank with fewer ends with empty batches
+        [0, T + 1], which add nothing to any sum."""
+        mine = self.shard(len(windows))
+        for i in range(mine.start, mine.stop, batch_size):
+            yield windows[i:min(i + batch_size, mine.stop)].to(self.device)
+        if self.sharded:
+            most = -(-len(self.shard_of(0, len(windows))) // batch_size)
+            for _ in range(most - -(-len(mine) // batch_size)):
+                yield windows[:0].to(self.device)
+
+    def shard_of(self, rank: int, n: int) -> range:
         per, extra = divmod(n, self.world_size)
-        start = self.rank * per + min(self.rank, extra)
-        return range(start, start + per + (self.rank < extra))
+        start = rank * per + min(rank, extra)
+        return range(start, start + per + (rank < extra))
 
     def wrap(self, model: torch.nn.Module, find_unused: bool) -> torch.nn.Module:
         """DistributedDataParallel around `model` (the model itself at world size 1).

@@ -4,6 +4,7 @@ protocol) or FakeLN (Baroni et al. 2025), on the project's corpus.
     python -m train.finetune --from CKPT_OR_HF_DIR --method METHOD --out DIR [--steps N] [--lr LR] ...
     python -m train.finetune --out DIR --resume [--grad-accum K] [--device cpu|cuda]
     torchrun --standalone --nproc-per-node N -m train.finetune ... [--device cuda] [--dtype bf16] [--grad-accum K]
+    torchrun --standalone --nproc-per-node N -m train.finetune ... --fsdp [--checkpoint-activations]   # sharded (FSDP2)
 
 Methods (the model starts from --from, a checkpoint or a Hugging Face folder, with real norms):
   internal-taper  every block norm becomes a TaperNorm (TaperLN for a LayerNorm model: LN base and
@@ -45,7 +46,7 @@ METHODS = ("internal-taper", "all-taper", "fakeln", "vanilla")
 DEFAULTS = dict(steps=600, lr=5e-4, batch_size=16, seq_len=128, eval_every=100)
 TAPER_FRAC = 0.5             # taper steps (from step 0) and the fakeln removals: the first half of the run
 # what --resume may be given beside --out: how the run is executed, not what it computes
-RESUME_OPTIONS = {"out", "resume", "threads", "quiet", "grad_accum", "device"}
+RESUME_OPTIONS = {"out", "resume", "threads", "quiet", "grad_accum", "device", "checkpoint_activations"}
 
 
 def source_tokenizer(path: str) -> Path:
@@ -92,7 +93,8 @@ def finetune_config(method: str, source, a) -> TrainConfig:
         taper_steps=(a.taper_steps or max(1, round(TAPER_FRAC * steps))) if taper else None,
         aux_lambda=a.aux_lambda, seed=a.seed, corpus=a.corpus, corpus_stories=a.corpus_stories,
         tokenizer=str(source_tokenizer(a.source)), model=model, threads=a.threads, progress=not a.quiet,
-        data=a.data, shards=a.shards, grad_accum=a.grad_accum or 1, device=a.device or "cpu", dtype=a.dtype)
+        data=a.data, shards=a.shards, grad_accum=a.grad_accum or 1, device=a.device or "cpu", dtype=a.dtype,
+        fsdp=a.fsdp, checkpoint_activations=a.checkpoint_activations)
 
 
 def fakeln_every(steps: int, n_norms: int, given: int | None) -> int:
@@ -133,7 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--grad-accum", type=int_in(1, 65536), help="micro-batches per step on each rank (default 1); "
                    "--batch-size must be a multiple of processes x grad-accum")
     d.add_argument("--device", choices=DEVICES, help="cpu (default; gloo between ranks) or cuda (one GPU per rank, nccl)")
-    d.add_argument("--dtype", choices=DTYPES, default="fp32", help="fp32 (default) or bf16 autocast (CUDA only)")
+    d.add_argument("--dtype", choices=DTYPES, default="fp32", help="fp32 (default) or bf16 autocast (CUDA only; "
+                   "with --fsdp: bf16 compute, fp32 master weights and reductions)")
+    d.add_argument("--fsdp", action="store_true", help="sharded data parallel (FSDP2): each rank holds 1/N of the "
+                   "weights, gradients and optimizer state; a run setting (--resume keeps it)")
+    d.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute each block's activations in backward (less memory, ~1/3 more compute)")
     p.add_argument("--threads", type=int_in(0, 256), default=0, help="torch threads (0: torch's default)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -159,6 +166,8 @@ def run(argv: list[str]) -> int:
             run_cfg.grad_accum = a.grad_accum
         if a.device is not None:
             run_cfg.device = a.device
+        if a.checkpoint_activations:
+            run_cfg.checkpoint_activations = True
         method, source, every = recipe_info["finetune"], recipe_info["from"], recipe_info["fakeln_every"]
     else:
         if a.source is None or a.method is None:

@@ -23,6 +23,12 @@ same global batch. Only rank 0 writes `out`; the resume state holds nothing per-
 resumes with any number of processes. The log's "parallel" list records, from each start
 or resume on, the world size, per-rank batch, micro-batch, backend, device and dtype.
 
+Sharded (--fsdp; train/sharded.py): the same loop with every block, the embedding / head and the root
+fully_shard-ed instead of DDP; each rank holds 1/N of the weights, gradients and AdamW state, every rank
+writes its shards of the resume state (train_state.dcp) into rank 0's temporary run folder, and the
+consolidated model.safetensors is streamed into it tensor by tensor. Before step 0 rank 0 prints the
+estimate of one rank's memory (train/memory.py); a run that cannot fit stops there with one line.
+
 A Recipe (train/finetune.py) changes where a run starts and what happens around
 the schedule: the model it starts from, an action before each step (e.g. fixing a
 norm's std), and the model a checkpoint saves; the default trains from scratch.
@@ -30,7 +36,9 @@ norm's std), and the model a checkpoint saves; the default trains from scratch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import os
 import shlex
 import shutil
 import sys
@@ -44,8 +52,8 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from core.outputs import TRAINING_RUN, check_output_dir, marker_kind
-from models.checkpoint import save_checkpoint
+from core.outputs import TRAINING_RUN, check_output_dir, marker_kind, output_dir
+from models.checkpoint import CONFIG, TOKENIZER, WEIGHTS, checkpoint_config, save_checkpoint
 from models.decoder import Decoder
 from train.calibration import branch_mismatch, calibrate
 from train.config import TrainConfig, TrainError
@@ -57,6 +65,8 @@ from train.interrupts import raise_if_interrupted
 from train.run_state import (RUN_STATE, RUN_STATE_JSON, has_run_state, load_run_state, refuse_old_state,
                              restore_error, write_run_state)
 from train.schedule import lr_at
+from train.sharded import (SHARDED_STATE, all_finite, checkpoint_blocks, load_sharded_state, save_sharded_state,
+                           shard_model, sharded_state_bytes, write_streamed_weights)
 from train.shards import TokenStream, shards_for
 from train.tokenizer import encode_stories, load_tokenizer, train_tokenizer
 
@@ -165,11 +175,12 @@ def evaluate(model: Decoder, windows: torch.Tensor, batch_size: int, par: Parall
     Each rank evaluates its share of `windows`; the sums are all-reduced."""
     was = model.training
     model.eval()
-    mine = par.shard(len(windows))
     loss_sum, n_tok, rms_sum, max_logit = 0.0, 0, 0.0, 0.0
-    for w in _batches(windows[mine.start:mine.stop], batch_size, par.device):
+    for w in par.batches(windows, batch_size):
         with autocast():
             logits, h = model(w[:, :-1], return_hidden=True)
+        if len(w) == 0:           # a sharded rank's extra forward (train.distributed.Parallel.batches)
+            continue
         loss_sum += float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1),
                                           reduction="sum"))
         n_tok += w[:, 1:].numel()
@@ -250,6 +261,19 @@ class Recipe:
         """What a checkpoint of the run holds (the training model itself by default)."""
         return model
 
+    # the same, tensor by tensor, for a sharded model whose weights are streamed (train/sharded.py)
+    def saved_config(self, model: Decoder):
+        """The DecoderConfig of saved_model(model)."""
+        return model.cfg
+
+    def stores(self, name: str) -> bool:
+        """Whether the state-dict entry `name` is stored in the checkpoint."""
+        return True
+
+    def saved_tensor(self, model: Decoder, name: str, full: torch.Tensor) -> torch.Tensor:
+        """The stored value of entry `name` given its full (gathered) tensor."""
+        return full
+
 
 def _write_json(obj: dict, path: Path) -> None:
     path.write_text(json.dumps(obj, indent=1) + "\n")
@@ -266,11 +290,9 @@ def train(run: TrainConfig, command: str | None = None, resume: bool = False, re
     run.resolve()
     out = Path(run.out)
     check_out(run, resume)
-    run.check_world(launched_world()[1])
-    from core.inputs import check_memory
-    # weights, gradients and AdamW's two moments, fp32; activations come on top
-    check_memory(16 * run.decoder_config().approx_param_count(), f"training {run.preset}: the model",
-                 "use a smaller --d-model / --n-layer / --vocab-size / --max-seq-len")
+    rank, world, local = launched_world()
+    run.check_world(world)
+    estimate = check_rank_memory(run, world, local)
     if run.threads:
         torch.set_num_threads(run.threads)
     t0 = time.time()
@@ -281,7 +303,7 @@ def train(run: TrainConfig, command: str | None = None, resume: bool = False, re
             work = Path(tempfile.mkdtemp(prefix=f".{out.name}.work-", dir=out.parent))
         try:
             return _train(run, out, work, t0, command, load_run_state(out) if resume else None, par,
-                          recipe or Recipe())
+                          recipe or Recipe(), estimate)
         except Exception as e:
             if par.distributed and peer_lost(e):
                 ignore_launcher_stop()
@@ -322,9 +344,36 @@ def held_recipe(out: str | Path) -> dict | None:
     return recipe if isinstance(recipe, dict) else None
 
 
-def _autocast(run: TrainConfig):
-    """bf16 autocast on CUDA for --dtype bf16 (weights, gradients and AdamW stay fp32); fp32 otherwise."""
-    if run.dtype == "bf16":
+def check_rank_memory(run: TrainConfig, world: int, local_rank: int):
+    """The estimate of one rank's memory (train/memory.py), printed by rank 0; TrainError (one line) when it
+    exceeds what the rank's device has: the free memory of its GPU, or on the CPU the available memory
+    shared by the ranks of this machine."""
+    from core.inputs import MEMORY_SHARE, available_memory, human_bytes
+    from train.memory import estimate_rank_memory
+    micro = run.batch_size // world // run.grad_accum
+    est = estimate_rank_memory(run.decoder_config(), micro, run.seq_len, world, run.fsdp, run.dtype,
+                               run.checkpoint_activations)
+    ranks_here = 1 if run.device == "cuda" else int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if run.device == "cuda" and torch.cuda.is_available() and local_rank < torch.cuda.device_count():
+        have, where = torch.cuda.mem_get_info(local_rank)[0], f"GPU {local_rank} has"
+    else:
+        have, where = available_memory(), f"this machine has (for {ranks_here} rank(s))"
+    mode = "sharded (--fsdp)" if run.fsdp else "replicated (DDP)"
+    if local_rank == 0 and launched_world()[0] == 0:
+        print(f"memory per rank (estimated, {mode}, {world} rank(s), micro-batch {micro} x {run.seq_len}): "
+              f"{est.describe()}", file=sys.stderr)
+    if have is not None and est.total * ranks_here > MEMORY_SHARE * have:
+        fix = "use --fsdp, more processes, " if not run.fsdp else "use more processes, "
+        raise TrainError(f"training {run.preset}: needs about {human_bytes(est.total)} per rank ({mode}: "
+                         f"{est.describe()}), {where} {human_bytes(have)} available; {fix}"
+                         f"--checkpoint-activations, a larger --grad-accum or a smaller model")
+    return est
+
+
+def _autocast(run: TrainConfig, par: Parallel = SINGLE):
+    """bf16 autocast on CUDA for --dtype bf16 (weights, gradients and AdamW stay fp32); fp32 otherwise.
+    A sharded model computes in bf16 through FSDP's MixedPrecisionPolicy instead (train/sharded.py)."""
+    if run.dtype == "bf16" and not par.sharded:
         return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext
 
@@ -334,10 +383,9 @@ def _calibrate(model: Decoder, windows: torch.Tensor, batch_size: int, run: Trai
     """Calibrate every c (and fix s_tgt) from this rank's share of the calibration windows,
     the sums all-reduced; returns the log record."""
     reduce = par.sum if par.distributed else None
-    mine = par.shard(len(windows))
 
     def batches():
-        return _batches(windows[mine.start:mine.stop], batch_size, par.device)
+        return par.batches(windows, batch_size)
     before = branch_mismatch(model, batches(), reduce)
     c = calibrate(model, batches(), reduce)
     after = branch_mismatch(model, batches(), reduce)
@@ -357,7 +405,9 @@ def _accumulate_gradients(ddp, stream: TokenStream, starts: list[int], micro: in
     for i in range(run.grad_accum):
         batch = stream.windows(starts[i * micro:(i + 1) * micro], run.seq_len + 1).to(par.device)  # [b, T + 1]
         last = i == run.grad_accum - 1
-        with contextlib.nullcontext() if last or not par.distributed else ddp.no_sync():   # all-reduce once
+        # DDP all-reduces once, on the last micro-batch; FSDP reduce-scatters every one, so that only the
+        # rank's shard of the gradients is kept between micro-batches (the point of sharding)
+        with contextlib.nullcontext() if last or not par.distributed or par.sharded else ddp.no_sync():
             with autocast():
                 logits, h = ddp(batch[:, :-1], return_hidden=True)
                 ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
@@ -371,8 +421,77 @@ def _accumulate_gradients(ddp, stream: TokenStream, starts: list[int], micro: in
     return ce_mean
 
 
+def _place(model: Decoder, run: TrainConfig, par: Parallel):
+    """The model on the rank's device: sharded with fully_shard (--fsdp across ranks), else moved whole;
+    returns (model, the module to run forward / backward through: DDP's wrapper, or the model)."""
+    if run.checkpoint_activations:
+        checkpoint_blocks(model)
+    if par.sharded:
+        model = shard_model(model, par.device, run.dtype)
+        return model, model
+    model.to(par.device)
+    return model, par.wrap(model, find_unused=run.gate_schedule() is not None)
+
+
+def _restore_model(model: Decoder, state: dict, gen: torch.Generator, out: Path) -> None:
+    """The held run's weights (unless they are sharded: loaded with the optimizer), c and RNG states."""
+    try:
+        if not state["sharded"]:
+            model.load_state_dict(state["model"])
+        for name, c in state["taper_c"].items():
+            model.taper_layers()[name].c = c
+        gen.set_state(state["data_rng"])
+        torch.set_rng_state(state["torch_rng"])
+    except (RuntimeError, KeyError, ValueError, TypeError) as e:
+        raise restore_error(out, e) from None
+
+
+def _restore_optimizer(model, opt, state: dict, run: TrainConfig, out: Path) -> None:
+    if state["sharded"] != run.fsdp:
+        raise TrainError(f"{out / RUN_STATE_JSON}: the resume state is {'' if state['sharded'] else 'not '}sharded, "
+                         f"the run's settings say --fsdp {run.fsdp}; start a new run in another --out")
+    try:
+        if state["sharded"]:
+            load_sharded_state(out / SHARDED_STATE, model, opt)
+        else:
+            opt.load_state_dict(state["optimizer"])
+    except (RuntimeError, KeyError, ValueError, TypeError, OSError) as e:
+        raise restore_error(out, e) from None
+
+
+def _save_run(model, opt, run: TrainConfig, out: Path, work: Path | None, recipe: Recipe, data: Data,
+              resume: dict, par: Parallel) -> None:
+    """Replace `out` with the checkpoint and resume state (resume: write_run_state's plain part). Replicated
+    weights: rank 0 writes everything. --fsdp: every rank writes its shards of the model and optimizer
+    into rank 0's temporary folder, the consolidated model.safetensors is streamed tensor by tensor, and
+    rank 0 commits the folder once every rank is done."""
+    log = resume["log"]
+    if not run.fsdp:
+        if par.is_main:               # the ranks hold the same weights: one writes
+            _write_json(log, work / LOG_NAME)
+            write_run_state(work, {**resume, "model": model.state_dict(), "optimizer": opt.state_dict()})
+            save_checkpoint(recipe.saved_model(model), out, data.tokenizer_json, kind=TRAINING_RUN,
+                            extra_files={name: work / name for name in (LOG_NAME, RUN_STATE, RUN_STATE_JSON)})
+        return
+    with output_dir(out, TRAINING_RUN) if par.is_main else contextlib.nullcontext() as tmp:
+        tmp = Path(par.broadcast(str(tmp) if par.is_main else None))
+        save_sharded_state(tmp / SHARDED_STATE, model, opt)
+        write_streamed_weights(tmp / WEIGHTS if par.is_main else None, model, recipe)
+        if par.is_main:
+            tokenizer = data.tokenizer_json
+            config = {**checkpoint_config(model, tokenizer is not None), **recipe.saved_config(model).to_dict()}
+            _write_json(config, tmp / CONFIG)
+            if tokenizer is not None:
+                shutil.copyfile(tokenizer, tmp / TOKENIZER)
+            _write_json(log, tmp / LOG_NAME)
+            write_run_state(tmp, {**resume, "model": {}, "optimizer": {"state": {}, "param_groups": []},
+                                  "sharded": True})
+        par.barrier()                 # every rank's shards are written before rank 0 commits
+
+
 def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: str | None, state: dict | None,
-           par: Parallel, recipe: Recipe) -> dict:
+           par: Parallel, recipe: Recipe, estimate=None) -> dict:
+    par = dataclasses.replace(par, sharded=run.fsdp and par.distributed)
     data = prepare_data(run, work, par)
     raise_if_interrupted()
     torch.manual_seed(run.seed)
@@ -392,27 +511,17 @@ def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: s
         aux["s_tgt"] = float(run.s_tgt)
     start = 0
     if state is not None:          # continue exactly where the held run stopped
-        try:
-            model.load_state_dict(state["model"])
-            for name, c in state["taper_c"].items():
-                model.taper_layers()[name].c = c
-            gen.set_state(state["data_rng"])
-            torch.set_rng_state(state["torch_rng"])
-        except (RuntimeError, KeyError, ValueError, TypeError) as e:
-            raise restore_error(out, e) from None
+        _restore_model(model, state, gen, out)
         aux, log, start = dict(state["aux"]), state["log"], state["step"]
         log["resumed_at"] = log.get("resumed_at", []) + [start]
         log["command"] = command or log["command"]
-        log["run"].update(grad_accum=run.grad_accum, device=run.device)   # what a resume may change
-    model.to(par.device)
+        log["run"].update(grad_accum=run.grad_accum, device=run.device,   # what a resume may change
+                          checkpoint_activations=run.checkpoint_activations)
+    model, ddp = _place(model, run, par)
     opt = _optimizer(model, run.lr, run.weight_decay)
     if state is not None:
-        try:
-            opt.load_state_dict(state["optimizer"])
-        except (RuntimeError, KeyError, ValueError, TypeError) as e:
-            raise restore_error(out, e) from None
-    ddp = par.wrap(model, find_unused=sched is not None)
-    autocast = _autocast(run)
+        _restore_optimizer(model, opt, state, run, out)
+    autocast = _autocast(run, par)
     # every optimizer step takes one global batch of run.batch_size windows: rank r reads the
     # r-th share, in grad_accum micro-batches; DDP averages the ranks' gradients
     per_rank = run.batch_size // par.world_size
@@ -420,7 +529,9 @@ def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: s
     log.setdefault("parallel", []).append(
         {"from_step": start, "world_size": par.world_size, "per_rank_batch": per_rank, "micro_batch": micro,
          "grad_accum": run.grad_accum, "global_batch": run.batch_size, "backend": par.backend,
-         "device": par.device.type, "dtype": run.dtype})
+         "device": par.device.type, "dtype": run.dtype, "fsdp": par.sharded,
+         "checkpoint_activations": run.checkpoint_activations,
+         "memory_estimate": None if estimate is None else dataclasses.asdict(estimate)})
 
     def checkpoint(step: int, train_loss: float | None, write: bool = True) -> dict:
         gate = sched.gate_at(step) if sched else None
@@ -432,17 +543,14 @@ def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: s
         log["evals"].append(ev)
         log["wall_s"] = round(time.time() - t0, 1)
         if write:
-            if not all(torch.isfinite(p).all() for p in model.parameters()):
+            if not all_finite(model, par):
                 raise TrainError(f"training {run.preset}: weights are NaN or Inf at step {step}; nothing written "
                                  f"for this step (lower --lr)")
             log["step"] = step
-            if par.is_main:           # the ranks hold the same weights: one writes
-                _write_json(log, work / LOG_NAME)
-                write_run_state(work, {"step": step, "model": model.state_dict(), "taper_c": model.taper_c(),
-                                       "optimizer": opt.state_dict(), "data_rng": gen.get_state(),
-                                       "torch_rng": torch.get_rng_state(), "aux": aux, "log": log})
-                save_checkpoint(recipe.saved_model(model), out, data.tokenizer_json, kind=TRAINING_RUN,
-                                extra_files={name: work / name for name in (LOG_NAME, RUN_STATE, RUN_STATE_JSON)})
+            log["parallel"][-1]["measured"] = measured_memory(opt, par)
+            _save_run(model, opt, run, out, work, recipe, data,
+                      {"step": step, "taper_c": model.taper_c(), "data_rng": gen.get_state(),
+                       "torch_rng": torch.get_rng_state(), "aux": aux, "log": log}, par)
         return ev
 
     ev = log["evals"][-1] if state is not None else checkpoint(0, None, write=False)   # step 0: logged, not written
@@ -477,6 +585,13 @@ def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: s
     if bar is not None:
         bar.close()
     return log
+
+
+def measured_memory(opt: torch.optim.Optimizer, par: Parallel) -> dict:
+    """Peak resident memory (the largest over ranks) and rank 0's optimizer state, in bytes."""
+    import resource
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return {"peak_rss_bytes_max_rank": int(par.max(rss)), "optimizer_state_bytes_rank0": sharded_state_bytes(opt)}
 
 
 def _progress(run: TrainConfig, start: int = 0):

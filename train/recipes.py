@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.decoder import Decoder
+from models.decoder import Decoder, DecoderConfig
 from models.norms import LayerNorm
 from train.distributed import SINGLE, Parallel
-from train.loop import Data, Recipe, _batches
+from train.loop import Data, Recipe
 
 FAKELN_EPS = 1e12            # Baroni et al.'s published checkpoints: eps 1e12, gamma * sqrt(eps) / std
 CALIB_BATCH = 16             # windows per forward when measuring a norm's std (memory only; the sum is the same)
@@ -104,6 +104,15 @@ class FineTune(Recipe):
             return model
         return eps_trick_model(model)
 
+    def saved_config(self, model):
+        return eps_trick_config(model) if self.method == "fakeln" else model.cfg
+
+    def stores(self, name: str) -> bool:
+        return not (self.method == "fakeln" and name.endswith(".std"))
+
+    def saved_tensor(self, model, name: str, full: torch.Tensor) -> torch.Tensor:
+        return eps_trick_tensor(model, name, full) if self.method == "fakeln" else full
+
 
 @torch.no_grad()
 def measure_std(model: Decoder, norm: FrozenStdLayerNorm, data: Data, par: Parallel = SINGLE) -> float:
@@ -122,8 +131,7 @@ def measure_std(model: Decoder, norm: FrozenStdLayerNorm, data: Data, par: Paral
     was = model.training
     model.eval()
     try:
-        mine = par.shard(len(data.calib))
-        for w in _batches(data.calib[mine.start:mine.stop], CALIB_BATCH, par.device):
+        for w in par.batches(data.calib, CALIB_BATCH):
             model(w[:, :-1])
     finally:
         handle.remove()
@@ -132,22 +140,39 @@ def measure_std(model: Decoder, norm: FrozenStdLayerNorm, data: Data, par: Paral
     return total / count
 
 
-@torch.no_grad()
-def eps_trick_model(model: Decoder) -> Decoder:
-    """A plain Decoder: frozen norms as LayerNorm(eps 1e12, gamma * 1e6 / std), live ones as they are."""
+def frozen_norms(model) -> dict[str, FrozenStdLayerNorm]:
+    """The FakeLN norms whose std is frozen (std > 0), by module name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, FrozenStdLayerNorm) and float(m.std) > 0}
+
+
+def eps_trick_config(model) -> DecoderConfig:
+    """The config of eps_trick_model(model): frozen norms get eps 1e12."""
     cfg = copy.deepcopy(model.cfg)
-    frozen = {n: m for n, m in model.named_modules() if isinstance(m, FrozenStdLayerNorm) and float(m.std) > 0}
-    norms = set(cfg.norm_names())
-    if frozen.keys() == norms:       # every norm fixed: one eps, as Baroni et al.'s folders have it
+    frozen = frozen_norms(model)
+    if frozen.keys() == set(cfg.norm_names()):   # every norm fixed: one eps, as Baroni et al.'s folders have it
         cfg.eps, cfg.layer_eps = FAKELN_EPS, {}
     else:
         cfg.layer_eps = {**cfg.layer_eps, **{n: FAKELN_EPS for n in frozen}}
-    out = Decoder(cfg)
-    state = {k: v for k, v in model.state_dict().items() if not k.endswith(".std")}
-    for n, m in frozen.items():
-        state[f"{n}.weight"] = m.weight * (math.sqrt(FAKELN_EPS) / m.std)
+    return cfg
+
+
+@torch.no_grad()
+def eps_trick_tensor(model, name: str, full: torch.Tensor) -> torch.Tensor:
+    """The stored value of state-dict entry `name` (full: its whole tensor): a frozen norm's gamma
+    becomes gamma * 1e6 / std, everything else is stored as it is."""
+    owner, _, leaf = name.rpartition(".")
+    norm = frozen_norms(model).get(owner)
+    if norm is None or leaf != "weight":
+        return full
+    return full * (math.sqrt(FAKELN_EPS) / norm.std.to(full.device, full.dtype))
+
+
+@torch.no_grad()
+def eps_trick_model(model: Decoder) -> Decoder:
+    """A plain Decoder: frozen norms as LayerNorm(eps 1e12, gamma * 1e6 / std), live ones as they are."""
+    out = Decoder(eps_trick_config(model))
+    state = {k: eps_trick_tensor(model, k, v) for k, v in model.state_dict().items() if not k.endswith(".std")}
     out.load_state_dict(state, strict=False)
-    if cfg.tie_embeddings:
+    if out.cfg.tie_embeddings:
         out.lm_head.weight = out.wte.weight
     return out.eval()
-

@@ -3,7 +3,9 @@
     train_state.safetensors   every tensor: model.<name>, optimizer.<param index>.<key> (AdamW's step
                               and moments), data_rng and torch_rng (the generators' states, uint8)
     train_state.json          the plain rest: format, step, each TaperNorm's c, the scale-loss state,
-                              the optimizer's param groups, the log
+                              the optimizer's param groups, the log, "sharded"
+    train_state.dcp/          --fsdp runs ("sharded": true): model and optimizer as torch.distributed.checkpoint
+                              shards (train/sharded.py), which train_state.safetensors then leaves out
 
     write_run_state(directory, state)    state: the dict load_run_state returns
     load_run_state(run_dir) -> dict      {"step", "model", "taper_c", "optimizer", "data_rng", "torch_rng",
@@ -48,7 +50,8 @@ def write_run_state(directory: Path, state: dict) -> None:
     tensors.update(data_rng=state["data_rng"], torch_rng=state["torch_rng"])
     save_file(_storable(tensors), str(Path(directory) / RUN_STATE))
     plain = {"format": FORMAT, "step": state["step"], "taper_c": state["taper_c"], "aux": state["aux"],
-             "optimizer_param_groups": opt["param_groups"], "log": state["log"]}
+             "optimizer_param_groups": opt["param_groups"], "log": state["log"],
+             "sharded": bool(state.get("sharded", False))}
     (Path(directory) / RUN_STATE_JSON).write_text(json.dumps(plain, indent=1) + "\n")
 
 
@@ -108,7 +111,7 @@ def load_run_state(run_dir: str | Path) -> dict:
         return {"step": plain["step"], "model": model, "taper_c": plain["taper_c"],
                 "optimizer": {"state": optimizer, "param_groups": plain["optimizer_param_groups"]},
                 "data_rng": tensors["data_rng"], "torch_rng": tensors["torch_rng"], "aux": plain["aux"],
-                "log": plain["log"]}
+                "log": plain["log"], "sharded": plain.get("sharded") is True}
     except (KeyError, ValueError) as e:
         raise TrainError(f"{run_dir / RUN_STATE_JSON}: expected the resume state of format {FORMAT} (with "
                          f"{RUN_STATE}), found an incomplete one ({e}); {fix}") from None

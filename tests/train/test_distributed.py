@@ -75,8 +75,10 @@ def test_two_ranks_and_grad_accum_match_one_process(tmp_path):
         assert log["calibration"]["s_tgt"] == pytest.approx(one["calibration"]["s_tgt"], abs=C_ATOL)
         assert [e["gate"] for e in log["evals"]] == [e["gate"] for e in one["evals"]]
         assert [e["val_loss"] for e in log["evals"]] == pytest.approx([e["val_loss"] for e in one["evals"]], abs=1e-5)
-    assert ddp["parallel"] == [{"from_step": 0, "world_size": 2, "per_rank_batch": 2, "micro_batch": 2, "grad_accum": 1,
-                                "global_batch": 4, "backend": "gloo", "device": "cpu", "dtype": "fp32"}]
+    setup = {"from_step": 0, "world_size": 2, "per_rank_batch": 2, "micro_batch": 2, "grad_accum": 1, "global_batch": 4,
+             "backend": "gloo", "device": "cpu", "dtype": "fp32", "fsdp": False, "checkpoint_activations": False}
+    assert [{k: p[k] for k in setup} for p in ddp["parallel"]] == [setup]
+    assert ddp["parallel"][0]["memory_estimate"]["optimizer"] > 0          # the estimate printed before step 0
     assert accum["parallel"][0]["micro_batch"] == 2 and accum["parallel"][0]["world_size"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["accum", "ddp", "one"]   # no work directory left
 

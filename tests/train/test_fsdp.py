@@ -1,0 +1,221 @@
+"""--fsdp (train/sharded.py): torchrun --nproc-per-node 2 (gloo, CPU) with every block, the embedding / head
+and the root fully_shard-ed, against one process with the same global batch; a sharded run killed mid-way
+and resumed by one process; the consolidated checkpoint (streamed tensor by tensor) loads and builds;
+the per-rank memory estimate and its refusal."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train.loop as loop
+from models.checkpoint import load_checkpoint, save_checkpoint
+from tests.cli.conftest import cli
+from tests.train.conftest import pretrained_layernorm
+from tests.train.test_distributed import TINY, _argv
+from train.config import TrainConfig, TrainError
+from train.distributed import Parallel
+from train.memory import estimate_rank_memory
+from train.sharded import SHARDED_STATE, write_streamed_weights
+
+ROOT = Path(__file__).resolve().parents[2]
+# Sharded, each rank computes on half the global batch (as under DDP) and the gradients are
+# reduce-scattered as their mean: the rounding differences of test_distributed.py (measured 1.8e-7 after
+# 6 steps of TINY); over a resumed run they grow as there (1e-5 there too); the issue's bound is 1e-5.
+WEIGHT_ATOL = 1e-5
+# c and FakeLN's std come from float64 sums of fp32 activations all-reduced over ranks (as under DDP)
+STAT_TOL = 1e-6
+FT = ["--steps", "6", "--eval-every", "3", "--batch-size", "4", "--seq-len", "16", "--eval-batches", "1",
+      "--calib-batches", "2", "--corpus-stories", "200", "--quiet", "--threads", "1"]
+METHOD_ARGS = {"fakeln": ["--fakeln-every", "1"], "all-taper": [], "internal-taper": [], "vanilla": []}
+
+
+def _torchrun(module: str, argv: list, nproc: int = 2) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
+           module, *[str(a) for a in argv]]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: int = 300) -> tuple[str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    return out, err
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def sharded_model_state(run_dir: Path, like: dict) -> dict:
+    """The training model's tensors from a run's sharded resume state (read whole, in this process)."""
+    import torch.distributed.checkpoint as dcp
+    state = {"model": {k: torch.empty_like(v) for k, v in like.items()}}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")   # one process, on purpose
+        dcp.load(state, checkpoint_id=str(run_dir / SHARDED_STATE), no_dist=True)
+    return state["model"]
+
+
+def test_train_fsdp_two_ranks_match_one_process_and_the_checkpoint_builds(tmp_path):
+    proc = _torchrun("train", ["--out", tmp_path / "fsdp", *_argv(TINY), "--fsdp"])
+    one = loop.train(TrainConfig(**TINY, out=str(tmp_path / "one")))
+    out, err = _finish(proc)
+    assert out.count("all-taper/tiny") == 1 and "memory per rank (estimated, sharded (--fsdp), 2 rank(s)" in err
+    fsdp = json.loads((tmp_path / "fsdp" / loop.LOG_NAME).read_text())
+    ref = load_file(str(tmp_path / "one" / "model.safetensors"))
+    assert _max_diff(load_file(str(tmp_path / "fsdp" / "model.safetensors")), ref) <= WEIGHT_ATOL
+    assert _max_diff(sharded_model_state(tmp_path / "fsdp", loop.load_run_state(tmp_path / "one")["model"]),
+                     loop.load_run_state(tmp_path / "one")["model"]) <= WEIGHT_ATOL
+    for name, c in one["calibration"]["c"].items():
+        assert abs(fsdp["calibration"]["c"][name] - c) <= STAT_TOL, name
+    assert fsdp["calibration"]["s_tgt"] == pytest.approx(one["calibration"]["s_tgt"], abs=STAT_TOL)
+    assert [e["gate"] for e in fsdp["evals"]] == [e["gate"] for e in one["evals"]]
+    par = fsdp["parallel"][0]
+    assert (par["world_size"], par["fsdp"], par["backend"]) == (2, True, "gloo")
+    # the optimizer state is sharded: rank 0 holds about half of one process's (shards round up)
+    whole = one["parallel"][0]["measured"]["optimizer_state_bytes_rank0"]
+    assert 0.45 * whole <= par["measured"]["optimizer_state_bytes_rank0"] <= 0.6 * whole
+    model = load_checkpoint(tmp_path / "fsdp")              # the consolidated checkpoint is an ordinary one
+    assert model.gate.value == 0.0 and model.taper_c() == pytest.approx(one["calibration"]["c"], abs=STAT_TOL)
+    built = cli("export.build", ["--fuse", "--checkpoint", tmp_path / "fsdp", "--out", tmp_path / "build"])
+    assert built.code == 0, built.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["build", "fsdp", "one"]   # no work directory left
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A 2-layer LayerNorm (GPT-2 architecture) model pretrained for 4 steps."""
+    return pretrained_layernorm(tmp_path_factory.mktemp("fsdp") / "pre", steps=4)
+
+
+@pytest.mark.parametrize("method", ["fakeln", "all-taper", pytest.param("internal-taper", marks=pytest.mark.slow),
+                                    pytest.param("vanilla", marks=pytest.mark.slow)])
+def test_finetune_fsdp_two_ranks_match_one_process(source, tmp_path, method):
+    argv = ["--from", source, "--method", method, *FT, *METHOD_ARGS[method]]
+    proc = _torchrun("train.finetune", [*argv, "--out", tmp_path / "fsdp", "--fsdp"])
+    one = cli("train.finetune", [*argv, "--out", tmp_path / "one"])          # meanwhile, in this process
+    out, err = _finish(proc)
+    assert one.code == 0, one.err
+    assert out.count(f"{method} from") == 1
+    ref, ref_log = loop.load_run_state(tmp_path / "one")["model"], json.loads((tmp_path / "one" / loop.LOG_NAME).read_text())
+    log = json.loads((tmp_path / "fsdp" / loop.LOG_NAME).read_text())
+    assert _max_diff(sharded_model_state(tmp_path / "fsdp", ref), ref) <= WEIGHT_ATOL
+    if method == "fakeln":            # the saved checkpoint holds gamma * 1e6 / std: compare it relatively
+        assert [(e["step"], e["layer"]) for e in log["fakeln"]] == [(e["step"], e["layer"]) for e in ref_log["fakeln"]]
+        for got, want in zip(log["fakeln"], ref_log["fakeln"]):
+            assert got["std"] == pytest.approx(want["std"], rel=STAT_TOL, abs=0), (got, want)
+        a, b = load_file(str(tmp_path / "fsdp" / "model.safetensors")), load_file(str(tmp_path / "one" / "model.safetensors"))
+        assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-4, atol=WEIGHT_ATOL) for k in a)
+        assert json.loads((tmp_path / "fsdp" / "config.json").read_text())["eps"] == 1e12
+    else:
+        assert _max_diff(load_file(str(tmp_path / "fsdp" / "model.safetensors")),
+                         load_file(str(tmp_path / "one" / "model.safetensors"))) <= WEIGHT_ATOL
+    if method in ("all-taper", "internal-taper"):
+        for layer, c in ref_log["calibration"]["c"].items():
+            assert abs(log["calibration"]["c"][layer] - c) <= STAT_TOL, layer
+    assert load_checkpoint(tmp_path / "fsdp").cfg == load_checkpoint(tmp_path / "one").cfg
+
+
+def _kill_after_step(proc, out: Path, step: int) -> None:
+    """SIGKILL torchrun and both ranks once `out` holds the checkpoint of `step` (the run goes on meanwhile)."""
+    deadline = time.time() + 200
+    while not (out / loop.LOG_NAME).is_file() or json.loads((out / loop.LOG_NAME).read_text())["step"] < step:
+        assert proc.poll() is None and time.time() < deadline, f"no checkpoint of step {step}"
+        time.sleep(0.01)
+    for pid in [proc.pid, *_children(proc.pid)]:     # the ranks run in sessions of their own
+        os.kill(pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+
+
+def _children(pid: int) -> list[int]:
+    kids = [int(k) for task in Path(f"/proc/{pid}/task").iterdir()
+            for k in (task / "children").read_text().split()]
+    return kids + [d for k in kids for d in _children(k)]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the ranks through /proc (Linux)")
+def test_a_killed_fsdp_run_resumes_with_one_process_and_ends_as_an_uninterrupted_one(tmp_path):
+    cfg = {**TINY, "steps": 12, "warmup_steps": 2, "taper_steps": 3, "eval_every": 1}
+    out = tmp_path / "fsdp"
+    proc = _torchrun("train", ["--out", out, *_argv(cfg), "--fsdp"])
+    try:
+        _kill_after_step(proc, out, 4)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    held = json.loads((out / loop.LOG_NAME).read_text())["step"]
+    assert 4 <= held < 12 and (out / SHARDED_STATE).is_dir()
+    resumed = loop.train(loop.resume_config(out), resume=True)   # one process reads the two ranks' shards
+    alone = loop.train(TrainConfig(**cfg, out=str(tmp_path / "alone")))
+    assert resumed["resumed_at"] == [held] and resumed["evals"][-1]["step"] == 12
+    assert [(p["world_size"], p["fsdp"]) for p in resumed["parallel"]] == [(2, True), (1, False)]
+    ref = loop.load_run_state(tmp_path / "alone")["model"]
+    assert _max_diff(sharded_model_state(out, ref), ref) <= WEIGHT_ATOL
+    assert _max_diff(load_file(str(out / "model.safetensors")),
+                     load_file(str(tmp_path / "alone" / "model.safetensors"))) <= WEIGHT_ATOL
+    assert [e["val_loss"] for e in resumed["evals"]] == pytest.approx([e["val_loss"] for e in alone["evals"]], abs=1e-5)
+
+
+def test_streamed_weights_are_the_checkpoint_writers_file(tmp_path):
+    """write_streamed_weights's own safetensors writer, against safetensors' (through save_checkpoint)."""
+    from models.decoder import Decoder
+    from train.loop import Recipe
+    model = Decoder(TrainConfig(**TINY).decoder_config())
+    save_checkpoint(model, tmp_path / "ref", None)
+    write_streamed_weights(tmp_path / "streamed.safetensors", model, Recipe())
+    a, b = load_file(str(tmp_path / "streamed.safetensors")), load_file(str(tmp_path / "ref" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_every_sharded_rank_runs_as_many_forwards(tmp_path):
+    windows = torch.arange(7 * 3).view(7, 3)
+    counts, rows = [], 0
+    for rank in (0, 1):
+        batches = list(Parallel(rank=rank, world_size=2, sharded=True).batches(windows, 2))
+        counts.append(len(batches))
+        rows += sum(len(b) for b in batches)
+    assert counts == [2, 2] and rows == 7                   # rank 1's 3 rows: a batch of 2, one of 1
+    assert len(list(Parallel(rank=1, world_size=2).batches(windows[:5], 1))) == 2
+    assert len(list(Parallel(rank=1, world_size=2, sharded=True).batches(windows[:5], 1))) == 3   # one empty
+
+
+def test_the_estimate_shards_what_fsdp_shards():
+    cfg = TrainConfig(**TINY).decoder_config()
+    ddp = estimate_rank_memory(cfg, 2, 16, world=2, fsdp=False)
+    fsdp = estimate_rank_memory(cfg, 2, 16, world=2, fsdp=True)
+    assert fsdp.optimizer * 2 == pytest.approx(ddp.optimizer, abs=8)      # shards round up: one element
+    assert fsdp.activations == ddp.activations
+    ckpt = estimate_rank_memory(cfg, 2, 16, world=2, fsdp=True, checkpoint=True)
+    assert ckpt.activations < fsdp.activations
+    assert fsdp.total < ddp.total
+
+
+def test_a_run_that_cannot_fit_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr("core.inputs.available_memory", lambda: 1 << 20)
+    with pytest.raises(TrainError, match=r"training all-taper: needs about .* per rank \(replicated \(DDP\).*use --fsdp"):
+        loop.train(TrainConfig(**TINY, out=str(tmp_path / "r")))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_checkpointed_activations_give_the_same_weights(tmp_path):
+    """--checkpoint-activations recomputes each block in backward: the same arithmetic, the same weights."""
+    cfg = {**TINY, "steps": 4, "eval_every": 4}
+    loop.train(TrainConfig(**cfg, out=str(tmp_path / "plain")))
+    log = loop.train(TrainConfig(**cfg, out=str(tmp_path / "ckpt"), checkpoint_activations=True))
+    assert log["parallel"][0]["checkpoint_activations"] is True
+    a, b = load_file(str(tmp_path / "plain" / "model.safetensors")), load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    assert _max_diff(a, b) <= 1e-7

@@ -1,0 +1,172 @@
+"""Sharded data parallel (FSDP2, torch.distributed.fsdp.fully_shard) for train/loop.py's --fsdp.
+
+    model = shard_model(model, par, run)            # every block, the embedding / head, the root
+    save_sharded_state(tmp / SHARDED_STATE, model, opt)       # every rank writes its shards
+    load_sharded_state(run_dir / SHARDED_STATE, model, opt)   # any number of ranks (or one, no group)
+    write_streamed_weights(path_or_None, model, recipe, par)  # one model.safetensors, tensor by tensor
+
+Each rank keeps 1/N of every parameter (a DTensor sharded on dim 0), of its gradient and of
+AdamW's two moments (the optimizer is built on the sharded parameters, so its state is sharded
+with them). A group's parameters are all-gathered for its forward and again for its backward
+(reshard_after_forward: the root too, so that no full copy lingers after an evaluation and
+code between steps, calibration's copy of gamma into gamma_tilde, sees the sharded
+parameters the optimizer holds); gradients are reduce-scattered as the mean over ranks, as
+DDP's all-reduce is. Buffers (FakeLN's frozen std) are not sharded: every rank sets the same
+value from all-reduced sums.
+
+Without a process group (one process, e.g. `--resume` of a two-rank run with plain python)
+nothing is sharded: the same resume state and checkpoint code run on plain tensors.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import struct
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.decoder import Decoder
+
+SHARDED_STATE = "train_state.dcp"       # torch.distributed.checkpoint folder: model and optimizer, by FQN
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; a plain tensor as it is."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def checkpoint_blocks(model: Decoder) -> None:
+    """Recompute each block's activations in backward instead of keeping them (--checkpoint-activations):
+    only the block inputs stay alive between forward and backward. The block's own forward is wrapped
+    (its names and state dict do not change); under FSDP the recompute runs while the block's
+    parameters are all-gathered for its backward."""
+    from torch.utils.checkpoint import checkpoint
+    for block in model.blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
+def mixed_precision(dtype: str):
+    """--dtype bf16: bf16 parameters in compute (all-gathered in bf16), fp32 sharded master weights and
+    fp32 gradient reduce-scatter; fp32: none."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    if dtype == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_model(model: Decoder, device: torch.device, dtype: str) -> nn.Module:
+    """fully_shard every block, the embedding and the head (their own groups when untied), then the root
+    (wpe, ln_f, and a tied wte / lm_head: one parameter may sit in one group only). Needs a process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    kw = dict(mesh=mesh, mp_policy=mixed_precision(dtype), reshard_after_forward=True)
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    if not model.cfg.tie_embeddings:
+        fully_shard(model.wte, **kw)
+        fully_shard(model.lm_head, **kw)
+    return fully_shard(model, **kw)
+
+
+# --- the resume state: torch.distributed.checkpoint ----------------------------------------------
+
+def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """Model and optimizer state by parameter name (FQN), sharded where the model is: the same keys
+    for any number of ranks, so DCP reshards on load."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model_state, opt_state = get_state_dict(model, opt)
+    return {"model": model_state, "optimizer": opt_state}
+
+
+def save_sharded_state(directory: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Every rank writes its shards into `directory` (a path all ranks see: inside the temporary run
+    folder rank 0 commits afterwards, so a stopped save leaves the previous checkpoint whole)."""
+    import torch.distributed.checkpoint as dcp
+    with warnings.catch_warnings():          # one process (no process group) writes the same format
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save(_state(model, opt), checkpoint_id=str(directory), no_dist=not dist.is_initialized())
+
+
+def load_sharded_state(directory: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Load the state save_sharded_state wrote, with any number of ranks: each reads the parts of the
+    saved shards its own shards cover (one process without a process group reads them all)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    state = _state(model, opt)
+    with warnings.catch_warnings():          # one process reading a sharded run is intended, not a mistake
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def sharded_state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state this rank holds (its shards only)."""
+    return sum(local_part(v).numel() * local_part(v).element_size()
+               for per_param in opt.state.values() for v in per_param.values() if torch.is_tensor(v))
+
+
+# --- the consolidated checkpoint, streamed ---------------------------------------------------------
+
+def saved_tensor_names(model: nn.Module, recipe) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor as the model holds it) of what the checkpoint stores, in state-dict order; a tied
+    head is stored once (as wte.weight), as models/checkpoint.py does."""
+    names = []
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and model.cfg.tie_embeddings:
+            continue
+        if recipe.stores(name):
+            names.append((name, t))
+    return names
+
+
+def _header(entries: list[tuple[str, torch.dtype, tuple]]) -> bytes:
+    """safetensors header: {name: dtype, shape, data_offsets} in file order, padded to 8 bytes."""
+    meta, offset = {}, 0
+    for name, dtype, shape in entries:
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        meta[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(meta, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def write_streamed_weights(path: Path | None, model: nn.Module, recipe) -> None:
+    """The model's consolidated weights as one safetensors file at `path` (rank 0; None on the others),
+    gathered one tensor at a time: every rank takes part in each tensor's all-gather (full_tensor), and
+    rank 0 writes it and lets it go, so no rank ever holds the whole model twice. The recipe may
+    transform each tensor (FakeLN: gamma * 1e6 / std) or leave it out (its std buffers)."""
+    items = saved_tensor_names(model, recipe)
+    # the header needs every shape and dtype first: the global ones, known without gathering
+    entries = [(name, torch.float32 if t.is_floating_point() else t.dtype, tuple(t.shape)) for name, t in items]
+    f = open(path, "wb") if path is not None else None
+    try:
+        if f is not None:
+            f.write(_header(entries))
+        for name, t in items:
+            full = t.full_tensor() if is_sharded(t) else t        # a collective: every rank, same order
+            if f is None:
+                continue
+            out = recipe.saved_tensor(model, name, full.detach().to("cpu", torch.float32))
+            f.write(out.contiguous().numpy().tobytes())
+            del full, out
+    finally:
+        if f is not None:
+            f.close()
+
+
+def all_finite(model: nn.Module, par) -> bool:
+    """Whether every weight of every rank's shard is finite (the same answer on every rank)."""
+    bad = any(not bool(torch.isfinite(local_part(p)).all()) for p in model.parameters())
+    return par.max(float(bad)) == 0.0
