@@ -2,6 +2,7 @@
 python -m bench.scale run --shapes SHAPE[,SHAPE...] --work DIR --options "NAME=BUILD ARGS[;NAME=BUILD ARGS...]"
                           [--rounds N] [--decode-tokens N] [--threads N] [--layers N] [--peers genai]
                           [--memory-cap GB] --json OUT.json
+python -m bench.scale plot REPORT.json [REPORT.json...] --out FIGURE.png
 
 What `python -m export.build` costs at real model sizes, and what its graphs decode at on CPU.
 
@@ -374,6 +375,44 @@ def run_bench(args) -> int:
     return 0
 
 
+# --- plot ----------------------------------------------------------------------------------------
+
+PLOTTED = (("peak_rss_gb", "build peak resident GB"), ("wall_s", "build wall s"),
+           ("decode_tokens_per_s", "decode tokens/s (batch 1)"))
+
+
+def plot(reports: list[dict], out: Path) -> Path:
+    """One bar per (shape, option) of the reports, median with its min-max, for build peak memory,
+    build time and decode speed; a bar is missing where that row has no number (bf16 decode)."""
+    import io
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from core.outputs import FIGURE, output_file, png_signature_metadata
+    rows = [(f"{sh['name']}\n{name}", o["summary"]) for r in reports for sh in r["shapes"]
+            for name, o in sh["options"].items()]
+    fig, axes = plt.subplots(1, len(PLOTTED), figsize=(4.2 * len(PLOTTED), 0.45 * len(rows) + 1.6))
+    for ax, (key, title) in zip(axes, PLOTTED):
+        spreads = [s.get(key) for _, s in rows]
+        y = list(range(len(rows)))
+        med = [sp["median"] if sp else 0 for sp in spreads]
+        err = [[sp["median"] - sp["min"] if sp else 0 for sp in spreads], [sp["max"] - sp["median"] if sp else 0
+                                                                          for sp in spreads]]
+        ax.barh(y, med, xerr=err, capsize=3, color=["tab:orange" if GENAI in label else "tab:blue" for label, _ in rows])
+        ax.set_yticks(y, [label for label, _ in rows] if ax is axes[0] else [""] * len(rows), fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=9)
+    starts = ", ".join(sorted({r["started"][:16] for r in reports}))
+    fig.suptitle(f"bench.scale (median, min-max over rounds; orange: ONNX Runtime GenAI's builder), {starts}", fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png", metadata=png_signature_metadata())
+    plt.close(fig)
+    with output_file(out, FIGURE) as tmp:
+        tmp.write_bytes(buf.getvalue())
+    return out
+
+
 def run(argv: list[str]) -> int:
     from core.errors import ArgumentParser, float_in, int_in, positive_int
     from bench.shapes import DTYPES
@@ -406,8 +445,15 @@ def run(argv: list[str]) -> int:
     dc.add_argument("--decode-tokens", type=positive_int, default=64)
     dc.add_argument("--prompt-tokens", type=positive_int, default=16)
     dc.add_argument("--threads", type=int_in(0, 1024), default=2)
+    pl = sub.add_parser("plot", help="a figure of one or more run reports (--json files)")
+    pl.add_argument("reports", nargs="+", type=Path, help="bench.scale run --json files")
+    pl.add_argument("--out", type=Path, required=True, help="the .png to write")
     args = p.parse_args(argv)
     args.argv = argv
+    if args.command == "plot":
+        from core.inputs import read_json_file
+        print(f"wrote {plot([read_json_file(r, 'a bench.scale report') for r in args.reports], args.out)}")
+        return 0
     if args.command == "make":
         from bench.shapes import write_random_folder
         out = write_random_folder(args.shape, args.out, seed=args.seed, dtype=args.dtype,

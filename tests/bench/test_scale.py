@@ -159,6 +159,8 @@ def test_run_on_a_tiny_llama(tmp_path):
     assert "| fuse | 1 / 1 |" in r.stdout
     (bf16,) = s["options"]["bf16"]["runs"]          # built and measured; not decoded on this CPU, and said why
     assert bf16["rc"] == 0 and bf16["output_bytes"] < run["output_bytes"] and "bf16" in bf16["decode"]["skipped"]
+    assert scale.main(["plot", str(out), "--out", str(tmp_path / "scale.png")]) == 0       # the figure of it
+    assert (tmp_path / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     genai = s["peers"]["genai"]
     assert genai == "skipped: onnxruntime-genai not installed" or s["options"][scale.GENAI]["runs"][0]["rc"] == 0
     # a second run reuses the folder and reports a failing build by its error line
