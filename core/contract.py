@@ -210,7 +210,7 @@ def _external_tensors(proto):
             yield t, {e.key: e.value for e in t.external_data}
 
 
-def _external_files(proto) -> dict[str, int]:
+def external_files(proto) -> dict[str, int]:
     """External-data file -> bytes it must hold at least, over every tensor."""
     need: dict[str, int] = {}
     for _, info in _external_tensors(proto):
@@ -273,7 +273,7 @@ def load_onnx(path: str | os.PathLike, load_weights: bool = True, what: str = "a
     if not proto.graph.node and not proto.graph.output:
         raise ContractError(f"{path}: expected {what}, found no graph in it ({size} bytes); it is not an ONNX model: re-export it")
     check_external_data(proto, path)          # before any data file is looked at
-    for loc, end in _external_files(proto).items():
+    for loc, end in external_files(proto).items():
         data = path.parent / loc
         if not loc or not data.is_file():
             raise ContractError(f"{path}: its weights live in the external-data file {loc or '(unnamed)'}, "

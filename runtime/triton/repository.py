@@ -37,11 +37,12 @@ from pathlib import Path
 
 from core.contract import ContractError, load_onnx, onnx_io as _proto_io, read_contract
 from core.outputs import TRITON_REPOSITORY, output_dir
-from runtime.session import RuntimeUserError
+from runtime.model_files import resolve_onnx
+from runtime.session import ModelFileError, RuntimeUserError
 from runtime.trt_engine import DECODE_PROFILE, PREFILL_PROFILE, read_engine_info
 
 DECODER_ONNX, DECODER_TRT, GENERATE = "decoder_onnx", "decoder_trt", "generate"
-FUSED, UNFUSED, TOKENIZER = "model.fused.onnx", "model.onnx", "tokenizer.json"
+TOKENIZER = "tokenizer.json"
 CONTROLS = {"START": "CONTROL_SEQUENCE_START", "READY": "CONTROL_SEQUENCE_READY"}
 # ONNX TensorProto element type -> Triton data type
 ONNX_TO_TRITON = {1: "TYPE_FP32", 10: "TYPE_FP16", 16: "TYPE_BF16", 6: "TYPE_INT32", 7: "TYPE_INT64", 9: "TYPE_BOOL"}
@@ -114,10 +115,9 @@ def add_control_inputs(src: Path, dst: Path) -> OnnxIO:
     state is reset to its zero initial state by Triton on START, and a request only
     reaches the model for a ready sequence.
     """
-    import onnx
     from onnx import TensorProto, helper
     try:
-        proto = load_onnx(src)
+        proto = load_onnx(src, load_weights=False)     # external weights stay in their file: linked, not read
     except ContractError as e:
         raise RepositoryError(str(e)) from None
     batch = proto.graph.input[0].type.tensor_type.shape.dim[0]
@@ -128,6 +128,7 @@ def add_control_inputs(src: Path, dst: Path) -> OnnxIO:
         proto.graph.input.append(vi)
     from core.onnx_writer import save_onnx
     save_onnx(proto, dst)
+    _link_external_data(proto, src, dst)
     return _io_of(proto)
 
 
@@ -354,6 +355,24 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
+def _link_external_data(proto, src: Path, dst: Path) -> None:
+    """The external-data files `src`'s graph names, linked beside `dst` under the same names (a
+    streamed build keeps its weights in `<graph>.data`: neither read nor copied when linkable)."""
+    from core.contract import external_files
+    for location in external_files(proto):
+        if not (dst.parent / location).exists():
+            _link_or_copy(src.parent / location, dst.parent / location)
+
+
+def _link_graph(src: Path, dst: Path) -> None:
+    """A graph file and its external data, linked (or copied) to `dst`."""
+    _link_or_copy(src, dst)
+    try:
+        _link_external_data(load_onnx(src, load_weights=False), src, dst)
+    except ContractError as e:
+        raise RepositoryError(str(e)) from None
+
+
 def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path | None = None,
                      max_batch_size: int = 8, instances: int = 1, kind: str = "cpu",
                      max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, intra_op_threads: int = 0,
@@ -374,10 +393,10 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
     if not build.is_dir():
         raise RepositoryError(f"{build}: expected a build directory from python -m export.build, found "
                               f"{'a file' if build.exists() else 'nothing'}; build one first")
-    onnx_path = build / FUSED if (build / FUSED).is_file() else build / UNFUSED
-    if not onnx_path.is_file():
-        raise RepositoryError(f"{build}: expected {FUSED} or {UNFUSED}, found neither; "
-                              "build with python -m export.build --fuse --checkpoint CKPT --out DIR")
+    try:
+        onnx_path = resolve_onnx(build)     # fused, unfused, or a streamed build's quantized graph
+    except ModelFileError as e:
+        raise RepositoryError(str(e)) from None
     if not (build / TOKENIZER).is_file():
         raise RepositoryError(f"{build / TOKENIZER}: expected the model's tokenizer, found no file; "
                               "copy the checkpoint's tokenizer.json there")
@@ -410,13 +429,13 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
             d = tmp / DECODER_TRT / "1"
             d.mkdir(parents=True)
             _link_or_copy(Path(engine), d / "model.plan")
-            _link_or_copy(onnx_path, d / "source.onnx")     # what the engine was built from; for checks
+            _link_graph(onnx_path, d / "source.onnx")       # what the engine was built from; for checks
             (tmp / DECODER_TRT / "config.pbtxt").write_text(
                 decoder_config(DECODER_TRT, "tensorrt_plan", io, max_batch_size, instances, "gpu", same_buffer=True,
                                profiles=(DECODE_PROFILE, PREFILL_PROFILE)))
         d = tmp / GENERATE / "1"
         d.mkdir(parents=True)
-        _link_or_copy(onnx_path, d / onnx_path.name)
+        _link_graph(onnx_path, d / onnx_path.name)
         _link_or_copy(build / TOKENIZER, d / TOKENIZER)
         (d / "model.py").write_text(GENERATE_MODEL_PY)
         (tmp / GENERATE / "config.pbtxt").write_text(

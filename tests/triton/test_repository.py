@@ -257,3 +257,37 @@ def test_engine_found_beside_the_graph_it_was_built_from(triton_build, tmp_path)
     (build / f"{other}.ffff0000.engine").write_bytes(b"engine of another graph")
     repo = write_triton_repository(build, tmp_path / "repo")
     assert (repo / "decoder_trt/1/model.plan").read_bytes() == b"engine of the served graph"
+
+
+def test_a_streamed_quantized_build_is_linked_not_read(triton_build, tmp_path, monkeypatch):
+    """A streamed --quantize build holds only model.int4.onnx with its weights in model.int4.onnx.data:
+    the repository finds that graph, links the .data file beside each graph that names it (the same
+    inode: neither read nor copied), never loads the weights, and its decoder graph computes what
+    the build's does."""
+    import onnx
+    import onnxruntime as ort
+    from export.quantize import QuantConfig
+    from export.streamed import build_streamed
+    from runtime.triton import write_triton_repository
+    ckpt = triton_build.parent / "ckpt"
+    build = tmp_path / "int4"
+    build_streamed(ckpt, build, True, quantize=QuantConfig("int4"), log=lambda *a: None)
+    assert sorted(p.name for p in build.glob("model*")) == ["model.int4.onnx", "model.int4.onnx.data"]
+    loads = []
+    real_load = onnx.load
+    monkeypatch.setattr(onnx, "load", lambda f, *a, **k: loads.append(k.get("load_external_data", True))
+                        or real_load(f, *a, **k))
+    repo = write_triton_repository(build, tmp_path / "repo", intra_op_threads=1, validate=False)
+    assert loads and not any(loads)                                    # graphs read, weights never
+    data = (build / "model.int4.onnx.data").stat().st_ino
+    for graph in (repo / "decoder_onnx/1/model.onnx", repo / "generate/1/model.int4.onnx"):
+        assert (graph.parent / "model.int4.onnx.data").stat().st_ino == data
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    a = ort.InferenceSession(str(build / "model.int4.onnx"), so, providers=["CPUExecutionProvider"])
+    b = ort.InferenceSession(str(repo / "decoder_onnx/1/model.onnx"), so, providers=["CPUExecutionProvider"])
+    feeds = {"input_ids": np.array([[5, 7, 9]]), "position": np.array([0], np.int64)}
+    feeds.update({n: np.zeros((1, 4, CAPACITY, 8), np.float32) for i in range(2) for n in (f"key_{i}", f"value_{i}")})
+    for x, y in zip(a.run(None, feeds), b.run(None, {**feeds, "START": np.ones((1, 1), bool),
+                                                     "READY": np.ones((1, 1), bool)})):
+        np.testing.assert_array_equal(x, y)
