@@ -1,6 +1,7 @@
 """The one ONNX writer: a graph with its weights inline, or in one external file beside it.
 
     save_onnx(proto, path)                          # a graph in memory (graph passes, small builds)
+    save_onnx_sharing_data(proto, path)             # a second graph over another's weights (GenAI's I/O)
     with StreamedWeights(path, external=True) as w: # a graph whose weights arrive one at a time
         w.put(initializer_proto, array)              # written now, to path + ".data"; then freed
     ...
@@ -50,6 +51,19 @@ def save_onnx(proto, path: str | os.PathLike) -> None:
     else:
         onnx.save(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                   location=data_file_name(path), size_threshold=1024, convert_attribute=False)
+
+
+def save_onnx_sharing_data(proto, path: str | os.PathLike) -> None:
+    """Write a graph read without its external data (onnx.load(..., load_external_data=False)) next to
+    the graph it was read from: its external tensors keep naming that graph's `<file>.data` (one copy
+    of the weights on disk for two graphs), its inline ones stay inline. The data file must be in
+    the folder of `path` (core.contract.load_onnx checks that and its length on every load)."""
+    import onnx
+    if initializer_bytes(proto) >= EXTERNAL_AT and not any(
+            t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
+        save_onnx(proto, path)          # held in memory after all: the one rule above
+        return
+    onnx.save(proto, str(path))
 
 
 class StreamedWeights:
