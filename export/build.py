@@ -100,9 +100,9 @@ def run(argv: list[str]) -> int:
         check_output_dir(args.triton_repo, TRITON_REPOSITORY, inputs=[ckpt, out])
     from export.pipeline import build, check_attention, check_quantize
     check_quantize(quantize, args.fuse, args.dtype)
-    check_attention(args.attention, args.fuse, args.dtype)
     from export.genai import check_genai
-    check_genai(args.genai, args.fuse, args.dtype, args.attention)
+    check_genai(args.genai, args.fuse, args.dtype, args.attention)      # first: it names the option given
+    check_attention(args.attention, args.fuse, args.dtype)
     source = _streamed(args.route, ckpt)
     if source is not None:
         from export.streamed import build_streamed

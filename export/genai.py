@@ -79,7 +79,6 @@ def check_gqa_graph(proto, where) -> None:
 
 def genai_graph(proto, where="graph"):
     """Our GroupQueryAttention graph (weights loaded or not) with GenAI's I/O, edited in place; returns it."""
-    import onnx
     from onnx import TensorProto, helper
     check_gqa_graph(proto, where)
     g, renames = proto.graph, _cache_renames(proto)
@@ -113,8 +112,7 @@ def genai_graph(proto, where="graph"):
     del g.node[:]
     g.node.extend(nodes + old)
     proto.metadata_props.add(key="tapernorm.io", value="onnxruntime-genai")
-    onnx.checker.check_model(proto)       # structure only (no weights needed): a malformed edit fails here
-    return proto
+    return proto        # (checked by running it: verify_genai; onnx.checker would need the weights beside it)
 
 
 # --- genai_config.json and the tokenizer ------------------------------------------------------------
@@ -141,23 +139,27 @@ def genai_config(cfg, filename: str, token_ids: dict) -> dict:
     return {"model": dict(sorted(model.items())), "search": search}
 
 
-def special_token_ids(checkpoint: Path, tokenizer: Path | None) -> dict:
-    """bos / eos / pad token ids: an HF folder's config.json, else the tokenizer's <|endoftext|>, else 0."""
-    ids = {}
+def special_token_ids(checkpoint: Path, tokenizer: Path | None, vocab_size: int) -> tuple[dict, list[str]]:
+    """bos / eos / pad token ids (an HF folder's config.json, else the tokenizer's <|endoftext|>, else 0)
+    and notes on ids replaced: GenAI refuses an id outside [0, vocab_size) (a GPT-2 config's 50256
+    over a smaller vocabulary)."""
     hf = checkpoint / "config.json"
     raw = json.loads(hf.read_text()) if hf.is_file() else {}
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        v = raw.get(key)
-        if isinstance(v, list):         # several eos ids: GenAI takes one or a list
-            v = [int(x) for x in v if isinstance(x, int)] or None
-        ids[key] = v if isinstance(v, (int, list)) else None
     eos = None
     if tokenizer is not None:
         from tokenizers import Tokenizer
         eos = Tokenizer.from_file(str(tokenizer)).token_to_id(EOS_TEXT)
-    fallback = ids["eos_token_id"] if ids["eos_token_id"] is not None else (eos if eos is not None else 0)
-    return {k: (v if v is not None else (fallback if not isinstance(fallback, list) else fallback[0]))
-            for k, v in ids.items()}
+    fallback = eos if eos is not None and 0 <= eos < vocab_size else 0
+    ids, notes = {}, []
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = raw.get(key)
+        found = [v] if isinstance(v, int) else [x for x in v if isinstance(x, int)] if isinstance(v, list) else []
+        kept = [x for x in found if 0 <= x < vocab_size]
+        if len(kept) < len(found):
+            notes.append(f"{key} {v} of {hf} is outside the vocabulary of {vocab_size}; genai_config.json has "
+                         f"{kept[0] if kept else fallback}")
+        ids[key] = (kept[0] if len(kept) == 1 else kept) if kept else fallback
+    return ids, notes
 
 
 def write_tokenizer_files(checkpoint: Path, tokenizer: Path | None, out: Path, capacity: int) -> list[str]:
@@ -192,11 +194,11 @@ def write_genai(folder: Path, source: str, cfg, checkpoint: Path, tokenizer: Pat
     proto = load_onnx(folder / source, load_weights=False, what="the graph the GenAI graph is made from")
     save_onnx_sharing_data(sign_onnx(genai_graph(proto, folder / source)), folder / GENAI_GRAPH)
     del proto
-    token_ids = special_token_ids(checkpoint, tokenizer)
+    token_ids, notes = special_token_ids(checkpoint, tokenizer, cfg.vocab_size)
     (folder / GENAI_CONFIG).write_text(json.dumps(genai_config(cfg, GENAI_GRAPH, token_ids), indent=4) + "\n")
     files = write_tokenizer_files(checkpoint, tokenizer, folder, cfg.max_seq_len)
     return {"graph": GENAI_GRAPH, "from": source, "config": GENAI_CONFIG, "tokenizer_files": files,
-            "token_ids": token_ids, "tokenizer": tokenizer is not None}
+            "token_ids": token_ids, "tokenizer": tokenizer is not None, "notes": notes}
 
 
 def verify_genai(folder: Path, source: str, tokens: list[int] | None) -> float:

@@ -318,8 +318,8 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
     checkpoint, out = Path(checkpoint), Path(out)
     check_output_dir(out, BUILD, inputs=[checkpoint])
     check_quantize(quantize, fuse, dtype)
-    check_attention(attention, fuse, dtype)
     check_genai(genai, fuse, dtype, attention)
+    check_attention(attention, fuse, dtype)
     t_start = time.perf_counter()
     report = BuildReport(str(checkpoint), str(out), dtype, fuse, atol=ATOL[dtype], scale_tol=SCALE_TOL[dtype],
                          attention=attention)
@@ -422,6 +422,8 @@ def genai_files(stages: Stages, folder: Path, source: str, cfg, checkpoint: Path
     t0 = stages.start(f"genai: {GENAI_GRAPH} ({source} with ONNX Runtime GenAI's I/O), {GENAI_CONFIG}, "
                       "tokenizer files; verify vs " + source)
     info = genai_stage(folder, source, cfg, checkpoint, tokenizer, tokens)
+    for note in info["notes"]:
+        stages.log(f"      note: {note}")
     stages.done("genai", t0, f": max |d logits| {info['logits_max_abs_diff']:.3g} (atol {info['atol']:g})"
                 + ("" if info["tokenizer"] else "; no tokenizer: GenAI applications feed token ids"))
     return info

@@ -133,8 +133,8 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
     checkpoint, out = Path(checkpoint), Path(out)
     check_output_dir(out, BUILD, inputs=[checkpoint])
     check_quantize(quantize, fuse, dtype)
-    check_attention(attention, fuse, dtype)
     check_genai(genai, fuse, dtype, attention)
+    check_attention(attention, fuse, dtype)
     t_start = time.perf_counter()
     source = source or open_weights(checkpoint, max_seq_len)
     cfg = source.cfg
