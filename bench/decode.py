@@ -234,16 +234,19 @@ def _build_task(args):
 
 
 def build_genai_all(sizes, dtypes, cap, cache: Path, seed: int) -> tuple[dict, dict]:
-    """GenAI builds per size for the dtypes its builder has (fp32, int4); ({size: {precision: info}},
-    {what: why not} for what could not be built)."""
-    from bench.genai import PRECISIONS, build_genai
+    """Per size and dtype GenAI has (fp32, int4): GenAI's own build and GenAI's folder of our folded
+    graph (bench.genai.build_ours_genai); ({size: {runner name: info}}, {what: why not} for what
+    could not be built)."""
+    from bench.genai import PRECISIONS, build_genai, build_ours_genai
     out, skipped = {s: {} for s in sizes}, {}
     for size in sizes:
         for precision in [d for d in dtypes if d in PRECISIONS]:
-            try:
-                out[size][precision] = build_genai(size, SIZES[size], cap, precision, cache, seed)
-            except Exception as e:      # a peer that cannot be built is skipped, with the reason
-                skipped[f"genai-{precision} {size}"] = str(e).splitlines()[0][:300]
+            for name, make in ((f"genai-{precision}", lambda: build_genai(size, SIZES[size], cap, precision, cache, seed)),
+                               (f"genai-ours-{precision}", lambda: build_ours_genai(size, cap, precision, cache, seed))):
+                try:
+                    out[size][name] = make()
+                except Exception as e:      # a peer that cannot be built is skipped, with the reason
+                    skipped[f"{name} {size}"] = str(e).splitlines()[0][:300]
     for d in dtypes:
         if d not in PRECISIONS:
             skipped[f"genai-{d}"] = f"the GenAI builder's CPU precisions are {', '.join(PRECISIONS)}"

@@ -1,5 +1,6 @@
-"""The ONNX Runtime GenAI peer: an equal-shape random-init Llama, built by GenAI's own model
-builder, generated with GenAI's C++ loop.
+"""The ONNX Runtime GenAI peers: GenAI's C++ loop on an equal-shape random-init Llama built by
+GenAI's own model builder (genai-<dtype>), and the same loop on our folded graph written as a
+GenAI folder by export/genai.py (genai-ours-<dtype>: OURS_VARIANT with GroupQueryAttention).
 
     python -m onnxruntime_genai.models.builder -i HF_DIR -o OUT -p fp32|int4 -e cpu
 
@@ -27,7 +28,8 @@ import numpy as np
 
 from bench.runners import Runner, Timing
 
-PRECISIONS = ("fp32", "int4")      # what the builder's -p takes that we compare (int8 is not a CPU option)
+PRECISIONS = ("fp32", "int4")
+OURS_VARIANT = "all-taper-fused"       # every norm folded away: the graph GenAI's own builder cannot make      # what the builder's -p takes that we compare (int8 is not a CPU option)
 TOKENIZER = Path(__file__).resolve().parent.parent / "train" / "data" / "tokenizer.json"
 
 
@@ -93,14 +95,45 @@ def build_genai(size: str, shape: dict, capacity: int, precision: str, cache: Pa
     return info
 
 
+def build_ours_genai(size: str, capacity: int, precision: str, cache: Path, seed: int = 0, log=print) -> dict:
+    """A GenAI folder in `cache` over our OURS_VARIANT graph of this size (--attention gqa, quantized
+    for int4), reused when present; its info (as build_genai's, with the runner's name)."""
+    from bench.variants import VARIANTS, base_model, build_onnx, quantized_name
+    from core.onnx_writer import save_onnx
+    from export.genai import GENAI_CONFIG, GENAI_GRAPH, genai_config, genai_graph
+    out = cache / f"ours-genai-{size}-cap{capacity}-{OURS_VARIANT}-{precision}-seed{seed}"
+    info_path = out.with_name(out.name + ".json")
+    if info_path.is_file() and (out / GENAI_CONFIG).is_file():
+        return json.loads(info_path.read_text())
+    t0 = time.perf_counter()
+    built = build_onnx(size, [OURS_VARIANT], capacity, cache, seed, log, dtypes=(precision,), attention="gqa")
+    graph = built[quantized_name(OURS_VARIANT, precision)]
+    import onnx
+    proto = genai_graph(onnx.load(graph["path"]), graph["path"])
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_onnx(proto, tmp / GENAI_GRAPH)
+    cfg = base_model(size, VARIANTS[OURS_VARIANT].kind, capacity, seed)[0].cfg
+    ids = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}       # as write_llama's; runs never stop early
+    (tmp / GENAI_CONFIG).write_text(json.dumps(genai_config(cfg, GENAI_GRAPH, ids), indent=4) + "\n")
+    tmp.replace(out)
+    info = {"path": str(out), "precision": precision, "name": f"genai-ours-{precision}",
+            "weight_bytes": graph["weight_bytes"], "source": f"{graph['source']} ({OURS_VARIANT} with GenAI's I/O)",
+            "op_counts": graph["op_counts"], "build_s": round(time.perf_counter() - t0, 2)}
+    info_path.write_text(json.dumps(info, indent=1))
+    log(f"  built {size} genai-ours-{precision}: {OURS_VARIANT} as a GenAI folder in {info['build_s']:.1f} s")
+    return info
+
+
 class GenAIRunner(Runner):
     """onnxruntime_genai: append_tokens(prompt), then generate_next_token until exactly n new
-    tokens (min_length = max_length: no early stop), greedy. Batch 1 only."""
+    tokens (min_length = max_length: no early stop), greedy. Batch 1 only. On GenAI's own build
+    (build_genai) or on our graph (build_ours_genai: info carries the name genai-ours-<dtype>)."""
     kind = "peer"
     max_batch = 1
 
     def __init__(self, info: dict, threads: int):
-        self.name = f"genai-{info['precision']}"
+        self.name = info.get("name", f"genai-{info['precision']}")
         self.path, self.threads, self.weight_bytes = info["path"], threads, info["weight_bytes"]
         self.source = info["source"]
 

@@ -28,6 +28,8 @@ PEER_NAMES = ("hf-generate", "ort-plain", "genai-fp32", "genai-int4")
 
 def short(name: str) -> str:
     """Table label of a runner: 'int-taper fused int4', 'GenAI int4'."""
+    if name.startswith("genai-ours-"):       # bench.genai.build_ours_genai
+        return "GenAI loop on our all-taper fused " + name[len("genai-ours-"):]
     if name.startswith("genai-"):
         return "GenAI " + name[len("genai-"):]
     base, dtype = split_name(name)

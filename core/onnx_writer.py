@@ -1,6 +1,8 @@
 """The one ONNX writer: a graph with its weights inline, or in one external file beside it.
 
     save_onnx(proto, path)                          # a graph in memory (graph passes, small builds)
+                                                    # (read without its external data: those keep their file,
+                                                    #  e.g. a second graph over another's weights, GenAI's I/O)
     with StreamedWeights(path, external=True) as w: # a graph whose weights arrive one at a time
         w.put(initializer_proto, array)              # written now, to path + ".data"; then freed
     ...

@@ -1,6 +1,6 @@
 """python -m export.build [--fuse] [--checkpoint DIR] [--out DIR] [--dtype fp32|fp16|bf16] [--triton-repo DIR]
                         [--quantize int8|int4 [--block-size N] [--accuracy-level N] [--algo rtn|hqq] [--head int8|int4|fp32] [--int8-layers NAMES]]
-                        [--attention plain|fused|gqa]
+                        [--attention plain|fused|gqa] [--genai] [--route auto|in-memory|streamed]
 
 checkpoint ──export──▶ model.onnx ──verify vs torch──▶ [graph_passes ──▶ model.fused.onnx ──verify──▶] report.json
 
@@ -9,6 +9,9 @@ Writes into OUT (default build/<checkpoint name>/):
     model.fused.onnx   with --fuse: scales and norm gammas folded into the MatMul weights
     model.int4.onnx    with --fuse --quantize int4 (or model.int8.onnx): the folded weights
                        quantized (export/quantize.py), verified against model.fused.onnx
+    model.genai.onnx   with --fuse --genai: the folded GroupQueryAttention graph (or its --quantize
+    genai_config.json  graph) with ONNX Runtime GenAI's I/O, the folder then loads in og.Model(OUT)
+    tokenizer_config.json  (export/genai.py); --genai implies --attention gqa
     config.json        copied from the checkpoint (the converted one for a Hugging Face folder)
     tokenizer.json     copied from the checkpoint (absent when it has none)
     report.json        op counts before/after, folded layers, max diffs, timings (docs/export.md)
@@ -48,8 +51,8 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32",
                     help="the graph's float type; bf16 (for GPUs and TensorRT; ONNX Runtime's CPU has no bf16 "
                          "kernels) is built by the streamed route")
-    ap.add_argument("--attention", choices=("plain", "fused", "gqa"), default="plain",
-                    help="plain: attention as MatMul/Softmax/... ops (portable, default); fused: one ONNX "
+    ap.add_argument("--attention", choices=("plain", "fused", "gqa"), default=None,
+                    help="plain (default; gqa with --genai): attention as MatMul/Softmax/... ops (portable, default); fused: one ONNX "
                          "Attention op per layer (opset 24; ONNX Runtime runs it as one kernel); gqa (with --fuse): "
                          "model.fused.onnx gets ONNX Runtime's GroupQueryAttention with Q/K/V in one MatMul, "
                          "the fastest CPU graph, ONNX Runtime only")
@@ -74,6 +77,10 @@ def _parser() -> ArgumentParser:
                          "streamed: weights read, folded and written block by block into one graph "
                          "(model.fused.onnx, or model.<q>.onnx with --quantize), for models too large to hold; "
                          "auto (default): in-memory when its memory estimate fits, else streamed")
+    ap.add_argument("--genai", action="store_true",
+                    help="with --fuse: also make OUT a folder ONNX Runtime GenAI loads as it is (og.Model(OUT)): "
+                         "model.genai.onnx (the folded GroupQueryAttention graph, or the --quantize one, with GenAI's "
+                         "I/O), genai_config.json and its tokenizer files; implies --attention gqa")
     ap.add_argument("--triton-repo", type=Path, default=None,
                     help="also write a Triton model repository for the build (python -m runtime.triton repo)")
     return ap
@@ -81,6 +88,7 @@ def _parser() -> ArgumentParser:
 
 def run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    args.attention = args.attention or ("gqa" if args.genai else "plain")
     quantize = _quant_config(args)
     ckpt = args.checkpoint
     out = args.out if args.out is not None else Path("build") / ckpt.resolve().name
@@ -94,13 +102,16 @@ def run(argv: list[str]) -> int:
         check_output_dir(args.triton_repo, TRITON_REPOSITORY, inputs=[ckpt, out])
     from export.pipeline import build, check_attention, check_quantize
     check_quantize(quantize, args.fuse, args.dtype)
+    from export.genai import check_genai
+    check_genai(args.genai, args.fuse, args.dtype, args.attention)      # first: it names the option given
     check_attention(args.attention, args.fuse, args.dtype)
     source = _streamed(args.route, ckpt, args.dtype)
     if source is not None:
         from export.streamed import build_streamed
-        build_streamed(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=args.attention, source=source)
+        build_streamed(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=args.attention, source=source,
+                        genai=args.genai)
     else:
-        build(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=args.attention)
+        build(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=args.attention, genai=args.genai)
     if args.triton_repo is not None:
         cmd = [sys.executable, "-m", "runtime.triton", "repo", "--build", str(out), "--out", str(args.triton_repo)]
         return subprocess.run(cmd).returncode      # its own one-line error, if any; the build stays

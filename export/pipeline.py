@@ -91,6 +91,7 @@ class BuildReport:
     quantized: dict = field(default_factory=dict)      # --quantize: what was quantized, tolerance, drift
     route: str = "in-memory"             # in-memory (this module) | streamed (export/streamed.py)
     memory_estimate: dict | None = None  # streamed: the estimated peak and its parts, bytes
+    genai: dict = field(default_factory=dict)      # --genai: the GenAI graph, its config, tokenizer files, check
 
     @property
     def norm_ops(self) -> dict[str, int]:
@@ -305,21 +306,24 @@ def versions() -> dict:
 # --- the driver ----------------------------------------------------------------------------------
 
 def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=print, quantize=None,
-          attention: str = "plain") -> BuildReport:
+          attention: str = "plain", genai: bool = False) -> BuildReport:
     """Run every stage; returns the report (also written to OUT/report.json).
     `attention`: "plain" ops (portable), "fused" (one ONNX Attention op per layer) or "gqa" (model.fused.onnx
     rewritten to ONNX Runtime's GroupQueryAttention, graph_passes/ort_attention.py).
-    `quantize`: an export.quantize.QuantConfig (needs fuse and fp32): also model.<int8|int4>.onnx."""
+    `quantize`: an export.quantize.QuantConfig (needs fuse and fp32): also model.<int8|int4>.onnx.
+    `genai` (needs fuse, fp32, gqa): also the ONNX Runtime GenAI folder's files (export/genai.py)."""
     import onnx
+    from export.genai import check_genai
     from export.verify import ATOL, SCALE_TOL, VerificationError, interface_mismatches, read_interface
     checkpoint, out = Path(checkpoint), Path(out)
     check_output_dir(out, BUILD, inputs=[checkpoint])
     check_quantize(quantize, fuse, dtype)
+    check_genai(genai, fuse, dtype, attention)
     check_attention(attention, fuse, dtype)
     t_start = time.perf_counter()
     report = BuildReport(str(checkpoint), str(out), dtype, fuse, atol=ATOL[dtype], scale_tol=SCALE_TOL[dtype],
                          attention=attention)
-    stages = Stages(report, (6 if fuse else 4) + (2 if quantize else 0), log)
+    stages = Stages(report, (6 if fuse else 4) + (2 if quantize else 0) + (1 if genai else 0), log)
 
     t0 = time.perf_counter()          # announced once loaded and checked: a refusal prints only its error line
     loaded = load_checkpoint_stage(checkpoint, fuse, dtype)
@@ -390,6 +394,9 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
                 d = report.quantized["drift"]
                 stages.done("verify_quantized", t0, f": max |d logits| {d['logits_max_abs_diff']:.3g}, top-1 "
                             f"{d['top1_agreement']:.1%} over {d['top1_positions']} tokens")
+            if genai:
+                report.genai = genai_files(stages, tmp, quantize.file_name() if quantize else FUSED, cfg, checkpoint,
+                                           loaded.tokenizer, loaded.tokens)
 
         t0 = stages.start(f"write {out}")
         from models.checkpoint import CONFIG, TOKENIZER, checkpoint_config
@@ -406,6 +413,20 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
     stages.done("write", t0)
     summary(report, log)
     return report
+
+
+def genai_files(stages: Stages, folder: Path, source: str, cfg, checkpoint: Path, tokenizer, tokens) -> dict:
+    """The stage `genai` of both routes: the GenAI graph from `source`, its config and tokenizer files,
+    verified against `source` (export/genai.py)."""
+    from export.genai import GENAI_CONFIG, GENAI_GRAPH, genai_stage
+    t0 = stages.start(f"genai: {GENAI_GRAPH} ({source} with ONNX Runtime GenAI's I/O), {GENAI_CONFIG}, "
+                      "tokenizer files; verify vs " + source)
+    info = genai_stage(folder, source, cfg, checkpoint, tokenizer, tokens)
+    for note in info["notes"]:
+        stages.log(f"      note: {note}")
+    stages.done("genai", t0, f": max |d logits| {info['logits_max_abs_diff']:.3g} (atol {info['atol']:g})"
+                + ("" if info["tokenizer"] else "; no tokenizer: GenAI applications feed token ids"))
+    return info
 
 
 def check_attention(attention: str, fuse: bool, dtype: str) -> None:
@@ -465,5 +486,10 @@ def summary(r: BuildReport, log) -> None:
             f"weights {q['weight_bytes_after'] / 1e6:.1f} MB (fp32 {q['weight_bytes_before'] / 1e6:.1f} MB); "
             f"logits max |d| {d['logits_max_abs_diff']:.3g}, mean {d['logits_mean_abs_diff']:.3g}; "
             f"top-1 agreement {d['top1_agreement']:.1%} over {d['top1_positions']} greedy tokens")
+    if r.genai:
+        g = r.genai
+        log(f"  genai    {g['graph']} ({g['from']} with GenAI's I/O) + {g['config']}"
+            f"{' + ' + ', '.join(g['tokenizer_files']) if g['tokenizer_files'] else ''}: og.Model('{r.out}') loads it; "
+            f"logits max |d| vs {g['from']} {g['logits_max_abs_diff']:.3g}")
     if r.trt_lint:
         log(f"  trt_lint {len(r.trt_lint)} issue(s): {r.trt_lint[0]}" + (" ..." if len(r.trt_lint) > 1 else ""))

@@ -121,16 +121,19 @@ def top1(ref_runs, runs) -> tuple[float, int]:
 
 
 def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=print, quantize=None,
-                   attention: str = "plain", max_seq_len: int | None = None, source=None):
+                   attention: str = "plain", max_seq_len: int | None = None, source=None, genai: bool = False):
     """The streamed build; returns the BuildReport (also OUT/report.json). `source`: the checkpoint's
-    weights already opened (models.weights.open_weights), e.g. by the CLI's route choice."""
+    weights already opened (models.weights.open_weights), e.g. by the CLI's route choice. `genai`:
+    also the ONNX Runtime GenAI folder's files, over the same weights file (export/genai.py)."""
+    from export.genai import check_genai
     from export.pipeline import (REPORT, BuildReport, ModelSummary, Stages, check_attention, check_quantize,
-                                 summary, versions, worst)
+                                 genai_files, summary, versions, worst)
     from export.verify import ATOL, SCALE_TOL
     from models.weights import open_weights
     checkpoint, out = Path(checkpoint), Path(out)
     check_output_dir(out, BUILD, inputs=[checkpoint])
     check_quantize(quantize, fuse, dtype)
+    check_genai(genai, fuse, dtype, attention)
     check_attention(attention, fuse, dtype)
     t_start = time.perf_counter()
     source = source or open_weights(checkpoint, max_seq_len)
@@ -149,7 +152,7 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
                                 cfg.pos_embedding)
     report.source, report.notes = source.source, list(source.notes)
     report.memory_estimate = {"peak_bytes": estimate.peak, **estimate.parts}
-    stages = Stages(report, 5, log)
+    stages = Stages(report, 6 if genai else 5, log)
     t0 = stages.start(f"open {checkpoint} ({source.source}): weights read block by block, memory-mapped")
     stages.done("open", t0, f": {cfg.approx_param_count():,} params, {cfg.n_layer} layers; estimated peak "
                 f"{estimate.line()}")
@@ -175,6 +178,8 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
         stages.done("verify", t0, f": max |d logits| {worst(report.max_abs_diff['graph_vs_torch'], 'logits'):.3g}")
         if checked != tmp / name:
             checked.unlink()                # our own temporary graph (the weights are the build's)
+        if genai:
+            report.genai = genai_files(stages, tmp, name, cfg, checkpoint, _tokenizer(source), real_tokens(source))
         _write_files(source, tmp, cfg)
         report.versions = versions()
         report.timings_s["total"] = round(time.perf_counter() - t_start, 3)
@@ -236,15 +241,10 @@ def _reference(stages, source, plan, path: Path, dtype: str):
     (export/quant_reference.py; None where its blocks carry zero points)."""
     import torch
     from core.contract import contract_of
-    from export.pipeline import REAL_TEXT
     from export.quant_reference import QuantizedParts
-    from models.checkpoint import TOKENIZER, load_tokenizer
     from models.layerwise import layerwise_run
     iface = contract_of(path)
-    tokens = None
-    if (source.where / TOKENIZER).is_file():
-        tokens = [i for i in load_tokenizer(source.where).encode(REAL_TEXT).ids if i < source.cfg.vocab_size] or None
-    sessions = verification_sessions(iface, tokens)
+    sessions = verification_sessions(iface, real_tokens(source))
     steps = [s for _, s in sessions]
     t0 = stages.start(f"torch reference, block by block ({len(sessions)} sessions: prefill + decode steps"
                       f"{'; and with the graph dequantized weights' if plan.quantize is not None else ''})")
@@ -291,6 +291,20 @@ def _verify(report, path: Path, iface, sessions, runs_ref, runs_deq, quantize, k
             raise VerificationError(f"{path.name} vs torch", [line])
         report.notes.append(line)       # the graph is exact (checked above); its quality is the model's and the dtype's
         log(f"      note: {line}")
+
+
+def _tokenizer(source) -> Path | None:
+    from models.checkpoint import TOKENIZER
+    return source.where / TOKENIZER if (source.where / TOKENIZER).is_file() else None
+
+
+def real_tokens(source) -> list[int] | None:
+    """export.pipeline.REAL_TEXT in the model's tokenizer (ids it can index), or None without one."""
+    from export.pipeline import REAL_TEXT
+    from models.checkpoint import load_tokenizer
+    if _tokenizer(source) is None:
+        return None
+    return [i for i in load_tokenizer(source.where).encode(REAL_TEXT).ids if i < source.cfg.vocab_size] or None
 
 
 def _write_files(source, tmp: Path, cfg) -> None:

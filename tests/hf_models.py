@@ -45,13 +45,14 @@ def transformers_classes(model_type: str):
     return getattr(transformers, names[0]), getattr(transformers, names[1])
 
 
-def hf_model(name: str, seed: int = 0):
-    """The transformers model (eval mode) of FAMILIES[name], every parameter randomized."""
+def hf_model(name: str, seed: int = 0, **changes):
+    """The transformers model (eval mode) of FAMILIES[name] (config fields `changes` changed), every
+    parameter randomized."""
     import torch
     model_type, overrides = FAMILIES[name]
     config_cls, model_cls = transformers_classes(model_type)
     torch.manual_seed(seed)
-    config = config_cls(vocab_size=VOCAB, **overrides)
+    config = config_cls(vocab_size=VOCAB, **{**overrides, **changes})
     config.initializer_range = 0.2
     model = model_cls(config).eval()
     with torch.no_grad():

@@ -111,6 +111,41 @@ def test_genai_llama_has_our_weight_bytes():
         assert llama_mlp_hidden(d) % 8 == 0
 
 
+def test_genai_loop_on_our_folded_graph(tmp_path):
+    """bench.decode --peers genai's "GenAI loop on our folded graph": a GenAI folder over our 1M
+    all-taper fused graph (int4, GroupQueryAttention), run by GenAIRunner for exactly n tokens,
+    and greedy GenAI picks the tokens our runtime picks on that same graph."""
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install '.[genai]')")
+    from bench.genai import GenAIRunner, build_ours_genai
+    from bench.report import short
+    from runtime.generate import GenerationConfig, generate
+    from runtime.ort_session import OrtSession
+    info = build_ours_genai("1M", 64, "int4", tmp_path, log=lambda *a: None)
+    assert info["name"] == "genai-ours-int4" and short(info["name"]) == "GenAI loop on our all-taper fused int4"
+    runner = GenAIRunner(info, threads=1)
+    runner.activate()
+    prompt = np.arange(3, 11)[None]
+    timing = runner.generate(prompt, 12)
+    assert len(timing.step_s) == 11
+    theirs = [int(t) for t in _genai_tokens(runner, prompt[0], 12)]
+    runner.close()
+    graph = next(tmp_path.glob("1M-cap64-gqaatt-all-taper-fused.int4-*.onnx"))
+    with OrtSession(graph) as session:
+        ours = generate(session, [list(prompt[0])], GenerationConfig(max_new_tokens=12)).tokens[0]
+    assert theirs == ours
+
+
+def _genai_tokens(runner, prompt, n):
+    og = runner.og
+    params = og.GeneratorParams(runner.model)
+    params.set_search_options(max_length=len(prompt) + n, min_length=len(prompt) + n, do_sample=False)
+    gen = og.Generator(runner.model, params)
+    gen.append_tokens(np.asarray(prompt, np.int32))
+    while not gen.is_done():
+        gen.generate_next_token()
+    return list(gen.get_sequence(0))[len(prompt):]
+
+
 def test_quantized_runner_names():
     from bench.variants import quantized_name, split_name
     assert quantized_name("rmsnorm-strong", "int4") == "rmsnorm-strong.int4"

@@ -1,0 +1,162 @@
+"""export.build --fuse --genai: the folder ONNX Runtime GenAI loads as it is (export/genai.py).
+
+Checked with GenAI's own API: og.Model on the build folder, og.Generator greedy for a fixed
+number of tokens, against runtime.generate on the same build's graph (our contract, our loop);
+the two must pick the same tokens (ties handled as in tests/runtime/greedy.py). Every norm kind
+of the zoo, a converted HF Llama and an LN-free GPT-2, fp32 and int4, both build routes; the
+default run covers each of those features once, the rest is slow.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.runtime.greedy import compare_greedy
+
+ROOT = Path(__file__).resolve().parents[2]
+ZOO = Path(os.environ.get("TAPERNORM_ZOO", ROOT / "models" / "zoo"))
+NEW_TOKENS = 24
+PROMPT = "Once upon a time there was a little girl"
+
+
+def _og():
+    try:
+        import onnxruntime_genai as og
+    except ImportError as e:
+        pytest.skip(f"onnxruntime-genai does not import here ({e}); pip install '.[genai]'")
+    return og
+
+
+def _source(name: str, tmp: Path) -> Path:
+    """A zoo checkpoint (skipped where absent) or a tiny HF folder with a tokenizer."""
+    kind, what = name.split(":")
+    if kind == "zoo":
+        ckpt = ZOO / what
+        if not (ckpt / "config.json").is_file():
+            pytest.skip(f"zoo model {what!r} is absent ({ckpt})")
+        return ckpt
+    from tests.hf_models import hf_model, save_hf
+    # ONNX Runtime's GroupQueryAttention rotates heads of a multiple of 16: the tiny Llama's 8 doubled
+    changes = dict(hidden_size=64) if what.startswith("llama") else {}
+    return save_hf(hf_model(what, **changes), tmp / what, tokenizer=True)
+
+
+def _build(ckpt: Path, out: Path, *flags: str) -> dict:
+    cmd = [sys.executable, "-m", "export.build", "--fuse", "--genai", *flags, "--checkpoint", str(ckpt), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads((out / "report.json").read_text())
+
+
+def ours_greedy(graph: Path, prompt: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
+    """runtime.generate's greedy loop on our graph: the tokens and the logits each was picked from."""
+    from runtime.generate import GenerationConfig, generate
+    from runtime.ort_session import OrtSession
+    with OrtSession(graph) as session:
+        result = generate(session, [prompt], GenerationConfig(max_new_tokens=n, keep_logits=True))
+    return result.tokens[0], [row[0] for row in result.logits]
+
+
+def genai_greedy(folder: Path, prompt: list[int], n: int) -> list[int]:
+    """GenAI's own loop on the folder: append the prompt, then exactly n greedy tokens (no early stop)."""
+    og = _og()
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + n, min_length=len(prompt) + n, do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.asarray(prompt, np.int32))
+    while not gen.is_done():
+        gen.generate_next_token()
+    return [int(t) for t in gen.get_sequence(0)][len(prompt):]
+
+
+CASES = [
+    # (source, --quantize or None, route): each of fp32 / int4, in-memory / streamed, zoo / HF once by default.
+    # A random-init HF model quantizes to int4 only in the streamed route: the in-memory build checks the
+    # int4 graph against the float one (random weights at std 0.2 drift past that bound), the streamed
+    # one against the graph's own dequantized weights.
+    ("zoo:internal-taper", "int4", "in-memory"),
+    ("zoo:dyt", None, "streamed"),
+    ("hf:llama", "int4", "streamed"),
+    ("hf:gpt2-fakeln", None, "in-memory"),
+    pytest.param("zoo:baseline", None, "in-memory", marks=pytest.mark.slow),          # RMSNorm
+    pytest.param("zoo:baseline", "int4", "streamed", marks=pytest.mark.slow),
+    pytest.param("zoo:all-taper", None, "streamed", marks=pytest.mark.slow),
+    pytest.param("zoo:all-taper", "int4", "in-memory", marks=pytest.mark.slow),
+    pytest.param("zoo:internal-taper", None, "streamed", marks=pytest.mark.slow),
+    pytest.param("zoo:dyt", "int4", "in-memory", marks=pytest.mark.slow),
+    pytest.param("hf:llama", None, "in-memory", marks=pytest.mark.slow),
+    pytest.param("hf:gpt2-fakeln", "int4", "streamed", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("name,quantize,route", CASES)
+def test_genai_greedy_equals_runtime_generate(tmp_path, name, quantize, route):
+    _og()
+    ckpt = _source(name, tmp_path)
+    out = tmp_path / "build"
+    report = _build(ckpt, out, "--route", route, *(["--quantize", quantize] if quantize else []))
+    graph = out / (f"model.{quantize}.onnx" if quantize else "model.fused.onnx")
+    assert report["genai"]["from"] == graph.name and report["attention"] == "gqa"
+    assert report["genai"]["logits_max_abs_diff"] <= report["genai"]["atol"]
+    config = json.loads((out / "genai_config.json").read_text())
+    assert config["model"]["decoder"]["filename"] == "model.genai.onnx"
+    assert config["search"]["past_present_share_buffer"] is True
+    from models.checkpoint import load_tokenizer
+    prompt = load_tokenizer(out).encode(PROMPT).ids
+    ours, logits = ours_greedy(graph, prompt, NEW_TOKENS)
+    theirs = genai_greedy(out, prompt, NEW_TOKENS)
+    assert compare_greedy(ours, logits, theirs) >= NEW_TOKENS // 2, (ours, theirs)
+
+
+def test_genai_folder_layout_and_tokenizer(tmp_path):
+    """What GenAI's builder writes for a Llama (I/O names and dims, config keys), and og.Tokenizer
+    reading our tokenizer gives the ids ours gives; a streamed build's GenAI graph shares the weights file."""
+    og = _og()
+    import onnx
+    ckpt = _source("zoo:internal-taper", tmp_path)
+    out = tmp_path / "build"
+    _build(ckpt, out, "--route", "streamed", "--quantize", "int4")
+    proto = onnx.load(str(out / "model.genai.onnx"), load_external_data=False)
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in (*proto.graph.input, *proto.graph.output)}
+    assert list(dims)[:3] == ["input_ids", "attention_mask", "past_key_values.0.key"]
+    assert dims["attention_mask"] == ["batch_size", "total_sequence_length"]
+    assert dims["past_key_values.3.value"] == ["batch_size", 4, "past_sequence_length", 32]
+    assert dims["present.0.key"] == ["batch_size", 4, "total_sequence_length", 32]
+    assert dims["logits"] == ["batch_size", "sequence_length", 2048]
+    assert "position" not in dims
+    locations = {e.value for t in proto.graph.initializer for e in t.external_data if e.key == "location"}
+    assert locations == {"model.int4.onnx.data"} and not (out / "model.genai.onnx.data").exists()
+    decoder = json.loads((out / "genai_config.json").read_text())["model"]["decoder"]
+    assert (decoder["num_hidden_layers"], decoder["num_key_value_heads"], decoder["head_size"]) == (4, 4, 32)
+    from models.checkpoint import load_tokenizer
+    tok = og.Tokenizer(og.Model(str(out)))
+    assert [int(i) for i in tok.encode(PROMPT)] == load_tokenizer(out).encode(PROMPT).ids
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--genai"], "--genai: expected --fuse too"),
+    (["--genai", "--fuse", "--attention", "plain"], "--genai: expected --attention gqa"),
+    (["--genai", "--fuse", "--dtype", "fp16"], "--genai: expected --dtype fp32"),
+])
+def test_genai_refuses_what_it_cannot_build(tmp_path, flags, expected):
+    proc = subprocess.run([sys.executable, "-m", "export.build", *flags, "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(f"error: {expected}"), proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_genai_graph_refuses_a_graph_without_group_query_attention():
+    from export.genai import GenAIError, genai_graph
+    from export.onnx_export import export_onnx
+    from tests.helpers import random_model
+    proto = export_onnx(random_model(norm="rmsnorm"), None, "fp32", attention="fused")
+    with pytest.raises(GenAIError, match=r"expected every cache read and written by GroupQueryAttention"):
+        genai_graph(proto, "model.fused.onnx")
