@@ -376,9 +376,9 @@ def check_rank_memory(run: TrainConfig, world: int, local_rank: int):
     if local_rank == 0 and launched_world()[0] == 0:
         print(f"memory per rank (estimated, {mode}, {world} rank(s), micro-batch {micro} x {run.seq_len}): "
               f"{est.describe()}", file=sys.stderr)
-    if have is not None and est.total * ranks_here > MEMORY_SHARE * have:
+    if have is not None and est.peak * ranks_here > MEMORY_SHARE * have:
         fix = "use --fsdp, more processes, " if not run.fsdp else "use more processes, "
-        raise TrainError(f"training {run.preset}: needs about {human_bytes(est.total)} per rank ({mode}: "
+        raise TrainError(f"training {run.preset}: needs about {human_bytes(est.peak)} per rank ({mode}: "
                          f"{est.describe()}), {where} {human_bytes(have)} available; {fix}"
                          f"--checkpoint-activations, a larger --grad-accum or a smaller model")
     return est

@@ -202,6 +202,11 @@ def test_the_estimate_shards_what_fsdp_shards():
     ckpt = estimate_rank_memory(cfg, 2, 16, world=2, fsdp=True, checkpoint=True)
     assert ckpt.activations < fsdp.activations
     assert fsdp.total < ddp.total
+    # loading: DDP holds the model and its source whole; a sharded rank its shard and one whole tensor
+    assert ddp.loading == 2 * 4 * cfg.approx_param_count()
+    table = max(cfg.vocab_size, cfg.hidden) * cfg.d_model
+    assert fsdp.loading == 4 * (-(-cfg.approx_param_count() // 2) + table) < ddp.loading
+    assert fsdp.peak == max(fsdp.total, fsdp.loading)
 
 
 def test_a_run_that_cannot_fit_is_one_line(tmp_path, monkeypatch):
