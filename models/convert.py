@@ -471,6 +471,13 @@ def read_safetensor(where: Path, name: str) -> torch.Tensor:
         return handle.get_tensor(name)
 
 
+def read_safetensor_rows(where: Path, name: str, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) of dim 0 of one tensor: only their bytes are read from the mapped file."""
+    from safetensors import safe_open
+    with safe_open(str(where), framework="pt") as handle:
+        return handle.get_slice(name)[start:stop]
+
+
 def _read_file(where: Path) -> dict[str, Stored]:
     """The tensors of one weights file by name; the data of a safetensors file stays on disk until read."""
     try:

@@ -303,12 +303,14 @@ class Decoder(nn.Module):
         tapered_final = cfg.norm == "taper" and cfg.taper_scope == "all"
         self.ln_f = make_norm(cfg, self.gate, tapered_final, "ln_f") if cfg.final_norm else nn.Identity()
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.apply(self._init_weights)
+        self.apply(self.init_module_weights)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
 
     @staticmethod
-    def _init_weights(m: nn.Module) -> None:
+    def init_module_weights(m: nn.Module) -> None:
+        """The random init of one module's own weights (applied to every module at construction; train/sharded.py
+        replays it one module at a time to build a sharded model without the whole one)."""
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
             if getattr(m, "bias", None) is not None:

@@ -4,6 +4,7 @@
     source.cfg, source.skeleton                # the config; a Decoder on the meta device (gate, c set)
     block = source.block(3)                    # blocks.3 as an fp32 module, its weights read now
     source.tensor("wte.weight")                # one fp32 tensor, our name
+    source.rows("wte.weight", 0, 1024)         # its rows [0, 1024) (our checkpoint: only those are read)
 
 The streamed build (export/stream.py) and the layer-by-layer reference (models/layerwise.py)
 read real-size models through this: safetensors files are opened with safe_open (memory
@@ -34,6 +35,9 @@ class _Place:
     name: str
     read: Callable[[], torch.Tensor]
     fn: Callable[[torch.Tensor], torch.Tensor]
+    # rows [a, b) of dim 0 read alone (a safetensors slice of our own checkpoint, where fn is the identity);
+    # None: the mapping may transpose or split the stored tensor, so rows are cut from the converted whole
+    read_rows: Callable[[int, int], torch.Tensor] | None = None
 
 
 class WeightSource:
@@ -52,8 +56,22 @@ class WeightSource:
     def tensor(self, name: str) -> torch.Tensor:
         """Our tensor `name` (e.g. blocks.0.attn.q_proj.weight) in fp32, checked float and finite."""
         place = self.places[name]
+        return self._checked(place, place.read)
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of dim 0 of our tensor `name`, fp32, checked as tensor() checks it. From our
+        checkpoint only those rows are read (safetensors slice of the memory-mapped file); from a Hugging
+        Face folder the tensor is converted whole (one tensor, never the model) and cut."""
+        place = self.places[name]
+        if place.read_rows is None:
+            return self.tensor(name)[start:stop].clone()
+        return self._checked(place, lambda: place.read_rows(start, stop))
+
+    @staticmethod
+    def _checked(place: _Place, read: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """read()'s raw tensor through place.fn, fp32; CheckpointError for unreadable, non-float or non-finite."""
         try:
-            raw = place.read()
+            raw = read()
         except Exception as e:      # a file damaged past its header
             from core.errors import first_line
             raise CheckpointError(f"{place.file}: tensor {place.name!r} cannot be read ({first_line(e)}); "
@@ -107,8 +125,9 @@ def _checkpoint_source(path: Path, max_seq_len: int | None) -> WeightSource:
     for k, shape in expected.items():
         if shapes[k] != shape:
             raise CheckpointError(f"{where}: tensor '{k}' has shape {list(shapes[k])}; config.json implies {list(shape)}")
-    from models.convert import read_safetensor
-    places = {k: _Place(where, k, lambda k=k: read_safetensor(where, k), lambda t: t) for k in expected}
+    from models.convert import read_safetensor, read_safetensor_rows
+    places = {k: _Place(where, k, lambda k=k: read_safetensor(where, k), lambda t: t,
+                        lambda a, b, k=k: read_safetensor_rows(where, k, a, b)) for k in expected}
     if cfg.tie_embeddings:
         places["lm_head.weight"] = places["wte.weight"]
     return WeightSource(path, cfg, places, raw, "checkpoint")

@@ -180,8 +180,8 @@ def run(argv: list[str]) -> int:
         if method not in ("internal-taper", "all-taper") and taper_only:
             raise UsageError(f"{', '.join(taper_only)}: apply to the taper methods, not {method}; drop them")
         check_output_dir(a.out, TRAINING_RUN, inputs=[a.source])
-        from train.recipes import load_source_model
-        model = load_source_model(a.source)
+        from models.weights import open_weights
+        model = open_weights(a.source)      # the config and the tensors' names: no weights read here
         run_cfg = finetune_config(method, model, a)
         every = None
         if method == "fakeln":

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import shlex
@@ -46,6 +47,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -66,7 +68,7 @@ from train.run_state import (RUN_STATE, RUN_STATE_JSON, has_run_state, load_run_
                              restore_error, write_run_state)
 from train.schedule import lr_at
 from train.sharded import (SHARDED_STATE, all_finite, checkpoint_blocks, load_sharded_state, save_sharded_state,
-                           shard_model, sharded_state_bytes, write_streamed_weights)
+                           sharded_initial_model, sharded_state_bytes, write_streamed_weights)
 from train.shards import TokenStream, shards_for
 from train.tokenizer import encode_stories, load_tokenizer, train_tokenizer
 
@@ -247,11 +249,23 @@ class Recipe:
     def initial_model(self, run: TrainConfig, fresh: bool) -> Decoder:
         """The model before step 0 (fresh) or, on resume, a model of the same structure to load the state into."""
         model = Decoder(run.decoder_config())
-        if run.embed_std is not None:
-            with torch.no_grad():
-                model.wte.weight.normal_(0.0, run.embed_std)
-                model.wpe.weight.normal_(0.0, run.embed_std)
+        with torch.no_grad():
+            for name, draw in self.init_draws(run):
+                draw(model.get_parameter(name))
         return model
+
+    def init_draws(self, run: TrainConfig) -> list[tuple[str, Callable[[torch.Tensor], None]]]:
+        """The random draws initial_model makes after the Decoder's own init, in order: (parameter, in-place
+        draw). Listed apart so that a sharded build (train/sharded.py) replays them one tensor at a time."""
+        if run.embed_std is None:
+            return []
+        draw = functools.partial(torch.nn.init.normal_, mean=0.0, std=run.embed_std)
+        return [("wte.weight", draw), ("wpe.weight", draw)]
+
+    def source_weights(self, run: TrainConfig):
+        """Where a fresh run's weights are read from when --fsdp fills each rank's shards: a
+        models.weights.WeightSource, or None (drawn as initial_model draws them)."""
+        return None
 
     def before_step(self, step: int, model: Decoder, data: Data, log: dict, par: Parallel = SINGLE) -> None:
         """Runs before the update of `step` (after a resume too: act on exact steps only), on every
@@ -362,9 +376,9 @@ def check_rank_memory(run: TrainConfig, world: int, local_rank: int):
     if local_rank == 0 and launched_world()[0] == 0:
         print(f"memory per rank (estimated, {mode}, {world} rank(s), micro-batch {micro} x {run.seq_len}): "
               f"{est.describe()}", file=sys.stderr)
-    if have is not None and est.total * ranks_here > MEMORY_SHARE * have:
+    if have is not None and est.peak * ranks_here > MEMORY_SHARE * have:
         fix = "use --fsdp, more processes, " if not run.fsdp else "use more processes, "
-        raise TrainError(f"training {run.preset}: needs about {human_bytes(est.total)} per rank ({mode}: "
+        raise TrainError(f"training {run.preset}: needs about {human_bytes(est.peak)} per rank ({mode}: "
                          f"{est.describe()}), {where} {human_bytes(have)} available; {fix}"
                          f"--checkpoint-activations, a larger --grad-accum or a smaller model")
     return est
@@ -422,13 +436,12 @@ def _accumulate_gradients(ddp, stream: TokenStream, starts: list[int], micro: in
 
 
 def _place(model: Decoder, run: TrainConfig, par: Parallel):
-    """The model on the rank's device: sharded with fully_shard (--fsdp across ranks), else moved whole;
+    """The model on the rank's device (one sharded by sharded_initial_model is there already), moved whole;
     returns (model, the module to run forward / backward through: DDP's wrapper, or the model)."""
+    if par.sharded:
+        return model, model
     if run.checkpoint_activations:
         checkpoint_blocks(model)
-    if par.sharded:
-        model = shard_model(model, par.device, run.dtype)
-        return model, model
     model.to(par.device)
     return model, par.wrap(model, find_unused=run.gate_schedule() is not None)
 
@@ -495,7 +508,10 @@ def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: s
     data = prepare_data(run, work, par)
     raise_if_interrupted()
     torch.manual_seed(run.seed)
-    model = recipe.initial_model(run, fresh=state is None)
+    if par.sharded:        # never whole on any rank: built on meta, then each rank's shards (train/sharded.py)
+        model = sharded_initial_model(recipe, run, par.device, fresh=state is None)
+    else:
+        model = recipe.initial_model(run, fresh=state is None)
     model.train()
     sched = run.gate_schedule()
     gen = torch.Generator().manual_seed(run.seed)  # same data order for every preset, and on every rank

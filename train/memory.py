@@ -18,6 +18,10 @@ Torch-free (the figures in docs/training.md come from this on any machine). The 
                models/attention.py stores them); with --checkpoint-activations only each block's input
                and one block's full set during its recompute; then the logits (compute dtype, their
                fp32 copy for the loss and its softmax)
+  loading      before the first step: DDP builds the whole fp32 model and reads the source whole beside
+               it (two copies); --fsdp builds its fp32 shards and at most one whole tensor (the largest:
+               the embedding or head table) while it reads or draws it (train/sharded.py). Not added to
+               the step's terms (loading ends before the step starts): the refusal compares the larger.
 """
 from __future__ import annotations
 
@@ -35,16 +39,23 @@ class RankMemory:
     gradients: int
     optimizer: int
     activations: int
+    loading: int = 0
 
     @property
     def total(self) -> int:
+        """One step's memory."""
         return self.parameters + self.gradients + self.optimizer + self.activations
+
+    @property
+    def peak(self) -> int:
+        """The most at any point: a step, or loading the model before it."""
+        return max(self.total, self.loading)
 
     def describe(self) -> str:
         from core.inputs import human_bytes
         parts = ", ".join(f"{k} {human_bytes(getattr(self, k))}"
                           for k in ("parameters", "gradients", "optimizer", "activations"))
-        return f"{human_bytes(self.total)} ({parts})"
+        return f"{human_bytes(self.total)} ({parts}; loading {human_bytes(self.loading)})"
 
 
 def block_params(cfg) -> int:
@@ -73,11 +84,13 @@ def estimate_rank_memory(cfg, micro_batch: int, seq_len: int, world: int, fsdp: 
     total = cfg.approx_param_count()
     acts = activation_bytes(cfg, micro_batch, seq_len, dtype, checkpoint)
     if not fsdp:
-        return RankMemory(FP32 * total, 2 * FP32 * total, 2 * FP32 * total, acts)
+        return RankMemory(FP32 * total, 2 * FP32 * total, 2 * FP32 * total, acts, loading=2 * FP32 * total)
     e = COMPUTE_BYTES[dtype]
     root = total - cfg.n_layer * block_params(cfg)                       # embeddings, head, final norm
     if not cfg.tie_embeddings:   # embedding and head are groups of their own: the larger one at a time
         root -= cfg.vocab_size * cfg.d_model
     gathered = root + GATHERED_BLOCKS * block_params(cfg)
     share = -(-total // world)
-    return RankMemory(FP32 * share + e * gathered, FP32 * share + FP32 * gathered, 2 * FP32 * share, acts)
+    largest = max(cfg.vocab_size * cfg.d_model, cfg.hidden * cfg.d_model)   # one whole tensor while it is read
+    return RankMemory(FP32 * share + e * gathered, FP32 * share + FP32 * gathered, 2 * FP32 * share, acts,
+                      loading=FP32 * (share + largest))

@@ -81,6 +81,11 @@ class FineTune(Recipe):
                 setattr(owner, leaf, FrozenStdLayerNorm(getattr(owner, leaf)))
         return model
 
+    def source_weights(self, run):
+        """--from, read tensor by tensor (row range by row range) when --fsdp fills each rank's shards."""
+        from models.weights import open_weights
+        return open_weights(self.source_path)
+
     @staticmethod
     def order(model) -> list[str]:
         """Baroni et al.'s removal order: MLP norms, attention norms, the final norm."""

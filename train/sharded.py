@@ -1,6 +1,6 @@
 """Sharded data parallel (FSDP2, torch.distributed.fsdp.fully_shard) for train/loop.py's --fsdp.
 
-    model = shard_model(model, par, run)            # every block, the embedding / head, the root
+    model = sharded_initial_model(recipe, run, device, fresh)   # meta, fully_shard, then each rank's rows only
     save_sharded_state(tmp / SHARDED_STATE, model, opt)       # every rank writes its shards
     load_sharded_state(run_dir / SHARDED_STATE, model, opt)   # any number of ranks (or one, no group)
     write_streamed_weights(path_or_None, model, recipe, par)  # one model.safetensors, tensor by tensor
@@ -14,22 +14,33 @@ parameters the optimizer holds); gradients are reduce-scattered as the mean over
 DDP's all-reduce is. Buffers (FakeLN's frozen std) are not sharded: every rank sets the same
 value from all-reduced sums.
 
+Building (sharded_initial_model): no rank ever holds the whole model. The recipe's model is built with
+its weight matrices on the meta device (vectors and buffers, O(n_layer x d), as always), sharded, and
+only then materialized (to_empty) as this rank's shards, which are filled row range by row range: read
+from the source checkpoint's memory-mapped safetensors (a fresh fine-tune), drawn by replaying the
+random init one module at a time (a fresh `train`: the same weights and generator state as one
+process), or left to dcp.load (--resume).
+
 Without a process group (one process, e.g. `--resume` of a two-rank run with plain python)
 nothing is sharded: the same resume state and checkpoint code run on plain tensors.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import json
 import struct
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from models.decoder import Decoder
+from train.config import TrainError
 
 SHARDED_STATE = "train_state.dcp"       # torch.distributed.checkpoint folder: model and optimizer, by FQN
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
@@ -77,6 +88,134 @@ def shard_model(model: Decoder, device: torch.device, dtype: str) -> nn.Module:
         fully_shard(model.wte, **kw)
         fully_shard(model.lm_head, **kw)
     return fully_shard(model, **kw)
+
+
+# --- building the sharded model: meta device, then each rank's rows ------------------------------------
+
+@contextlib.contextmanager
+def matrices_on_meta():
+    """Modules built inside get every parameter of two or more dims (the weight matrices: all of the model
+    but O(n_layer x d)) on the meta device, as it is registered: no memory and no values. Vectors (norm
+    gains, biases) and buffers (rope tables, FakeLN's std) keep the values their constructors compute,
+    which the sharded model gets back after to_empty (there is no other copy of how they are made)."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and param.dim() >= 2 and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def shard_rows(n: int, rank: int, world: int) -> tuple[int, int]:
+    """Rows [start, stop) of dim 0 that rank `rank` holds of a Shard(0) tensor of n rows: FSDP2 splits as
+    torch.chunk does, ceil(n / world) rows a rank, the last ranks short or empty."""
+    per = -(-n // world)
+    return min(n, rank * per), min(n, (rank + 1) * per)
+
+
+def meta_model(recipe, run) -> tuple[Decoder, dict, dict]:
+    """(the recipe's model with its matrices on meta, its vectors by name, its buffers by name)."""
+    # fork_rng: the constructors' random init (on meta: no values) must not move the generator; a fresh
+    # run's draws are replayed afterwards from the state one process would have (replay_init)
+    with torch.random.fork_rng(devices=[]), matrices_on_meta():
+        model = recipe.initial_model(run, fresh=False)
+    vectors = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    return model, vectors, buffers
+
+
+def shard_targets(model: nn.Module, rank: int, world: int) -> dict[str, tuple[torch.Tensor, int]]:
+    """{parameter name: (this rank's local shard, the row of the whole tensor it starts at)}; a tied
+    parameter once, under its first name."""
+    targets = {}
+    for name, p in model.named_parameters():
+        local = local_part(p)
+        if local.dim() == 0:
+            targets[name] = (local, 0)
+            continue
+        start, stop = shard_rows(p.shape[0], rank, world) if is_sharded(p) else (0, p.shape[0])
+        if local.shape[0] != stop - start:   # FSDP2 changed how it splits: filling would misplace rows
+            raise RuntimeError(f"{name}: local shard of {local.shape[0]} rows, expected rows [{start}, {stop})")
+        targets[name] = (local, start)
+    return targets
+
+
+def _rows_of(full: torch.Tensor, local: torch.Tensor, start: int) -> torch.Tensor:
+    return full if local.dim() == 0 else full[start:start + local.shape[0]]
+
+
+@torch.no_grad()
+def fill_shards(targets: dict, vectors: dict, source=None) -> None:
+    """Each target's rows from `source` (a models.weights.WeightSource: only those rows are read) where it
+    has the tensor, else the vector as built; matrices nobody gives (a resume: dcp.load fills them next)
+    are zeroed."""
+    for name, (local, start) in targets.items():
+        if source is not None and name in source.places:
+            local.copy_(source.rows(name, start, start + local.shape[0]) if local.dim() else source.tensor(name))
+        elif name in vectors:
+            local.copy_(_rows_of(vectors[name], local, start))
+        elif source is not None:
+            raise TrainError(f"{source.where}: has no tensor {name!r}, which the model being fine-tuned needs; "
+                             "start from a checkpoint of the same architecture")
+        else:
+            local.zero_()
+
+
+@torch.no_grad()
+def replay_init(skeleton: Decoder, targets: dict, draws: list) -> None:
+    """The random init one process makes (Decoder's constructors, then init_module_weights over every
+    module, then the recipe's own draws), replayed one module at a time on a whole CPU copy of that module
+    alone, in the same order and shapes, so the generator yields the same numbers: each rank keeps its
+    rows. At most one module's weights are whole at once, never the model."""
+    modules = [(prefix, m) for prefix, m in skeleton.named_modules() if any(True for _ in m.parameters(recurse=False))]
+    for _, m in modules:       # what the constructors drew (nn.Linear / nn.Embedding call reset_parameters)
+        if hasattr(m, "reset_parameters"):
+            copy.deepcopy(m).to_empty(device="cpu").reset_parameters()
+    for prefix, m in modules:
+        whole = copy.deepcopy(m).to_empty(device="cpu")
+        for name, p in whole.named_parameters(recurse=False):
+            if p.dim() >= 2:
+                p.fill_(float("nan"))      # a matrix the replay does not draw must not pass unnoticed
+        Decoder.init_module_weights(whole)
+        for name, p in whole.named_parameters(recurse=False):
+            key = f"{prefix}.{name}" if prefix else name
+            if key in targets and p.dim() >= 2:      # vectors: as built; a tied head: drawn, then dropped
+                if torch.isnan(p).any():
+                    raise RuntimeError(f"{key}: its random init cannot be replayed module by module")
+                local, start = targets[key]
+                local.copy_(_rows_of(p, local, start))
+    for key, draw in draws:
+        whole = torch.empty(skeleton.get_parameter(key).shape)
+        draw(whole)
+        local, start = targets[key]
+        local.copy_(_rows_of(whole, local, start))
+
+
+def sharded_initial_model(recipe, run, device: torch.device, fresh: bool) -> nn.Module:
+    """The recipe's model, fully_shard-ed, no rank holding it whole at any point (see the module's doc):
+    fresh from recipe.source_weights(run) when it names one (read row range by row range), else drawn
+    as one process draws it (replay_init); not fresh (a resume): zeros, for dcp.load to fill."""
+    model, vectors, buffers = meta_model(recipe, run)
+    source = recipe.source_weights(run) if fresh else None
+    skeleton = copy.deepcopy(model) if fresh and source is None else None
+    model.to_empty(device="meta")        # the vectors too: one device for fully_shard; they are kept above
+    if run.checkpoint_activations:
+        checkpoint_blocks(model)
+    model = shard_model(model, device, run.dtype)
+    model.to_empty(device=device)        # this rank's shards only, uninitialized
+    targets = shard_targets(model, dist.get_rank(), dist.get_world_size())
+    fill_shards(targets, vectors, source)
+    if skeleton is not None:
+        replay_init(skeleton, targets, recipe.init_draws(run))
+    with torch.no_grad():
+        for name, b in buffers.items():
+            model.get_buffer(name).copy_(b)
+    return model
 
 
 # --- the resume state: torch.distributed.checkpoint ----------------------------------------------

@@ -202,6 +202,11 @@ def test_the_estimate_shards_what_fsdp_shards():
     ckpt = estimate_rank_memory(cfg, 2, 16, world=2, fsdp=True, checkpoint=True)
     assert ckpt.activations < fsdp.activations
     assert fsdp.total < ddp.total
+    # loading: DDP holds the model and its source whole; a sharded rank its shard and one whole tensor
+    assert ddp.loading == 2 * 4 * cfg.approx_param_count()
+    table = max(cfg.vocab_size, cfg.hidden) * cfg.d_model
+    assert fsdp.loading == 4 * (-(-cfg.approx_param_count() // 2) + table) < ddp.loading
+    assert fsdp.peak == max(fsdp.total, fsdp.loading)
 
 
 def test_a_run_that_cannot_fit_is_one_line(tmp_path, monkeypatch):
@@ -219,3 +224,120 @@ def test_checkpointed_activations_give_the_same_weights(tmp_path):
     assert log["parallel"][0]["checkpoint_activations"] is True
     a, b = load_file(str(tmp_path / "plain" / "model.safetensors")), load_file(str(tmp_path / "ckpt" / "model.safetensors"))
     assert _max_diff(a, b) <= 1e-7
+
+
+# --- sharded building: each rank's rows only ----------------------------------------------------------
+
+def _virtual_shards(model, rank: int, world: int) -> dict:
+    """What shard_targets gives rank `rank` of `world` under fully_shard, as plain tensors (no process group)."""
+    from train.sharded import shard_rows
+    targets = {}
+    for name, p in model.named_parameters():
+        start, stop = shard_rows(p.shape[0], rank, world) if p.dim() else (0, 0)
+        targets[name] = (torch.empty((stop - start, *p.shape[1:])) if p.dim() else torch.empty(()), start)
+    return targets
+
+
+def _build_rank(recipe, run, rank: int, world: int, fresh: bool = True) -> dict:
+    """sharded_initial_model's filling for one virtual rank: {name: its local rows}."""
+    import copy
+    from train.sharded import fill_shards, meta_model, replay_init
+    model, vectors, _ = meta_model(recipe, run)
+    skeleton = copy.deepcopy(model)
+    targets = _virtual_shards(model, rank, world)
+    source = recipe.source_weights(run) if fresh else None
+    fill_shards(targets, vectors, source)
+    if fresh and source is None:
+        replay_init(skeleton, targets, recipe.init_draws(run))
+    return {k: t for k, (t, _) in targets.items()}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_replayed_init_gives_each_rank_the_rows_of_one_process(world):
+    """`train` from scratch under --fsdp: the concatenated ranks' rows are torch.equal to one process's init
+    (embed_std draws included, a tied head, 3 ranks: uneven shards), and the generator ends where it does."""
+    from train.loop import Recipe
+    run = TrainConfig(**{**TINY, "embed_std": 0.5}, out="unused")
+    run.resolve()
+    torch.manual_seed(7)
+    plain = Recipe().initial_model(run, fresh=True)
+    after = torch.get_rng_state()
+    ranks = []
+    for rank in range(world):
+        torch.manual_seed(7)
+        ranks.append(_build_rank(Recipe(), run, rank, world))
+        assert torch.equal(torch.get_rng_state(), after)
+    for name, p in plain.named_parameters():
+        whole = torch.cat([r[name] for r in ranks]) if p.dim() else ranks[0][name]
+        assert torch.equal(whole, p.detach()), name
+
+
+def test_a_fresh_finetune_reads_each_ranks_rows_of_from(source):
+    """train.finetune --fsdp (fakeln: FrozenStdLayerNorm, the std buffer): the ranks' rows are --from's
+    weights; TaperNorm's gamma_tilde / beta_tilde (not in --from) are what one process builds."""
+    from train.finetune import build_parser, finetune_config
+    from train.recipes import FineTune
+    for method in ("fakeln", "internal-taper"):
+        a = build_parser().parse_args(["--from", str(source), "--method", method, "--out", "unused", *FT])
+        recipe = FineTune(method, str(source), 1)
+        run = finetune_config(method, recipe.source_weights(None), a)
+        run.resolve()
+        plain = recipe.initial_model(run, fresh=True)
+        ranks = [_build_rank(recipe, run, rank, 2) for rank in (0, 1)]
+        for name, p in plain.named_parameters():
+            assert torch.equal(torch.cat([r[name] for r in ranks]), p.detach()), (method, name)
+
+
+PEAK_SCRIPT = r"""
+import json, resource, sys, torch
+from models.decoder import Decoder, DecoderConfig
+from models.checkpoint import save_checkpoint
+from tests.train.test_fsdp import _build_rank
+from train.config import TrainConfig
+from train.loop import Recipe
+from train.recipes import FineTune
+cfg = dict(vocab_size=512, d_model=256, n_layer=32, n_head=4, max_seq_len=64, norm="layernorm")
+mode, src = sys.argv[1], sys.argv[2]
+if mode == "write":
+    save_checkpoint(Decoder(DecoderConfig(**cfg)), src, None)
+    print(json.dumps({"grew": 0, "model": 0}))
+    sys.exit(0)
+torch.set_num_threads(1)
+run = TrainConfig(preset="layernorm", out="unused", model=cfg, steps=1, seq_len=32, progress=False)
+run.resolve()
+recipe = Recipe() if mode == "scratch" else FineTune("vanilla", src)
+def peak(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+with torch.device("meta"):    # torch's first meta-device use loads ~70 MB of its own, whatever the model
+    Decoder(DecoderConfig(**{**cfg, "n_layer": 1}))
+before = peak()
+if mode.startswith("whole"):      # what a rank did before: the whole model (and, fine-tuning, --from whole)
+    model = recipe.initial_model(run, fresh=True)
+    if mode == "whole-from":
+        from train.recipes import load_source_model
+        other = load_source_model(src)
+else:
+    rows = _build_rank(recipe, run, 0, 2)
+print(json.dumps({"grew": peak() - before, "model": 4 * Decoder(run.decoder_config()).num_params()}))
+"""
+
+
+def _peak_growth(mode: str, src: Path) -> tuple[int, int]:
+    done = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, mode, str(src)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    return got["grew"], got["model"]
+
+
+def test_no_rank_builds_the_whole_model(tmp_path):
+    """Peak resident memory of building rank 0's half of a 26M-parameter model (105 MB of fp32 weights, 32
+    layers: its largest tensor 1 MB), each in a fresh process: from --from and from scratch it grows by
+    well under the whole model; building it whole (what a rank did before) grows by at least the model,
+    which this measurement sees (the test can fail)."""
+    src = tmp_path / "src"
+    _peak_growth("write", src)
+    for mode in ("from", "scratch"):
+        grew, model = _peak_growth(mode, src)
+        assert grew < 0.8 * model, (mode, grew, model)       # half the model (0.5), one tensor, allocator slack
+    grew, model = _peak_growth("whole-from", src)
+    assert grew > 1.5 * model, (grew, model)                 # the model and --from, both whole
