@@ -46,6 +46,7 @@ import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from core.contract import INPUT_IDS, LOGITS, POSITION, present_name
 from runtime.session import ModelFileError, ModelSpec, RuntimeUserError
 
 ENGINE_FORMAT = 2          # bump when the way engines are built changes (2: TF32 off unless asked)
@@ -88,8 +89,8 @@ def profile_shapes(spec: ModelSpec, options: BuildOptions) -> list[ProfileShapes
     def profile(seq: tuple[int, int, int]) -> ProfileShapes:
         batch = (1, o.opt_batch, o.max_batch)
         shapes: ProfileShapes = {
-            "input_ids": tuple((b, s) for b, s in zip(batch, seq)),
-            "position": tuple((b,) for b in batch),
+            INPUT_IDS: tuple((b, s) for b, s in zip(batch, seq)),
+            POSITION: tuple((b,) for b in batch),
         }
         for name in spec.cache_names():
             shapes[name] = tuple(spec.cache_shape(b) for b in batch)
@@ -107,9 +108,9 @@ class EngineIO:
 
 def io_mapping(spec: ModelSpec) -> EngineIO:
     caches = spec.cache_names()
-    return EngineIO(inputs=("input_ids", "position", *caches),
-                    outputs=("logits", *(f"present_{n}" for n in caches)),
-                    aliases={f"present_{n}": n for n in caches})
+    return EngineIO(inputs=(INPUT_IDS, POSITION, *caches),
+                    outputs=(LOGITS, *(present_name(n) for n in caches)),
+                    aliases={present_name(n): n for n in caches})
 
 
 def check_engine_io(engine_names: dict[str, str], spec: ModelSpec, where) -> None:
