@@ -48,8 +48,8 @@ class GenerationResult:
     prompt_lengths: list[int]
     ttft_s: float                  # prefill + first token selection
     step_s: list[float]            # each decode step (decode_one_token + sampling + the loop's bookkeeping)
-    engine_s: list[float] = field(default_factory=list)   # of each decode step, the session's engine call
     total_s: float
+    engine_s: list[float] = field(default_factory=list)   # of each decode step, the session's engine call
     logits: list[np.ndarray] = field(default_factory=list)   # [B, V] per new token, with keep_logits
 
     @property
