@@ -16,8 +16,12 @@ Every runner has the same two calls, so the rounds can interleave them freely:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,6 +183,32 @@ def ort_norm_share(events: list[dict], norm_nodes: dict[str, str]) -> dict:
             "norm_us_by_op": {k: v / len(runs) for k, v in sorted(ops.items())}}
 
 
+# torch 2.13's profiler (kineto) writes `USDT:... SyncActivityProfilerHandler.cpp:52] profiler_start`
+# and `profiler_stop` from C++ straight to fd 2 at every start and stop; KINETO_LOG_LEVEL does not
+# silence them. A benchmark's output is its progress and results, so those lines are dropped here.
+PROFILER_NOISE = re.compile(rb"^(USDT|STAGE):\S+ \S+ \d+:\d+ SyncActivityProfilerHandler\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def profiler_noise_dropped():
+    """Native stderr (fd 2) to a temporary file while inside; afterwards every line of it that is
+    not kineto's start/stop noise is written back to stderr, so a real warning still shows."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = b"".join(line for line in caught if not PROFILER_NOISE.match(line))
+            if kept:
+                os.write(2, kept)
+
+
 def torch_norm_share(session, prompts, steps, decode_steps) -> dict:
     """Share f of the decode step spent inside norm modules, from torch.profiler: each norm
     module's forward is wrapped in record_function('bench.norm.{block|final}') and each
@@ -216,7 +246,7 @@ def torch_norm_share(session, prompts, steps, decode_steps) -> dict:
     driver = DecodeDriver(step, session.spec, b, owns_caches=True)
     driver.prefill(prompts)
     try:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profiler_noise_dropped(), profile(activities=[ProfilerActivity.CPU]) as prof:
             tok = np.zeros(b, np.int64)
             for k in range(steps):
                 tok = driver.decode(tok, np.full(b, t + k, np.int64)).argmax(-1)
