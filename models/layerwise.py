@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from core.contract import CACHE_KINDS, cache_name, present_name
 from models.decoder import RotaryEmbedding
 
 
