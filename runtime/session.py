@@ -43,8 +43,6 @@ from core.errors import UsageError, UserError
 from core.inputs import check_memory
 
 INSTALL_EXTRA = "pip install 'tapernorm-deploy[{extra}]'"
-# The decode-step shapes of a session: every cache is [batch, n_kv_head, capacity, head_dim].
-ModelSpec = DecodeContract
 
 
 class RuntimeUserError(UserError):

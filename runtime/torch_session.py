@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runtime.session import DecoderSession, DeviceError, ModelSpec
+from core.contract import DecodeContract
+from runtime.session import DecoderSession, DeviceError
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -51,7 +52,7 @@ class TorchSession(DecoderSession):
             except CheckpointError as e:
                 raise ModelFileError(str(e)) from None
         self.model = model.eval().to(self.device, self.dtype)
-        self.spec = ModelSpec.from_config(self.model.cfg, {torch.float32: "fp32", torch.float16: "fp16"}.get(self.dtype, "fp32"))
+        self.spec = DecodeContract.from_config(self.model.cfg, {torch.float32: "fp32", torch.float16: "fp16"}.get(self.dtype, "fp32"))
         self._forward = torch.compile(self.model, dynamic=False) if self.compile else self.model
 
     def _deactivate(self) -> None:
