@@ -82,12 +82,12 @@ class DecoderSession(abc.ABC):
     """
 
     backend: str = "?"
+    _last_inference_s: float | None = None     # set by the backend around its engine call
 
     def __init__(self) -> None:
         self.spec: DecodeContract | None = None
         self.batch: int = 0
         self.is_active = False
-        self._last_inference_s: float | None = None     # set by the backend around its engine call
 
     # --- lifecycle ---------------------------------------------------------------
 
