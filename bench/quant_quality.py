@@ -40,18 +40,12 @@ def val_sequences(tokenizer, capacity: int, stories: int) -> list[list[int]]:
     return [ids[:capacity] for ids in (tokenizer.encode(s).ids for s in val) if len(ids) >= 2]
 
 
-def prefill_logits(sess, iface, tokens: list[int]) -> np.ndarray:
-    """logits [T, V] of one prefill over `tokens` (batch 1, position 0)."""
-    caches = {c: np.zeros(iface.cache_shape(1), np.float32) for c in iface.cache_names()}
-    return sess.run(["logits"], {"input_ids": np.asarray([tokens], np.int64), "position": np.zeros(1, np.int64),
-                                 **caches})[0][0]
-
-
 def val_metrics(sess, iface, seqs, ref_argmax=None) -> tuple[float, list[np.ndarray]]:
     """(mean next-token cross-entropy over every position, argmax per sequence)."""
-    nll, n, argmax = 0.0, 0, []
+    from core.decode import graph_step, prefill_logits
+    nll, n, argmax, step = 0.0, 0, [], graph_step(sess)
     for seq in seqs:
-        logits = prefill_logits(sess, iface, seq)[:-1].astype(np.float64)                 # [T-1, V]
+        logits = prefill_logits(step, iface, seq)[:-1].astype(np.float64)                 # [T-1, V]
         logp = logits - logits.max(-1, keepdims=True)
         logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
         nll -= logp[np.arange(len(seq) - 1), seq[1:]].sum()

@@ -16,8 +16,12 @@ Every runner has the same two calls, so the rounds can interleave them freely:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,29 +35,6 @@ class Timing:
     step_s: list[float]
     total_s: float
     run_s: float | None = None     # of the decode steps' time, the part inside the engine call (None: not split)
-
-
-class EngineClock:
-    """Times every call of a bound method (an instance attribute shadows it while installed):
-    what a decode step spends inside ONNX Runtime, the rest being the loop's own cost."""
-
-    def __init__(self, owner, attr: str):
-        self.owner, self.attr, self.calls = owner, attr, []
-        self.fn = getattr(owner, attr)
-
-    def __enter__(self):
-        fn, calls, clock = self.fn, self.calls, time.perf_counter
-
-        def timed(*a, **k):
-            t0 = clock()
-            out = fn(*a, **k)
-            calls.append(clock() - t0)
-            return out
-        setattr(self.owner, self.attr, timed)
-        return self
-
-    def __exit__(self, *exc):
-        delattr(self.owner, self.attr)
 
 
 def rss_bytes() -> int:
@@ -112,13 +93,10 @@ class SessionRunner(Runner):
 
     def generate(self, prompts, n):
         from runtime.generate import GenerationConfig, generate
-        prompts = [list(p) for p in prompts]
+        r = generate(self.session, [list(p) for p in prompts], GenerationConfig(max_new_tokens=n))
         if self.session.backend != "ort":
-            r = generate(self.session, prompts, GenerationConfig(max_new_tokens=n))
             return Timing(r.ttft_s, r.step_s, r.total_s)
-        with EngineClock(self.session.session, "run_with_iobinding") as clock:
-            r = generate(self.session, prompts, GenerationConfig(max_new_tokens=n))
-        return Timing(r.ttft_s, r.step_s, r.total_s, run_s=float(sum(clock.calls[1:])))   # [0]: the prefill
+        return Timing(r.ttft_s, r.step_s, r.total_s, run_s=float(sum(r.engine_s)))   # the session's own engine timing
 
     def profile(self, prompts, steps):
         if self.session.backend == "ort":
@@ -128,12 +106,9 @@ class SessionRunner(Runner):
         return None
 
     def _decode_steps(self, session, prompts, steps):
-        b, t = prompts.shape
-        session.reset(b)
-        logits = session.prefill(prompts)
-        tok = logits[:, -1].argmax(-1)
-        for k in range(steps):
-            tok = session.decode_step(tok, np.full(b, t + k, np.int64)).argmax(-1)
+        from core.decode import DecodeDriver, greedy_tokens
+        session.reset(prompts.shape[0])
+        greedy_tokens(DecodeDriver(session.step, session.spec, prompts.shape[0], owns_caches=True), prompts, steps)
 
     def _profile_ort(self, prompts, steps):
         import tempfile
@@ -208,6 +183,32 @@ def ort_norm_share(events: list[dict], norm_nodes: dict[str, str]) -> dict:
             "norm_us_by_op": {k: v / len(runs) for k, v in sorted(ops.items())}}
 
 
+# torch 2.13's profiler (kineto) writes `USDT:... SyncActivityProfilerHandler.cpp:52] profiler_start`
+# and `profiler_stop` from C++ straight to fd 2 at every start and stop; KINETO_LOG_LEVEL does not
+# silence them. A benchmark's output is its progress and results, so those lines are dropped here.
+PROFILER_NOISE = re.compile(rb"^(USDT|STAGE):\S+ \S+ \d+:\d+ SyncActivityProfilerHandler\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def profiler_noise_dropped():
+    """Native stderr (fd 2) to a temporary file while inside; afterwards every line of it that is
+    not kineto's start/stop noise is written back to stderr, so a real warning still shows."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = b"".join(line for line in caught if not PROFILER_NOISE.match(line))
+            if kept:
+                os.write(2, kept)
+
+
 def torch_norm_share(session, prompts, steps, decode_steps) -> dict:
     """Share f of the decode step spent inside norm modules, from torch.profiler: each norm
     module's forward is wrapped in record_function('bench.norm.{block|final}') and each
@@ -215,6 +216,7 @@ def torch_norm_share(session, prompts, steps, decode_steps) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
     from bench.variants import NORM_CLASSES
+    from core.decode import DecodeDriver
     model = session.model
     handles, open_ = [], {}
 
@@ -236,22 +238,19 @@ def torch_norm_share(session, prompts, steps, decode_steps) -> dict:
                 continue
             handles += [m.register_forward_pre_hook(pre("bench.norm." + ("final" if name.endswith("ln_f") else "block"))),
                         m.register_forward_hook(post)]
-    orig = session.decode_step
-
-    def step(tokens, position):
+    def step(feeds):               # the session's step, marked for the profiler (the session is not patched)
         with record_function("bench.decode_step"):
-            return orig(tokens, position)
+            return session.step(feeds)
     b, t = prompts.shape
     session.reset(b)
-    session.prefill(prompts)
+    driver = DecodeDriver(step, session.spec, b, owns_caches=True)
+    driver.prefill(prompts)
     try:
-        session.decode_step = step
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profiler_noise_dropped(), profile(activities=[ProfilerActivity.CPU]) as prof:
             tok = np.zeros(b, np.int64)
             for k in range(steps):
-                tok = session.decode_step(tok, np.full(b, t + k, np.int64)).argmax(-1)
+                tok = driver.decode(tok, np.full(b, t + k, np.int64)).argmax(-1)
     finally:
-        del session.decode_step
         for h in handles:
             h.remove()
     tot = {"bench.decode_step": 0.0, "bench.norm.block": 0.0, "bench.norm.final": 0.0}
@@ -287,30 +286,27 @@ class PlainOrtRunner(Runner):
         self.sess = ort.InferenceSession(self.path, so, providers=["CPUExecutionProvider"])
         from runtime.model_files import spec_from_ort_session
         self.spec = spec_from_ort_session(self.sess, self.path)
-        self.out_names = ["logits"] + [self.spec.present_name(n) for n in self.spec.cache_names()]
 
     def generate(self, prompts, n):
+        from core.decode import DecodeDriver, graph_step
         b, t = prompts.shape
+        graph, run_s = graph_step(self.sess), []
+
+        def step(feeds):             # the engine call, timed: the rest of a step is the loop's own cost
+            r0 = time.perf_counter()
+            outs = graph(feeds)
+            run_s.append(time.perf_counter() - r0)
+            return outs
         t0 = time.perf_counter()
-        feeds = {n: np.zeros(self.spec.cache_shape(b), self.spec.np_dtype) for n in self.spec.cache_names()}
-        feeds["input_ids"] = prompts.astype(np.int64)
-        feeds["position"] = np.zeros(b, np.int64)
-        outs = self.sess.run(self.out_names, feeds)
-        tok = outs[0][:, -1].argmax(-1)
+        driver = DecodeDriver(step, self.spec, b)
+        tok = driver.prefill(prompts)[:, -1].argmax(-1)
         ttft = time.perf_counter() - t0
-        steps, run_s = [], 0.0
+        steps = []
         for k in range(n - 1):
             s0 = time.perf_counter()
-            for name, c in zip(self.spec.cache_names(), outs[1:]):
-                feeds[name] = c
-            feeds["input_ids"] = tok[:, None].astype(np.int64)
-            feeds["position"] = np.full(b, t + k, np.int64)
-            r0 = time.perf_counter()
-            outs = self.sess.run(self.out_names, feeds)
-            run_s += time.perf_counter() - r0
-            tok = outs[0][:, -1].argmax(-1)
+            tok = driver.decode(tok, np.full(b, t + k, np.int64)).argmax(-1)
             steps.append(time.perf_counter() - s0)
-        return Timing(ttft, steps, time.perf_counter() - t0, run_s=run_s)
+        return Timing(ttft, steps, time.perf_counter() - t0, run_s=float(sum(run_s[1:])))     # [0]: the prefill
 
 
 class HFRunner(Runner):

@@ -3,7 +3,11 @@
     core.errors     UserError (the one user-error type), ArgumentParser, run_cli (the CLI runner),
                     range-checked argparse types
     core.outputs    output ownership markers and the one atomic writer (directories and files)
-    core.contract   the decode-step contract: graph I/O names, dims, dtypes, capacity; ONNX file checks
+    core.contract   the decode-step contract: graph I/O names (spelled only here), dims, dtypes, capacity;
+                    ONNX file checks
+    core.decode     the one driver of the contract over a step function: prefill, steps, cache feed-back,
+                    greedy generation, top-1 agreement (export.verify, the quantize check, bench's runners,
+                    runtime.step_timing all call it)
     core.inputs     boundary checks: text files, memory estimates
 
 Layers, bottom to top (tests/test_layers.py enforces them): core; models, graph_passes;

@@ -33,6 +33,35 @@ _ORT_TYPES = {"tensor(float)": "fp32", "tensor(float16)": "fp16", "tensor(bfloat
 _NUMPY = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64", "int64": "int64", "int32": "int32",
           "bool": "bool", "uint8": "uint8", "int8": "int8"}
 CACHE_DTYPES = ("fp32", "fp16", "bf16")
+
+# The contract's I/O names, spelled here and nowhere else (tests/core/test_contract_names.py greps the tree)
+INPUT_IDS = "input_ids"             # int64 [batch, seq]
+POSITION = "position"               # int64 [batch]
+LOGITS = "logits"                   # [batch, seq, vocab]
+CACHE_KINDS = ("key", "value")
+CACHE_PREFIX = "key_"               # how a cache input list is recognised (key_0, key_1, ...)
+PRESENT_PREFIX = "present_"
+
+
+def cache_name(i: int, kind: str) -> str:
+    """Layer i's cache input: key_{i} or value_{i}."""
+    return f"{kind}_{i}"
+
+
+def cache_names(n_layer: int) -> list[str]:
+    """key_0, value_0, key_1, ... in graph input order."""
+    return [cache_name(i, kind) for i in range(n_layer) for kind in CACHE_KINDS]
+
+
+def present_name(cache: str) -> str:
+    """The output that carries cache `cache` with the new tokens written: present_key_{i}."""
+    return PRESENT_PREFIX + cache
+
+
+def io_names(n_layer: int) -> tuple[list[str], list[str]]:
+    """(input names, output names) of an n_layer decode-step graph, in graph order."""
+    caches = cache_names(n_layer)
+    return [INPUT_IDS, POSITION, *caches], [LOGITS, *(present_name(c) for c in caches)]
 ONNX_ELEM_OF = {v: k for k, v in _ONNX_ELEM.items()}
 REEXPORT = "re-export with python -m export.build"
 
@@ -98,11 +127,9 @@ class DecodeContract:
 
     def cache_names(self) -> list[str]:
         """key_0, value_0, key_1, ... in graph input order."""
-        return [n for i in range(self.n_layer) for n in (f"key_{i}", f"value_{i}")]
+        return cache_names(self.n_layer)
 
-    @staticmethod
-    def present_name(cache: str) -> str:
-        return f"present_{cache}"
+    present_name = staticmethod(present_name)
 
     def cache_bytes(self, batch: int) -> int:
         b, h, s, d = self.cache_shape(batch)
@@ -137,32 +164,30 @@ def read_contract(where, inputs: dict, outputs: dict) -> DecodeContract:
     def fail(expected: str, found: str):
         raise ContractError(f"{where}: expected {expected}, found {found}; {REEXPORT}")
 
-    for name in ("input_ids", "position"):
+    for name in (INPUT_IDS, POSITION):
         if name not in by_in:
             fail(f"a decode-step graph with input {name!r}", f"inputs {sorted(by_in)[:8]}")
         if by_in[name].dtype != "int64":
             fail(f"{name} of type int64", str(by_in[name]))
-    if "logits" not in by_out:
+    if LOGITS not in by_out:
         fail("output 'logits'", f"outputs {sorted(by_out)[:8]}")
-    n_layer = sum(1 for n in by_in if n.startswith("key_"))
+    n_layer = sum(1 for n in by_in if n.startswith(CACHE_PREFIX))
     if n_layer == 0:
         fail("cache inputs key_0, value_0, ...", f"inputs {sorted(by_in)[:8]}")
-    for i in range(n_layer):
-        for n in (f"key_{i}", f"value_{i}"):
-            if n not in by_in or f"present_{n}" not in by_out:
-                fail(f"input {n} and output present_{n} for each of {n_layer} layers",
-                     f"inputs {sorted(by_in)[:8]}..., outputs {sorted(by_out)[:8]}...")
-    key = by_in["key_0"]
+    for n in cache_names(n_layer):
+        if n not in by_in or present_name(n) not in by_out:
+            fail(f"input {n} and output {present_name(n)} for each of {n_layer} layers",
+                 f"inputs {sorted(by_in)[:8]}..., outputs {sorted(by_out)[:8]}...")
+    key = by_in[cache_name(0, "key")]
     if len(key.shape) != 4 or any(d is None for d in key.shape[1:]):
         fail("key_0 of shape [batch, H, S_max, D] with static H, S_max, D", str(key))
     if key.dtype not in CACHE_DTYPES:
         fail(f"caches of type {' or '.join(CACHE_DTYPES)}", str(key))
-    for i in range(n_layer):
-        for n in (f"key_{i}", f"value_{i}"):
-            for t in (by_in[n], by_out[f"present_{n}"]):
-                if t.dtype != key.dtype or tuple(t.shape[1:]) != tuple(key.shape[1:]):
-                    fail(f"every cache like key_0 ({key})", str(t))
-    logits = by_out["logits"]
+    for n in cache_names(n_layer):
+        for t in (by_in[n], by_out[present_name(n)]):
+            if t.dtype != key.dtype or tuple(t.shape[1:]) != tuple(key.shape[1:]):
+                fail(f"every cache like key_0 ({key})", str(t))
+    logits = by_out[LOGITS]
     if len(logits.shape) != 3 or logits.shape[-1] is None:
         fail("logits [batch, seq, vocab] with a static vocabulary axis", str(logits))
     _, h, s, d = key.shape

@@ -2,7 +2,7 @@
 
 | convention | inputs | outputs | driven as |
 |---|---|---|---|
-| ours (core/contract.py) | input_ids, position, key_i / value_i [B, H, S_max, D] | logits, present_key_i / present_value_i | prefill, then one-token steps, caches fed back |
+| ours (core/contract.py) | input_ids, position, key_i / value_i [B, H, S_max, D] | logits, present_key_i / present_value_i | prefill, then one-token steps, caches fed back: core/decode.py |
 | kv-cache (Optimum, ONNX Runtime GenAI) | input_ids, attention_mask, [position_ids], past_key_values.N.key / .value [B, H, P, D], [use_cache_branch] | logits, present.N.key / .value [B, H, P+T, D] | prefill with an empty past, then one-token steps, presents fed back |
 | prefill-only (Optimum without past) | input_ids, [attention_mask], [position_ids] | logits, present.N.key / .value | the growing prefix, recomputed each step |
 | logits-only | input_ids, [attention_mask], [position_ids] | logits | the growing prefix, recomputed each step |
@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from core.contract import ContractError, DecodeContract, TensorSpec, onnx_io, read_contract, tensor_specs
+from core.contract import (CACHE_DTYPES, CACHE_PREFIX, POSITION, ContractError, DecodeContract, TensorSpec, np_dtype,
+                           onnx_io, read_contract, tensor_specs)
+from core.decode import Step, graph_step, run_steps
 
-NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 PAST = re.compile(r"past_key_values\.(\d+)\.(key|value)$")
 PRESENT = re.compile(r"present\.(\d+)\.(key|value)$")
 HF_TOKENS = ("input_ids", "attention_mask", "position_ids")
@@ -32,12 +33,6 @@ KNOWN = ("known conventions: ours (input_ids, position, key_i/value_i -> logits,
 
 
 # --- ours: the export contract -----------------------------------------------------------------
-
-@dataclass
-class Step:
-    input_ids: np.ndarray    # int64 [B, T]
-    position: np.ndarray     # int64 [B]
-
 
 def session_steps(iface: DecodeContract, seed: int = 0, batch: int = 2, prompt: int = 5, decode: int = 3,
                   tokens: list[int] | None = None, same_start: bool = False) -> list[Step]:
@@ -67,24 +62,8 @@ def session_steps(iface: DecodeContract, seed: int = 0, batch: int = 2, prompt: 
 
 
 def run_onnx(sess, iface: DecodeContract, steps: list[Step], trim: int | None = None) -> list[dict[str, np.ndarray]]:
-    """Outputs of every step; the present caches of one step are the next step's past.
-    trim: keep the logits of every step and, of the last step only, the caches cut to their
-    first `trim` slots (what a real-size verification can hold: models/layerwise.py)."""
-    batch = steps[0].input_ids.shape[0]
-    shape = iface.cache_shape(batch)
-    caches = {n: np.zeros(shape, NP_DTYPES[iface.dtype]) for n in iface.cache_names()}
-    out_names = [o.name for o in sess.get_outputs()]
-    results = []
-    for i, step in enumerate(steps):
-        feeds = {"input_ids": step.input_ids, "position": step.position, **caches}
-        outs = dict(zip(out_names, sess.run(out_names, feeds)))
-        caches = {n: outs[f"present_{n}"] for n in iface.cache_names()}
-        if trim is not None:
-            last = i == len(steps) - 1
-            outs = {k: (v[:, :, :trim].copy() if k != "logits" else v) for k, v in outs.items()
-                    if k == "logits" or last}
-        results.append(outs)
-    return results
+    """Outputs of every step of an ONNX Runtime session, driven by core.decode (see run_steps for `trim`)."""
+    return run_steps(graph_step(sess), iface, steps, trim)
 
 
 def interface_mismatches(a: DecodeContract, b: DecodeContract) -> list[str]:
@@ -192,8 +171,8 @@ class HuggingFaceStyle:
                 results.append(dict(zip(out_names, sess.run(out_names, self._feeds(ids[:, :end], 0)))))
             return results
         batch = ids.shape[0]
-        past = {t.name: np.zeros((batch, t.shape[1], 0, t.shape[3]), NP_DTYPES.get(t.dtype, np.float32))
-                for t in self.past}             # [B, H, 0, D]: the empty cache of the prefill
+        past = {t.name: np.zeros((batch, t.shape[1], 0, t.shape[3]),                # [B, H, 0, D]: empty for the prefill
+                                 np_dtype(t.dtype) if t.dtype in CACHE_DTYPES else np.float32) for t in self.past}
         start = 0
         for end in [prompt] + list(range(prompt + 1, ids.shape[1] + 1)):
             feeds = {**self._feeds(ids[:, start:end], start), **past}
@@ -288,7 +267,7 @@ def detect(proto, where: str = "graph"):
     """Ours or HuggingFaceStyle for a ModelProto; ContractError (one line) for anything else."""
     ins, outs = onnx_io(proto)
     names = set(ins)
-    if "position" in names or any(n.startswith("key_") for n in names):
+    if POSITION in names or any(n.startswith(CACHE_PREFIX) for n in names):
         return Ours(read_contract(where, ins, outs), prefills_from_slot_zero(proto))   # or one clear line of what is off
     spec_in, spec_out = _with_head_dims(proto, tensor_specs(ins)), tensor_specs(outs)
     logits = next((t for t in spec_out if t.name == "logits"), None)

@@ -32,6 +32,7 @@ import torch
 from onnx import numpy_helper
 from onnxscript.onnx_opset import opset24 as op
 
+from core.contract import INPUT_IDS, POSITION, io_names
 from models.decoder import Decoder
 
 OPSET = 24
@@ -50,11 +51,6 @@ def cache_write_onnx(cache, update, pos):
 def attention_onnx(q, k, v, mask):
     """models/attention.py's op: softmax(q k^T / sqrt(D) where mask) v, ONNX's default scale."""
     return op.Attention(q, k, v, mask)[0]      # Y; the optional present / qk outputs are dropped below
-
-
-def io_names(n_layer: int) -> tuple[list[str], list[str]]:
-    caches = [n for i in range(n_layer) for n in (f"key_{i}", f"value_{i}")]
-    return ["input_ids", "position", *caches], ["logits", *(f"present_{n}" for n in caches)]
 
 
 class _DecodeStep(torch.nn.Module):
@@ -151,7 +147,7 @@ def export_onnx(model: Decoder, path: str | Path | None, dtype: str = "fp32", ve
         model = copy.deepcopy(model).to(torch_dtype)
     inputs = example_inputs(model, dtype=torch_dtype)
     batch, seq = torch.export.Dim("batch", min=1), torch.export.Dim("seq", min=1, max=model.cfg.max_seq_len)
-    dynamic_shapes = {"input_ids": {0: batch, 1: seq}, "position": {0: batch},
+    dynamic_shapes = {INPUT_IDS: {0: batch, 1: seq}, POSITION: {0: batch},
                       "cache": tuple(({0: batch}, {0: batch}) for _ in range(model.cfg.n_layer))}
     in_names, out_names = io_names(model.cfg.n_layer)
     # the exporter prints its own progress lines; keep them unless asked

@@ -10,7 +10,7 @@ logits move by half their scale) and so cannot tell a correct graph from a broke
 this reference the only difference left is how the kernels compute (MatMulNBits' int8
 activations at accuracy level 4, summation order), so a wrong block layout, axis, scale or
 table shows as a difference of the outputs' own size. The blocks are those of ONNX Runtime's
-quantizer run on each matrix alone (export/stream.py `_quantize_one`), dequantized here:
+quantizer run on each matrix alone (export/stream.py `quantize_one`), dequantized here:
 
     MatMulNBits   B [N, K/block, block * bits / 8], scales [N, K/block]: w = (q - 2^(bits-1)) * scale
     Gather (int4) data [V, d] signed int4, scales [V, d/block]:        e = q * scale
@@ -35,8 +35,8 @@ def dequantize(x: np.ndarray, op: str, bits: int, qcfg) -> np.ndarray:
     """What the graph holds for the float matrix `x` after quantization, in x's own layout for a
     table (op Gather, MatMulT: x is E [V, d]) and transposed for a MatMul weight (x [K, N] ->
     [N, K], nn.Linear's layout)."""
-    from export.stream import Quantized, _quantize_one
-    out = _quantize_one(x, Quantized("", op, 0, bits), qcfg)
+    from export.stream import Quantized, quantize_one
+    out = quantize_one(x, Quantized("", op, 0, bits), qcfg)
     if op == "Gather":
         if 3 in out:
             raise UnsupportedDequantization("zero points")

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import onnx
 
+from core.contract import INPUT_IDS, LOGITS
 from core.errors import UsageError, UserError
 
 QUANT_BITS = {"int8": 8, "int4": 4}
@@ -144,7 +145,7 @@ from core.onnx_writer import initializer_bytes  # noqa: E402,F401  (one rule for
 
 def _other_gathers(proto: onnx.ModelProto) -> list[str]:
     """Gather nodes that are not the token embedding (which reads input_ids): the position table."""
-    return [n.name for n in proto.graph.node if n.op_type == "Gather" and "input_ids" not in n.input]
+    return [n.name for n in proto.graph.node if n.op_type == "Gather" and INPUT_IDS not in n.input]
 
 
 def _head_matmul(proto: onnx.ModelProto) -> str:
@@ -186,7 +187,7 @@ def _int8_layer_matmuls(proto: onnx.ModelProto, names: tuple[str, ...]) -> list[
 
 def _token_embedding(proto: onnx.ModelProto, inits: dict) -> onnx.NodeProto | None:
     """The fp32 Gather that reads input_ids from a constant table, or None."""
-    return next((n for n in proto.graph.node if n.op_type == "Gather" and "input_ids" in n.input[1:]
+    return next((n for n in proto.graph.node if n.op_type == "Gather" and INPUT_IDS in n.input[1:]
                  and n.input[0] in inits), None)
 
 
@@ -396,50 +397,17 @@ class Drift:
 
 def logits_diff(ref_runs: list, runs: list) -> tuple[float, float, float]:
     """(max, mean, max |ref|) of |logits - ref logits| over every step of every session."""
-    diffs = [np.abs(g["logits"].astype(np.float64) - r["logits"]) for rs, gs in zip(ref_runs, runs)
+    diffs = [np.abs(g[LOGITS].astype(np.float64) - r[LOGITS]) for rs, gs in zip(ref_runs, runs)
              for r, g in zip(rs, gs)]
-    refmax = max(float(np.abs(r["logits"]).max()) for rs in ref_runs for r in rs)
+    refmax = max(float(np.abs(r[LOGITS]).max()) for rs in ref_runs for r in rs)
     return (max(float(d.max()) for d in diffs), float(np.mean([d.mean() for d in diffs])), refmax)
 
 
-def greedy_run(sess, iface, prompt: list[int], n: int) -> list[int]:
-    """`n` greedy tokens after `prompt` (batch 1) from an ONNX Runtime session: prefill, then
-    one-token steps with the present caches fed back."""
-    from export.verify import NP_DTYPES
-    caches = {c: np.zeros(iface.cache_shape(1), NP_DTYPES[iface.dtype]) for c in iface.cache_names()}
-    out_names = ["logits"] + [iface.present_name(c) for c in iface.cache_names()]
-    ids = np.asarray([prompt], np.int64)                                                     # [1, T]
-    pos, new = 0, []
-    for _ in range(n):
-        outs = sess.run(out_names, {"input_ids": ids, "position": np.array([pos], np.int64), **caches})
-        pos += ids.shape[1]
-        new.append(int(outs[0][0, -1].argmax()))
-        caches = dict(zip(iface.cache_names(), outs[1:]))
-        ids = np.array([[new[-1]]], np.int64)
-    return new
-
-
-def prefill_argmax(sess, iface, tokens: list[int]) -> np.ndarray:
-    """argmax of the logits at every position of one prefill over `tokens` -> [T]."""
-    from export.verify import NP_DTYPES
-    caches = {c: np.zeros(iface.cache_shape(1), NP_DTYPES[iface.dtype]) for c in iface.cache_names()}
-    logits = sess.run(["logits"], {"input_ids": np.asarray([tokens], np.int64),
-                                   "position": np.zeros(1, np.int64), **caches})[0]          # [1, T, V]
-    return logits[0].argmax(-1)
-
-
 def top1_agreement(ref_sess, sess, iface, prompt: list[int], n: int = GREEDY_TOKENS) -> tuple[float, int]:
-    """The reference generates n greedy tokens after `prompt`; both graphs then read prompt +
-    those tokens (teacher-forced, so one early miss does not derail the rest) and the share of
-    the n positions where their next-token argmax agrees is returned, with n (cut to what
-    the cache holds)."""
-    n = max(1, min(n, iface.capacity - len(prompt)))
-    new = greedy_run(ref_sess, iface, prompt, n)
-    seq = prompt + new[:-1]
-    window = slice(len(prompt) - 1, len(seq))                    # the positions that predicted `new`
-    ref = prefill_argmax(ref_sess, iface, seq)[window]
-    got = prefill_argmax(sess, iface, seq)[window]
-    return float(np.mean(ref == got)), int(len(ref))
+    """core.decode.top1_agreement of two ONNX Runtime sessions: the share of n greedy tokens of
+    the reference after `prompt` whose argmax the other graph agrees with, teacher-forced, and n."""
+    from core.decode import graph_step, top1_agreement as agreement
+    return agreement(graph_step(ref_sess), graph_step(sess), iface, prompt, n)
 
 
 def fit_prompt(tokens: list[int], iface, n: int = GREEDY_TOKENS) -> list[int]:

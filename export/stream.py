@@ -366,7 +366,7 @@ def _rtn_matmul_blocks(w: np.ndarray, bits: int, block: int) -> dict[int, onnx.T
     return {1: numpy_helper.from_array(packed), 2: numpy_helper.from_array(scales)}
 
 
-def _quantize_one(x: np.ndarray, q: Quantized, qcfg) -> dict[int, onnx.TensorProto]:
+def quantize_one(x: np.ndarray, q: Quantized, qcfg) -> dict[int, onnx.TensorProto]:
     """ONNX Runtime's quantizer on one matrix alone: input index -> the tensor it writes, as it
     would for that matrix inside the whole graph (the quantizer treats each weight on its own)."""
     from onnx import TensorProto
@@ -466,7 +466,7 @@ def write_graph(plan: GraphPlan, source, path, log=print) -> int:
                     if key not in quantized_cache:
                         fp = plan.float_recipes[recipe.source]
                         x = fp.value if isinstance(fp, Const) else _rows_value(fp, tensors, np.float32)
-                        quantized_cache[key] = _quantize_one(x, recipe, plan.quantize)
+                        quantized_cache[key] = quantize_one(x, recipe, plan.quantize)
                     value = quantized_cache[key][recipe.role]
                 init = inits[name]
                 del init.dims[:]

@@ -29,9 +29,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from core.contract import DecodeContract, check_external_data_file, contract_of, load_onnx
+from core.contract import (CACHE_KINDS, LOGITS, DecodeContract, cache_name, check_external_data_file, contract_of, load_onnx,
+                           np_dtype, present_name)
 from core.errors import ArgumentParser, UserError, float_in, run_cli
-from export.conventions import NP_DTYPES, Step, detect, interface_mismatches, run_onnx, session_steps  # noqa: F401
+from export.conventions import Step, detect, interface_mismatches, run_onnx, session_steps  # noqa: F401
 
 # Per-dtype absolute tolerances. fp32: the fold only reorders a per-channel
 # product (x*s)@W vs x@(sW), a few ulp per MatMul; 1e-4 on logits leaves room for
@@ -118,10 +119,10 @@ def run_torch(model, iface: DecodeContract, steps: list[Step]) -> list[dict[str,
     with torch.no_grad():
         for step in steps:
             logits, cache = model(torch.from_numpy(step.input_ids), torch.from_numpy(step.position), cache)
-            outs = {"logits": logits.float().numpy().astype(NP_DTYPES[iface.dtype])}
-            for i, (k, v) in enumerate(cache):
-                outs[f"present_key_{i}"] = k.numpy().copy()
-                outs[f"present_value_{i}"] = v.numpy().copy()
+            outs = {LOGITS: logits.float().numpy().astype(np_dtype(iface.dtype))}
+            for i, kv in enumerate(cache):
+                for kind, c in zip(CACHE_KINDS, kv):
+                    outs[present_name(cache_name(i, kind))] = c.numpy().copy()
             results.append(outs)
     return results
 

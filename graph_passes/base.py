@@ -183,7 +183,7 @@ class PassContext:
 
     # --- node provenance (torch exporter metadata) -------------------------
 
-    def _scopes(self, node: gs.Node, key: str) -> list[str]:
+    def scopes_of(self, node: gs.Node, key: str) -> list[str]:
         raw = self.node_meta.get(node.name, {}).get(key)
         if not raw:
             return []
@@ -194,11 +194,11 @@ class PassContext:
         return [str(v) for v in value] if isinstance(value, (list, tuple)) else []
 
     def has_provenance(self, node: gs.Node) -> bool:
-        return bool(self._scopes(node, CLASS_HIERARCHY))
+        return bool(self.scopes_of(node, CLASS_HIERARCHY))
 
     def module_class(self, node: gs.Node) -> list[str]:
         """Class names from the outermost module down to the aten op."""
-        return self._scopes(node, CLASS_HIERARCHY)
+        return self.scopes_of(node, CLASS_HIERARCHY)
 
     def layer_name(self, node: gs.Node) -> str:
         """Module path of the node ('blocks.0.ln_1'); the node name when the graph has no provenance.
@@ -207,7 +207,7 @@ class PassContext:
         the last entry is the op, the one before it the module, and the
         wrapper's attribute name ('model', 'm', ...) prefixes every path.
         """
-        scopes = [s for s in self._scopes(node, NAME_SCOPES) if s]
+        scopes = [s for s in self.scopes_of(node, NAME_SCOPES) if s]
         if len(scopes) < 2:
             return node.name
         module = scopes[-2]

@@ -40,6 +40,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from core.contract import INPUT_IDS, POSITION
 from graph_passes.base import NAME_SCOPES, GraphPass, Match, PassContext, Skip, const_value, producer
 
 MS_DOMAIN = "com.microsoft"
@@ -109,7 +110,7 @@ def _name_like_q(ctx: PassContext, packed: gs.Node, q: gs.Tensor) -> None:
     node = producer(q)
     if node is not None and node.op == "Add":
         node = next((producer(t) for t in node.inputs if producer(t) is not None and producer(t).op == "MatMul"), None)
-    scopes = ctx._scopes(node, NAME_SCOPES) if node is not None else []
+    scopes = ctx.scopes_of(node, NAME_SCOPES) if node is not None else []
     if len(scopes) >= 2:
         module = scopes[-2].rsplit(".", 1)
         scopes[-2] = ".".join(module[:-1] + ["qkv_proj"])
@@ -233,7 +234,7 @@ class OrtGroupQueryAttention(GraphPass):
                     or w.attrs.get("mode", "linear") not in ("linear", b"linear"):
                 return Skip(f"{att.name}: key / value do not come from a TensorScatter cache write (axis -2)")
             cache, update, pos = w.inputs
-            if not (cache in ctx.graph.inputs and pos.name == "position" and ctx.is_graph_output(w.outputs[0])
+            if not (cache in ctx.graph.inputs and pos.name == POSITION and ctx.is_graph_output(w.outputs[0])
                     and all(c is att for c in w.outputs[0].outputs)):
                 return Skip(f"{att.name}: {w.name} does not write a graph-input cache at `position` into a graph output")
             caches.append((cache, update))
@@ -260,7 +261,7 @@ class OrtGroupQueryAttention(GraphPass):
         if inv_freq is not None and (head_size % 16 or 2 * len(inv_freq) != head_size):
             return Skip(f"{att.name}: ORT's GroupQueryAttention rotates a head size that is a multiple of 16, over "
                         f"the whole head (found head size {head_size}, rotary dim {2 * len(inv_freq)})")
-        if not any(t.name == "input_ids" for t in ctx.graph.inputs):
+        if not any(t.name == INPUT_IDS for t in ctx.graph.inputs):
             return Skip(f"{att.name}: no input_ids graph input to take the step length from")
         lin = [_linear(x) for x in x3]
         packed = None
@@ -275,8 +276,8 @@ class OrtGroupQueryAttention(GraphPass):
         if id(ctx.graph) in self._lengths:
             return self._lengths[id(ctx.graph)]
         g = ctx.graph
-        ids = next(t for t in g.inputs if t.name == "input_ids")
-        pos = next(t for t in g.inputs if t.name == "position")
+        ids = next(t for t in g.inputs if t.name == INPUT_IDS)
+        pos = next(t for t in g.inputs if t.name == POSITION)
 
         def node(op, inputs, dtype, attrs=None, shape=None):
             out = gs.Variable(ctx.fresh_name(f"gqa_{op.lower()}"), dtype=dtype, shape=shape)

@@ -57,6 +57,3 @@ class KVCacheLayout:
         return [(torch.zeros(self.shape(batch), dtype=dtype, device=device),
                  torch.zeros(self.shape(batch), dtype=dtype, device=device))
                 for _ in range(self.n_layer)]
-
-    def names(self) -> list[tuple[str, str]]:
-        return [(f"key_{i}", f"value_{i}") for i in range(self.n_layer)]

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from core.contract import CACHE_KINDS, cache_name, present_name
 from models.decoder import RotaryEmbedding
 
 
@@ -85,8 +86,8 @@ def layerwise_run(source, sessions, dtype: torch.dtype = torch.float32, parts: M
                 xs[s][t], cache = block(xs[s][t], masks[s][t][1], cache, pos[s][t],
                                         None if rope is None else rope[s][t])
             used = used_slots(steps)
-            outs[s][-1][f"present_key_{i}"] = cache[0][:, :, :used].float().numpy().copy()
-            outs[s][-1][f"present_value_{i}"] = cache[1][:, :, :used].float().numpy().copy()
+            for kind, c in zip(CACHE_KINDS, cache):
+                outs[s][-1][present_name(cache_name(i, kind))] = c[:, :, :used].float().numpy().copy()
         del block
     ln_f, head, bias = parts.final()
     ln_f, head = ln_f.to(dtype), head.to(dtype)                                 # head [V, d]

@@ -49,6 +49,7 @@ class GenerationResult:
     ttft_s: float                  # prefill + first token selection
     step_s: list[float]            # each decode step (decode_one_token + sampling + the loop's bookkeeping)
     total_s: float
+    engine_s: list[float] = field(default_factory=list)   # of each decode step, the session's engine call
     logits: list[np.ndarray] = field(default_factory=list)   # [B, V] per new token, with keep_logits
 
     @property
@@ -113,7 +114,8 @@ def decode_n_tokens(session: DecoderSession, first: np.ndarray, lengths: np.ndar
     to a few cheap operations: the positions of every step are computed and checked once
     up front, greedy is a bare argmax, stop tokens are looked up in a Python set only when
     there are some, each step's tokens go to a list that becomes result.tokens at the end,
-    and one clock read per step gives step_s (the whole step, loop included).
+    and one clock read per step gives step_s (the whole step, loop included); engine_s is the
+    session's own timing of its engine call (last_inference_time).
     """
     steps = n - 1
     batch = len(first)
@@ -124,11 +126,12 @@ def decode_n_tokens(session: DecoderSession, first: np.ndarray, lengths: np.ndar
     positions = lengths.astype(np.int64)[None, :] + np.arange(steps, dtype=np.int64)[:, None]   # [steps, B]
     session.check_decode_run(batch, positions[0], steps)
     greedy, keep = config.sampling.greedy, config.keep_logits
-    step_s, emitted, kept = result.step_s, [], result.logits          # emitted: per step, tokens [B] as a list
+    step_s, engine_s, emitted, kept = result.step_s, result.engine_s, [], result.logits   # emitted: tokens [B] as a list
     tokens = first
     t_prev = time.perf_counter()
     for step in range(steps):
         logits = session.decode_step_unchecked(tokens, positions[step])                    # [B, V]
+        engine_s.append(session.last_inference_time())
         tokens = logits.argmax(axis=-1) if greedy else sample(logits, config.sampling, rng)   # [B] int64
         listed = tokens.tolist()
         emitted.append(listed)

@@ -19,11 +19,12 @@ rows of the decode buffers, made once per row range; the other rows are not touc
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
 
-from core.contract import ContractError, check_external_data_file
+from core.contract import INPUT_IDS, LOGITS, POSITION, ContractError, check_external_data_file, present_name
 from runtime.model_files import resolve_onnx, spec_from_ort_session
 from runtime.session import DecoderSession, DeviceError, MissingExtraError, ModelFileError, RuntimeUserError
 
@@ -111,7 +112,7 @@ class OrtSession(DecoderSession):
         self.spec = spec_from_ort_session(self.session, self.path)
         self._ort = ort
         out_types = {o.name: o.type for o in self.session.get_outputs()}
-        self._logits_dtype = np.dtype(np.float16 if out_types["logits"] == "tensor(float16)" else np.float32)
+        self._logits_dtype = np.dtype(np.float16 if out_types[LOGITS] == "tensor(float16)" else np.float32)
         # one RunOptions for every run: with run_options=None, ORT 1.32's run_with_iobinding
         # retains ~124 bytes of Python memory per call (found by tests/runtime/test_ort_session.py).
         # Its Python wrapper also looks up the run option "gpu_graph_id" on every call, and a
@@ -146,7 +147,7 @@ class OrtSession(DecoderSession):
                 value.update_inplace(zeros)
             self.caches[name] = value
             self.binding.bind_ortvalue_input(name, value)
-            self.binding.bind_ortvalue_output(f"present_{name}", value)      # same OrtValue: in place
+            self.binding.bind_ortvalue_output(present_name(name), value)      # same OrtValue: in place
         # decode-step buffers, bound once
         self._ids = np.zeros((batch, 1), np.int64)                                             # [B, 1]
         self._pos = np.zeros(batch, np.int64)                                                  # [B]
@@ -171,10 +172,16 @@ class OrtSession(DecoderSession):
                                    "GroupQueryAttention graph (ONNX Runtime continues a cached prompt at batch 1 "
                                    "only); step the sequences one at a time, or use the --attention fused build")
 
+    def _run(self, binding) -> None:
+        """The engine call, timed for last_inference_time (two clock reads, ~0.1 us)."""
+        t0 = time.perf_counter()
+        self.session.run_with_iobinding(binding, self._run_options)
+        self._last_inference_s = time.perf_counter() - t0
+
     def _bind_decode(self) -> None:
-        self.binding.bind_ortvalue_input("input_ids", self._ids_ov)
-        self.binding.bind_ortvalue_input("position", self._pos_ov)
-        self.binding.bind_ortvalue_output("logits", self._logits_ov)
+        self.binding.bind_ortvalue_input(INPUT_IDS, self._ids_ov)
+        self.binding.bind_ortvalue_input(POSITION, self._pos_ov)
+        self.binding.bind_ortvalue_output(LOGITS, self._logits_ov)
         self._decode_bound = True
 
     def _run_prefill(self, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
@@ -182,17 +189,17 @@ class OrtSession(DecoderSession):
         ort = self._ort
         logits = np.empty((b, t, self.spec.vocab_size), self._logits_dtype)                   # [B, T, V]
         if self._ort_device == "cpu":
-            self.binding.bind_ortvalue_input("input_ids", ort.OrtValue.ortvalue_from_numpy(input_ids))
-            self.binding.bind_ortvalue_input("position", ort.OrtValue.ortvalue_from_numpy(position))
-            self.binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
-            self.session.run_with_iobinding(self.binding, self._run_options)
+            self.binding.bind_ortvalue_input(INPUT_IDS, ort.OrtValue.ortvalue_from_numpy(input_ids))
+            self.binding.bind_ortvalue_input(POSITION, ort.OrtValue.ortvalue_from_numpy(position))
+            self.binding.bind_ortvalue_output(LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
+            self._run(self.binding)
         else:
             dev = self._ort_device
-            self.binding.bind_ortvalue_input("input_ids", ort.OrtValue.ortvalue_from_numpy(input_ids, dev, 0))
-            self.binding.bind_ortvalue_input("position", ort.OrtValue.ortvalue_from_numpy(position, dev, 0))
+            self.binding.bind_ortvalue_input(INPUT_IDS, ort.OrtValue.ortvalue_from_numpy(input_ids, dev, 0))
+            self.binding.bind_ortvalue_input(POSITION, ort.OrtValue.ortvalue_from_numpy(position, dev, 0))
             out = ort.OrtValue.ortvalue_from_shape_and_type(logits.shape, self._logits_dtype, dev, 0)
-            self.binding.bind_ortvalue_output("logits", out)
-            self.session.run_with_iobinding(self.binding, self._run_options)
+            self.binding.bind_ortvalue_output(LOGITS, out)
+            self._run(self.binding)
             logits = out.numpy()
         self._decode_bound = False
         return logits
@@ -203,13 +210,13 @@ class OrtSession(DecoderSession):
         if self._ort_device == "cpu":
             self._ids[:, 0] = tokens          # the bound OrtValues wrap these arrays
             self._pos[:] = position
-            self.session.run_with_iobinding(self.binding, self._run_options)
+            self._run(self.binding)
             return self._logits_row
         self._ids[:, 0] = tokens
         self._pos[:] = position
         self._ids_ov.update_inplace(self._ids)
         self._pos_ov.update_inplace(self._pos)
-        self.session.run_with_iobinding(self.binding, self._run_options)
+        self._run(self.binding)
         return self._logits_ov.numpy()[:, 0]
 
     # --- steps on part of the batch (CPU) ----------------------------------------------
@@ -228,14 +235,14 @@ class OrtSession(DecoderSession):
             for name, array in self._cache_arrays.items():
                 view = ort.OrtValue.ortvalue_from_numpy(array[start:stop])                      # [b, H, S_max, D]
                 binding.bind_ortvalue_input(name, view)
-                binding.bind_ortvalue_output(f"present_{name}", view)
+                binding.bind_ortvalue_output(present_name(name), view)
                 held.append(view)
             if decode:
-                for name, array in (("input_ids", self._ids), ("position", self._pos)):
+                for name, array in ((INPUT_IDS, self._ids), (POSITION, self._pos)):
                     held.append(ort.OrtValue.ortvalue_from_numpy(array[start:stop]))
                     binding.bind_ortvalue_input(name, held[-1])
                 held.append(ort.OrtValue.ortvalue_from_numpy(self._logits[start:stop]))          # [b, 1, V]
-                binding.bind_ortvalue_output("logits", held[-1])
+                binding.bind_ortvalue_output(LOGITS, held[-1])
             self._row_bindings[key] = (binding, held)
         return self._row_bindings[key][0]
 
@@ -244,10 +251,10 @@ class OrtSession(DecoderSession):
         ort = self._ort
         binding = self._rows_binding(start, start + b, decode=False)
         logits = np.empty((b, t, self.spec.vocab_size), self._logits_dtype)                   # [b, T, V]
-        binding.bind_ortvalue_input("input_ids", ort.OrtValue.ortvalue_from_numpy(input_ids))
-        binding.bind_ortvalue_input("position", ort.OrtValue.ortvalue_from_numpy(position))
-        binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
-        self.session.run_with_iobinding(binding, self._run_options)
+        binding.bind_ortvalue_input(INPUT_IDS, ort.OrtValue.ortvalue_from_numpy(input_ids))
+        binding.bind_ortvalue_input(POSITION, ort.OrtValue.ortvalue_from_numpy(position))
+        binding.bind_ortvalue_output(LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
+        self._run(binding)
         return logits
 
     def _run_decode_rows(self, start: int, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
@@ -255,7 +262,7 @@ class OrtSession(DecoderSession):
         binding = self._rows_binding(start, stop, decode=True)
         self._ids[start:stop, 0] = tokens          # the bound OrtValues wrap these rows
         self._pos[start:stop] = position
-        self.session.run_with_iobinding(binding, self._run_options)
+        self._run(binding)
         return self._logits[start:stop, 0]
 
     # --- inspection (tests, docs) ---------------------------------------------------
@@ -274,4 +281,4 @@ def _is_bf16(path) -> bool:
     import onnx
     from core.contract import dtype_name
     graph = onnx.load(str(path), load_external_data=False).graph
-    return any(o.name == "logits" and dtype_name(o.type.tensor_type.elem_type) == "bf16" for o in graph.output)
+    return any(o.name == LOGITS and dtype_name(o.type.tensor_type.elem_type) == "bf16" for o in graph.output)

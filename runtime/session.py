@@ -19,6 +19,11 @@ Lifecycle (Polygraphy's runner interface):
 Returned logits arrays may be reused: they stay valid until the next call on the
 same session (copy them to keep them). All arrays are numpy on the host.
 
+Each session times its own engine calls (Polygraphy's runner API): `last_inference_time()`
+is the seconds of the last one, so a benchmark splits a step into engine and loop time
+without patching the session. `step(feeds)` is the contract as a step function for the one
+decode driver (core/decode.py), which then feeds tokens and positions only: the caches stay here.
+
 Steps on part of the batch (what the batch scheduler, runtime/scheduler.py, runs on): a
 backend with `row_steps` runs `prefill_rows(start, ids)` / `decode_rows(start, tok, pos)`
 on rows [start, start + b) of the caches only; the other rows are neither read nor written.
@@ -33,13 +38,11 @@ import abc
 
 import numpy as np
 
-from core.contract import DecodeContract
+from core.contract import INPUT_IDS, LOGITS, POSITION, DecodeContract
 from core.errors import UsageError, UserError
 from core.inputs import check_memory
 
 INSTALL_EXTRA = "pip install 'tapernorm-deploy[{extra}]'"
-# The decode-step shapes of a session: every cache is [batch, n_kv_head, capacity, head_dim].
-ModelSpec = DecodeContract
 
 
 class RuntimeUserError(UserError):
@@ -79,6 +82,7 @@ class DecoderSession(abc.ABC):
     """
 
     backend: str = "?"
+    _last_inference_s: float | None = None     # set by the backend around its engine call
 
     def __init__(self) -> None:
         self.spec: DecodeContract | None = None
@@ -120,6 +124,20 @@ class DecoderSession(abc.ABC):
             self.batch = batch
 
     # --- steps -------------------------------------------------------------------
+
+    def last_inference_time(self) -> float | None:
+        """Seconds of this session's last engine call (None before the first). The call is the
+        backend's: ONNX Runtime's run_with_iobinding; TensorRT's inputs in, execute, logits out
+        and the stream synchronized; PyTorch's forward (or graph replay) through the logits copy."""
+        return self._last_inference_s
+
+    def step(self, feeds: dict) -> dict:
+        """The contract as a step function for core.decode.DecodeDriver(owns_caches=True):
+        {input_ids [B, T], position [B]} -> {logits [B, T, V]}; the caches are written in place here."""
+        ids, pos = feeds[INPUT_IDS], feeds[POSITION]
+        if ids.shape[1] == 1:          # the decode path: buffers bound once, nothing allocated
+            return {LOGITS: self.decode_step(ids[:, 0], pos)[:, None]}
+        return {LOGITS: self.prefill(ids, pos)}
 
     def prefill(self, input_ids: np.ndarray, position: np.ndarray | None = None) -> np.ndarray:
         """input_ids int64 [B, T] written at position (default 0) -> logits [B, T, V] (may be reused)."""

@@ -4,8 +4,9 @@
     python -m runtime.step_timing --model A --model B --backend torch --device cuda   # side by side, interleaved
 
 For ort it splits each decode step into the time inside InferenceSession.run_with_iobinding
-and the rest (writing tokens/positions into the bound buffers, checks, returning the
-logits view): the per-step overhead outside session.run (docs/runtime.md).
+(the session's own last_inference_time) and the rest (the driver's feeds, writing
+tokens/positions into the bound buffers, checks, returning the logits view): the per-step
+overhead outside session.run (docs/runtime.md). The steps are driven by core.decode.
 For other backends it reports the decode step as a whole. Warm-up steps are not timed;
 models given together are timed in rounds, interleaved, so a noisy machine hits all alike.
 This is a quick runtime-level check; bench/ owns the benchmark reports.
@@ -20,20 +21,8 @@ import time
 
 import numpy as np
 
+from core.decode import DecodeDriver
 from runtime.session import DecoderSession, RuntimeUserError
-
-
-class _TimedRun:
-    """Wraps a bound method, accumulating the time spent in it (perf_counter around the call)."""
-
-    def __init__(self, fn):
-        self.fn, self.last = fn, 0.0
-
-    def __call__(self, *a, **k):
-        t0 = time.perf_counter()
-        out = self.fn(*a, **k)
-        self.last = time.perf_counter() - t0
-        return out
 
 
 def time_decode_steps(session: DecoderSession, batch: int = 1, prompt_len: int = 8, steps: int = 100,
@@ -45,29 +34,23 @@ def time_decode_steps(session: DecoderSession, batch: int = 1, prompt_len: int =
         raise RuntimeUserError(f"step timing: expected capacity > prompt_len + warmup, found capacity {cap}; "
                                "use a shorter --prompt-len")
     session.reset(batch)
+    driver = DecodeDriver(session.step, session.spec, batch, owns_caches=True)
     rng = np.random.default_rng(0)
-    session.prefill(rng.integers(0, session.spec.vocab_size, (batch, prompt_len)))
+    driver.prefill(rng.integers(0, session.spec.vocab_size, (batch, prompt_len)))
     tokens = rng.integers(0, session.spec.vocab_size, batch)
     positions = [np.full(batch, prompt_len + i, np.int64) for i in range(warmup + steps)]
-    timed = None
-    if split_ort and session.backend == "ort":
-        timed = _TimedRun(session.session.run_with_iobinding)
-        session.session.run_with_iobinding = timed          # instance attribute shadows the method
+    split = split_ort and session.backend == "ort"
     step = np.zeros(steps)
     run = np.zeros(steps)
-    try:
-        for i, pos in enumerate(positions):
-            t0 = time.perf_counter()
-            session.decode_step(tokens, pos)
-            dt = time.perf_counter() - t0
-            if i >= warmup:
-                step[i - warmup] = dt
-                run[i - warmup] = timed.last if timed else dt
-    finally:
-        if timed is not None:
-            del session.session.run_with_iobinding
+    for i, pos in enumerate(positions):
+        t0 = time.perf_counter()
+        driver.decode(tokens, pos)
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            step[i - warmup] = dt
+            run[i - warmup] = session.last_inference_time() if split else dt
     out = {"step": step}
-    if timed is not None:
+    if split:
         out["run"], out["outside"] = run, step - run
     return out
 

@@ -13,12 +13,14 @@ written before a query at or past it runs).
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from runtime.session import DecoderSession, DeviceError, ModelSpec
+from core.contract import DecodeContract
+from runtime.session import DecoderSession, DeviceError
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -50,7 +52,7 @@ class TorchSession(DecoderSession):
             except CheckpointError as e:
                 raise ModelFileError(str(e)) from None
         self.model = model.eval().to(self.device, self.dtype)
-        self.spec = ModelSpec.from_config(self.model.cfg, {torch.float32: "fp32", torch.float16: "fp16"}.get(self.dtype, "fp32"))
+        self.spec = DecodeContract.from_config(self.model.cfg, {torch.float32: "fp32", torch.float16: "fp16"}.get(self.dtype, "fp32"))
         self._forward = torch.compile(self.model, dynamic=False) if self.compile else self.model
 
     def _deactivate(self) -> None:
@@ -86,8 +88,11 @@ class TorchSession(DecoderSession):
     def _run_prefill(self, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
         ids = torch.from_numpy(input_ids).to(self.device)
         pos = torch.from_numpy(position).to(self.device)
+        t0 = time.perf_counter()
         logits, _ = self.model(ids, pos, self.cache)           # eager: prefill shapes vary
-        return logits.float().cpu().numpy()
+        out = logits.float().cpu().numpy()                     # the copy out waits for the device
+        self._last_inference_s = time.perf_counter() - t0
+        return out
 
     # steps on rows [start, stop) of the batch: the model on views of those cache rows (eager)
     row_steps = True
@@ -96,8 +101,12 @@ class TorchSession(DecoderSession):
     def _run_prefill_rows(self, start: int, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
         stop = start + len(input_ids)
         rows = [(k[start:stop], v[start:stop]) for k, v in self.cache]                       # views, written in place
-        logits, _ = self.model(torch.from_numpy(input_ids).to(self.device), torch.from_numpy(position).to(self.device), rows)
-        return logits.float().cpu().numpy()
+        ids, pos = torch.from_numpy(input_ids).to(self.device), torch.from_numpy(position).to(self.device)
+        t0 = time.perf_counter()
+        logits, _ = self.model(ids, pos, rows)
+        out = logits.float().cpu().numpy()
+        self._last_inference_s = time.perf_counter() - t0
+        return out
 
     @torch.inference_mode()
     def _run_decode_rows(self, start: int, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
@@ -107,6 +116,7 @@ class TorchSession(DecoderSession):
     def _run_decode(self, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
         self._ids[:, 0].copy_(torch.from_numpy(np.asarray(tokens, np.int64)), non_blocking=False)
         self._pos.copy_(torch.from_numpy(np.asarray(position, np.int64)), non_blocking=False)
+        t0 = time.perf_counter()
         if self._graph is not None:
             self._graph.replay()
             logits = self._static_logits
@@ -115,4 +125,5 @@ class TorchSession(DecoderSession):
         self._host_logits.copy_(logits[:, 0])
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
+        self._last_inference_s = time.perf_counter() - t0
         return self._host_logits.numpy()

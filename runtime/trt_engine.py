@@ -46,7 +46,8 @@ import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from runtime.session import ModelFileError, ModelSpec, RuntimeUserError
+from core.contract import INPUT_IDS, LOGITS, POSITION, DecodeContract, present_name
+from runtime.session import ModelFileError, RuntimeUserError
 
 ENGINE_FORMAT = 2          # bump when the way engines are built changes (2: TF32 off unless asked)
 DECODE_PROFILE, PREFILL_PROFILE = 0, 1
@@ -71,7 +72,7 @@ class BuildOptions:
     version_compatible: bool = False     # BuilderFlag.VERSION_COMPATIBLE: the plan carries a lean runtime
                                          # and loads in later TensorRT versions (host code must be allowed)
 
-    def resolved(self, spec: ModelSpec) -> "BuildOptions":
+    def resolved(self, spec: DecodeContract) -> "BuildOptions":
         max_prompt = self.max_prompt or spec.capacity
         opt_prompt = self.opt_prompt or min(128, max_prompt)
         for name, v, hi in (("max_batch", self.max_batch, None), ("opt_batch", self.opt_batch, self.max_batch),
@@ -81,15 +82,15 @@ class BuildOptions:
         return replace(self, max_prompt=max_prompt, opt_prompt=opt_prompt)
 
 
-def profile_shapes(spec: ModelSpec, options: BuildOptions) -> list[ProfileShapes]:
+def profile_shapes(spec: DecodeContract, options: BuildOptions) -> list[ProfileShapes]:
     """[decode profile, prefill profile]: min / opt / max shape of every engine input."""
     o = options.resolved(spec)
 
     def profile(seq: tuple[int, int, int]) -> ProfileShapes:
         batch = (1, o.opt_batch, o.max_batch)
         shapes: ProfileShapes = {
-            "input_ids": tuple((b, s) for b, s in zip(batch, seq)),
-            "position": tuple((b,) for b in batch),
+            INPUT_IDS: tuple((b, s) for b, s in zip(batch, seq)),
+            POSITION: tuple((b,) for b in batch),
         }
         for name in spec.cache_names():
             shapes[name] = tuple(spec.cache_shape(b) for b in batch)
@@ -105,14 +106,14 @@ class EngineIO:
     aliases: dict[str, str]      # present_key_i -> key_i, present_value_i -> value_i
 
 
-def io_mapping(spec: ModelSpec) -> EngineIO:
+def io_mapping(spec: DecodeContract) -> EngineIO:
     caches = spec.cache_names()
-    return EngineIO(inputs=("input_ids", "position", *caches),
-                    outputs=("logits", *(f"present_{n}" for n in caches)),
-                    aliases={f"present_{n}": n for n in caches})
+    return EngineIO(inputs=(INPUT_IDS, POSITION, *caches),
+                    outputs=(LOGITS, *(present_name(n) for n in caches)),
+                    aliases={present_name(n): n for n in caches})
 
 
-def check_engine_io(engine_names: dict[str, str], spec: ModelSpec, where) -> None:
+def check_engine_io(engine_names: dict[str, str], spec: DecodeContract, where) -> None:
     """engine_names: tensor name -> 'input' | 'output'; raise if it is not the contract."""
     io = io_mapping(spec)
     expected = {**{n: "input" for n in io.inputs}, **{n: "output" for n in io.outputs}}
@@ -124,7 +125,7 @@ def check_engine_io(engine_names: dict[str, str], spec: ModelSpec, where) -> Non
                              f"wrong direction {wrong}; delete the engine to rebuild it")
 
 
-def check_aliases(engine, spec: ModelSpec, where) -> None:
+def check_aliases(engine, spec: DecodeContract, where) -> None:
     """Raise ModelFileError unless the engine aliases every present_* output to its cache input.
 
     `engine` is an ICudaEngine (or anything with get_aliased_input_tensor(name) -> str | None).
@@ -162,7 +163,7 @@ def device_tag(name: str, capability: tuple[int, int]) -> str:
     return f"{slug}-sm{capability[0]}{capability[1]}"
 
 
-def engine_cache_key(onnx_digest: str, trt_version: str, device: str, spec: ModelSpec, options: BuildOptions) -> str:
+def engine_cache_key(onnx_digest: str, trt_version: str, device: str, spec: DecodeContract, options: BuildOptions) -> str:
     """16 hex digits; changes whenever anything the engine depends on changes."""
     payload = {"format": ENGINE_FORMAT, "onnx": onnx_digest, "tensorrt": trt_version, "device": device,
                "spec": asdict(spec),
@@ -235,7 +236,7 @@ class EngineFromOnnx:
     `.built` says whether this call built it (False: loaded from the cache).
     """
 
-    def __init__(self, onnx_path: str | Path, spec: ModelSpec, options: BuildOptions = BuildOptions(),
+    def __init__(self, onnx_path: str | Path, spec: DecodeContract, options: BuildOptions = BuildOptions(),
                  rebuild: bool = False):
         self.onnx_path = Path(onnx_path)
         self.spec = spec

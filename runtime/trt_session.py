@@ -19,10 +19,12 @@ one-line error.
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
 
+from core.contract import INPUT_IDS, LOGITS, POSITION
 from runtime.model_files import resolve_onnx, spec_from_onnx_file
 from runtime.session import CapacityError, DecoderSession, DeviceError
 from runtime.trt_engine import (DECODE_PROFILE, PREFILL_PROFILE, BuildOptions, EngineFromOnnx, check_aliases,
@@ -115,13 +117,13 @@ class TrtSession(DecoderSession):
 
     def _bind(self, ctx, input_ids, position, logits) -> None:
         """Shapes and addresses of every engine tensor; present_* share the cache's address."""
-        shapes = {"input_ids": input_ids.shape, "position": position.shape,
+        shapes = {INPUT_IDS: input_ids.shape, POSITION: position.shape,
                   **{n: c.shape for n, c in self.caches.items()}}
         for name, shape in shapes.items():
             if not ctx.set_input_shape(name, tuple(shape)):
                 raise CapacityError(f"{name}: expected a shape inside the engine's optimization profile, found "
                                     f"{list(shape)}; rebuild with larger BuildOptions (max_batch, max_prompt)")
-        addresses = {"input_ids": input_ids.data_ptr(), "position": position.data_ptr(), "logits": logits.data_ptr(),
+        addresses = {INPUT_IDS: input_ids.data_ptr(), POSITION: position.data_ptr(), LOGITS: logits.data_ptr(),
                      **{n: c.data_ptr() for n, c in self.caches.items()},
                      **{out: self.caches[src].data_ptr() for out, src in io_mapping(self.spec).aliases.items()}}
         for name, ptr in addresses.items():
@@ -138,9 +140,9 @@ class TrtSession(DecoderSession):
         with torch.cuda.stream(self.stream):     # zeroed on the stream the engine runs on, in order
             self.caches = {n: torch.zeros(self.spec.cache_shape(batch), dtype=self.dtypes[n], device=dev)  # [B, H, S_max, D]
                            for n in self.spec.cache_names()}
-            self._ids = torch.zeros((batch, 1), dtype=self.dtypes["input_ids"], device=dev)               # [B, 1]
-            self._pos = torch.zeros(batch, dtype=self.dtypes["position"], device=dev)                     # [B]
-            self._logits = torch.empty((batch, 1, self.spec.vocab_size), dtype=self.dtypes["logits"], device=dev)
+            self._ids = torch.zeros((batch, 1), dtype=self.dtypes[INPUT_IDS], device=dev)               # [B, 1]
+            self._pos = torch.zeros(batch, dtype=self.dtypes[POSITION], device=dev)                     # [B]
+            self._logits = torch.empty((batch, 1, self.spec.vocab_size), dtype=self.dtypes[LOGITS], device=dev)
         self._ids_host = torch.zeros((batch, 1), dtype=self._ids.dtype).pin_memory()
         self._pos_host = torch.zeros(batch, dtype=self._pos.dtype).pin_memory()
         self._logits_host = torch.empty((batch, self.spec.vocab_size), dtype=self._logits.dtype).pin_memory()
@@ -159,27 +161,31 @@ class TrtSession(DecoderSession):
         if t > self.options.max_prompt:
             raise CapacityError(f"prompt: expected at most {self.options.max_prompt} tokens (the engine's prefill profile), "
                                 f"found {t}; rebuild with a larger BuildOptions.max_prompt")
+        t0 = time.perf_counter()
         with torch.cuda.stream(self.stream):
-            ids = torch.from_numpy(input_ids).to("cuda", self.dtypes["input_ids"], non_blocking=True)
-            pos = torch.from_numpy(position).to("cuda", self.dtypes["position"], non_blocking=True)
-            logits = torch.empty((b, t, self.spec.vocab_size), dtype=self.dtypes["logits"], device="cuda")
+            ids = torch.from_numpy(input_ids).to("cuda", self.dtypes[INPUT_IDS], non_blocking=True)
+            pos = torch.from_numpy(position).to("cuda", self.dtypes[POSITION], non_blocking=True)
+            logits = torch.empty((b, t, self.spec.vocab_size), dtype=self.dtypes[LOGITS], device="cuda")
             ctx = self.contexts[PREFILL_PROFILE]
             self._bind(ctx, ids, pos, logits)
             self._execute(ctx)
             host = logits.to("cpu", non_blocking=False)
         self.stream.synchronize()
+        self._last_inference_s = time.perf_counter() - t0     # execute is asynchronous: timed to the sync
         return host.numpy()
 
     def _run_decode(self, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
         torch = self._torch
         self._ids_np[:, 0] = tokens
         self._pos_np[:] = position
+        t0 = time.perf_counter()
         with torch.cuda.stream(self.stream):
             self._ids.copy_(self._ids_host, non_blocking=True)
             self._pos.copy_(self._pos_host, non_blocking=True)
             self._execute(self.contexts[DECODE_PROFILE])
             self._logits_host.copy_(self._logits[:, 0], non_blocking=True)
         self.stream.synchronize()
+        self._last_inference_s = time.perf_counter() - t0     # execute is asynchronous: timed to the sync
         return self._logits_np
 
     def cache_ptrs(self) -> dict[str, int]:

@@ -4,7 +4,9 @@
 
 A module imports only from its own package or a layer below it (lazy imports inside
 functions included), never from another package's `__main__`; the torch-free modules
-import no torch, checked in a fresh interpreter.
+import no torch, checked in a fresh interpreter. No module uses another module's private
+names (`from x import _y`, `x._y`, `obj._y` where _y is not defined in the module itself):
+what two modules share is public and documented.
 """
 import ast
 import subprocess
@@ -68,3 +70,46 @@ def test_torch_free_modules_do_not_import_torch(module):
     code = f"import sys, {module}; sys.exit(3 if 'torch' in sys.modules else 0)"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, f"importing {module} imports torch" if r.returncode == 3 else r.stderr
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_uses(path: Path):
+    """(line, what) for each private name of another module this module uses."""
+    tree = ast.parse(path.read_text(), str(path))
+    own, foreign = set(), set()       # names this module defines; names bound to modules of other libraries
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(n.name)
+        elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            own.add(n.id)
+        elif isinstance(n, ast.Attribute) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            own.add(n.attr)
+        elif isinstance(n, ast.Import):
+            foreign |= {(a.asname or a.name).split(".")[0] for a in n.names if a.name.split(".")[0] not in LAYERS}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and n.module and n.module.split(".")[0] in LAYERS:
+            yield from ((n.lineno, f"from {n.module} import {a.name}") for a in n.names if _private(a.name))
+        elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load) and _private(n.attr) \
+                and n.attr not in own and not (isinstance(n.value, ast.Name) and n.value.id in foreign):
+            yield n.lineno, f"{ast.unparse(n.value)}.{n.attr}"
+
+
+def _private_violations(root: Path = ROOT):
+    return [f"{path.relative_to(root)}:{line} uses {what}" for pkg in LAYERS
+            for path in sorted((root / pkg).rglob("*.py")) for line, what in _private_uses(path)]
+
+
+def test_no_module_uses_another_modules_private_names():
+    assert _private_violations() == [], "make the name public (and document it) where it is defined"
+
+
+def test_the_private_check_catches_each_form(tmp_path):
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "probe.py").write_text(
+        "import os\nfrom core.contract import _dim\nimport core.contract as c\n"
+        "def f(ctx):\n    os._exit(0)\n    return c._dim(1), ctx._scopes, f._own\nf._own = 1\n")
+    assert sorted(_private_violations(tmp_path)) == ["core/probe.py:2 uses from core.contract import _dim",
+                                                     "core/probe.py:6 uses c._dim", "core/probe.py:6 uses ctx._scopes"]

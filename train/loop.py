@@ -153,7 +153,7 @@ def _shard_streams(run: TrainConfig, par: Parallel):
     return shards.streams, shards.stats(), tok_path if par.is_main else None
 
 
-def _batches(windows: torch.Tensor, batch_size: int, device: torch.device | None = None):
+def window_batches(windows: torch.Tensor, batch_size: int, device: torch.device | None = None):
     for i in range(0, len(windows), batch_size):
         yield windows[i:i + batch_size].to(device) if device is not None else windows[i:i + batch_size]
 

@@ -72,14 +72,14 @@ def verdict(overall: float, threshold: float = THRESHOLD) -> str:
 def screen(run: TrainConfig, keep: str | None = None) -> dict:
     """Train the DyT calibration run described by `run`, then measure saturation on its val split."""
     from models.checkpoint import load_checkpoint
-    from train.loop import _batches, prepare_data, train
+    from train.loop import window_batches, prepare_data, train
     tmp = Path(tempfile.mkdtemp(prefix="screen_dyt."))
     try:
         run.out = keep or str(tmp / "dyt")
         log = train(run, command=None)
         model = load_checkpoint(run.out)
         data = prepare_data(run, tmp)
-        result = saturation(model, _batches(data.val[:, :-1], run.batch_size))
+        result = saturation(model, window_batches(data.val[:, :-1], run.batch_size))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     result.update(verdict=verdict(result["overall"]), threshold=THRESHOLD, saturation_at=SATURATION_AT,

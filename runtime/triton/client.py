@@ -28,6 +28,7 @@ import urllib.request
 
 import numpy as np
 
+from core.contract import INPUT_IDS, LOGITS, POSITION
 from core.errors import first_line
 from runtime.session import MissingExtraError, RuntimeUserError
 
@@ -271,12 +272,12 @@ def decode_with_state(client, m, prompt_ids: list[int], max_new_tokens: int, mod
     For a full Triton server with the onnxruntime / tensorrt backends (not the CPU one).
     """
     def infer(ids: list[int], position: int, start: bool, end: bool):
-        inputs = [m.InferInput("input_ids", [1, len(ids)], "INT64"), m.InferInput("position", [1, 1], "INT64")]
+        inputs = [m.InferInput(INPUT_IDS, [1, len(ids)], "INT64"), m.InferInput(POSITION, [1, 1], "INT64")]
         inputs[0].set_data_from_numpy(np.array([ids], np.int64))                               # [1, T]
         inputs[1].set_data_from_numpy(np.array([[position]], np.int64))                        # [1, 1] -> [1]
-        result = client.infer(model, inputs, outputs=[m.InferRequestedOutput("logits")], sequence_id=sequence_id,
+        result = client.infer(model, inputs, outputs=[m.InferRequestedOutput(LOGITS)], sequence_id=sequence_id,
                               sequence_start=start, sequence_end=end)
-        return result.as_numpy("logits")                                                       # [1, T, V]
+        return result.as_numpy(LOGITS)                                                       # [1, T, V]
 
     tokens: list[int] = []
     ids, position = list(prompt_ids), 0

@@ -35,7 +35,8 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.contract import ContractError, load_onnx, onnx_io as _proto_io, read_contract
+from core.contract import (CACHE_PREFIX, INPUT_IDS, LOGITS, POSITION, ContractError, cache_names, load_onnx,
+                           onnx_io as _proto_io, present_name, read_contract)
 from core.outputs import TRITON_REPOSITORY, output_dir
 from runtime.model_files import resolve_onnx
 from runtime.session import ModelFileError, RuntimeUserError
@@ -72,7 +73,7 @@ class OnnxIO:
     outputs: dict[str, OnnxTensor] = field(default_factory=dict)
 
     def n_layer(self) -> int:
-        return sum(1 for n in self.inputs if n.startswith("key_"))
+        return sum(1 for n in self.inputs if n.startswith(CACHE_PREFIX))
 
 
 def onnx_io(path: str | Path) -> OnnxIO:
@@ -155,16 +156,16 @@ def decoder_config(name: str, platform: str, io: OnnxIO, max_batch_size: int, in
     the first one when instance_group names none (model_config.proto, ModelInstanceGroup
     .profile), and our engine's profile 0 is decode (T = 1): prefill needs profile 1.
     """
-    ids, pos, logits = io.inputs["input_ids"], io.inputs["position"], io.outputs["logits"]
+    ids, pos, logits = io.inputs[INPUT_IDS], io.inputs[POSITION], io.outputs[LOGITS]
     controls = [c for c in CONTROLS if c in io.inputs]
     group = f"count: {instances} kind: {KINDS[kind]}"
     if profiles:
         group += " profile: [ " + ", ".join(f'"{p}"' for p in profiles) + " ]"
     lines = [f'name: "{name}"', f'platform: "{platform}"', f"max_batch_size: {max_batch_size}",
              "input [",
-             ",\n".join([_tensor("input_ids", ONNX_TO_TRITON[ids.elem_type], ids.dims[1:]),
-                         _tensor("position", ONNX_TO_TRITON[pos.elem_type], [1], reshape=pos.dims[1:])]),
-             "]", "output [", _tensor("logits", ONNX_TO_TRITON[logits.elem_type], logits.dims[1:]), "]",
+             ",\n".join([_tensor(INPUT_IDS, ONNX_TO_TRITON[ids.elem_type], ids.dims[1:]),
+                         _tensor(POSITION, ONNX_TO_TRITON[pos.elem_type], [1], reshape=pos.dims[1:])]),
+             "]", "output [", _tensor(LOGITS, ONNX_TO_TRITON[logits.elem_type], logits.dims[1:]), "]",
              "instance_group [", f"  {{ {group} }}", "]",
              "sequence_batching {",
              f"  max_sequence_idle_microseconds: {IDLE_US}",
@@ -175,16 +176,15 @@ def decoder_config(name: str, platform: str, io: OnnxIO, max_batch_size: int, in
                  for c in controls]
         lines += ["  control_input [", ",\n".join(items), "  ]"]
     items = []
-    for i in range(io.n_layer()):
-        for cache in (f"key_{i}", f"value_{i}"):
-            t = io.inputs[cache]
-            dt, dims = ONNX_TO_TRITON[t.elem_type], _dims(t.dims[1:])
-            item = ["    {", f'      input_name: "{cache}"', f'      output_name: "present_{cache}"',
-                    f"      data_type: {dt}", f"      dims: {dims}"]
-            if same_buffer:   # one state buffer in Triton; see docs/runtime.md for what the backend still copies
-                item.append("      use_same_buffer_for_input_output: true")
-            item += [f'      initial_state {{ name: "zeros" data_type: {dt} dims: {dims} zero_data: true }}', "    }"]
-            items.append("\n".join(item))
+    for cache in cache_names(io.n_layer()):
+        t = io.inputs[cache]
+        dt, dims = ONNX_TO_TRITON[t.elem_type], _dims(t.dims[1:])
+        item = ["    {", f'      input_name: "{cache}"', f'      output_name: "{present_name(cache)}"',
+                f"      data_type: {dt}", f"      dims: {dims}"]
+        if same_buffer:   # one state buffer in Triton; see docs/runtime.md for what the backend still copies
+            item.append("      use_same_buffer_for_input_output: true")
+        item += [f'      initial_state {{ name: "zeros" data_type: {dt} dims: {dims} zero_data: true }}', "    }"]
+        items.append("\n".join(item))
     lines += ["  state [", ",\n".join(items), "  ]"]
     lines.append("}")
     return "\n".join(lines) + "\n"

@@ -121,9 +121,9 @@ def test_batch_mismatch_and_capacity_are_checked(tiny):
 def test_spec_from_the_graph(tiny):
     ckpt, build = tiny
     from models.checkpoint import load_checkpoint
-    from runtime.session import ModelSpec
+    from core.contract import DecodeContract
     with OrtSession(build) as s:
-        assert s.spec == ModelSpec.from_config(load_checkpoint(ckpt).cfg)
+        assert s.spec == DecodeContract.from_config(load_checkpoint(ckpt).cfg)
 
 
 def _has_ort_cuda() -> bool:

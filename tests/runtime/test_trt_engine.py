@@ -7,13 +7,14 @@ import sys
 import pytest
 
 import runtime.trt_engine as trt_engine
-from runtime.session import ModelFileError, ModelSpec
+from core.contract import DecodeContract
+from runtime.session import ModelFileError
 from runtime.trt_engine import (DECODE_PROFILE, PREFILL_PROFILE, BuildOptions, EngineBuildError, EngineFromOnnx,
                                 check_aliases, check_engine_io, device_tag, engine_cache_key, engine_path, file_digest,
                                 io_mapping, profile_shapes, timing_cache_path)
 from tests.runtime.fake_trt import FakeEngine, fake_tensorrt
 
-SPEC = ModelSpec(n_layer=2, n_kv_head=4, head_dim=8, capacity=64, vocab_size=320)
+SPEC = DecodeContract(n_layer=2, n_kv_head=4, head_dim=8, capacity=64, vocab_size=320)
 
 
 def test_profiles_cover_decode_and_prefill():
@@ -60,7 +61,7 @@ def test_cache_key_depends_on_everything_the_engine_does():
     assert key == engine_cache_key(**{**base, "options": BuildOptions(max_prompt=64, opt_prompt=64)})
     for change in ({"onnx_digest": "b" * 64}, {"trt_version": "11.1.0"}, {"device": "nvidia-a100-sm80"},
                    {"options": BuildOptions(max_batch=16)}, {"options": BuildOptions(opt_prompt=32)},
-                   {"spec": ModelSpec(2, 4, 8, 128, 320)}, {"spec": ModelSpec(2, 4, 8, 64, 320, "fp16")},
+                   {"spec": DecodeContract(2, 4, 8, 128, 320)}, {"spec": DecodeContract(2, 4, 8, 64, 320, "fp16")},
                    {"options": BuildOptions(tf32=True)}, {"options": BuildOptions(version_compatible=True)}):
         assert engine_cache_key(**{**base, **change}) != key, change
 

@@ -1,0 +1,120 @@
+"""The one driver of the decode-step contract (core/contract.py): prefill, one-token steps,
+the caches fed back, greedy generation and top-1 agreement, over a step function
+
+    step(feeds: {input_ids [B, T], position [B], key_i / value_i}) -> {logits [B, T, V], present_key_i, ...}
+
+    graph_step(sess)           an onnxruntime.InferenceSession (export.verify, the quantize check,
+                               bench's plain ONNX Runtime loop): every output returned, the presents
+                               fed back as the next step's caches
+    DecoderSession.step        a runtime session (runtime/session.py): it keeps its caches in place,
+                               so the driver feeds tokens and positions only (owns_caches=True)
+
+    d = DecodeDriver(graph_step(sess), contract, batch=1)
+    logits = d.prefill(ids)                 # ids [B, T] at slot 0 -> [B, T, V]
+    logits = d.decode(tok, pos)             # tok [B], pos [B]       -> [B, V]
+
+Numpy only, and torch-free, so export (below runtime) drives graphs with it too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from core.contract import INPUT_IDS, LOGITS, POSITION, DecodeContract, present_name
+
+
+@dataclass
+class Step:
+    input_ids: np.ndarray    # int64 [B, T]
+    position: np.ndarray     # int64 [B]
+
+
+def graph_step(sess):
+    """A step function over anything with ONNX Runtime's run(names, feeds) / get_outputs():
+    every output of the graph, by name."""
+    names = [o.name for o in sess.get_outputs()]
+
+    def step(feeds: dict) -> dict:
+        return dict(zip(names, sess.run(names, feeds)))
+    return step
+
+
+class DecodeDriver:
+    """Drives one step function over the contract for `batch` sequences.
+
+    A graph step is stateless: the driver holds the caches ([B, H, S_max, D] zeros at first)
+    and feeds each step's presents back. A session that owns its caches (owns_caches=True)
+    writes them in place; the driver then feeds only input_ids and position.
+    """
+
+    def __init__(self, step, contract: DecodeContract, batch: int, owns_caches: bool = False):
+        self.step, self.contract, self.owns_caches = step, contract, owns_caches
+        self.caches = {} if owns_caches else {
+            n: np.zeros(contract.cache_shape(batch), contract.np_dtype) for n in contract.cache_names()}
+
+    def run(self, input_ids: np.ndarray, position: np.ndarray) -> dict:
+        """One step: every output of it; the caches it wrote become the next step's."""
+        outs = self.step({INPUT_IDS: input_ids, POSITION: position, **self.caches})
+        if not self.owns_caches:
+            self.caches = {n: outs[present_name(n)] for n in self.contract.cache_names()}
+        return outs
+
+    def prefill(self, input_ids, position=None) -> np.ndarray:
+        """input_ids [B, T] written at position (default slot 0) -> logits [B, T, V]."""
+        ids = np.asarray(input_ids, np.int64)
+        pos = np.zeros(ids.shape[0], np.int64) if position is None else np.asarray(position, np.int64)
+        return self.run(ids, pos)[LOGITS]
+
+    def decode(self, tokens, position) -> np.ndarray:
+        """tokens [B] written at position [B] -> next-token logits [B, V]."""
+        return self.run(np.asarray(tokens, np.int64)[:, None], np.asarray(position, np.int64))[LOGITS][:, -1]
+
+
+def run_steps(step, contract: DecodeContract, steps: list[Step], trim: int | None = None) -> list[dict]:
+    """Every output of every step of a planned session (prefill, then one-token steps).
+    trim: keep the logits of every step and, of the last step only, the caches cut to their
+    first `trim` slots (what a real-size verification can hold: models/layerwise.py)."""
+    driver = DecodeDriver(step, contract, steps[0].input_ids.shape[0])
+    results = []
+    for i, s in enumerate(steps):
+        outs = driver.run(s.input_ids, s.position)
+        if trim is not None:
+            last = i == len(steps) - 1
+            outs = {k: (v[:, :, :trim].copy() if k != LOGITS else v) for k, v in outs.items() if k == LOGITS or last}
+        results.append(outs)
+    return results
+
+
+def greedy_tokens(driver: DecodeDriver, prompts, steps: int) -> np.ndarray:
+    """Prefill prompts [B, T] at slot 0, then `steps` greedy one-token steps -> tokens [B, steps + 1]."""
+    b, t = np.shape(prompts)
+    out = [driver.prefill(prompts)[:, -1].argmax(-1)]
+    for k in range(steps):
+        out.append(driver.decode(out[-1], np.full(b, t + k, np.int64)).argmax(-1))
+    return np.stack(out, 1)
+
+
+def greedy(step, contract: DecodeContract, prompt: list[int], n: int) -> list[int]:
+    """`n` greedy tokens after `prompt` (batch 1): prefill at slot 0, then one-token steps."""
+    if n < 1:
+        return []
+    return greedy_tokens(DecodeDriver(step, contract, 1), [prompt], n - 1)[0].tolist()
+
+
+def prefill_logits(step, contract: DecodeContract, tokens: list[int]) -> np.ndarray:
+    """logits [T, V] of one prefill over `tokens` (batch 1, slot 0)."""
+    return DecodeDriver(step, contract, 1).prefill([tokens])[0]
+
+
+def top1_agreement(ref_step, step, contract: DecodeContract, prompt: list[int], n: int) -> tuple[float, int]:
+    """The reference generates n greedy tokens after `prompt`; both then read prompt + those
+    tokens (teacher-forced, so one early miss does not derail the rest) and the share of the n
+    positions where their next-token argmax agrees is returned, with n (cut to what the cache holds)."""
+    n = max(1, min(n, contract.capacity - len(prompt)))
+    new = greedy(ref_step, contract, prompt, n)
+    seq = prompt + new[:-1]
+    window = slice(len(prompt) - 1, len(seq))                    # the positions that predicted `new`
+    ref = prefill_logits(ref_step, contract, seq).argmax(-1)[window]
+    got = prefill_logits(step, contract, seq).argmax(-1)[window]
+    return float(np.mean(ref == got)), int(len(ref))
