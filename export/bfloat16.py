@@ -78,33 +78,31 @@ def retype(proto: onnx.ModelProto, src: int = FLOAT16, dst: int = BFLOAT16) -> o
 
 
 def widen(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """The bf16 graph computing in fp32; its bf16 initializers kept, cast where they are read."""
+    """The bf16 graph computing in fp32; its bf16 initializers kept, cast where they are read.
+
+    Each reader gets its own Cast, placed just before it, so that ONNX Runtime holds one widened
+    weight at a time (a Cast of every weight at the top of the graph would keep them all alive:
+    the Llama-3.2-1B shape's check peaked at 7.4 GB that way)."""
     graph = proto.graph
     retype_graph(graph, BFLOAT16, FLOAT, initializers=False)
-    users: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in set(node.input):
-            users.setdefault(name, []).append(node)
-    first, after_gather = [], {}            # Casts of initializers lead the graph; a table's follows its Gather
-    for init in graph.initializer:
-        if init.data_type != BFLOAT16:
-            continue
-        stored = init.name + ".bf16"
-        readers = users.get(init.name, [])
-        if readers and all(n.op_type == "Gather" and list(n.input).index(init.name) == 0 for n in readers):
-            for n in readers:               # a table: gather bf16 rows, then widen only those
-                gathered = n.output[0] + ".bf16"
-                after_gather[id(n)] = helper.make_node("Cast", [gathered], [n.output[0]], to=FLOAT,
-                                                       name=gathered + ".widen")
-                n.output[0], n.input[0] = gathered, stored
-        else:
-            first.append(helper.make_node("Cast", [stored], [init.name], to=FLOAT, name=stored + ".widen"))
-        init.name = stored
-    nodes = list(first)
-    for n in graph.node:
-        nodes.append(n)
-        if id(n) in after_gather:
-            nodes.append(after_gather[id(n)])
+    bf16 = {t.name for t in graph.initializer if t.data_type == BFLOAT16}
+    for t in graph.initializer:
+        if t.name in bf16:
+            t.name += ".bf16"
+    nodes = []
+    for k, node in enumerate(graph.node):
+        gathers_table = node.op_type == "Gather" and node.input[0] in bf16
+        for j, name in enumerate(node.input):
+            if name not in bf16 or (gathers_table and j == 0):
+                continue
+            widened = f"{name}.widen.{k}"
+            nodes.append(helper.make_node("Cast", [name + ".bf16"], [widened], to=FLOAT, name=widened))
+            node.input[j] = widened
+        nodes.append(node)
+        if gathers_table:                   # a table: gather its bf16 rows, then widen only those
+            out = node.output[0]
+            node.input[0], node.output[0] = node.input[0] + ".bf16", out + ".bf16"
+            nodes.append(helper.make_node("Cast", [out + ".bf16"], [out], to=FLOAT, name=out + ".widen"))
     del graph.node[:]
     graph.node.extend(nodes)
     return proto

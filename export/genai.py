@@ -52,25 +52,26 @@ class GenAIError(UserError):
 
 def _cache_renames(proto) -> dict[str, str]:
     """key_i -> past_key_values.i.key, present_key_i -> present.i.key, ... for every layer."""
+    from core.contract import CACHE_KINDS, CACHE_PREFIX, cache_name, present_name
     names = {i.name for i in proto.graph.input}
-    n_layer = sum(1 for n in names if n.startswith("key_"))
+    n_layer = sum(1 for n in names if n.startswith(CACHE_PREFIX))
     renames = {}
     for i in range(n_layer):
-        for kv in ("key", "value"):
-            renames[f"{kv}_{i}"] = PAST.format(i, kv)
-            renames[f"present_{kv}_{i}"] = PRESENT.format(i, kv)
+        for kv in CACHE_KINDS:
+            renames[cache_name(i, kv)] = PAST.format(i, kv)
+            renames[present_name(cache_name(i, kv))] = PRESENT.format(i, kv)
     return renames
 
 
 def check_gqa_graph(proto, where) -> None:
     """Refuse a graph GenAI could not run with a shared cache buffer: ours, with every cache read and
     written by ONNX Runtime's GroupQueryAttention (which writes in place at the right slots)."""
-    from core.contract import contract_of
+    from core.contract import PRESENT_PREFIX, contract_of
     contract_of(proto, where)          # our decode contract, or one line saying what is off
     readers = {x for n in proto.graph.node if n.op_type == "GroupQueryAttention" for x in n.input}
     writers = {x for n in proto.graph.node if n.op_type == "GroupQueryAttention" for x in n.output}
     renames = _cache_renames(proto)
-    bad = [n for n in renames if n not in (writers if n.startswith("present_") else readers)]
+    bad = [n for n in renames if n not in (writers if n.startswith(PRESENT_PREFIX) else readers)]
     others = [x for n in proto.graph.node if n.op_type != "GroupQueryAttention" for x in n.input if x in renames]
     if bad or others:
         raise GenAIError(f"{where}: expected every cache read and written by GroupQueryAttention (a --attention gqa "
@@ -80,6 +81,7 @@ def check_gqa_graph(proto, where) -> None:
 def genai_graph(proto, where="graph"):
     """Our GroupQueryAttention graph (weights loaded or not) with GenAI's I/O, edited in place; returns it."""
     from onnx import TensorProto, helper
+    from core.contract import INPUT_IDS, LOGITS, POSITION
     check_gqa_graph(proto, where)
     g, renames = proto.graph, _cache_renames(proto)
     for node in g.node:
@@ -93,21 +95,21 @@ def genai_graph(proto, where="graph"):
         if v.name in renames:
             v.name = renames[v.name]
             dims[2].dim_param = "past_sequence_length" if v.name.startswith("past") else "total_sequence_length"
-        if v.name in ("input_ids", "logits", *renames.values()):
+        if v.name in (INPUT_IDS, LOGITS, *renames.values()):
             dims[0].dim_param = "batch_size"       # (setting dim_param clears a static dim_value)
-        if v.name in ("input_ids", "logits"):
+        if v.name in (INPUT_IDS, LOGITS):
             dims[1].dim_param = "sequence_length"
     mask = helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"])
-    inputs = [v for v in g.input if v.name != "position"]
+    inputs = [v for v in g.input if v.name != POSITION]
     del g.input[:]
-    g.input.extend([inputs[0], mask, *inputs[1:]] if inputs[0].name == "input_ids" else [mask, *inputs])
+    g.input.extend([inputs[0], mask, *inputs[1:]] if inputs[0].name == INPUT_IDS else [mask, *inputs])
     axis = helper.make_tensor("genai_axis_1", TensorProto.INT64, [1], [1])
     g.initializer.append(axis)
     # position [B] = tokens seen before this step: the mask's length per sequence minus the step's tokens
     nodes = [helper.make_node("ReduceSum", ["attention_mask", "genai_axis_1"], ["genai_seen"], "genai_seen",
                               keepdims=0),
-             helper.make_node("Shape", ["input_ids"], ["genai_step_length"], "genai_step_length", start=1, end=2),
-             helper.make_node("Sub", ["genai_seen", "genai_step_length"], ["position"], "genai_position")]
+             helper.make_node("Shape", [INPUT_IDS], ["genai_step_length"], "genai_step_length", start=1, end=2),
+             helper.make_node("Sub", ["genai_seen", "genai_step_length"], [POSITION], "genai_position")]
     old = list(g.node)
     del g.node[:]
     g.node.extend(nodes + old)

@@ -15,6 +15,8 @@ PREFIXES = ("key_", "value_", "present_")   # a literal starting with one of the
 ALLOWED = {
     ("export/conventions.py", "input_ids"): "Hugging Face's / ONNX Runtime GenAI's convention (HuggingFaceStyle)",
     ("bench/genai.py", "input_ids"): "ONNX Runtime GenAI's own graphs and API",
+    ("export/genai.py", "input_ids"): "genai_config.json's names of GenAI's own inputs",
+    ("export/genai.py", "present_"): "genai_config.json's keys (present_key_names, ...), GenAI's schema",
     ("bench/ort_kernels.py", "present_"): "a one-op GroupQueryAttention graph built in code, its own I/O names",
 }
 
