@@ -50,7 +50,7 @@ import shlex
 import sys
 
 from core.errors import ArgumentParser, UsageError, float_in, int_in, nonnegative_int, positive_int, seed_int
-from train.config import DEVICES, DTYPES, TrainConfig, TrainError
+from train.config import TrainConfig, TrainError, add_execution_options
 from train.presets import PRESETS, SIZES
 
 # what --resume may be given beside --out: how the run is executed, not what it computes
@@ -83,16 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="a corpus larger than memory: a .txt/.jsonl/.parquet file, a folder of them, a "
                                   "datasets save_to_disk folder, or a token shard directory (tokenized once)")
     p.add_argument("--shards", help="where --data's token shards are kept (default: DATA_NAME.tokens beside --out)")
-    d = p.add_argument_group("execution (data parallel: launch with torchrun --nproc-per-node N -m train ...)")
-    d.add_argument("--grad-accum", type=int_in(1, 65536), help="micro-batches per step on each rank (default 1); "
-                   "--batch-size must be a multiple of processes x grad-accum")
-    d.add_argument("--device", choices=DEVICES, help="cpu (default; gloo between ranks) or cuda (one GPU per rank, nccl)")
-    d.add_argument("--dtype", choices=DTYPES, default="fp32", help="fp32 (default) or bf16 autocast (CUDA only; "
-                   "with --fsdp: bf16 compute, fp32 master weights and reductions)")
-    d.add_argument("--fsdp", action="store_true", help="sharded data parallel (FSDP2): each rank holds 1/N of the "
-                   "weights, gradients and optimizer state; a run setting (--resume keeps it)")
-    d.add_argument("--checkpoint-activations", action="store_true",
-                   help="recompute each block's activations in backward (less memory, ~1/3 more compute)")
+    add_execution_options(p, "train")
     g = p.add_argument_group("architecture (overrides the size)")
     g.add_argument("--d-model", type=int_in(None, 65536))
     g.add_argument("--n-layer", type=int_in(None, 1024))

@@ -182,3 +182,17 @@ class TrainConfig:
         if self.preset_model()["norm"] != "taper":
             return None
         return GateSchedule(self.warmup_steps, self.taper_steps)
+
+def add_execution_options(p, module: str) -> None:
+    """The data-parallel options `train` and `train.finetune` share (one place for their help)."""
+    from core.errors import int_in
+    d = p.add_argument_group(f"execution (data parallel: launch with torchrun --nproc-per-node N -m {module} ...)")
+    d.add_argument("--grad-accum", type=int_in(1, 65536), help="micro-batches per step on each rank (default 1); "
+                   "--batch-size must be a multiple of processes x grad-accum")
+    d.add_argument("--device", choices=DEVICES, help="cpu (default; gloo between ranks) or cuda (one GPU per rank, nccl)")
+    d.add_argument("--dtype", choices=DTYPES, default="fp32", help="fp32 (default) or bf16 autocast (CUDA only; "
+                   "with --fsdp: bf16 compute, fp32 master weights and reductions)")
+    d.add_argument("--fsdp", action="store_true", help="sharded data parallel (FSDP2): each rank holds 1/N of the "
+                   "weights, gradients and optimizer state; a run setting (--resume keeps it)")
+    d.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute each block's activations in backward (less memory, ~1/3 more compute)")

@@ -40,7 +40,7 @@ import sys
 from pathlib import Path
 
 from core.errors import ArgumentParser, UsageError, float_in, int_in, seed_int
-from train.config import DEVICES, DTYPES, TrainConfig, TrainError
+from train.config import TrainConfig, TrainError, add_execution_options
 
 METHODS = ("internal-taper", "all-taper", "fakeln", "vanilla")
 DEFAULTS = dict(steps=600, lr=5e-4, batch_size=16, seq_len=128, eval_every=100)
@@ -131,16 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "datasets save_to_disk folder, or a token shard directory (tokenized once)")
     p.add_argument("--shards", help="where --data's token shards are kept (default: DATA_NAME.tokens beside --out)")
     p.add_argument("--seed", type=seed_int, default=0)
-    d = p.add_argument_group("execution (data parallel: launch with torchrun --nproc-per-node N -m train.finetune ...)")
-    d.add_argument("--grad-accum", type=int_in(1, 65536), help="micro-batches per step on each rank (default 1); "
-                   "--batch-size must be a multiple of processes x grad-accum")
-    d.add_argument("--device", choices=DEVICES, help="cpu (default; gloo between ranks) or cuda (one GPU per rank, nccl)")
-    d.add_argument("--dtype", choices=DTYPES, default="fp32", help="fp32 (default) or bf16 autocast (CUDA only; "
-                   "with --fsdp: bf16 compute, fp32 master weights and reductions)")
-    d.add_argument("--fsdp", action="store_true", help="sharded data parallel (FSDP2): each rank holds 1/N of the "
-                   "weights, gradients and optimizer state; a run setting (--resume keeps it)")
-    d.add_argument("--checkpoint-activations", action="store_true",
-                   help="recompute each block's activations in backward (less memory, ~1/3 more compute)")
+    add_execution_options(p, "train.finetune")
     p.add_argument("--threads", type=int_in(0, 256), default=0, help="torch threads (0: torch's default)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
