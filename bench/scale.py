@@ -344,7 +344,7 @@ def run_bench(args) -> int:
     from bench.shapes import resolve_shape
     from core.errors import UsageError, UserError
     from core.outputs import REPORT_JSON, check_output_file, write_json
-    options = parse_options(args.options)
+    options = parse_options(args.options or "") if args.options is not None or not args.peers else {}
     specs = [s.strip() for s in args.shapes.split(",") if s.strip()]
     names = [resolve_shape(s)[0] for s in specs]            # one error line before any work
     if not specs or len(set(names)) < len(names):
@@ -428,7 +428,8 @@ def run(argv: list[str]) -> int:
     rn = sub.add_parser("run", help="build and decode each shape with each option set, interleaved rounds")
     rn.add_argument("--shapes", required=True, help="comma list of shape names or config .json paths")
     rn.add_argument("--work", type=Path, required=True, help="folders and builds go here (reused when present)")
-    rn.add_argument("--options", required=True, help='"NAME=EXPORT.BUILD ARGS;..." e.g. "int4=--fuse --quantize int4"')
+    rn.add_argument("--options", default=None, help='"NAME=EXPORT.BUILD ARGS;..." e.g. "int4=--fuse --quantize int4" '
+                    "(required unless --peers is given: then the peers alone may run)")
     rn.add_argument("--rounds", type=int_in(1, 100), default=1)
     rn.add_argument("--decode-tokens", type=int_in(1, 1024), default=64)
     rn.add_argument("--prompt-tokens", type=int_in(1, 1024), default=16)
