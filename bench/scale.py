@@ -219,15 +219,26 @@ def genai_input(folder: Path, out: Path) -> Path:
 
 
 def genai_build(inp: Path, out: Path, cache: Path, cap_bytes: int = 0) -> dict:
-    """GenAI's model builder into `out` (replacing an earlier GenAI build there), measured."""
+    """GenAI's model builder into `out` (replacing an earlier GenAI build there), measured. It writes
+    into a temporary sibling renamed into place when it succeeds: a failed or stopped build leaves
+    nothing that the next run would have to be told about."""
     import shutil
+    import tempfile
     from core.errors import UserError
-    if out.exists():
-        if not (out / "genai_config.json").is_file():
-            raise UserError(f"{out}: exists and is no GenAI build (no genai_config.json); move it away or use another --work")
-        shutil.rmtree(out)
-    return measured([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(inp), "-o", str(out),
-                     "-p", "int4", "-e", "cpu", "-c", str(cache)], cap_bytes)
+    if out.exists() and not (out / "genai_config.json").is_file():
+        raise UserError(f"{out}: exists and is no GenAI build (no genai_config.json); move it away or use another --work")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        row = measured([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(inp), "-o", str(tmp),
+                        "-p", "int4", "-e", "cpu", "-c", str(cache)], cap_bytes)
+        if row["rc"] == 0:
+            if out.exists():
+                shutil.rmtree(out)                  # an earlier GenAI build (checked above)
+            tmp.rename(out)
+        return row
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
 
 
 def measure_option(name: str, argv: list[str], folder: Path, out: Path, args, genai_in: Path | None = None) -> dict:
