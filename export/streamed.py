@@ -263,10 +263,11 @@ def _reference(stages, source, plan, path: Path, dtype: str):
     steps = [s for _, s in sessions]
     t0 = stages.start(f"torch reference, block by block ({len(sessions)} sessions: prefill + decode steps"
                       f"{'; and with the graph dequantized weights' if plan.quantize is not None else ''})")
-    runs = layerwise_run(source, steps, getattr(torch, REFERENCE_DTYPES[dtype]))
+    runs = layerwise_run(source, steps, getattr(torch, REFERENCE_DTYPES[dtype]), log=stages.log)
     dequantized = None
     if plan.quantize is not None and plan.quantize.algo == "rtn":
-        dequantized = layerwise_run(source, steps, parts=QuantizedParts(source, plan))
+        stages.log("      and with the graph's dequantized weights:")
+        dequantized = layerwise_run(source, steps, parts=QuantizedParts(source, plan), log=stages.log)
     stages.done("reference", t0)
     release_freed_memory()
     return runs, dequantized, sessions, iface
@@ -281,7 +282,10 @@ def _verify(report, path: Path, iface, sessions, runs_ref, runs_deq, quantize, k
     from export.verify import DEQUANTIZED, VerificationError, compare_sessions, ort_session
     from models.layerwise import used_slots
     sess = ort_session(path)
-    runs = [run_onnx(sess, iface, steps, trim=used_slots(steps)) for _, steps in sessions]
+    runs = []
+    for k, (label, steps) in enumerate(sessions):
+        runs.append(run_onnx(sess, iface, steps, trim=used_slots(steps)))
+        log(f"      [{k + 1}/{len(sessions)}] {label}: {len(steps)} steps run")
     del sess
     if quantize is None or runs_deq is None:
         results = compare_sessions([(label, ref, got) for (label, _), ref, got in zip(sessions, runs_ref, runs)],

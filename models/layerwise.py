@@ -53,11 +53,12 @@ class ModelParts:
 
 
 @torch.no_grad()
-def layerwise_run(source, sessions, dtype: torch.dtype = torch.float32, parts: ModelParts | None = None
-                  ) -> list[list[dict[str, np.ndarray]]]:
+def layerwise_run(source, sessions, dtype: torch.dtype = torch.float32, parts: ModelParts | None = None,
+                  log=None) -> list[list[dict[str, np.ndarray]]]:
     """Outputs of the decode steps of each session (Step lists, export/conventions.py): logits of
     every step and, on the last step, present_key_i / present_value_i cut to the slots written
-    ([B, H_kv, used_slots, D]). `parts`: where the weights come from (default: the checkpoint's)."""
+    ([B, H_kv, used_slots, D]). `parts`: where the weights come from (default: the checkpoint's).
+    `log`: called with one progress line per block (a 1B model's reference takes a minute)."""
     parts = parts or ModelParts(source)
     cfg, skel = source.cfg, source.skeleton
     layout = cfg.cache_layout()
@@ -89,6 +90,8 @@ def layerwise_run(source, sessions, dtype: torch.dtype = torch.float32, parts: M
             for kind, c in zip(CACHE_KINDS, cache):
                 outs[s][-1][present_name(cache_name(i, kind))] = c[:, :, :used].float().numpy().copy()
         del block
+        if log is not None:
+            log(f"      [{i + 1}/{cfg.n_layer}] block {i + 1} through {len(sessions)} session(s)")
     ln_f, head, bias = parts.final()
     ln_f, head = ln_f.to(dtype), head.to(dtype)                                 # head [V, d]
     for s, xx in enumerate(xs):
