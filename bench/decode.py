@@ -4,7 +4,8 @@ Decode throughput of the deployed variants (bench/variants.py) side by side, wit
 peers a user would run instead (bench/runners.py), gpt-fast style:
 
     1. measure the machine's memory read bandwidth (numpy sums over 1 GiB, best of 5)
-    2. build every variant's ONNX once into OUT/cache (export.onnx_export + graph_passes)
+    2. build every variant's ONNX once into OUT/cache (export.pipeline's stages, each graph verified
+       as export.build verifies it unless --no-verify)
     3. per (size, backend) one worker process: load every runner, then per batch size
        one untimed warm-up generation each, then ROUNDS rounds in which every runner
        generates once, in an order rotated each round (bench.stats.round_order);
@@ -29,12 +30,13 @@ import sys
 import tempfile
 import time
 from argparse import SUPPRESS
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from bench import stats
-from bench.variants import BASELINE, SIZES, VARIANTS, capacity_for
+from bench.variants import BASELINE, SIZES, VARIANTS, GraphInfo, capacity_for, quantized_name
 
 ONNX_BACKENDS = ("ort", "trt")
 ALL_BACKENDS = ("ort", "torch", "torch-cuda", "trt")
@@ -113,47 +115,82 @@ def backend_status(name: str) -> str | None:
 
 # --- worker: one (size, backend) per process ---------------------------------------------------------
 
-def _runners(spec: dict) -> list:
-    from bench.runners import HFRunner, PlainOrtRunner, SessionRunner, make_ort_session
-    from bench.variants import base_model, quantized_name, torch_variant, weight_bytes_torch
-    size, backend, threads, cap = spec["size"], spec["backend"], spec["threads"], spec["capacity"]
+@dataclass
+class WorkerSpec:
+    """What one worker process runs: one (size, backend) cell. It crosses the process boundary as
+    JSON (to_json / from_json) and is typed on both sides."""
+    size: str
+    backend: str
+    variants: list[str]
+    onnx: dict[str, GraphInfo]          # runner name -> built graph (bench.variants.build_onnx)
+    genai: dict[str, dict]              # GenAI peers' infos (bench.genai)
+    batches: list[int]
+    prompt: int
+    new_tokens: int
+    rounds: int
+    threads: int
+    profile_steps: int
+    peers: list[str]
+    capacity: int
+    seed: int
+    dtypes: list[str]
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "onnx": {k: v.to_json() for k, v in self.onnx.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "WorkerSpec":
+        return cls(**{**data, "onnx": {k: GraphInfo.from_json(v) for k, v in data["onnx"].items()}})
+
+
+def onnx_runners(spec: WorkerSpec) -> list:
+    """Our runners over the built graphs (quantized graphs, com.microsoft MatMulNBits, on ONNX Runtime only)."""
+    from bench.runners import SessionRunner, make_ort_session
+    dtypes = spec.dtypes if spec.backend == "ort" else ["fp32"]
+    names = [quantized_name(n, d) for n in spec.variants for d in dtypes if quantized_name(n, d) in spec.onnx]
     out = []
-    if backend in ONNX_BACKENDS:
-        # quantized graphs (com.microsoft MatMulNBits) run on ONNX Runtime only
-        dtypes = spec.get("dtypes", ["fp32"]) if backend == "ort" else ["fp32"]
-        names = [quantized_name(n, d) for n in spec["variants"] for d in dtypes
-                 if quantized_name(n, d) in spec["onnx"]]
-        for name in names:
-            info = spec["onnx"][name]
-            if backend == "ort":
-                make = make_ort_session(info["path"], "cpu", threads)
-            else:
-                from runtime.backends import open_session
-                make = lambda pd, p=info["path"]: open_session("trt", p)  # noqa: E731
-            out.append(SessionRunner(name, make, info["weight_bytes"], info["norm_nodes"]))
-            out[-1].source = info["source"]
-    else:
-        from runtime.torch_session import TorchSession
-        device = "cuda" if backend == "torch-cuda" else "cpu"
-        bases = {}
-        for name in spec["variants"]:
-            v = VARIANTS[name]
-            if v.kind not in bases:
-                bases[v.kind] = base_model(size, v.kind, cap, spec["seed"])
-            m = torch_variant(v, bases[v.kind][0])
-            out.append(SessionRunner(name, lambda pd, m=m: TorchSession(m, device=device), weight_bytes_torch(m)))
-            out[-1].source = bases[v.kind][1]
-        bases.clear()
-    device = "cuda" if backend in ("torch-cuda", "trt") else "cpu"
-    # peers run beside our ONNX backends (and torch-cuda on a GPU); on CPU once, in the ort worker
-    if "hf-generate" in spec["peers"] and backend != "torch":
-        out.append(HFRunner(SIZES[size], cap, device=device))
-    if "ort-plain" in spec["peers"] and backend == "ort":
-        info = spec["onnx"][BASELINE]
-        out.append(PlainOrtRunner(info["path"], threads, info["weight_bytes"]))
-    if "genai" in spec["peers"] and backend == "ort":
+    for name in names:
+        info = spec.onnx[name]
+        if spec.backend == "ort":
+            make = make_ort_session(info.path, "cpu", spec.threads)
+        else:
+            from runtime.backends import open_session
+            make = lambda pd, p=info.path: open_session("trt", p)  # noqa: E731
+        out.append(SessionRunner(name, make, info.weight_bytes, info.norm_nodes))
+        out[-1].source = info.source
+    return out
+
+
+def torch_runners(spec: WorkerSpec) -> list:
+    """Our runners on torch eager: each variant's model (bench.variants.torch_variant)."""
+    from bench.runners import SessionRunner
+    from bench.variants import base_model, torch_variant, weight_bytes_torch
+    from runtime.torch_session import TorchSession
+    device = "cuda" if spec.backend == "torch-cuda" else "cpu"
+    bases, out = {}, []
+    for name in spec.variants:
+        v = VARIANTS[name]
+        if v.kind not in bases:
+            bases[v.kind] = base_model(spec.size, v.kind, spec.capacity, spec.seed)
+        m = torch_variant(v, bases[v.kind][0])
+        out.append(SessionRunner(name, lambda pd, m=m: TorchSession(m, device=device), weight_bytes_torch(m)))
+        out[-1].source = bases[v.kind][1]
+    return out
+
+
+def peer_runners(spec: WorkerSpec) -> list:
+    """The peers beside our ONNX backends (and torch-cuda on a GPU); on CPU once, in the ort worker."""
+    from bench.runners import HFRunner, PlainOrtRunner
+    device = "cuda" if spec.backend in ("torch-cuda", "trt") else "cpu"
+    out = []
+    if "hf-generate" in spec.peers and spec.backend != "torch":
+        out.append(HFRunner(SIZES[spec.size], spec.capacity, device=device))
+    if "ort-plain" in spec.peers and spec.backend == "ort":
+        info = spec.onnx[BASELINE]
+        out.append(PlainOrtRunner(info.path, spec.threads, info.weight_bytes))
+    if "genai" in spec.peers and spec.backend == "ort":
         from bench.genai import GenAIRunner
-        out += [GenAIRunner(info, threads) for info in spec.get("genai", {}).values()]
+        out += [GenAIRunner(info, spec.threads) for info in spec.genai.values()]
     return out
 
 
@@ -182,58 +219,71 @@ def timed_rounds(runners, prompts: np.ndarray, n: int, rounds: int, log=None) ->
     return cell, order
 
 
-def worker(spec: dict) -> dict:
+def batch_cell(spec: WorkerSpec, runners: list, batch: int) -> dict:
+    """One batch size: the timed rounds, then a profiled decode of each of our runners."""
+    prompts = np.random.default_rng(batch).integers(0, SIZES[spec.size]["vocab_size"], (batch, spec.prompt))
+    label = f"{spec.size} {spec.backend} b{batch}"
+    cell, order = timed_rounds(runners, prompts, spec.new_tokens, spec.rounds,
+                               log=lambda msg: print(f"    {label} {msg}", flush=True))
+    for r in runners:
+        if r.kind == "ours" and spec.profile_steps > 0:
+            try:
+                cell[r.name]["profile"] = r.profile(prompts, spec.profile_steps)
+            except Exception as e:   # a profiler failure must not lose the timings
+                cell[r.name]["profile"] = {"error": f"{type(e).__name__}: {e}"}
+    return {"order": order, "runners": cell}
+
+
+def worker(spec: WorkerSpec) -> dict:
+    """The cell's raw timings (JSON: the worker process's answer)."""
     import torch
     from bench.runners import peak_rss_bytes
-    torch.set_num_threads(spec["threads"])
+    torch.set_num_threads(spec.threads)
     t_start = time.perf_counter()
-    runners = _runners(spec)
+    ours = onnx_runners(spec) if spec.backend in ONNX_BACKENDS else torch_runners(spec)
+    runners = ours + peer_runners(spec)
     loaded = {}
     for r in runners:
         r.activate()
         loaded[r.name] = {"kind": r.kind, "weight_bytes": r.weight_bytes, "rss_load_bytes": r.rss_load_bytes,
                           "source": getattr(r, "source", None), "impl": getattr(r, "impl", None)}
-    n, rounds = spec["new_tokens"], spec["rounds"]
-    batches = {}
-    for batch in spec["batches"]:
-        prompts = np.random.default_rng(batch).integers(0, SIZES[spec["size"]]["vocab_size"], (batch, spec["prompt"]))
-        label = f"{spec['size']} {spec['backend']} b{batch}"
-        cell, order = timed_rounds(runners, prompts, n, rounds,
-                                   log=lambda msg: print(f"    {label} {msg}", flush=True))
-        for r in runners:
-            if r.kind == "ours" and spec["profile_steps"] > 0:
-                try:
-                    cell[r.name]["profile"] = r.profile(prompts, spec["profile_steps"])
-                except Exception as e:   # a profiler failure must not lose the timings
-                    cell[r.name]["profile"] = {"error": f"{type(e).__name__}: {e}"}
-        batches[str(batch)] = {"order": order, "runners": cell}
+    batches = {str(b): batch_cell(spec, runners, b) for b in spec.batches}
     for r in runners:
         r.close()
-    return {"size": spec["size"], "backend": spec["backend"], "runners": loaded, "batches": batches,
+    return {"size": spec.size, "backend": spec.backend, "runners": loaded, "batches": batches,
             "peak_rss_bytes": peak_rss_bytes(), "wall_s": round(time.perf_counter() - t_start, 1)}
 
 
-def run_worker(spec: dict, workdir: Path) -> dict:
+def run_worker(spec: WorkerSpec, workdir: Path) -> dict:
     """Run `worker(spec)` in a fresh process (its own peak RSS, no state shared between cells)."""
-    spec_path = workdir / f"spec-{spec['size']}-{spec['backend']}.json"
+    from core.outputs import replace_file_in
+    spec_path = workdir / f"spec-{spec.size}-{spec.backend}.json"
     out_path = spec_path.with_name(spec_path.name.replace("spec-", "cell-"))
-    spec_path.write_text(json.dumps(spec))
+    replace_file_in(workdir, spec_path.name, json.dumps(spec.to_json()))
     cmd = [sys.executable, "-m", "bench.decode", "--worker", str(spec_path), "--worker-out", str(out_path)]
     proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent)
     if proc.returncode != 0 or not out_path.is_file():
-        return {"size": spec["size"], "backend": spec["backend"], "error": f"worker exited with status {proc.returncode}"}
+        return {"size": spec.size, "backend": spec.backend, "error": f"worker exited with status {proc.returncode}"}
     return json.loads(out_path.read_text())
 
 
 # --- builds -------------------------------------------------------------------------------------------
 
+@dataclass
+class Builds:
+    """What the build step made: graphs and GenAI peers per size, and its wall time."""
+    onnx: dict[str, dict[str, GraphInfo]]       # size -> runner name -> graph
+    genai: dict[str, dict[str, dict]]           # size -> peer name -> bench.genai info
+    seconds: float = 0.0
+
+
 def _build_task(args):
-    size, names, cap, cache, seed, dtypes, attention = args
+    size, names, cap, cache, seed, dtypes, attention, verify = args
     from bench.variants import build_onnx
-    return size, build_onnx(size, names, cap, Path(cache), seed, dtypes=dtypes, attention=attention)
+    return size, build_onnx(size, names, cap, Path(cache), seed, dtypes=dtypes, attention=attention, verify=verify)
 
 
-def build_genai_all(sizes, dtypes, cap, cache: Path, seed: int) -> tuple[dict, dict]:
+def build_genai_all(sizes, dtypes, cap, cache: Path, seed: int, verify: bool = True) -> tuple[dict, dict]:
     """Per size and dtype GenAI has (fp32, int4): GenAI's own build and GenAI's folder of our folded
     graph (bench.genai.build_ours_genai); ({size: {runner name: info}}, {what: why not} for what
     could not be built)."""
@@ -242,7 +292,8 @@ def build_genai_all(sizes, dtypes, cap, cache: Path, seed: int) -> tuple[dict, d
     for size in sizes:
         for precision in [d for d in dtypes if d in PRECISIONS]:
             for name, make in ((f"genai-{precision}", lambda: build_genai(size, SIZES[size], cap, precision, cache, seed)),
-                               (f"genai-ours-{precision}", lambda: build_ours_genai(size, cap, precision, cache, seed))):
+                               (f"genai-ours-{precision}",
+                                lambda: build_ours_genai(size, cap, precision, cache, seed, verify=verify))):
                 try:
                     out[size][name] = make()
                 except Exception as e:      # a peer that cannot be built is skipped, with the reason
@@ -253,16 +304,17 @@ def build_genai_all(sizes, dtypes, cap, cache: Path, seed: int) -> tuple[dict, d
     return out, skipped
 
 
-def build_all(sizes, names, cap, cache: Path, seed: int, jobs: int, dtypes=("fp32",), attention="plain") -> dict:
-    """ONNX for every (size, variant), `jobs` export processes at a time; grouped by kind so
-    internal-taper's unfused and fused graphs share one export."""
+def build_all(sizes, names, cap, cache: Path, seed: int, jobs: int, dtypes=("fp32",), attention="plain",
+              verify: bool = True) -> dict[str, dict[str, GraphInfo]]:
+    """ONNX for every (size, variant), `jobs` export processes at a time; grouped by model
+    (Variant.model_key) so internal-taper's unfused and fused graphs share one export."""
     import multiprocessing as mp
     groups: list[tuple] = []
     for size in sizes:
-        by_kind: dict[str, list[str]] = {}
+        by_model: dict[tuple, list[str]] = {}
         for n in names:
-            by_kind.setdefault(VARIANTS[n].kind + ("-naive" if VARIANTS[n].naive else ""), []).append(n)
-        groups += [(size, g, cap, str(cache), seed, list(dtypes), attention) for g in by_kind.values()]
+            by_model.setdefault(VARIANTS[n].model_key, []).append(n)
+        groups += [(size, g, cap, str(cache), seed, list(dtypes), attention, verify) for g in by_model.values()]
     out: dict[str, dict] = {s: {} for s in sizes}
     if jobs <= 1:
         for size, infos in map(_build_task, groups):
@@ -271,7 +323,25 @@ def build_all(sizes, names, cap, cache: Path, seed: int, jobs: int, dtypes=("fp3
     with mp.get_context("spawn").Pool(jobs) as pool:     # exiting terminates the workers, also on Ctrl-C
         for size, infos in pool.imap_unordered(_build_task, groups):
             out[size].update(infos)
+        # done: let the workers exit on their own, so what they hold (the verification's libraries
+        # create semaphores) is released; terminate() would leave them to the resource tracker
+        pool.close()
+        pool.join()
     return out
+
+
+def build_models(s: Settings, cache: Path, jobs: int) -> Builds:
+    """Every graph the cells need (ONNX only for an ONNX backend; the GenAI peers when asked)."""
+    t0 = time.perf_counter()
+    need_onnx = any(b in ONNX_BACKENDS for b in s.backends)
+    builds = Builds(build_all(s.sizes, s.variants, s.capacity, cache, s.seed, jobs, s.dtypes, s.attention, s.verify)
+                    if need_onnx else {size: {} for size in s.sizes}, {size: {} for size in s.sizes})
+    if "genai" in s.peers:
+        builds.genai, why_not = build_genai_all(s.sizes, s.dtypes, s.capacity, cache, s.seed, s.verify)
+        s.skipped.update(why_not)
+    builds.seconds = time.perf_counter() - t0
+    print(f"  builds ready in {builds.seconds:.0f} s", flush=True)
+    return builds
 
 
 # --- CLI -------------------------------------------------------------------------------------------
@@ -292,6 +362,9 @@ def _parser():
     p.add_argument("--attention", choices=("plain", "fused", "gqa"), default="plain",
                    help="ONNX graphs with plain attention ops (default), one fused Attention op per layer, or "
                         "ONNX Runtime's GroupQueryAttention with Q/K/V in one MatMul (export.build --attention gqa)")
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="build without export's checks (each graph against torch, a quantized one against its fp32 "
+                        "graph with the dtype's tolerance and top-1 floor); the output and results.json say so")
     p.add_argument("--prompt", type=int_in(1, 4096), default=16, help="prompt tokens (default 16)")
     p.add_argument("--new-tokens", type=int_in(2, 8192), help="new tokens per sequence (default 128; quick: 32)")
     p.add_argument("--rounds", type=int_in(3, 1000), help="timed rounds, >= 3 (default 3)")
@@ -336,45 +409,46 @@ def _batches(value, default) -> list[int]:
     return batches
 
 
-def main(argv=None) -> int:
-    from core.errors import run_cli
-    return run_cli(run, argv)
+@dataclass
+class Settings:
+    """One run's settings: the command line's, with the defaults filled in and what this machine
+    cannot run taken out (`skipped`: what -> why). to_json() is results.json's "settings"."""
+    sizes: list[str]
+    variants: list[str]
+    backends: list[str]
+    skipped: dict[str, str]
+    peers: list[str]
+    dtypes: list[str]
+    batches: list[int]
+    prompt: int
+    new_tokens: int
+    rounds: int
+    threads: int
+    capacity: int
+    profile_steps: int
+    quick: bool
+    seed: int
+    attention: str
+    verify: bool
+    bandwidth_gib: float
+
+    def to_json(self) -> dict:
+        return {"sizes": self.sizes, "variants": self.variants, "backends": self.backends,
+                "skipped_backends": self.skipped, "peers": self.peers, "batches": self.batches,
+                "prompt": self.prompt, "new_tokens": self.new_tokens, "rounds": self.rounds, "threads": self.threads,
+                "capacity": self.capacity, "profile_steps": self.profile_steps, "quick": self.quick,
+                "seed": self.seed, "dtype": "fp32", "dtypes": self.dtypes, "attention": self.attention,
+                "verify": self.verify}
+
+    def cell_peers(self, backend: str) -> list[str]:
+        return [p for p in self.peers if (p == "hf-generate" and backend != "torch") or
+                (p in ("ort-plain", "genai") and backend == "ort")]
 
 
-def run(argv) -> int:
-    from core.errors import UsageError
-    from core.outputs import BENCH_CACHE, BENCH_RESULTS, check_output_dir, claim_dir
-    args = _parser().parse_args(argv)
-    if args.worker:
-        result = worker(json.loads(args.worker.read_text()))
-        args.worker_out.write_text(json.dumps(result))
-        return 0
-    if args.list:
-        from bench.variants import config_for
-        from models.decoder import Decoder
-        import torch
-        for s in SIZES:
-            torch.manual_seed(0)
-            print(f"{s:5s} {SIZES[s]}  {Decoder(config_for(s, 'baseline', 160)).num_params():,} params (capacity 160)")
-        for v in VARIANTS.values():
-            print(f"{v.name:24s} kind {v.kind}{', naive RMSNorm' if v.naive else ''}{', fused' if v.fuse else ''}")
-        return 0
-    if args.out is None:
-        raise UsageError("python -m bench.decode: --out DIR is required (where results.json, results.md and the plots go)")
-    q = args.quick
-    sizes = _csv(args.sizes, ["1M", "8M"] if q else list(SIZES), SIZES, "size")
-    names = _csv(args.variants, list(VARIANTS), VARIANTS, "variant")
-    if BASELINE not in names:
-        names.insert(0, BASELINE)   # every ratio is taken against it
-    wanted = _csv(args.backends, ["ort", "torch"] if q else list(ALL_BACKENDS), ALL_BACKENDS, "backend")
-    peers = [] if args.peers == "none" else _csv(args.peers, ["hf-generate", "ort-plain"], PEERS, "peer")
-    dtypes = _csv(args.dtypes, ["fp32"], DTYPES, "dtype")
-    batches = _batches(args.batches, ["1"] if q else ["1", "8"])
-    new_tokens = args.new_tokens or (32 if q else 128)
-    rounds = args.rounds or 3
-    threads = args.threads
-    skipped = {b: why for b in wanted if (why := backend_status(b)) is not None}
+def unavailable(wanted: list[str], peers: list[str]) -> dict[str, str]:
+    """What of the asked backends and peers cannot run here, and why (peers are taken out of `peers`)."""
     import importlib.util
+    skipped = {b: why for b in wanted if (why := backend_status(b)) is not None}
     if "hf-generate" in peers and importlib.util.find_spec("transformers") is None:
         peers.remove("hf-generate")
         skipped["hf-generate"] = "transformers is not installed (pip install 'tapernorm-deploy[hf]')"
@@ -384,78 +458,157 @@ def run(argv) -> int:
         if why:
             peers.remove("genai")
             skipped["genai"] = why
-    backends = [b for b in wanted if b not in skipped]
+    return skipped
+
+
+def settings_from(args) -> Settings:
+    """The command line's lists and defaults (--quick's among them), checked; what cannot run here left out."""
+    from core.errors import UsageError
+    q = args.quick
+    names = _csv(args.variants, list(VARIANTS), VARIANTS, "variant")
+    if BASELINE not in names:
+        names.insert(0, BASELINE)   # every ratio is taken against it
+    wanted = _csv(args.backends, ["ort", "torch"] if q else list(ALL_BACKENDS), ALL_BACKENDS, "backend")
+    peers = [] if args.peers == "none" else _csv(args.peers, ["hf-generate", "ort-plain"], PEERS, "peer")
+    skipped = unavailable(wanted, peers)
+    new_tokens = args.new_tokens or (32 if q else 128)
     cap = args.capacity or capacity_for(args.prompt, new_tokens)
     if cap < args.prompt + new_tokens:
         raise UsageError(f"--capacity {cap}: expected at least --prompt + --new-tokens = {args.prompt + new_tokens}; "
-                        "raise it or drop it")
-    if args.cache is not None:      # both refused before either is created: nothing half-written
+                         "raise it or drop it")
+    return Settings(sizes=_csv(args.sizes, ["1M", "8M"] if q else list(SIZES), SIZES, "size"), variants=names,
+                    backends=[b for b in wanted if b not in skipped], skipped=skipped, peers=peers,
+                    dtypes=_csv(args.dtypes, ["fp32"], DTYPES, "dtype"),
+                    batches=_batches(args.batches, ["1"] if q else ["1", "8"]), prompt=args.prompt,
+                    new_tokens=new_tokens, rounds=args.rounds or 3, threads=args.threads, capacity=cap,
+                    profile_steps=args.profile_steps, quick=q, seed=args.seed, attention=args.attention,
+                    verify=args.verify, bandwidth_gib=args.bandwidth_gib)
+
+
+def claim_outputs(args) -> tuple[Path, Path]:
+    """(results directory, build cache), both checked before either is created: nothing half-written."""
+    from core.outputs import BENCH_CACHE, BENCH_RESULTS, check_output_dir, claim_dir
+    if args.cache is not None:
         check_output_dir(args.cache, BENCH_CACHE, option="--cache")
     out = claim_dir(args.out, BENCH_RESULTS)
-    cache = claim_dir(args.cache, BENCH_CACHE, option="--cache") if args.cache is not None else out / "cache"
-    from bench.runners import versions
-    t_start = time.perf_counter()
-    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    print(f"bench.decode: sizes {sizes}, backends {backends}, batches {batches}, prompt {args.prompt}, "
-          f"{new_tokens} new tokens, {rounds} rounds, {threads} threads; skipped {skipped or 'none'}", flush=True)
-    machine = machine_info()
-    bw = read_bandwidth(args.bandwidth_gib, 5, threads)
-    print("  read bandwidth: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bw.items()), flush=True)
-    t0 = time.perf_counter()
-    need_onnx = any(b in ONNX_BACKENDS for b in backends)
-    onnx = (build_all(sizes, names, cap, cache, args.seed, args.jobs, dtypes, args.attention) if need_onnx
-            else {s: {} for s in sizes})
-    genai = {s: {} for s in sizes}
-    if "genai" in peers:
-        genai, why_not = build_genai_all(sizes, dtypes, cap, cache, args.seed)
-        skipped.update(why_not)
-    build_s = time.perf_counter() - t0
-    print(f"  builds ready in {build_s:.0f} s", flush=True)
-    if args.build_only:
-        return 0
-    cells: list[dict] = []
-    planned = [f"{size} {backend}" for size in sizes for backend in backends]
-    command = "python -m bench.decode " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    return out, claim_dir(args.cache, BENCH_CACHE, option="--cache") if args.cache is not None else out / "cache"
 
-    def write(complete: bool) -> None:
+
+@dataclass
+class Run:
+    """What a run has measured so far; results.json is written from it after every cell."""
+    settings: Settings
+    command: str
+    out: Path
+    started: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    t_start: float = field(default_factory=time.perf_counter)
+    machine: dict = field(default_factory=dict)
+    bandwidth: dict = field(default_factory=dict)        # read_bandwidth's, at the start (and end_ at the end)
+    builds: Builds | None = None
+    cells: list[dict] = field(default_factory=list)
+
+    @property
+    def planned(self) -> list[str]:
+        return [f"{size} {backend}" for size in self.settings.sizes for backend in self.settings.backends]
+
+    def results(self, complete: bool) -> dict:
+        """results.json's content (format 1; bench.report adds the summary)."""
+        from bench.runners import versions
+        s, b = self.settings, self.builds
+        return {
+            "format": 1, "started": self.started, "wall_s": round(time.perf_counter() - self.t_start, 1),
+            "build_s": round(b.seconds, 1), "command": self.command, "complete": complete,
+            "cells_planned": self.planned, "ended": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "machine": self.machine, "versions": versions(), "read_bandwidth_Bps": self.bandwidth,
+            "settings": s.to_json(),
+            "models": {size: {n: {k: getattr(i, k) for k in MODEL_FIELDS} for n, i in b.onnx[size].items()}
+                       for size in s.sizes},
+            "genai_models": b.genai, "cells": self.cells}
+
+    def write(self, complete: bool) -> None:
         """results.json + reports with the cells done so far (an interrupted run keeps them)."""
         from bench.report import write_reports
-        machine["loadavg_end"] = list(os.getloadavg())
+        self.machine["loadavg_end"] = list(os.getloadavg())
         if complete:     # bandwidth again at the end: other jobs on a shared machine move it
-            bw.update({f"end_{k}": v for k, v in read_bandwidth(args.bandwidth_gib, 5, threads).items() if k != "best"})
+            bw = self.bandwidth
+            end = read_bandwidth(self.settings.bandwidth_gib, 5, self.settings.threads)
+            bw.update({f"end_{k}": v for k, v in end.items() if k != "best"})
             bw["best"] = max(v for k, v in bw.items() if k != "best")
-        results = {
-            "format": 1, "started": started, "wall_s": round(time.perf_counter() - t_start, 1),
-            "build_s": round(build_s, 1), "command": command, "complete": complete,
-            "cells_planned": planned, "ended": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-            "machine": machine, "versions": versions(), "read_bandwidth_Bps": bw,
-            "settings": {"sizes": sizes, "variants": names, "backends": backends, "skipped_backends": skipped,
-                         "peers": peers, "batches": batches, "prompt": args.prompt, "new_tokens": new_tokens,
-                         "rounds": rounds, "threads": threads, "capacity": cap, "profile_steps": args.profile_steps,
-                         "quick": q, "seed": args.seed, "dtype": "fp32", "dtypes": dtypes,
-                         "attention": args.attention},
-            "models": {s: {n: {k: i[k] for k in ("source", "params", "weight_bytes", "nodes", "op_counts", "build_s")}
-                           for n, i in onnx[s].items()} for s in sizes},
-            "genai_models": genai,
-            "cells": cells,
-        }
-        write_reports(results, out)
+        write_reports(self.results(complete), self.out)
 
-    with tempfile.TemporaryDirectory(dir=out) as work:
-        for size in sizes:
-            for backend in backends:
-                cell_peers = [p for p in peers if (p == "hf-generate" and backend != "torch") or
-                              (p in ("ort-plain", "genai") and backend == "ort")]
-                print(f"  {size} {backend}: {len(names)} variants + peers {cell_peers or 'none'}", flush=True)
-                spec = {"size": size, "backend": backend, "variants": names, "onnx": onnx[size],
-                        "batches": batches, "prompt": args.prompt, "new_tokens": new_tokens, "rounds": rounds,
-                        "threads": threads, "profile_steps": args.profile_steps, "peers": peers,
-                        "capacity": cap, "seed": args.seed, "dtypes": dtypes, "genai": genai[size]}
-                cells.append(run_worker(spec, Path(work)))
-                write(complete=len(cells) == len(planned))
-    if not cells:
-        write(complete=True)
-    print(f"wrote {out / 'results.json'}, {out / 'results.md'} and plots in {time.perf_counter() - t_start:.0f} s")
+
+# what results.json keeps of each built graph ("verified": export's checks, None under --no-verify)
+MODEL_FIELDS = ("source", "params", "weight_bytes", "nodes", "op_counts", "build_s", "verified")
+
+
+def cell_spec(run: Run, size: str, backend: str) -> WorkerSpec:
+    s = run.settings
+    return WorkerSpec(size=size, backend=backend, variants=s.variants, onnx=run.builds.onnx[size],
+                      genai=run.builds.genai[size], batches=s.batches, prompt=s.prompt, new_tokens=s.new_tokens,
+                      rounds=s.rounds, threads=s.threads, profile_steps=s.profile_steps, peers=s.peers,
+                      capacity=s.capacity, seed=s.seed, dtypes=s.dtypes)
+
+
+def run_cells(run: Run) -> None:
+    """Every (size, backend) cell in its own worker process, results written after each."""
+    s = run.settings
+    with tempfile.TemporaryDirectory(dir=run.out) as work:
+        for size in s.sizes:
+            for backend in s.backends:
+                print(f"  {size} {backend}: {len(s.variants)} variants + peers {s.cell_peers(backend) or 'none'}",
+                      flush=True)
+                run.cells.append(run_worker(cell_spec(run, size, backend), Path(work)))
+                run.write(complete=len(run.cells) == len(run.planned))
+    if not run.cells:
+        run.write(complete=True)
+
+
+def list_models() -> None:
+    from bench.variants import config_for
+    from models.decoder import Decoder
+    import torch
+    for s in SIZES:
+        torch.manual_seed(0)
+        print(f"{s:5s} {SIZES[s]}  {Decoder(config_for(s, 'baseline', 160)).num_params():,} params (capacity 160)")
+    for v in VARIANTS.values():
+        print(f"{v.name:24s} kind {v.kind}{', ' + v.transform if v.transform else ''}{', fused' if v.fuse else ''}")
+
+
+def main(argv=None) -> int:
+    from core.errors import run_cli
+    return run_cli(run, argv)
+
+
+def run(argv) -> int:
+    args = _parser().parse_args(argv)
+    if args.worker:         # the process boundary: a WorkerSpec in, the cell's timings out, as JSON
+        result = worker(WorkerSpec.from_json(json.loads(args.worker.read_text())))
+        from core.outputs import replace_file_in
+        replace_file_in(args.worker_out.parent, args.worker_out.name, json.dumps(result))
+        return 0
+    if args.list:
+        list_models()
+        return 0
+    if args.out is None:
+        from core.errors import UsageError
+        raise UsageError("python -m bench.decode: --out DIR is required (where results.json, results.md and the plots go)")
+    s = settings_from(args)
+    out, cache = claim_outputs(args)
+    command = "python -m bench.decode " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    r = Run(s, command, out)
+    print(f"bench.decode: sizes {s.sizes}, backends {s.backends}, batches {s.batches}, prompt {s.prompt}, "
+          f"{s.new_tokens} new tokens, {s.rounds} rounds, {s.threads} threads; skipped {s.skipped or 'none'}", flush=True)
+    if not s.verify:
+        print("  verification OFF (--no-verify): no graph is checked against torch, nor a quantized one against its "
+              "fp32 graph; results.json says settings.verify false", flush=True)
+    r.machine = machine_info()
+    r.bandwidth = read_bandwidth(s.bandwidth_gib, 5, s.threads)
+    print("  read bandwidth: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in r.bandwidth.items()), flush=True)
+    r.builds = build_models(s, cache, args.jobs)
+    if args.build_only:
+        return 0
+    run_cells(r)
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'} and plots in {time.perf_counter() - r.t_start:.0f} s")
     return 0
 
 

@@ -66,61 +66,65 @@ def write_llama(shape: dict, capacity: int, out: Path, seed: int = 0) -> Path:
 
 def build_genai(size: str, shape: dict, capacity: int, precision: str, cache: Path, seed: int = 0, log=print) -> dict:
     """The GenAI build of this size and precision in `cache` (reused when present); its info.
-    The builder's version is in the name: a newer onnxruntime-genai builds afresh beside the old."""
+    The builder's version is in the name: a newer onnxruntime-genai builds afresh beside the old.
+    Its folders are written whole or not at all (core.outputs.output_dir, marked as cache entries)."""
     from importlib.metadata import version
-    from bench.variants import onnx_weight_bytes
+    from core.onnx_writer import initializer_bytes
+    from core.outputs import BENCH_CACHE, output_dir, replace_file_in
+    from graph_passes.base import op_counts
     out = cache / f"genai-{size}-cap{capacity}-{precision}-seed{seed}-og{version('onnxruntime-genai')}"
     info_path = out.with_name(out.name + ".json")          # (with_suffix would cut the version's ".0")
     if info_path.is_file() and (out / "genai_config.json").is_file():
         return json.loads(info_path.read_text())
     t0 = time.perf_counter()
-    hf = write_llama(shape, capacity, cache / f"hf-llama-{size}-cap{capacity}-seed{seed}", seed)
-    tmp = out.with_name(out.name + ".tmp")
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(tmp),
-           "-p", precision, "-e", "cpu", "-c", str(cache / "genai-hf-cache")]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0 or not (tmp / "genai_config.json").is_file():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise RuntimeError(f"GenAI builder failed for {size} {precision}: {tail[0][:300]}")
-    tmp.replace(out)
+    hf = cache / f"hf-llama-{size}-cap{capacity}-seed{seed}"
+    with output_dir(hf, BENCH_CACHE) as tmp:
+        write_llama(shape, capacity, tmp, seed)
+    with output_dir(out, BENCH_CACHE) as tmp:
+        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(tmp),
+               "-p", precision, "-e", "cpu", "-c", str(cache / "genai-hf-cache")]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not (tmp / "genai_config.json").is_file():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise RuntimeError(f"GenAI builder failed for {size} {precision}: {tail[0][:300]}")
     import onnx
     proto = onnx.load(str(out / "model.onnx"), load_external_data=False)
-    from collections import Counter
-    info = {"path": str(out), "precision": precision, "weight_bytes": onnx_weight_bytes(proto),
+    info = {"path": str(out), "precision": precision, "weight_bytes": initializer_bytes(proto, per_step=True),
             "source": f"random:seed{seed} (transformers LlamaForCausalLM, MLP hidden {llama_mlp_hidden(shape['d_model'])})",
-            "op_counts": dict(sorted(Counter(n.op_type for n in proto.graph.node).items())),
-            "build_s": round(time.perf_counter() - t0, 2), "command": " ".join(cmd[1:])}
-    info_path.write_text(json.dumps(info, indent=1))
+            "op_counts": op_counts(proto), "build_s": round(time.perf_counter() - t0, 2),
+            "command": " ".join(cmd[1:]).replace(str(tmp), str(out))}
+    replace_file_in(cache, info_path.name, json.dumps(info, indent=1))
     log(f"  built {size} genai-{precision}: {len(proto.graph.node)} nodes in {info['build_s']:.1f} s")
     return info
 
 
-def build_ours_genai(size: str, capacity: int, precision: str, cache: Path, seed: int = 0, log=print) -> dict:
+def build_ours_genai(size: str, capacity: int, precision: str, cache: Path, seed: int = 0, log=print,
+                     verify: bool = True) -> dict:
     """A GenAI folder in `cache` over our OURS_VARIANT graph of this size (--attention gqa, quantized
     for int4), reused when present; its info (as build_genai's, with the runner's name)."""
     from bench.variants import VARIANTS, base_model, build_onnx, quantized_name
     from core.onnx_writer import save_onnx
+    from core.outputs import BENCH_CACHE, output_dir, replace_file_in
     from export.genai import GENAI_CONFIG, GENAI_GRAPH, genai_config, genai_graph
     out = cache / f"ours-genai-{size}-cap{capacity}-{OURS_VARIANT}-{precision}-seed{seed}"
     info_path = out.with_name(out.name + ".json")
     if info_path.is_file() and (out / GENAI_CONFIG).is_file():
         return json.loads(info_path.read_text())
     t0 = time.perf_counter()
-    built = build_onnx(size, [OURS_VARIANT], capacity, cache, seed, log, dtypes=(precision,), attention="gqa")
+    built = build_onnx(size, [OURS_VARIANT], capacity, cache, seed, log, dtypes=(precision,), attention="gqa",
+                       verify=verify)
     graph = built[quantized_name(OURS_VARIANT, precision)]
     import onnx
-    proto = genai_graph(onnx.load(graph["path"]), graph["path"])
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_onnx(proto, tmp / GENAI_GRAPH)
     cfg = base_model(size, VARIANTS[OURS_VARIANT].kind, capacity, seed)[0].cfg
     ids = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}       # as write_llama's; runs never stop early
-    (tmp / GENAI_CONFIG).write_text(json.dumps(genai_config(cfg, GENAI_GRAPH, ids), indent=4) + "\n")
-    tmp.replace(out)
+    with output_dir(out, BENCH_CACHE) as tmp:          # written whole or not at all
+        save_onnx(genai_graph(onnx.load(graph.path), graph.path), tmp / GENAI_GRAPH)
+        (tmp / GENAI_CONFIG).write_text(json.dumps(genai_config(cfg, GENAI_GRAPH, ids), indent=4) + "\n")
     info = {"path": str(out), "precision": precision, "name": f"genai-ours-{precision}",
-            "weight_bytes": graph["weight_bytes"], "source": f"{graph['source']} ({OURS_VARIANT} with GenAI's I/O)",
-            "op_counts": graph["op_counts"], "build_s": round(time.perf_counter() - t0, 2)}
-    info_path.write_text(json.dumps(info, indent=1))
+            "weight_bytes": graph.weight_bytes, "source": f"{graph.source} ({OURS_VARIANT} with GenAI's I/O)",
+            "op_counts": graph.op_counts, "build_s": round(time.perf_counter() - t0, 2),
+            "verified": graph.verified}
+    replace_file_in(cache, info_path.name, json.dumps(info, indent=1))
     log(f"  built {size} genai-ours-{precision}: {OURS_VARIANT} as a GenAI folder in {info['build_s']:.1f} s")
     return info
 
@@ -139,10 +143,10 @@ class GenAIRunner(Runner):
 
     def _activate(self):
         import onnxruntime_genai as og
-        cfg_path = Path(self.path) / "genai_config.json"
-        cfg = json.loads(cfg_path.read_text())
+        from core.outputs import replace_file_in
+        cfg = json.loads((Path(self.path) / "genai_config.json").read_text())
         cfg["model"]["decoder"]["session_options"]["intra_op_num_threads"] = self.threads
-        cfg_path.write_text(json.dumps(cfg, indent=1))
+        replace_file_in(Path(self.path), "genai_config.json", json.dumps(cfg, indent=1))
         self.og = og
         self.model = og.Model(self.path)
 

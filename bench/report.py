@@ -4,6 +4,7 @@
                             TTFT, TPOT p50/p90/p99, ratio to rmsnorm-strong per round, achieved
                             weight bandwidth vs the measured read bandwidth, norm share f and
                             the limit 1/(1-f), ratios over the peers; then the acceptance figures
+                            against bench.targets.TARGETS
     write_reports(res, DIR) results.json (with the summary), results.md, tokens_per_s.png,
                             ratio_vs_strong.png
 """
@@ -17,6 +18,7 @@ import math
 from pathlib import Path
 
 from bench import stats
+from bench.targets import TARGETS
 from bench.variants import BASELINE, REMOVES, quantized_name, split_name
 
 FUSED = "internal-taper-fused"
@@ -116,30 +118,38 @@ def _cells(cells, **match):
 
 
 def acceptance(cells: list[dict], results: dict) -> list[dict]:
-    """The issue's acceptance figures: each {criterion, figures, met (True/False/None = not run)}."""
-    out = []
+    """The acceptance figures, judged against bench.targets.TARGETS: each {criterion, figures,
+    met (True/False/None = not run)}."""
+    out = [hf_acceptance(cells, key) for key in ("ort_over_hf_small", "ort_over_hf_124m")]
+    out += [bandwidth_acceptance(cells, results), limit_acceptance(cells), torch_acceptance(cells)]
+    return out + genai_acceptance(cells, results)
 
-    def add(criterion, figures, met):
-        out.append({"criterion": criterion, "figures": figures, "met": met})
 
-    # 1. ort runtime over HF generate
-    for label, sizes, need in (("<= 30M", ("1M", "8M", "30M"), 3.0), ("124M", ("124M",), 2.3)):
-        figs, oks = [], []
-        for c in cells:
-            if c.get("backend") != "ort" or c["size"] not in sizes:
-                continue
-            for name in (BASELINE, FUSED):
-                m = c["runners"].get(name, {})
-                r = m.get("ratio_over_peer", {}).get("hf-generate")
-                if r:
-                    figs.append(f"{c['size']} b{c['batch']} {SHORT[name]}: {r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]")
-                    if name == BASELINE:
-                        oks.append(r["median"] >= need)
-        add(f"ort runtime (rmsnorm-strong graph) >= {need}x HF generate at {label}", figs, all(oks) if oks else None)
-    # 2. bandwidth at 124M fp32
+def _verdict(criterion: str, figures: list[str], oks: list[bool]) -> dict:
+    return {"criterion": criterion, "figures": figures, "met": all(oks) if oks else None}
+
+
+def hf_acceptance(cells: list[dict], key: str) -> dict:
+    """ort runtime (the rmsnorm-strong graph) over HF generate at the target's sizes."""
+    t = TARGETS[key]
+    figs, oks = [], []
+    for c in cells:
+        if c.get("backend") != "ort" or c["size"] not in t.sizes:
+            continue
+        for name in (BASELINE, FUSED):
+            r = c["runners"].get(name, {}).get("ratio_over_peer", {}).get("hf-generate")
+            if r:
+                figs.append(f"{c['size']} b{c['batch']} {SHORT[name]}: {r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]")
+                if name == BASELINE:
+                    oks.append(r["median"] >= t.threshold)
+    return _verdict(f"ort runtime (rmsnorm-strong graph) >= {t.threshold}x HF generate at {t.label}", figs, oks)
+
+
+def bandwidth_acceptance(cells: list[dict], results: dict) -> dict:
+    t = TARGETS["bandwidth_share"]
     figs, oks = [], []
     bwb = results["read_bandwidth_Bps"]["best"]
-    for c in _cells(cells, size="124M", backend="ort"):
+    for c in [c for size in t.sizes for c in _cells(cells, size=size, backend="ort")]:
         for name in (BASELINE, FUSED):
             m = c["runners"].get(name)
             if m:
@@ -148,11 +158,14 @@ def acceptance(cells: list[dict], results: dict) -> list[dict]:
                             f"{_pct(m.get('bandwidth_share_same_threads', float('nan')))} of the read bandwidth "
                             f"at the same thread count ({results['settings']['threads']})")
                 if c["batch"] == 1 and name == BASELINE:
-                    oks.append(m["bandwidth_share"] >= 0.85)
-    add("124M fp32 (ort, batch 1, rmsnorm-strong): achieved weight bandwidth >= 85% of measured read bandwidth "
-        "(the best kernel, any thread count)",
-        figs, all(oks) if oks else None)
-    # 3. fused internal-taper vs its profiled limit, never slower beyond noise
+                    oks.append(m["bandwidth_share"] >= t.threshold)
+    return _verdict(f"{t.label} fp32 (ort, batch 1, rmsnorm-strong): achieved weight bandwidth >= "
+                    f"{100 * t.threshold:.0f}% of measured read bandwidth (the best kernel, any thread count)", figs, oks)
+
+
+def limit_acceptance(cells: list[dict]) -> dict:
+    """Fused internal-taper vs its profiled limit, never slower beyond noise."""
+    t = TARGETS["fused_share_of_limit"]
     figs, oks = [], []
     for c in cells:
         m = c.get("runners", {}).get(FUSED)
@@ -163,22 +176,23 @@ def acceptance(cells: list[dict], results: dict) -> list[dict]:
                     f"vs limit {m['limit_vs_strong']:.3f}x = {_pct(m['ratio_over_limit'])} of the limit "
                     f"({_pct(m['share_of_limit'])} of the possible gain), noise band {100 * c['noise_band']:.1f}%"
                     f"{'; SLOWER beyond noise' if m['slower_beyond_noise'] else ''}")
-        oks.append(m["ratio_over_limit"] >= 0.9 and not m["slower_beyond_noise"])
-    add("internal-taper fused reaches >= 90% of its profiled limit over rmsnorm-strong (ratio >= 0.9 x limit) "
-        "and is never slower beyond the noise band", figs, all(oks) if oks else None)
-    # 4. torch eager fused at 1M
+        oks.append(m["ratio_over_limit"] >= t.threshold and not m["slower_beyond_noise"])
+    return _verdict(f"internal-taper fused reaches >= {100 * t.threshold:.0f}% of its profiled limit over "
+                    f"rmsnorm-strong (ratio >= {t.threshold} x limit) and is never slower beyond the noise band", figs, oks)
+
+
+def torch_acceptance(cells: list[dict]) -> dict:
+    t = TARGETS["torch_fused_over_strong"]
     figs, oks = [], []
-    for c in _cells(cells, size="1M", backend="torch"):
+    for c in [c for size in t.sizes for c in _cells(cells, size=size, backend="torch")]:
         m = c["runners"].get(FUSED)
         if m:
             r = m["ratio_vs_strong"]
             figs.append(f"b{c['batch']}: {r['median']:.3f}x [{r['min']:.3f}-{r['max']:.3f}] over rmsnorm-strong"
                         + (f"; {m['tokens_per_s']['median'] / c['runners']['rmsnorm-plain']['tokens_per_s']['median']:.3f}x "
                            "over rmsnorm-plain (medians)" if "rmsnorm-plain" in c["runners"] else ""))
-            oks.append(r["median"] >= 1.25)
-    add("torch eager internal-taper fused >= 1.25x rmsnorm-strong at ~1M", figs, all(oks) if oks else None)
-    out += genai_acceptance(cells, results)
-    return out
+            oks.append(r["median"] >= t.threshold)
+    return _verdict(f"torch eager internal-taper fused >= {t.threshold}x rmsnorm-strong at {t.label}", figs, oks)
 
 
 def _ratio_line(c, name, peer) -> tuple[str, float] | None:
@@ -193,36 +207,34 @@ def _ratio_line(c, name, peer) -> tuple[str, float] | None:
 
 
 def genai_acceptance(cells: list[dict], results: dict) -> list[dict]:
-    """Issue 13's speed targets, judged on internal-taper fused (the folded deployment), batch 1:
-    int4 and fp32 >= 1.1x GenAI of the same dtype at 30M and 124M; >= 1.0x the plain ORT loop
-    and GenAI fp32 at 1M and 8M."""
+    """The GenAI targets (TARGETS' GENAI_ISSUE rows), judged on internal-taper fused (the folded
+    deployment), batch 1: int4 and fp32 over GenAI of the same dtype; fp32 over the plain ORT
+    loop and GenAI fp32 at the small sizes."""
+    t = TARGETS["ours_over_genai"]
     out = []
     for dtype in ("int4", "fp32"):
         figs, oks = [], []
-        for c in _cells(cells, backend="ort", batch=1):
-            if c["size"] not in ("30M", "124M"):
-                continue
+        for c in [c for c in _cells(cells, backend="ort", batch=1) if c["size"] in t.sizes]:
             for name in (quantized_name(FUSED, dtype), quantized_name(BASELINE, dtype)):
                 got = _ratio_line(c, name, f"genai-{dtype}")
                 if got:
                     figs.append(got[0])
                     if name.startswith(FUSED):
-                        oks.append(got[1] >= 1.1)
-        out.append({"criterion": f"ours {dtype} >= 1.1x GenAI {dtype} tok/s at 30M and 124M, batch 1 "
-                                 f"(judged on int-taper fused)", "figures": figs, "met": all(oks) if oks else None})
+                        oks.append(got[1] >= t.threshold)
+        out.append(_verdict(f"ours {dtype} >= {t.threshold}x GenAI {dtype} tok/s at {t.label}, batch 1 "
+                            f"(judged on int-taper fused)", figs, oks))
+    t = TARGETS["ours_over_plain_small"]
     figs, oks = [], []
-    for c in _cells(cells, backend="ort", batch=1):
-        if c["size"] not in ("1M", "8M"):
-            continue
+    for c in [c for c in _cells(cells, backend="ort", batch=1) if c["size"] in t.sizes]:
         for peer in ("ort-plain", "genai-fp32"):
             for name in (FUSED, BASELINE):
                 got = _ratio_line(c, name, peer)
                 if got:
                     figs.append(got[0])
                     if name == FUSED:
-                        oks.append(got[1] >= 1.0)
-    out.append({"criterion": "ours fp32 >= 1.0x the plain ORT loop and >= 1.0x GenAI fp32 at 1M and 8M, batch 1 "
-                             "(judged on int-taper fused)", "figures": figs, "met": all(oks) if oks else None})
+                        oks.append(got[1] >= t.threshold)
+    out.append(_verdict(f"ours fp32 >= {t.threshold}x the plain ORT loop and >= {t.threshold}x GenAI fp32 at "
+                        f"{t.label}, batch 1 (judged on int-taper fused)", figs, oks))
     return out
 
 
@@ -346,6 +358,7 @@ def markdown(results: dict, summary: dict) -> str:
         f"- settings: fp32, prompt {s['prompt']}, {s['new_tokens']} new tokens, batches {s['batches']}, "
         f"{s['rounds']} interleaved rounds (order rotated each round, untimed warm-up), {s['threads']} threads, "
         f"KV capacity {s['capacity']}; backends {', '.join(s['backends'])}"
+        + ("" if s.get("verify", True) else "; graphs NOT verified (--no-verify: export's checks skipped)")
         + ("; not run: " + "; ".join(f"{b} ({why})" for b, why in s["skipped_backends"].items()) if s["skipped_backends"] else ""),
         "- weights: " + "; ".join(f"{size}: {', '.join(src)}" for size, src in sources.items()),
         (f"- **incomplete run**: not measured: {', '.join(missing)}\n" if missing else "")

@@ -3,7 +3,8 @@
     size     an architecture (SIZES); trained zoo weights where models/zoo/<kind> has that
              shape and a finished taper, random weights otherwise (`source` says which)
     kind     the trained model a variant starts from: baseline | internal-taper | all-taper | dyt
-    variant  kind + how it is deployed:
+    variant  kind + how it is deployed, as data (VARIANTS): a model transform (TRANSFORMS) and
+             whether the norms are folded:
 
     | variant                 | kind           | ONNX (ort, trt)                          | torch (eager)                       |
     |-------------------------|----------------|------------------------------------------|-------------------------------------|
@@ -14,18 +15,20 @@
     | all-taper-fused         | all-taper      | graph_passes                             | scales folded, final included       |
     | dyt                     | dyt            | graph_passes (gamma/beta folded)         | tanh(alpha x) left, gamma/beta folded |
 
-ONNX files come from export.onnx_export.export_onnx and graph_passes.run_passes (the same
-library calls export.build makes, without its torch-vs-ORT verification, which
-tests/export covers). The torch variants fold with models.fold.fold_norms.
+ONNX files come from export.pipeline's stages (ModelStages: export, fuse, quantize, each
+verified as export.build verifies it, unless the bench runs with --no-verify), written
+into the build cache by core.outputs and core.onnx_writer. The torch variants fold with
+models.fold.fold_norms.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -54,15 +57,23 @@ KINDS: dict[str, dict] = {
 
 @dataclass(frozen=True)
 class Variant:
+    """One deployment, as data: the kind's model, a model transform before export and before the
+    torch runners (a key of TRANSFORMS, None: as trained), and whether the norms are folded
+    (ONNX: export.pipeline's fuse stage; torch: models.fold.fold_norms)."""
     name: str
     kind: str
-    naive: bool = False   # rmsnorm-plain: swap RMSNorm for the naive formula
-    fuse: bool = False    # run graph_passes (ONNX) / fold into the linears (torch)
+    transform: str | None = None
+    fuse: bool = False
+
+    @property
+    def model_key(self) -> tuple[str, str | None]:
+        """Variants with the same key share one model and one export (internal-taper unfused and fused)."""
+        return self.kind, self.transform
 
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("rmsnorm-strong", "baseline", fuse=True),
-    Variant("rmsnorm-plain", "baseline", naive=True),
+    Variant("rmsnorm-plain", "baseline", transform="naive-rmsnorm"),
     Variant("internal-taper-unfused", "internal-taper"),
     Variant("internal-taper-fused", "internal-taper", fuse=True),
     Variant("all-taper-fused", "all-taper", fuse=True),
@@ -71,7 +82,6 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
 BASELINE = "rmsnorm-strong"
 # which norms of rmsnorm-strong a variant removes (for the profiled limit 1 / (1 - f))
 REMOVES = {"internal-taper-unfused": "blocks", "internal-taper-fused": "blocks", "all-taper-fused": "all"}
-
 
 def capacity_for(prompt: int, new_tokens: int, multiple: int = 32) -> int:
     """KV-cache capacity: prompt + new tokens rounded up, so attention is not inflated."""
@@ -157,6 +167,7 @@ def base_model(size: str, kind: str, capacity: int, seed: int = 0) -> tuple[Deco
     return _random_model(size, kind, capacity, seed), f"random:seed{seed} ({why})"
 
 
+
 # --- torch-side variants --------------------------------------------------------------------
 
 class NaiveRMSNorm(nn.Module):
@@ -181,7 +192,7 @@ def naive_rmsnorm(model: Decoder) -> Decoder:
         if isinstance(m, RMSNorm):
             parent, attr = _parent(model, name)
             setattr(parent, attr, NaiveRMSNorm(m.weight, m.eps))
-    return model
+    return model.eval()
 
 
 def _parent(model: nn.Module, name: str):
@@ -189,10 +200,18 @@ def _parent(model: nn.Module, name: str):
     return (model.get_submodule(path) if path else model), attr
 
 
+# Variant.transform -> the model transform (a copy; the trained model is left as it is)
+TRANSFORMS = {"naive-rmsnorm": naive_rmsnorm}
+
+
+def transformed(variant: Variant, model: Decoder) -> Decoder:
+    """The model a variant exports (and the torch runners run before any fold)."""
+    return TRANSFORMS[variant.transform](model) if variant.transform else model.eval()
+
+
 def torch_variant(variant: Variant, model: Decoder) -> Decoder:
-    if variant.naive:
-        return naive_rmsnorm(model).eval()
-    return fold_norms(model) if variant.fuse else model.eval()
+    model = transformed(variant, model)
+    return fold_norms(model) if variant.fuse else model
 
 
 def weight_bytes_torch(model: nn.Module) -> int:
@@ -205,47 +224,7 @@ def weight_bytes_torch(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for k, p in params.items() if k not in skip)
 
 
-# --- ONNX builds --------------------------------------------------------------------------------
-
-NORM_CLASS_NAMES = tuple(c.__name__ for c in NORM_CLASSES)
-NORM_OP_TYPES = ("RMSNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization",
-                 "LayerNormalization", "SkipLayerNormalization")
-
-
-def onnx_weight_bytes(proto) -> int:
-    """Initializer bytes a step reads: all but tensors consumed only by Gather (embeddings,
-    GatherBlockQuantized when quantized: one row per token)."""
-    import numpy as np
-    from onnx.helper import tensor_dtype_to_np_dtype
-    consumers: dict[str, set] = {}
-    for n in proto.graph.node:
-        for i in n.input:
-            consumers.setdefault(i, set()).add(n.op_type)
-    total = 0
-    for t in proto.graph.initializer:
-        if consumers.get(t.name, set()) <= {"Gather", "GatherBlockQuantized"} and t.name in consumers:
-            continue
-        total += int(np.prod(t.dims, dtype=np.int64)) * tensor_dtype_to_np_dtype(t.data_type).itemsize
-    return total
-
-
-def norm_nodes(proto) -> dict[str, str]:
-    """node name -> 'block' | 'final' for nodes the exporter attributed to a norm module."""
-    import ast
-    out = {}
-    for n in proto.graph.node:
-        meta = {p.key: p.value for p in n.metadata_props}
-        try:
-            classes = ast.literal_eval(meta.get("pkg.torch.onnx.class_hierarchy", "[]"))
-            scopes = ast.literal_eval(meta.get("pkg.torch.onnx.name_scopes", "[]"))
-        except (ValueError, SyntaxError):
-            continue
-        if any(str(c).rsplit(".", 1)[-1] in NORM_CLASS_NAMES for c in classes):
-            out[n.name] = "final" if any(str(s).endswith("ln_f") for s in scopes) else "block"
-        elif n.op_type in NORM_OP_TYPES:
-            out[n.name] = "block"
-    return out
-
+# --- runner names ----------------------------------------------------------------------------
 
 def quantized_name(name: str, dtype: str) -> str:
     """The runner name of a variant's weight-quantized graph: rmsnorm-strong.int4."""
@@ -257,6 +236,82 @@ def split_name(name: str) -> tuple[str, str]:
     base, _, dtype = name.partition(".")
     return base, dtype or "fp32"
 
+
+# --- what a built graph is -----------------------------------------------------------------------
+
+NORM_CLASS_NAMES = tuple(c.__name__ for c in NORM_CLASSES)
+NORM_OP_TYPES = ("RMSNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization",
+                 "LayerNormalization", "SkipLayerNormalization")
+
+
+def norm_nodes(proto) -> dict[str, str]:
+    """node name -> 'block' | 'final' for nodes the exporter attributed to a norm module (their
+    torch provenance, as graph_passes reads it), and norm ops (ONNX Runtime may rename what it fuses)."""
+    from graph_passes.base import NAME_SCOPES, PassContext
+    ctx = PassContext(proto)
+    out = {}
+    for n in ctx.graph.nodes:
+        if any(c.rsplit(".", 1)[-1] in NORM_CLASS_NAMES for c in ctx.module_class(n)):
+            out[n.name] = "final" if any(s.endswith("ln_f") for s in ctx.scopes_of(n, NAME_SCOPES)) else "block"
+        elif n.op in NORM_OP_TYPES:
+            out[n.name] = "block"
+    return out
+
+
+@dataclass
+class GraphInfo:
+    """One cache entry: a built graph and what the bench reads of it; its JSON is the entry's
+    meta file (beside the .onnx) and travels to the worker processes."""
+    path: str
+    source: str                     # zoo:<kind>@<sha1> | random:seed<N> (why)
+    weight_bytes: int               # bytes a decode step reads (core.onnx_writer.initializer_bytes per_step)
+    params: int
+    nodes: int
+    norm_nodes: dict[str, str]
+    op_counts: dict[str, int]
+    export_s: float
+    build_s: float
+    built_by: str                   # build_fingerprint() of the code that built it
+    verified: dict | None = None    # export's checks (verification()); None: built with --no-verify
+    quantized: dict | None = None   # the QuantConfig of a quantized graph
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if not (k == "quantized" and v is None)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "GraphInfo":
+        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__ if k in data})
+
+
+def verification(graph, verify: bool) -> dict | None:
+    """What export's checks of one graph found (export.pipeline.StageGraph): the tolerance, the
+    worst logits / any-output diff per compared pair, and a quantized graph's drift (top-1
+    agreement included); None when verification is off."""
+    from export.pipeline import worst
+    from export.quantize import MIN_TOP1
+    from export.verify import ATOL, SCALE_TOL
+    if not verify:
+        return None
+    r, key = graph.report, graph.kind if graph.kind in MIN_TOP1 else "fp32"
+    tolerance = {"dtype": key, "atol": ATOL[key], "scale_tol": SCALE_TOL[key]}
+    out = {"tolerance": tolerance,
+           "logits_max_abs_diff": {pair: worst(per, "logits") for pair, per in r.max_abs_diff.items()},
+           "max_abs_diff": {pair: worst(per) for pair, per in r.max_abs_diff.items()}}
+    if key in MIN_TOP1:
+        tolerance["min_top1"] = MIN_TOP1[key]
+        out["drift"] = r.quantized["drift"]
+    return out
+
+
+def verified_line(v: dict | None) -> str:
+    if v is None:
+        return "NOT verified (--no-verify)"
+    diffs = ", ".join(f"{pair} {d:.3g}" for pair, d in v["logits_max_abs_diff"].items())
+    top1 = f", top-1 {v['drift']['top1_agreement']:.1%} (floor {v['tolerance']['min_top1']:.0%})" if "drift" in v else ""
+    return f"verified ({v['tolerance']['dtype']} tolerance): max |d logits| {diffs}{top1}"
+
+
+# --- ONNX builds --------------------------------------------------------------------------------
 
 GRAPH_CODE = ("models", "export", "graph_passes")      # the packages whose code decides a built graph
 
@@ -278,8 +333,9 @@ def build_fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
-def _cached(meta_path: Path, label: str, log) -> dict | None:
-    """A cache entry's info when its graph was built by this code, else None (say why once)."""
+def _cached(meta_path: Path, label: str, log, verified: bool = False) -> GraphInfo | None:
+    """A cache entry's info when its graph was built by this code (and, with `verified`, was
+    verified: a run that verifies does not time a graph nobody checked), else None (say why once)."""
     if not meta_path.is_file() or not meta_path.with_suffix(".onnx").is_file():
         return None
     try:
@@ -287,119 +343,155 @@ def _cached(meta_path: Path, label: str, log) -> dict | None:
     except (OSError, ValueError) as e:          # a half-written or hand-edited entry: build it again
         log(f"  rebuilding {label}: its cache entry {meta_path.name} is unreadable ({type(e).__name__})")
         return None
-    if isinstance(info, dict) and info.get("built_by") == build_fingerprint():
+    if not isinstance(info, dict) or info.get("built_by") != build_fingerprint():
+        built_by = info.get("built_by", "unrecorded") if isinstance(info, dict) else "unrecorded"
+        log(f"  rebuilding {label}: the cached graph was built by other code ({built_by}, now {build_fingerprint()})")
+        return None
+    if verified and info.get("verified") is None:
+        log(f"  rebuilding {label}: the cached graph was built with --no-verify")
+        return None
+    try:
+        return GraphInfo.from_json(info)
+    except TypeError:                           # fields missing: not an entry this code wrote
+        log(f"  rebuilding {label}: its cache entry {meta_path.name} lacks fields")
+        return None
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """What every graph of one bench build shares: the cache key's parts and export's options."""
+    size: str
+    capacity: int
+    cache: Path
+    seed: int = 0
+    dtypes: tuple[str, ...] = ("fp32",)     # the fused variants' weight dtypes (export.quantize, rtn)
+    attention: str = "plain"                # plain | fused | gqa (export.build --attention)
+    verify: bool = True
+
+
+@contextlib.contextmanager
+def one_line_errors(label: str):
+    """A stage's refusal as one plain UserError: the build pool pickles it, and VerificationError
+    (two constructor arguments) does not survive that."""
+    from core.errors import UserError
+    try:
+        yield
+    except UserError as e:
+        raise UserError(f"bench: {label}: {e}; build with --no-verify to time it unverified"
+                        if "verification" in str(e) else f"bench: {label}: {e}") from None
+
+
+class ModelGraphs:
+    """The graphs of one model (a kind, transformed): one export shared by its variants, each
+    variant's graph from it, the quantized graphs of the fused ones; cache entries reused."""
+
+    def __init__(self, options: BuildOptions, model: Decoder, source: str, tokenizer: Path | None, log):
+        from export.pipeline import ModelStages
+        self.options, self.source, self.log, self.params = options, source, log, model.num_params()
+        self.stages = ModelStages(model, tokenizer, options.attention, options.verify)
+        self.export = None                       # the export's StageGraph, once made
+
+    def path(self, name: str) -> Path:
+        o = self.options
+        tag = self.source.split(" ")[0].replace(":", "-").replace("@", "-")
+        att = "" if o.attention == "plain" else f"-{o.attention}att"
+        return o.cache / f"{o.size}-cap{o.capacity}{att}-{name}-{tag}.onnx"
+
+    def variant(self, v: Variant) -> dict[str, GraphInfo]:
+        """runner name -> info: the variant's graph and, fused, its quantized ones."""
+        path, o = self.path(v.name), self.options
+        with one_line_errors(f"{o.size} {v.name}"):
+            info = _cached(path.with_suffix(".json"), f"{o.size} {v.name}", self.log, o.verify)
+            proto = None
+            if info is None:
+                proto, info = self.build(v, path)
+            out = {v.name: info}
+            for dtype in [d for d in o.dtypes if d != "fp32" and v.fuse]:
+                out[quantized_name(v.name, dtype)] = self.quantized(v.name, path, proto, dtype, info)
+        return out
+
+    def build(self, v: Variant, path: Path):
+        """The variant's graph: the shared export, then (fused, or for ONNX Runtime's attention) the fuse stage."""
+        t0 = time.perf_counter()
+        if self.export is None:
+            self.export = self.stages.export()
+        export_s = time.perf_counter() - t0
+        graph = self.export
+        if v.fuse or self.options.attention == "gqa":       # gqa: the unfused graphs get ORT's attention too
+            graph = self.stages.fuse(self.export.proto, fold=v.fuse)
+        write_graph(self.options.cache, path.name, graph.proto)
+        info = self.info(graph, path, export_s, time.perf_counter() - t0)
+        write_meta(self.options.cache, path, info)
+        self.log(f"  built {self.options.size} {v.name} ({self.source.split(' ')[0]}): {info.nodes} nodes in "
+                 f"{info.build_s:.1f} s, {verified_line(info.verified)}")
+        return graph.proto, info
+
+    def quantized(self, name: str, path: Path, proto, dtype: str, fp32: GraphInfo) -> GraphInfo:
+        """The fused graph's weights in `dtype` (export.quantize: rtn, block 32, accuracy level 4), built once."""
+        from core.contract import load_onnx
+        from core.outputs import replaced_file_in
+        from export.quantize import QuantConfig
+        qname = quantized_name(name, dtype)
+        qpath = path.with_name(path.name.replace(f"-{name}-", f"-{qname}-"))
+        info = _cached(qpath.with_suffix(".json"), qname, self.log, self.options.verify)
+        if info is not None:
+            return info
+        t0 = time.perf_counter()
+        with replaced_file_in(self.options.cache, qpath.name) as tmp:    # a refused graph leaves no file
+            graph = self.stages.quantize(proto if proto is not None else load_onnx(path), QuantConfig(dtype), tmp)
+        info = self.info(graph, qpath, fp32.export_s, time.perf_counter() - t0)
+        info.quantized = graph.report.quantized["config"]
+        write_meta(self.options.cache, qpath, info)
+        s = graph.report.quantized
+        self.log(f"  built {qname}: {s['matmuls_quantized']} MatMulNBits in {info.build_s:.1f} s, "
+                 f"{verified_line(info.verified)}")
         return info
-    built_by = info.get("built_by", "unrecorded") if isinstance(info, dict) else "unrecorded"
-    log(f"  rebuilding {label}: the cached graph was built by other code ({built_by}, now {build_fingerprint()})")
-    return None
+
+    def info(self, graph, path: Path, export_s: float, build_s: float) -> GraphInfo:
+        from core.onnx_writer import initializer_bytes
+        return GraphInfo(str(path), self.source, initializer_bytes(graph.proto, per_step=True), self.params,
+                         len(graph.proto.graph.node), norm_nodes(graph.proto), graph.report.op_counts[graph.kind],
+                         round(export_s, 2), round(build_s, 2), build_fingerprint(),
+                         verification(graph, self.options.verify))
+
+
+def write_graph(cache: Path, name: str, proto) -> None:
+    """A graph into the cache: core.onnx_writer, signed, replaced atomically (core.outputs)."""
+    from core.onnx_writer import save_onnx
+    from core.outputs import replaced_file_in, sign_onnx
+    with replaced_file_in(cache, name) as tmp:
+        save_onnx(sign_onnx(proto), tmp)
+
+
+def write_meta(cache: Path, path: Path, info: GraphInfo) -> None:
+    """A cache entry's meta file, written after its graph (an entry is served only when both are there)."""
+    from core.outputs import replace_file_in
+    replace_file_in(cache, path.with_suffix(".json").name, json.dumps(info.to_json(), indent=1))
 
 
 def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed: int = 0, log=print,
-               dtypes=("fp32",), attention: str = "plain") -> dict:
-    """Export (and fuse) each variant once into `cache`; returns name -> info (path, source,
-    weight bytes, op counts, norm nodes). Files already built for the same weights are reused.
-    Each fused variant is also quantized (export.quantize, rtn, block 32, accuracy level 4) to
-    every dtype in `dtypes` other than fp32, as '<variant>.<dtype>'. attention: "plain" ops,
-    "fused" (one ONNX Attention op per layer, export_onnx(attention=...)) or "gqa" (fused, then
-    rewritten to ONNX Runtime's GroupQueryAttention after the fold: graph_passes.passes_for)."""
+               dtypes=("fp32",), attention: str = "plain", verify: bool = True) -> dict[str, GraphInfo]:
+    """Build each variant once into `cache` through export.pipeline's stages; returns runner name
+    -> GraphInfo. Variants of one model share its export; cache entries built by this code are
+    reused. Each fused variant is also quantized to every dtype in `dtypes` other than fp32, as
+    '<variant>.<dtype>'. attention: "plain" ops, "fused" (one ONNX Attention op per layer) or
+    "gqa" (ONNX Runtime's GroupQueryAttention, export.build --attention gqa). verify=False: no
+    graph is checked against torch (GraphInfo.verified None), and the caller says so."""
     import logging
-    import onnx
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
-    from export.onnx_export import export_onnx
-    from graph_passes import passes_for, run_passes
-    from graph_passes.registry import ORT_PASSES
     cache.mkdir(parents=True, exist_ok=True)
-    out, models, exported = {}, {}, {}
+    options = BuildOptions(size, capacity, Path(cache), seed, tuple(dtypes), attention, verify)
+    bases: dict[str, tuple[Decoder, str]] = {}
+    graphs: dict[tuple, ModelGraphs] = {}
+    out: dict[str, GraphInfo] = {}
     for name in variants:
         v = VARIANTS[name]
-        if v.kind not in models:
-            models[v.kind] = base_model(size, v.kind, capacity, seed)
-        model, source = models[v.kind]
-        tag = source.split(" ")[0].replace(":", "-").replace("@", "-")
-        att = "" if attention == "plain" else f"-{attention}att"
-        path = cache / f"{size}-cap{capacity}{att}-{name}-{tag}.onnx"
-        meta_path = path.with_suffix(".json")
-        cached = _cached(meta_path, f"{size} {name}", log)
-        if cached is not None:
-            out[name] = cached
-            _quantized_variants(out, name, v, path, None, dtypes, log)
-            continue
-        t0 = time.perf_counter()
-        tmp = path.with_suffix(".tmp.onnx")
-        key = (v.kind, v.naive)
-        if key not in exported:        # internal-taper's unfused and fused graphs share one export
-            src = naive_rmsnorm(model) if v.naive else model
-            exported[key] = export_onnx(src, tmp, "fp32", attention="fused" if attention == "gqa" else attention)
-        proto = exported[key]
-        t_export = time.perf_counter() - t0
-        passes = passes_for(attention) if v.fuse else ORT_PASSES if attention == "gqa" else ()
-        if passes:
-            proto, _ = run_passes(proto, passes)
-        onnx.save(proto, str(tmp))
-        tmp.replace(path)
-        info = {"path": str(path), "source": source, "weight_bytes": onnx_weight_bytes(proto),
-                "params": model.num_params(), "nodes": len(proto.graph.node),
-                "norm_nodes": norm_nodes(proto), "export_s": round(t_export, 2),
-                "build_s": round(time.perf_counter() - t0, 2),
-                "op_counts": _op_counts(proto), "built_by": build_fingerprint()}
-        meta_path.write_text(json.dumps(info, indent=1))
-        out[name] = info
-        log(f"  built {size} {name} ({source.split(' ')[0]}): {info['nodes']} nodes in {info['build_s']:.1f} s")
-        _quantized_variants(out, name, v, path, proto, dtypes, log)
+        if v.kind not in bases:
+            bases[v.kind] = base_model(size, v.kind, capacity, seed)
+        model, source = bases[v.kind]
+        if v.model_key not in graphs:
+            tokenizer = ZOO / v.kind / "tokenizer.json" if source.startswith("zoo:") else None
+            graphs[v.model_key] = ModelGraphs(options, transformed(v, model), source,
+                                              tokenizer if tokenizer and tokenizer.is_file() else None, log)
+        out.update(graphs[v.model_key].variant(v))
     return out
-
-
-def _quantized_variants(out: dict, name: str, v: Variant, path: Path, proto, dtypes, log) -> None:
-    """out['<name>.<dtype>'] for each quantized dtype of a fused variant (built once, then reused)."""
-    import onnx
-    from core.contract import load_onnx
-    from export.quantize import QuantConfig, quantize_weights
-    for dtype in dtypes:
-        if dtype == "fp32" or not v.fuse:
-            continue
-        qname = quantized_name(name, dtype)
-        qpath = path.with_name(path.name.replace(f"-{name}-", f"-{qname}-"))
-        meta = qpath.with_suffix(".json")
-        cached = _cached(meta, qname, log)
-        if cached is not None:
-            out[qname] = cached
-            continue
-        t0 = time.perf_counter()
-        fp32 = proto if proto is not None else load_onnx(path)
-        q, summary = quantize_weights(fp32, QuantConfig(dtype))
-        verified = _verify_quantized(fp32, q)
-        tmp = qpath.with_suffix(".tmp.onnx")
-        onnx.save(q, str(tmp))
-        tmp.replace(qpath)
-        info = dict(out[name], path=str(qpath), weight_bytes=onnx_weight_bytes(q), nodes=len(q.graph.node),
-                    norm_nodes=norm_nodes(q), build_s=round(time.perf_counter() - t0, 2), op_counts=_op_counts(q),
-                    quantized=summary.config, verified=verified)
-        meta.write_text(json.dumps(info, indent=1))
-        out[qname] = info
-        log(f"  built {qname}: {summary.matmuls_quantized} MatMulNBits in {info['build_s']:.1f} s, "
-            f"{_verified_line(verified)}")
-
-
-def _verify_quantized(fp32, q) -> dict:
-    """export.verify's check of a quantized graph against the fp32 graph it came from, with the
-    weight dtype's tolerance (export.verify ATOL / SCALE_TOL); raises VerificationError beyond it."""
-    from export.quantize import QuantizeError
-    from export.verify import ATOL, SCALE_TOL, VerificationError, tolerance_key, verify_pair
-    key = tolerance_key(fp32, q)
-    try:
-        results = verify_pair(fp32, q)
-    except VerificationError as e:      # re-raised as a one-message error: the build pool pickles it
-        raise QuantizeError(f"bench: the {key} graph fails verification against its fp32 graph; {e}") from None
-    return {"tolerance": {"dtype": key, "atol": ATOL[key], "scale_tol": SCALE_TOL[key]},
-            "logits_max_abs_diff": max(c.max_abs_diff["logits"] for c in results),
-            "logits_tolerance": min(c.tolerance["logits"] for c in results)}
-
-
-def _verified_line(v: dict) -> str:
-    return (f"verified vs fp32 ({v['tolerance']['dtype']} tolerance): logits max abs diff "
-            f"{v['logits_max_abs_diff']:.3g} <= {v['logits_tolerance']:.3g}")
-
-
-def _op_counts(proto) -> dict[str, int]:
-    from collections import Counter
-    return dict(sorted(Counter(n.op_type for n in proto.graph.node).items()))

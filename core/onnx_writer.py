@@ -33,15 +33,27 @@ def data_file_name(path: str | os.PathLike) -> str:
     return Path(path).name + ".data"
 
 
-def initializer_bytes(proto) -> int:
-    """Bytes of a graph's initializers as stored (int4 at half a byte), inline or external."""
+# ops that read one row of a table per token (embeddings, the position table): a decode step
+# reads a few rows of such a table, not the table
+LOOKUP_OPS = frozenset({"Gather", "GatherBlockQuantized"})
+
+
+def initializer_bytes(proto, per_step: bool = False) -> int:
+    """Bytes of a graph's initializers as stored (int4 at half a byte), inline or external.
+    per_step: only those one decode step reads whole, i.e. not a table read by lookups alone
+    (LOOKUP_OPS); what a step's achieved memory bandwidth is measured against (bench)."""
     import numpy as np
     import onnx
     from onnx.helper import tensor_dtype_to_np_dtype
     packed = (onnx.TensorProto.INT4, onnx.TensorProto.UINT4)      # two values a byte (numpy holds one a byte)
+    readers: dict[str, set[str]] = {}
+    if per_step:
+        for n in proto.graph.node:
+            for i in n.input:
+                readers.setdefault(i, set()).add(n.op_type)
     return sum(-(-int(np.prod(t.dims, dtype=np.int64)) // 2) if t.data_type in packed else
                int(np.prod(t.dims, dtype=np.int64)) * tensor_dtype_to_np_dtype(t.data_type).itemsize
-               for t in proto.graph.initializer)
+               for t in proto.graph.initializer if not (t.name in readers and readers[t.name] <= LOOKUP_OPS))
 
 
 def inline_bytes(proto) -> int:

@@ -443,19 +443,32 @@ def claim_dir(out: str | os.PathLike, kind: OutputKind, inputs=(), option: str =
     return out
 
 
-def replace_file_in(directory: Path, name: str, data: bytes | str) -> Path:
-    """Atomically (re)write one file inside a directory we own (a marked one)."""
+@contextlib.contextmanager
+def replaced_file_in(directory: Path, name: str):
+    """Atomically (re)write one file inside a directory we own (a marked one): yields a temporary
+    path beside it for a writer that takes a path (core.onnx_writer.save_onnx); on success it
+    replaces `name`. A graph written with external data would name the temporary in its
+    location, so this is for graphs kept inline (below core.onnx_writer.EXTERNAL_AT)."""
     directory = Path(directory)
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=directory)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
+        yield Path(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.chmod(tmp, file_mode())
         with _signals_blocked():
             os.replace(tmp, directory / name)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return directory / name
+
+
+def replace_file_in(directory: Path, name: str, data: bytes | str) -> Path:
+    """Atomically (re)write one file inside a directory we own (a marked one)."""
+    with replaced_file_in(directory, name) as tmp:
+        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+    return Path(directory) / name

@@ -17,6 +17,9 @@ build's config.json is the converted one. A model without tokenizer.json builds
 (verified on random tokens only); generation from the build then needs one.
 A model with disabled norms (eps >= 1e6, LN-free GPT-2) gets the eps
 approximation error measured on the verification tokens (models/disabled_norm.py).
+
+ModelStages runs the same stages on a model already in memory, one graph at a time, for a
+caller that keeps its own files (bench's build cache), with verification optional.
 """
 from __future__ import annotations
 
@@ -148,10 +151,19 @@ def check_model(model, fuse: bool, dtype: str) -> None:
                              f"(FakeLN-style) norm and overflows fp16 (max 65504); build with --dtype fp32")
 
 
+def real_tokens(tokenizer: Path | None, vocab_size: int) -> list[int] | None:
+    """REAL_TEXT by the model's tokenizer.json, ids inside the vocabulary (None: no tokenizer, or
+    nothing usable): the verification's real-text session and a quantized graph's greedy prompt."""
+    if tokenizer is None:
+        return None
+    from models.checkpoint import load_tokenizer
+    return [i for i in load_tokenizer(Path(tokenizer).parent).encode(REAL_TEXT).ids if i < vocab_size] or None
+
+
 def load_checkpoint_stage(checkpoint: Path, fuse: bool, dtype: str) -> Loaded:
     """Our checkpoint, or a Hugging Face folder converted in memory."""
     import torch
-    from models.checkpoint import TOKENIZER, has_tokenizer, load_checkpoint, load_tokenizer
+    from models.checkpoint import TOKENIZER, has_tokenizer, load_checkpoint
     from models.convert import convert, is_hf_folder
     if is_hf_folder(checkpoint):
         c = convert(checkpoint)
@@ -162,10 +174,8 @@ def load_checkpoint_stage(checkpoint: Path, fuse: bool, dtype: str) -> Loaded:
         if tokenizer is None:
             notes.append(f"{checkpoint} has no {TOKENIZER}: verified on random tokens only; generation needs one")
     check_model(model, fuse, dtype)
-    ids = ([i for i in load_tokenizer(tokenizer.parent).encode(REAL_TEXT).ids if i < model.cfg.vocab_size]
-           if tokenizer is not None else [])
     reference = model if dtype == "fp32" else copy.deepcopy(model).to(torch.float16)
-    return Loaded(model, reference, ids or None, tokenizer, source, notes)
+    return Loaded(model, reference, real_tokens(tokenizer, model.cfg.vocab_size), tokenizer, source, notes)
 
 
 def eps_stage(loaded: Loaded, verifier: "Verifier") -> dict | None:
@@ -212,12 +222,14 @@ class Verifier:
         return {c.what: c.max_abs_diff for c in results}
 
 
-def fuse_stage(proto, report: BuildReport, attention: str = "plain"):
+def fuse_stage(proto, report: BuildReport, attention: str = "plain", fold: bool = True):
     """Run the default passes (and with attention "gqa" the ONNX Runtime rewrite); every TaperNorm
     must fold and every layer's attention must become GroupQueryAttention (a leftover is an
-    error, with the reasons)."""
+    error, with the reasons). fold=False: the ONNX Runtime rewrites alone, norms left as exported
+    (with attention "gqa": an unfolded graph on the same attention kernel, bench's unfused variants)."""
     from graph_passes import passes_for, run_passes
-    fused, results = run_passes(proto, passes_for(attention))
+    from graph_passes.registry import ORT_PASSES
+    fused, results = run_passes(proto, passes_for(attention) if fold else ORT_PASSES)
     for r in results:
         if r.name == "fold_constants":
             report.notes += [f"fold_constants: {d}" for _, d in r.rewrites]
@@ -228,7 +240,7 @@ def fuse_stage(proto, report: BuildReport, attention: str = "plain"):
         report.folded += [Fold(r.name, f.where, f.detail) for f in r.folded]
         report.notes += [str(f) for f in r.skipped]
         report.trt_lint += [str(f) for f in r.lint]
-    leftover = _leftover_taper(fused)
+    leftover = _leftover_taper(fused) if fold else []
     if leftover:
         why = "; ".join(report.notes) or "no matching pattern"
         raise BuildError(f"{', '.join(leftover)}: TaperNorm left unfolded ({why})")
@@ -301,6 +313,85 @@ def versions() -> dict:
     import onnxruntime
     import torch
     return {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}
+
+
+# --- the stages on a model in memory ----------------------------------------------------------------
+
+@dataclass
+class StageGraph:
+    """One graph ModelStages built, with a BuildReport of its own holding what build() records of
+    it: op_counts[kind], max_abs_diff (pair -> session -> output; empty when not verified), the
+    folds and notes of a fuse, the quantization summary, tolerance and drift of a quantized graph."""
+    proto: object
+    kind: str                   # unfused | fused | unfused_ort | int8 | int4
+    report: BuildReport
+
+
+class ModelStages:
+    """build()'s stages over a model already in memory, one graph at a time, for a caller that
+    keeps its own files (bench's build cache): export, fuse, quantize, each verified as build()
+    verifies it (the torch reference, the dtype's tolerance, a quantized graph's top-1 floor)
+    unless verify=False. The torch reference runs once, on first use, on build()'s sessions
+    (random tokens, and REAL_TEXT when a tokenizer is given); each graph's runs are kept."""
+
+    def __init__(self, model, tokenizer: Path | None = None, attention: str = "plain", verify: bool = True):
+        self.loaded = Loaded(model, model, real_tokens(tokenizer, model.cfg.vocab_size), tokenizer)
+        self.attention, self.verify = attention, verify
+        self._verifier: Verifier | None = None
+        self._runs: dict[str, list] = {}            # kind -> the verifier's runs of that graph
+
+    def export(self) -> StageGraph:
+        """model.onnx's stage (with attention "gqa" the portable Attention op, as build()), verified against torch."""
+        report = self._report()
+        proto = export_stage(self.loaded, None, "fp32", "fused" if self.attention == "gqa" else self.attention)
+        _graph_stats(report, "unfused", proto)
+        if self.verify:
+            v = self._verifier_for(proto)
+            report.max_abs_diff["unfused_vs_torch"] = v.compare(v.torch, self._run("unfused", proto), "model.onnx vs torch")
+        return StageGraph(proto, "unfused", report)
+
+    def fuse(self, unfused, fold: bool = True) -> StageGraph:
+        """model.fused.onnx's stage on the export `unfused` (fold=False: the ONNX Runtime rewrites
+        alone, fuse_stage), verified against torch and against the export, interfaces first."""
+        from export.verify import VerificationError, interface_mismatches, read_interface
+        report, kind = self._report(), "fused" if fold else "unfused_ort"
+        proto = fuse_stage(unfused, report, self.attention, fold)
+        _graph_stats(report, kind, proto)
+        if self.verify:
+            bad = interface_mismatches(read_interface(unfused), read_interface(proto))
+            if bad:
+                raise VerificationError(f"{kind} graph vs model.onnx interfaces", bad)
+            v, runs = self._verifier_for(unfused), self._run(kind, proto)
+            report.max_abs_diff[f"{kind}_vs_torch"] = v.compare(v.torch, runs, f"{kind} graph vs torch")
+            report.max_abs_diff[f"{kind}_vs_unfused"] = v.compare(self._run("unfused", unfused), runs,
+                                                                   f"{kind} graph vs model.onnx")
+        return StageGraph(proto, kind, report)
+
+    def quantize(self, fused, cfg, path: Path) -> StageGraph:
+        """model.<int8|int4>.onnx's stage on the fused fp32 graph, written to `path` (quantize_stage),
+        verified against the fused graph (verify_quantized: tolerance, drift, top-1 floor)."""
+        report = self._report()
+        proto = quantize_stage(fused, cfg, path, report)
+        if self.verify:
+            verify_quantized(self._verifier_for(fused), self.loaded, fused, self._run("fused", fused), proto, cfg, report)
+        return StageGraph(proto, cfg.dtype, report)
+
+    def _report(self) -> BuildReport:
+        from export.verify import ATOL, SCALE_TOL
+        return BuildReport(checkpoint="(in memory)", out="", dtype="fp32", fuse=True, attention=self.attention,
+                           atol=ATOL["fp32"], scale_tol=SCALE_TOL["fp32"])
+
+    def _verifier_for(self, proto) -> Verifier:
+        """The sessions and torch reference, built from the first graph verified (all share one interface)."""
+        if self._verifier is None:
+            # same_start: batched prefills at slot 0, what a GroupQueryAttention graph takes
+            self._verifier = Verifier(self.loaded, proto, same_start=self.attention == "gqa")
+        return self._verifier
+
+    def _run(self, kind: str, proto) -> list:
+        if kind not in self._runs:
+            self._runs[kind] = self._verifier_for(proto).run(proto)
+        return self._runs[kind]
 
 
 # --- the driver ----------------------------------------------------------------------------------

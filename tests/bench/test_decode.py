@@ -1,5 +1,7 @@
 """bench.decode's round loop with fake runners (order, warm-up), the profile parser on a synthetic
 ONNX Runtime trace, and the torch-side variants (numerics only; no timing is asserted)."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -155,19 +157,26 @@ def test_quantized_runner_names():
 
 
 def test_quantized_bench_graphs_are_verified_and_cache_entries_of_other_code_rebuilt(tmp_path):
-    """bench's int8 graph passes export.verify with the int8 tolerance (the figure is kept in its
-    metadata); the cache serves a graph again only to the code that built it: an entry with
-    another build fingerprint (a changed pass, an older release) or none is rebuilt, once."""
+    """bench builds through export.pipeline's stages: its fp32 graph is verified against torch
+    and the export, its int8 graph as export.build verifies one (the int8 tolerance and top-1
+    floor; the figures are kept in the cache entry); the cache serves a graph again only to the
+    code that built it: an entry with another build fingerprint (a changed pass, an older release)
+    or none is rebuilt, once."""
     import json
     from bench.variants import build_fingerprint, build_onnx
+    from export.quantize import MIN_TOP1
     from export.verify import ATOL, SCALE_TOL
     lines = []
     info = build_onnx("1M", ["rmsnorm-strong"], 32, tmp_path, log=lines.append, dtypes=("fp32", "int8"))
-    v = info["rmsnorm-strong.int8"]["verified"]
-    assert v["tolerance"] == {"dtype": "int8", "atol": ATOL["int8"], "scale_tol": SCALE_TOL["int8"]}
-    assert 0 < v["logits_max_abs_diff"] <= v["logits_tolerance"]
-    assert any("verified vs fp32 (int8 tolerance)" in line for line in lines)
-    assert {i["built_by"] for i in info.values()} == {build_fingerprint()}
+    v = info["rmsnorm-strong.int8"].verified
+    assert v["tolerance"] == {"dtype": "int8", "atol": ATOL["int8"], "scale_tol": SCALE_TOL["int8"],
+                              "min_top1": MIN_TOP1["int8"]}
+    assert 0 < v["logits_max_abs_diff"]["int8_vs_fused"] and v["drift"]["top1_agreement"] >= MIN_TOP1["int8"]
+    fp32 = info["rmsnorm-strong"].verified
+    assert set(fp32["logits_max_abs_diff"]) == {"fused_vs_torch", "fused_vs_unfused"}
+    assert all(d <= ATOL["fp32"] for d in fp32["max_abs_diff"].values())
+    assert any("verified (int8 tolerance)" in line and "top-1" in line for line in lines), lines
+    assert {i.built_by for i in info.values()} == {build_fingerprint()}
     metas = sorted(tmp_path.glob("*rmsnorm-strong*.json"))
     stamps = {m: m.stat().st_mtime_ns for m in metas}
     lines.clear()
@@ -182,9 +191,10 @@ def test_quantized_bench_graphs_are_verified_and_cache_entries_of_other_code_reb
         int8_meta.write_text(json.dumps(old))
         again = build_onnx("1M", ["rmsnorm-strong"], 32, tmp_path, log=lines.append, dtypes=("fp32", "int8"))
         assert len(lines) == 2 and "rebuilding rmsnorm-strong.int8" in lines[0] and said in lines[0], lines
-        assert build_fingerprint() in lines[0] and again["rmsnorm-strong.int8"]["built_by"] == build_fingerprint()
-        assert again["rmsnorm-strong.int8"]["verified"]["logits_max_abs_diff"] == pytest.approx(v["logits_max_abs_diff"])
+        assert build_fingerprint() in lines[0] and again["rmsnorm-strong.int8"].built_by == build_fingerprint()
+        assert again["rmsnorm-strong.int8"].verified["logits_max_abs_diff"] == pytest.approx(v["logits_max_abs_diff"])
         lines.clear()
+    assert not list(tmp_path.glob(".*tmp*"))                                          # no temporary left behind
 
 
 def test_the_build_fingerprint_hashes_the_graph_code():
@@ -199,15 +209,60 @@ def test_the_build_fingerprint_hashes_the_graph_code():
     assert a != b and len(a) == len(b) == 16 and variants.build_fingerprint() == a
 
 
+def _entry(**changes) -> dict:
+    from bench.variants import GraphInfo, build_fingerprint
+    info = GraphInfo("g.onnx", "random:seed0", 10, 20, 3, {}, {"MatMul": 3}, 0.1, 0.2, build_fingerprint(),
+                     verified={"tolerance": {"dtype": "fp32"}})
+    return {**info.to_json(), **changes}
+
+
 def test_an_unreadable_cache_entry_is_rebuilt_with_one_line(tmp_path):
     import json
-    from bench.variants import _cached, build_fingerprint
+    from bench.variants import GraphInfo, _cached
     (tmp_path / "g.onnx").write_bytes(b"")
     meta = tmp_path / "g.json"
-    for text, said in (("{half-writ", "unreadable (JSONDecodeError)"), ("[1]", "unrecorded")):
+    for text, said in (("{half-writ", "unreadable (JSONDecodeError)"), ("[1]", "unrecorded"),
+                       (json.dumps({"built_by": _entry()["built_by"]}), "lacks fields")):
         meta.write_text(text)
         lines = []
         assert _cached(meta, "1M g", lines.append) is None
         assert len(lines) == 1 and said in lines[0] and "rebuilding 1M g" in lines[0]
-    meta.write_text(json.dumps({"built_by": build_fingerprint()}))
-    assert _cached(meta, "1M g", print) == {"built_by": build_fingerprint()}
+    meta.write_text(json.dumps(_entry()))
+    assert _cached(meta, "1M g", print) == GraphInfo.from_json(_entry())
+
+
+def test_a_run_that_verifies_rebuilds_an_unverified_entry(tmp_path):
+    """--no-verify's graphs are not served to a run that verifies (it would time a graph nobody checked)."""
+    import json
+    from bench.variants import _cached
+    (tmp_path / "g.onnx").write_bytes(b"")
+    meta = tmp_path / "g.json"
+    meta.write_text(json.dumps(_entry(verified=None)))
+    lines = []
+    assert _cached(meta, "1M g", lines.append, verified=False).verified is None      # --no-verify: served
+    assert not lines and _cached(meta, "1M g", lines.append, verified=True) is None
+    assert len(lines) == 1 and "built with --no-verify" in lines[0]
+
+
+def test_variants_are_data():
+    """A variant is a row of options (a model transform, fold or not), not a code path."""
+    from bench.variants import TRANSFORMS, Variant
+    assert all(isinstance(v, Variant) and (v.transform is None or v.transform in TRANSFORMS) for v in VARIANTS.values())
+    assert VARIANTS["internal-taper-unfused"].model_key == VARIANTS["internal-taper-fused"].model_key
+    assert VARIANTS["rmsnorm-plain"].model_key != VARIANTS["rmsnorm-strong"].model_key
+
+
+def test_settings_say_when_verification_is_off_and_worker_specs_cross_as_json():
+    import json
+    from bench.decode import Run, WorkerSpec, _parser, cell_spec, settings_from, Builds
+    from bench.variants import GraphInfo
+    args = _parser().parse_args(["--quick", "--no-verify", "--peers", "none", "--backends", "ort", "--out", "x"])
+    s = settings_from(args)
+    assert s.verify is False and s.to_json()["verify"] is False and s.sizes == ["1M", "8M"] and s.capacity == 64
+    assert settings_from(_parser().parse_args(["--quick", "--out", "x"])).to_json()["verify"] is True
+    run = Run(s, "python -m bench.decode --quick --no-verify", Path("x"))
+    info = GraphInfo("g.onnx", "random:seed0", 10, 20, 3, {"n1": "block"}, {"MatMul": 3}, 0.1, 0.2, "abc")
+    run.builds = Builds({"1M": {"rmsnorm-strong": info}, "8M": {}}, {"1M": {}, "8M": {}})
+    spec = cell_spec(run, "1M", "ort")
+    assert WorkerSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+    assert run.results(complete=False)["models"]["1M"]["rmsnorm-strong"]["verified"] is None

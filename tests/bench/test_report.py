@@ -68,6 +68,18 @@ def test_acceptance_verdicts():
     assert verdicts[3] is True                      # 1.111x vs limit 1.111x
 
 
+def test_thresholds_are_data_with_a_source(monkeypatch):
+    """The report reads every threshold from bench.targets.TARGETS (each row says where it came
+    from): moving one moves the verdict and the criterion's text, no report code involved."""
+    from dataclasses import replace
+    from bench import targets
+    assert all(t.source and t.threshold > 0 for t in targets.TARGETS.values())
+    assert report.summarize(_results())["acceptance"][0]["met"] is True                 # 4.4x >= 3x
+    monkeypatch.setitem(targets.TARGETS, "ort_over_hf_small", replace(targets.TARGETS["ort_over_hf_small"], threshold=5.0))
+    first = report.summarize(_results())["acceptance"][0]
+    assert first["met"] is False and ">= 5.0x HF generate" in first["criterion"]
+
+
 def test_slower_beyond_noise_is_flagged():
     # noise band = (max - min) / median of rmsnorm-strong's tokens/s: 4 % here
     res = _results(strong_totals=(1.0, 1.02, 0.98), fused_totals=(1.3, 1.3, 1.3))
@@ -144,3 +156,10 @@ def test_genai_acceptance_and_loop_cost():
     assert report.summarize(res)["acceptance"][7]["met"] is False                      # median 0.67x the plain loop
     md = report.markdown(dict(res, summary=None), report.summarize(res))
     assert "GenAI int4" in md and "loop us/token" in md
+
+
+def test_markdown_says_when_graphs_were_not_verified(tmp_path):
+    res = _results()
+    assert "NOT verified" not in report.markdown(res, report.summarize(res))
+    res["settings"]["verify"] = False
+    assert "graphs NOT verified (--no-verify" in report.markdown(res, report.summarize(res))

@@ -167,3 +167,19 @@ def test_claim_dir_and_replace_file_in(tmp_path):
     (tmp_path / "u" / "x").write_text("1")
     with pytest.raises(UserError):
         claim_dir(tmp_path / "u", BUILD)
+
+
+def test_replaced_file_in_leaves_the_old_file_or_the_new_one(tmp_path):
+    """A writer that takes a path (save_onnx) writes a temporary beside the file; a failure
+    leaves the old file and no temporary."""
+    from core.outputs import replaced_file_in
+    d = claim_dir(tmp_path / "r", BUILD)
+    replace_file_in(d, "g.onnx", b"old")
+    with pytest.raises(RuntimeError):
+        with replaced_file_in(d, "g.onnx") as tmp:
+            tmp.write_bytes(b"half")
+            raise RuntimeError("interrupted")
+    assert (d / "g.onnx").read_bytes() == b"old" and sorted(p.name for p in d.iterdir()) == [MARKER, "g.onnx"]
+    with replaced_file_in(d, "g.onnx") as tmp:
+        tmp.write_bytes(b"new")
+    assert (d / "g.onnx").read_bytes() == b"new" and sorted(p.name for p in d.iterdir()) == [MARKER, "g.onnx"]
