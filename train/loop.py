@@ -358,8 +358,15 @@ def held_recipe(out: str | Path) -> dict | None:
     return recipe if isinstance(recipe, dict) else None
 
 
+def memory_line(run: TrainConfig, world: int, est) -> str:
+    mode = "sharded (--fsdp)" if run.fsdp else "replicated (DDP)"
+    micro = run.batch_size // world // run.grad_accum
+    return f"memory per rank (estimated, {mode}, {world} rank(s), micro-batch {micro} x {run.seq_len}): {est.describe()}"
+
+
 def check_rank_memory(run: TrainConfig, world: int, local_rank: int):
-    """The estimate of one rank's memory (train/memory.py), printed by rank 0; TrainError (one line) when it
+    """The estimate of one rank's memory (train/memory.py; memory_line() says it, printed by rank 0 once
+    the run's inputs are checked, so that a bad input still gets one error line); TrainError (one line) when it
     exceeds what the rank's device has: the free memory of its GPU, or on the CPU the available memory
     shared by the ranks of this machine."""
     from core.inputs import MEMORY_SHARE, available_memory, human_bytes
@@ -373,9 +380,6 @@ def check_rank_memory(run: TrainConfig, world: int, local_rank: int):
     else:
         have, where = available_memory(), f"this machine has (for {ranks_here} rank(s))"
     mode = "sharded (--fsdp)" if run.fsdp else "replicated (DDP)"
-    if local_rank == 0 and launched_world()[0] == 0:
-        print(f"memory per rank (estimated, {mode}, {world} rank(s), micro-batch {micro} x {run.seq_len}): "
-              f"{est.describe()}", file=sys.stderr)
     if have is not None and est.peak * ranks_here > MEMORY_SHARE * have:
         fix = "use --fsdp, more processes, " if not run.fsdp else "use more processes, "
         raise TrainError(f"training {run.preset}: needs about {human_bytes(est.peak)} per rank ({mode}: "
@@ -507,6 +511,8 @@ def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: s
     par = dataclasses.replace(par, sharded=run.fsdp and par.distributed)
     data = prepare_data(run, work, par)
     raise_if_interrupted()
+    if estimate is not None and par.is_main:
+        print(memory_line(run, par.world_size, estimate), flush=True)      # information: stdout
     torch.manual_seed(run.seed)
     if par.sharded:        # never whole on any rank: built on meta, then each rank's shards (train/sharded.py)
         model = sharded_initial_model(recipe, run, par.device, fresh=state is None)
