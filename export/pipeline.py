@@ -410,7 +410,6 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
     rewritten to ONNX Runtime's GroupQueryAttention, graph_passes/ort_attention.py).
     `quantize`: an export.quantize.QuantConfig (needs fuse and fp32): also model.<int8|int4>.onnx.
     `genai` (needs fuse, fp32, gqa): also the ONNX Runtime GenAI folder's files (export/genai.py)."""
-    import onnx
     from export.genai import check_genai
     from export.verify import ATOL, SCALE_TOL, VerificationError, interface_mismatches, read_interface
     checkpoint, out = Path(checkpoint), Path(out)

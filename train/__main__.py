@@ -49,7 +49,7 @@ import argparse
 import shlex
 import sys
 
-from core.errors import ArgumentParser, UsageError, float_in, int_in, nonnegative_int, positive_int, seed_int
+from core.errors import ArgumentParser, UsageError, float_in, int_in, positive_int, seed_int
 from train.config import TrainConfig, TrainError, add_execution_options
 from train.presets import PRESETS, SIZES
 
