@@ -167,14 +167,6 @@ def decode_speed(model: str, decode_tokens: int, prompt_tokens: int, threads: in
             "tpot_ms_p50": stats.median(steps) * 1e3}
 
 
-def graph_dtype(graph: Path) -> str:
-    """The graph's logits dtype, read from the graph alone (not its weights)."""
-    import onnx
-    from core.contract import dtype_name
-    out = onnx.load(str(graph), load_external_data=False).graph.output
-    return next(dtype_name(o.type.tensor_type.elem_type) for o in out if o.name == "logits")
-
-
 def graph_of(build: Path) -> Path | None:
     return next((build / g for g in GRAPHS if (build / g).is_file()), None)
 
@@ -257,7 +249,8 @@ def measure_option(name: str, argv: list[str], folder: Path, out: Path, args, ge
     if graph is None:
         return row
     row["graph"] = graph.name
-    if name != GENAI and graph_dtype(graph) == "bf16":
+    from core.contract import contract_of
+    if name != GENAI and contract_of(graph).dtype == "bf16":      # (the graph read, not its weights)
         row["decode"] = {"skipped": "bf16: ONNX Runtime's CPU kernels do not compute bf16 (bench/gpu_check.sh does)"}
         return row
     cmd = [sys.executable, "-m", "bench.scale", "decode", str(graph), "--decode-tokens", str(args.decode_tokens),

@@ -277,8 +277,9 @@ class OrtSession(DecoderSession):
 
 
 def _is_bf16(path) -> bool:
-    """Whether the graph's logits are bf16 (read from the graph alone, not its weights)."""
-    import onnx
-    from core.contract import dtype_name
-    graph = onnx.load(str(path), load_external_data=False).graph
-    return any(o.name == LOGITS and dtype_name(o.type.tensor_type.elem_type) == "bf16" for o in graph.output)
+    """Whether the graph's caches and logits are bf16 (core.contract reads the graph, not its weights)."""
+    from core.contract import ContractError, contract_of
+    try:
+        return contract_of(path).dtype == "bf16"
+    except ContractError:
+        return False
