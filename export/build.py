@@ -1,6 +1,11 @@
 """python -m export.build [--fuse] [--checkpoint DIR] [--out DIR] [--dtype fp32|fp16|bf16] [--triton-repo DIR]
                         [--quantize int8|int4 [--block-size N] [--accuracy-level N] [--algo rtn|hqq] [--head int8|int4|fp32] [--int8-layers NAMES]]
-                        [--attention plain|fused|gqa] [--genai] [--route auto|in-memory|streamed]
+                        [--target auto|ort-cpu|portable] [--attention plain|fused|gqa] [--genai] [--route auto|in-memory|streamed]
+
+--target picks the graph for the runtime it will run on (export/target.py): by default (auto) the
+ONNX Runtime CPU graph with GroupQueryAttention, the fastest there, where the model and options allow
+it and this machine has no TensorRT; else the portable graph (ONNX ops only, for TensorRT and every
+other runtime). The build's last line says which graph is for which runtime.
 
 checkpoint ──export──▶ model.onnx ──verify vs torch──▶ [graph_passes ──▶ model.fused.onnx ──verify──▶] report.json
 
@@ -28,12 +33,14 @@ from __future__ import annotations
 from core.errors import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
 
 from core.errors import ArgumentParser, UsageError, UserError, int_in, run_cli
 from core.outputs import BUILD, TRITON_REPOSITORY, check_output_dir
+from export.target import TARGETS
 from export.quantize import (ALGOS, BLOCK_SIZES, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, HEAD_DTYPES, QUANT_BITS,
                              QuantConfig)
 
@@ -51,11 +58,14 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32",
                     help="the graph's float type; bf16 (for GPUs and TensorRT; ONNX Runtime's CPU has no bf16 "
                          "kernels) is built by the streamed route")
+    ap.add_argument("--target", choices=TARGETS, default="auto",
+                    help="ort-cpu: the graphs get ONNX Runtime's GroupQueryAttention (the fastest CPU graph, ONNX "
+                         "Runtime only); portable: ONNX ops only (TensorRT and other runtimes); auto (default): "
+                         "ort-cpu where the model and options allow it and TensorRT is not installed, else portable")
     ap.add_argument("--attention", choices=("plain", "fused", "gqa"), default=None,
-                    help="plain (default; gqa with --genai): attention as MatMul/Softmax/... ops (portable, default); fused: one ONNX "
-                         "Attention op per layer (opset 24; ONNX Runtime runs it as one kernel); gqa (with --fuse): "
-                         "model.fused.onnx gets ONNX Runtime's GroupQueryAttention with Q/K/V in one MatMul, "
-                         "the fastest CPU graph, ONNX Runtime only")
+                    help="the attention ops, over --target: plain: MatMul/Softmax/... ops (portable); fused: one ONNX "
+                         "Attention op per layer (opset 24, portable; ONNX Runtime runs it as one kernel); gqa (with "
+                         "--fuse): ONNX Runtime's GroupQueryAttention with Q/K/V in one MatMul (--target ort-cpu)")
     ap.add_argument("--quantize", choices=tuple(QUANT_BITS), default=None,
                     help="with --fuse: also write model.<int8|int4>.onnx, the folded weights quantized "
                          "(weight-only, ONNX Runtime MatMulNBits)")
@@ -88,7 +98,6 @@ def _parser() -> ArgumentParser:
 
 def run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    args.attention = args.attention or ("gqa" if args.genai else "plain")
     quantize = _quant_config(args)
     ckpt = args.checkpoint
     out = args.out if args.out is not None else Path("build") / ckpt.resolve().name
@@ -102,20 +111,39 @@ def run(argv: list[str]) -> int:
         check_output_dir(args.triton_repo, TRITON_REPOSITORY, inputs=[ckpt, out])
     from export.pipeline import build, check_attention, check_quantize
     check_quantize(quantize, args.fuse, args.dtype)
+    opened = functools.cache(lambda: _open_weights(ckpt))      # read once, by whichever step needs it first
+    target = _target(args, opened)
     from export.genai import check_genai
-    check_genai(args.genai, args.fuse, args.dtype, args.attention)      # first: it names the option given
-    check_attention(args.attention, args.fuse, args.dtype)
-    source = _streamed(args.route, ckpt, args.dtype)
+    check_genai(args.genai, args.fuse, args.dtype, target.attention)      # first: it names the option given
+    check_attention(target.attention, args.fuse, args.dtype)
+    source = _streamed(args.route, opened, args.dtype)
     if source is not None:
         from export.streamed import build_streamed
-        build_streamed(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=args.attention, source=source,
-                        genai=args.genai)
+        build_streamed(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=target.attention, source=source,
+                       genai=args.genai, target_why=target.why)
     else:
-        build(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=args.attention, genai=args.genai)
+        build(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=target.attention, genai=args.genai,
+              target_why=target.why)
     if args.triton_repo is not None:
         cmd = [sys.executable, "-m", "runtime.triton", "repo", "--build", str(out), "--out", str(args.triton_repo)]
         return subprocess.run(cmd).returncode      # its own one-line error, if any; the build stays
     return 0
+
+
+def _open_weights(ckpt: Path):
+    from models.weights import open_weights
+    return open_weights(ckpt)
+
+
+def _target(args, opened):
+    """--target and --attention resolved (export/target.py); the model's config is read only when
+    --target auto or ort-cpu has to check it (safetensors headers and config.json, no weights)."""
+    from export.target import resolve_target
+    if args.target == "portable" or args.attention is not None or not args.fuse:
+        cfg = None
+    else:
+        cfg = opened().cfg
+    return resolve_target(args.target, args.attention, args.fuse, args.dtype, args.genai, cfg)
 
 
 def _quant_config(args) -> QuantConfig | None:
@@ -132,7 +160,7 @@ def _quant_config(args) -> QuantConfig | None:
     return QuantConfig(args.quantize, args.block_size, args.accuracy_level, args.algo, args.head, args.int8_layers)
 
 
-def _streamed(route: str, ckpt: Path, dtype: str):
+def _streamed(route: str, opened, dtype: str):
     """The opened weights (models.weights.WeightSource) when the build streams: asked for, bf16, or
     (auto) the in-memory build would not fit here; else None. Opened once: the streamed build reuses them."""
     if route == "in-memory" and dtype == "bf16":
@@ -142,8 +170,7 @@ def _streamed(route: str, ckpt: Path, dtype: str):
         return None
     from core.inputs import available_memory, human_bytes
     from export.streamed import in_memory_peak
-    from models.weights import open_weights
-    source = open_weights(ckpt)
+    source = opened()
     if route == "streamed" or dtype == "bf16":
         return source
     cfg, avail = source.cfg, available_memory()

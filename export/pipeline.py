@@ -35,6 +35,7 @@ import numpy as np
 from core.errors import UserError
 from core.onnx_writer import save_onnx
 from core.outputs import BUILD, check_output_dir, output_dir, sign_onnx
+from export.target import Target, target_of
 
 NORM_OPS = ("RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization")
 REAL_TEXT = ("Once upon a time there was a little girl named Lily. She loved to play in the garden "
@@ -95,6 +96,8 @@ class BuildReport:
     route: str = "in-memory"             # in-memory (this module) | streamed (export/streamed.py)
     memory_estimate: dict | None = None  # streamed: the estimated peak and its parts, bytes
     genai: dict = field(default_factory=dict)      # --genai: the GenAI graph, its config, tokenizer files, check
+    target: str = ""                     # ort-cpu | portable: the runtime the graphs are for (export/target.py)
+    target_why: str = ""                 # why --target auto chose it
 
     @property
     def norm_ops(self) -> dict[str, int]:
@@ -404,12 +407,13 @@ class ModelStages:
 # --- the driver ----------------------------------------------------------------------------------
 
 def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=print, quantize=None,
-          attention: str = "plain", genai: bool = False) -> BuildReport:
+          attention: str = "plain", genai: bool = False, target_why: str = "") -> BuildReport:
     """Run every stage; returns the report (also written to OUT/report.json).
     `attention`: "plain" ops (portable), "fused" (one ONNX Attention op per layer) or "gqa" (model.fused.onnx
     rewritten to ONNX Runtime's GroupQueryAttention, graph_passes/ort_attention.py).
     `quantize`: an export.quantize.QuantConfig (needs fuse and fp32): also model.<int8|int4>.onnx.
-    `genai` (needs fuse, fp32, gqa): also the ONNX Runtime GenAI folder's files (export/genai.py)."""
+    `genai` (needs fuse, fp32, gqa): also the ONNX Runtime GenAI folder's files (export/genai.py).
+    `target_why`: why export.build --target auto chose the attention, for the report (export/target.py)."""
     from export.genai import check_genai
     from export.verify import ATOL, SCALE_TOL, VerificationError, interface_mismatches, read_interface
     checkpoint, out = Path(checkpoint), Path(out)
@@ -419,7 +423,7 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
     check_attention(attention, fuse, dtype)
     t_start = time.perf_counter()
     report = BuildReport(str(checkpoint), str(out), dtype, fuse, atol=ATOL[dtype], scale_tol=SCALE_TOL[dtype],
-                         attention=attention)
+                         attention=attention, target=target_of(attention), target_why=target_why)
     stages = Stages(report, (6 if fuse else 4) + (2 if quantize else 0) + (1 if genai else 0), log)
 
     t0 = time.perf_counter()          # announced once loaded and checked: a refusal prints only its error line
@@ -588,5 +592,8 @@ def summary(r: BuildReport, log) -> None:
         log(f"  genai    {g['graph']} ({g['from']} with GenAI's I/O) + {g['config']}"
             f"{' + ' + ', '.join(g['tokenizer_files']) if g['tokenizer_files'] else ''}: og.Model('{r.out}') loads it; "
             f"logits max |d| vs {g['from']} {g['logits_max_abs_diff']:.3g}")
-    if r.trt_lint:
+    graphs = [f for f in r.files if f.endswith(".onnx") and not f.endswith(".genai.onnx")
+              and (r.target != "ort-cpu" or f != UNFUSED)]       # a gqa build's model.onnx is its portable export
+    log("  " + Target(r.target, r.attention, r.target_why).describe(graphs))
+    if r.trt_lint and r.target != "ort-cpu":        # an ort-cpu graph is not for TensorRT: the report keeps them
         log(f"  trt_lint {len(r.trt_lint)} issue(s): {r.trt_lint[0]}" + (" ..." if len(r.trt_lint) > 1 else ""))

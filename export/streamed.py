@@ -136,13 +136,16 @@ def top1(ref_runs, runs) -> tuple[float, int]:
 
 
 def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=print, quantize=None,
-                   attention: str = "plain", max_seq_len: int | None = None, source=None, genai: bool = False):
+                   attention: str = "plain", max_seq_len: int | None = None, source=None, genai: bool = False,
+                   target_why: str = ""):
     """The streamed build; returns the BuildReport (also OUT/report.json). `source`: the checkpoint's
     weights already opened (models.weights.open_weights), e.g. by the CLI's route choice. `genai`:
-    also the ONNX Runtime GenAI folder's files, over the same weights file (export/genai.py)."""
+    also the ONNX Runtime GenAI folder's files, over the same weights file (export/genai.py).
+    `target_why`: why export.build --target auto chose the attention, for the report (export/target.py)."""
     from export.genai import check_genai
     from export.pipeline import (REPORT, BuildReport, ModelSummary, Stages, check_attention, check_quantize,
                                  genai_files, summary, versions, worst)
+    from export.target import target_of
     from export.verify import ATOL, SCALE_TOL
     from models.weights import open_weights
     checkpoint, out = Path(checkpoint), Path(out)
@@ -160,7 +163,7 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
     key = quantize.dtype if quantize is not None else dtype
     checked = "dequantized" if quantize is not None and quantize.algo == "rtn" else key
     report = BuildReport(str(checkpoint), str(out), dtype, fuse, atol=ATOL[checked], scale_tol=SCALE_TOL[checked],
-                         attention=attention, route="streamed")
+                         attention=attention, route="streamed", target=target_of(attention), target_why=target_why)
     gate = source.skeleton.gate.value if cfg.norm == "taper" else None
     report.model = ModelSummary(cfg.norm, cfg.taper_scope, gate, cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab_size,
                                 cfg.max_seq_len, cfg.tie_embeddings, cfg.approx_param_count(), cfg.kv_heads,

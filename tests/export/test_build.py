@@ -34,9 +34,11 @@ def ckpts(tmp_path_factory):
     }
 
 
-def test_build_fuse_end_to_end(ckpts, tmp_path):
+@pytest.mark.parametrize("target", ["auto", "portable"])
+def test_build_fuse_end_to_end(ckpts, tmp_path, target):
+    """The default (auto) build is the ONNX Runtime CPU graph here (no TensorRT installed); both say so."""
     out = tmp_path / "out"
-    r = _build("--fuse", "--checkpoint", ckpts["taper"], "--out", out)
+    r = _build("--fuse", "--checkpoint", ckpts["taper"], "--out", out, "--target", target)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.startswith("[1/6] load checkpoint") and "[6/6] write" in r.stdout
     files = {p.name for p in out.iterdir()}
@@ -47,7 +49,15 @@ def test_build_fuse_end_to_end(ckpts, tmp_path):
     assert report["norm_ops"] == {"unfused": 1, "fused": 1}
     assert [f["layer"] for f in report["folded"] if f["pass"] == "taper_scale"] == \
         ["blocks.0.ln_1", "blocks.0.ln_2", "blocks.1.ln_1", "blocks.1.ln_2"]
-    assert report["op_counts"]["unfused"]["Mul"] - report["op_counts"]["fused"]["Mul"] == 4
+    if target == "auto":      # the taper Muls and the attention's scale Muls all gone into GroupQueryAttention
+        assert report["target"] == "ort-cpu" and report["attention"] == "gqa"
+        assert report["op_counts"]["fused"]["GroupQueryAttention"] == 2 and "Mul" not in report["op_counts"]["fused"]
+        assert "  target   ort-cpu (auto: the fastest graph on this CPU): model.fused.onnx for ONNX Runtime on the CPU" \
+            in r.stdout and "--target portable" in r.stdout
+    else:
+        assert report["target"] == "portable" and report["attention"] == "plain"
+        assert report["op_counts"]["unfused"]["Mul"] - report["op_counts"]["fused"]["Mul"] == 4
+        assert "  target   portable: model.fused.onnx, model.onnx for TensorRT and any ONNX runtime" in r.stdout
     for key in ("unfused_vs_torch", "fused_vs_torch", "fused_vs_unfused"):
         worst = max(v for per in report["max_abs_diff"][key].values() for v in per.values())
         assert worst <= report["atol"] == 1e-4
