@@ -359,9 +359,10 @@ def _parser():
     p.add_argument("--dtypes", help=f"comma list of {', '.join(DTYPES)}: weight dtypes of the fused variants "
                                     "(int8/int4: export.quantize, ort only; default fp32)")
     p.add_argument("--batches", help="comma list of batch sizes in [1, 256] (default 1,8; quick: 1)")
-    p.add_argument("--attention", choices=("plain", "fused", "gqa"), default="plain",
-                   help="ONNX graphs with plain attention ops (default), one fused Attention op per layer, or "
-                        "ONNX Runtime's GroupQueryAttention with Q/K/V in one MatMul (export.build --attention gqa)")
+    p.add_argument("--attention", choices=("plain", "fused", "gqa"), default=None,
+                   help="ONNX graphs with plain attention ops, one fused Attention op per layer, or ONNX Runtime's "
+                        "GroupQueryAttention with Q/K/V in one MatMul (default: the graph export.build writes by "
+                        "default here, export/target.py: gqa, or plain where the trt backend runs)")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="build without export's checks (each graph against torch, a quantized one against its fp32 "
                         "graph with the dtype's tolerance and top-1 floor); the output and results.json say so")
@@ -471,18 +472,31 @@ def settings_from(args) -> Settings:
     wanted = _csv(args.backends, ["ort", "torch"] if q else list(ALL_BACKENDS), ALL_BACKENDS, "backend")
     peers = [] if args.peers == "none" else _csv(args.peers, ["hf-generate", "ort-plain"], PEERS, "peer")
     skipped = unavailable(wanted, peers)
+    backends = [b for b in wanted if b not in skipped]
+    sizes = _csv(args.sizes, ["1M", "8M"] if q else list(SIZES), SIZES, "size")
     new_tokens = args.new_tokens or (32 if q else 128)
     cap = args.capacity or capacity_for(args.prompt, new_tokens)
     if cap < args.prompt + new_tokens:
         raise UsageError(f"--capacity {cap}: expected at least --prompt + --new-tokens = {args.prompt + new_tokens}; "
                          "raise it or drop it")
-    return Settings(sizes=_csv(args.sizes, ["1M", "8M"] if q else list(SIZES), SIZES, "size"), variants=names,
-                    backends=[b for b in wanted if b not in skipped], skipped=skipped, peers=peers,
+    return Settings(sizes=sizes, variants=names, backends=backends, skipped=skipped, peers=peers,
                     dtypes=_csv(args.dtypes, ["fp32"], DTYPES, "dtype"),
                     batches=_batches(args.batches, ["1"] if q else ["1", "8"]), prompt=args.prompt,
                     new_tokens=new_tokens, rounds=args.rounds or 3, threads=args.threads, capacity=cap,
-                    profile_steps=args.profile_steps, quick=q, seed=args.seed, attention=args.attention,
+                    profile_steps=args.profile_steps, quick=q, seed=args.seed,
+                    attention=args.attention or default_attention(backends, sizes),
                     verify=args.verify, bandwidth_gib=args.bandwidth_gib)
+
+
+def default_attention(backends: list[str], sizes: list[str]) -> str:
+    """The graph export.build writes by default (--target auto, export/target.py) for every size here;
+    the portable one when the trt backend is timed (TensorRT does not take GroupQueryAttention)."""
+    from export.target import resolve_target
+    from models.decoder import DecoderConfig
+    if "trt" in backends:
+        return "plain"
+    targets = {resolve_target("auto", None, True, "fp32", False, DecoderConfig(**SIZES[s])) for s in sizes}
+    return "gqa" if {t.attention for t in targets} == {"gqa"} else "plain"
 
 
 def claim_outputs(args) -> tuple[Path, Path]:
@@ -597,7 +611,8 @@ def run(argv) -> int:
     command = "python -m bench.decode " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     r = Run(s, command, out)
     print(f"bench.decode: sizes {s.sizes}, backends {s.backends}, batches {s.batches}, prompt {s.prompt}, "
-          f"{s.new_tokens} new tokens, {s.rounds} rounds, {s.threads} threads; skipped {s.skipped or 'none'}", flush=True)
+          f"{s.new_tokens} new tokens, {s.rounds} rounds, {s.threads} threads, {s.attention} attention; "
+          f"skipped {s.skipped or 'none'}", flush=True)
     if not s.verify:
         print("  verification OFF (--no-verify): no graph is checked against torch, nor a quantized one against its "
               "fp32 graph; results.json says settings.verify false", flush=True)

@@ -18,6 +18,8 @@ from runtime.session import ModelFileError
 
 FUSED, UNFUSED, TOKENIZER = "model.fused.onnx", "model.onnx", "tokenizer.json"
 QUANTIZED = ("model.int4.onnx", "model.int8.onnx")
+ORT_ONLY_MARK = ("tapernorm.attention", "ort-gqa")       # graph_passes/ort_attention.py's model metadata
+GENAI_SUFFIX = ".genai.onnx"                             # export/genai.py: GenAI's I/O, not our contract
 BUILD_HINT = "build one with: python -m export.build --fuse --checkpoint CHECKPOINT --out DIR"
 
 
@@ -25,6 +27,10 @@ def resolve_onnx(path: str | Path) -> Path:
     """The graph to run: PATH itself if it is a file, else PATH/model.fused.onnx, else PATH/model.onnx,
     else a quantized graph (what a streamed quantized build holds)."""
     path = Path(path)
+    if path.is_file() and path.name.endswith(GENAI_SUFFIX):
+        raise ModelFileError(f"{path}: expected a graph with this project's decode contract, found ONNX Runtime "
+                             f"GenAI's (input_ids, attention_mask, past_key_values.*); pass the build directory "
+                             f"{path.parent}, or run this one with og.Model('{path.parent}')")
     if path.is_file():
         return path
     if path.is_dir():
@@ -34,6 +40,21 @@ def resolve_onnx(path: str | Path) -> Path:
         raise ModelFileError(f"{path}: expected a build directory with {FUSED}, {UNFUSED} or {' or '.join(QUANTIZED)}, "
                              f"found none; {BUILD_HINT}")
     raise ModelFileError(f"{path}: expected a build directory or an .onnx file, found nothing there; {BUILD_HINT}")
+
+
+def refuse_ort_only(path: Path, runtime: str) -> None:
+    """A GroupQueryAttention graph (export.build --target ort-cpu, its default where TensorRT is not
+    installed) runs in ONNX Runtime only: say so before `runtime` loads anything. Read from the mark
+    graph_passes/ort_attention.py leaves in the graph, so a bare .onnx file is checked too."""
+    import onnx
+    try:
+        meta = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+    except Exception:       # an unreadable file: the backend's own load says so in its words
+        return
+    if meta.get(ORT_ONLY_MARK[0]) == ORT_ONLY_MARK[1]:
+        raise ModelFileError(f"{path}: expected a portable graph for {runtime}, found ONNX Runtime's "
+                             "GroupQueryAttention (export.build --target ort-cpu, its default without TensorRT); "
+                             "use --backend ort, or rebuild with --target portable")
 
 
 def resolve_tokenizer(path: str | Path) -> Path:

@@ -266,3 +266,17 @@ def test_settings_say_when_verification_is_off_and_worker_specs_cross_as_json():
     spec = cell_spec(run, "1M", "ort")
     assert WorkerSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
     assert run.results(complete=False)["models"]["1M"]["rmsnorm-strong"]["verified"] is None
+
+
+def test_default_attention_is_export_builds_default_graph(monkeypatch):
+    """No --attention: the graph export.build writes by default here (GroupQueryAttention with no TensorRT
+    installed), the portable one when the trt backend is timed; --attention still decides."""
+    import importlib.util
+    from bench.decode import _parser, default_attention, settings_from
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorrt" else real(name, *a))
+    assert default_attention(["ort", "torch"], ["1M", "124M"]) == "gqa"
+    assert default_attention(["ort", "trt"], ["1M"]) == "plain"
+    args = ["--quick", "--peers", "none", "--backends", "ort", "--out", "x"]
+    assert settings_from(_parser().parse_args(args)).attention == "gqa"
+    assert settings_from(_parser().parse_args(args + ["--attention", "plain"])).attention == "plain"

@@ -146,14 +146,25 @@ def test_check_aliases():
         check_aliases(object(), SPEC, "e.engine")
 
 
-def test_a_gqa_build_is_refused_before_any_tensorrt_work(tmp_path):
-    """--attention gqa builds run ONNX Runtime's GroupQueryAttention: one line up front, no CUDA needed."""
-    import json
+def test_a_gqa_graph_is_refused_before_any_tensorrt_work(tmp_path):
+    """A GroupQueryAttention graph (export.build's default target here) runs in ONNX Runtime only: one line up
+    front from the graph's own mark, no CUDA needed; a GenAI graph is not our contract."""
+    import onnx
+    from onnx import helper
     from runtime.session import ModelFileError
     from runtime.trt_session import TrtSession
-    (tmp_path / "model.fused.onnx").write_bytes(b"not parsed")
-    (tmp_path / "report.json").write_text(json.dumps({"attention": "gqa"}))
-    with pytest.raises(ModelFileError, match="built with --attention gqa .* use --backend ort"):
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph)
+    onnx.helper.set_model_props(model, {"tapernorm.attention": "ort-gqa"})
+    onnx.save(model, tmp_path / "model.fused.onnx")
+    with pytest.raises(ModelFileError, match="found ONNX Runtime's GroupQueryAttention .*; use --backend ort, or "
+                                             "rebuild with --target portable"):
         TrtSession(tmp_path)
-    (tmp_path / "report.json").write_text(json.dumps({"attention": "fused"}))
-    assert TrtSession(tmp_path).path.name == "model.fused.onnx"        # other builds pass this check
+    onnx.helper.set_model_props(model, {"tapernorm.attention": "portable"})
+    onnx.save(model, tmp_path / "model.fused.onnx")
+    assert TrtSession(tmp_path).path.name == "model.fused.onnx"        # other graphs pass this check
+    onnx.save(model, tmp_path / "model.genai.onnx")
+    with pytest.raises(ModelFileError, match="found ONNX Runtime GenAI's .*og.Model"):
+        TrtSession(tmp_path / "model.genai.onnx")
