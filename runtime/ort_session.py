@@ -165,8 +165,7 @@ class OrtSession(DecoderSession):
 
     # --- steps -------------------------------------------------------------------
 
-    def _check(self, b: int, t: int, position: np.ndarray, start: int | None = None) -> None:
-        super()._check(b, t, position, start)
+    def _check_prompt(self, b: int, t: int, position: np.ndarray) -> None:
         if self._gqa and t > 1 and b > 1 and bool(np.any(position)):
             raise RuntimeUserError(f"{self.path}: a {t}-token step on {b} sequences must start at slot 0 in a "
                                    "GroupQueryAttention graph (ONNX Runtime continues a cached prompt at batch 1 "

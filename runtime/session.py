@@ -145,6 +145,7 @@ class DecoderSession(abc.ABC):
         b, t = input_ids.shape
         position = np.zeros(b, np.int64) if position is None else np.ascontiguousarray(position, dtype=np.int64)
         self._check(b, t, position)
+        self._check_prompt(b, t, position)
         return self._run_prefill(input_ids, position)
 
     def decode_step(self, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
@@ -172,6 +173,7 @@ class DecoderSession(abc.ABC):
         b, t = input_ids.shape
         position = np.zeros(b, np.int64) if position is None else np.ascontiguousarray(position, dtype=np.int64)
         self._check(b, t, position, start)
+        self._check_prompt(b, t, position)
         if start == 0 and b == self.batch:
             return self._run_prefill(input_ids, position)
         return self._run_prefill_rows(start, input_ids, position)
@@ -204,6 +206,10 @@ class DecoderSession(abc.ABC):
         if int(position.min()) < 0 or last > self.spec.capacity:
             raise CapacityError(f"{self.backend} session: positions + {t} tokens must lie in [0, {self.spec.capacity}] "
                                 f"(the cache capacity), found up to {last}; start a new sequence with reset()")
+
+    def _check_prompt(self, b: int, t: int, position: np.ndarray) -> None:
+        """A backend's own rule for a multi-token step of b sequences (none here). Apart from _check,
+        which also checks a whole run of one-token decode steps (check_decode_run) by its length."""
 
     # --- backend hooks -----------------------------------------------------------
 

@@ -119,3 +119,16 @@ def test_a_batched_prompt_that_continues_a_cache_is_refused_with_one_line():
         gqa.reset(1)
         logits = gqa.prefill(np.array([[1, 2]]), np.array([3]))  # batch 1 continues a cache: fine
         assert logits.shape == (1, 2, 320)
+
+
+def test_batched_generation_equals_the_graph_before():
+    """runtime.generate on prompts of different lengths (right-padded, prefilled at slot 0, then a checked
+    run of decode steps) gives the same tokens on the GroupQueryAttention graph: the slot-0 rule applies to
+    multi-token steps only, not to a run of one-token steps checked at once."""
+    from runtime.generate import GenerationConfig, generate
+    ref, gqa = _sessions("internal-taper")
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]
+    with ref, gqa:
+        want = generate(ref, prompts, GenerationConfig(max_new_tokens=12)).tokens
+        got = generate(gqa, prompts, GenerationConfig(max_new_tokens=12)).tokens
+    np.testing.assert_array_equal(got, want)
