@@ -58,9 +58,12 @@ def run(argv: list[str]) -> int:
         gate = "unknown (no tapernorm.gate metadata)" if info["gate"] is None else f"{info['gate']:g}"
         print(f"detected {len(info['layers'])} TaperNorm layer(s), gate {gate}: {', '.join(sorted(info['layers']))}")
     fused, results = run_passes(proto, names)
+    from core.onnx_writer import EXTERNAL_AT, inline_bytes, save_onnx
+    if inline_bytes(fused) >= EXTERNAL_AT:      # one .onnx file holds < 2 GB; bigger graphs are export.build's
+        raise UserError(f"{args.input}: expected a graph under {EXTERNAL_AT / 1e9:.1f} GB of weights for one output "
+                        f"file, found {inline_bytes(fused) / 1e9:.1f} GB; run python -m export.build --fuse instead")
     with output_file(out, FUSED_ONNX, inputs=[args.input]) as tmp:
-        import onnx
-        onnx.save(sign_onnx(fused), str(tmp))
+        save_onnx(sign_onnx(fused), tmp)
     lint = []
     for r in results:
         lint += r.lint

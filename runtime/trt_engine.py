@@ -40,13 +40,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from core.contract import INPUT_IDS, LOGITS, POSITION, DecodeContract, present_name
+from core.outputs import replace_file_in
 from runtime.session import ModelFileError, RuntimeUserError
 
 ENGINE_FORMAT = 2          # bump when the way engines are built changes (2: TF32 off unless asked)
@@ -193,17 +192,6 @@ def timing_cache_path(onnx_path: Path, device: str) -> Path:
     return onnx_path.with_name(f"timing.{device}.cache")
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def set_flag(trt, config, name: str, on: bool) -> None:
     """Set or clear BuilderFlag `name`; a flag this TensorRT does not have can only be off."""
     flag = getattr(trt.BuilderFlag, name, None)
@@ -259,10 +247,10 @@ class EngineFromOnnx:
             self.kv_cache_layers = (read_engine_info(self.path) or {}).get("kv_cache_layers")   # as counted at build
             return self.path.read_bytes()
         data = self._build(trt, timing_cache_path(self.onnx_path, device))
-        write_atomic(self.path, data)
+        replace_file_in(self.path.parent, self.path.name, data)
         self.built = True
         info = {**self.report(), "device": device, "onnx": self.onnx_path.name, "options": asdict(self.options)}
-        write_atomic(engine_info_path(self.path), (json.dumps(info, indent=2) + "\n").encode())
+        replace_file_in(self.path.parent, engine_info_path(self.path).name, json.dumps(info, indent=2) + "\n")
         return data
 
     def report(self) -> dict:
@@ -307,5 +295,5 @@ class EngineFromOnnx:
         if serialized is None:
             raise EngineBuildError(f"{self.onnx_path}: expected TensorRT to build an engine, found a failed build "
                                    "(see the TensorRT log above); try a smaller --max-batch or the ort backend")
-        write_atomic(timing_path, bytes(config.get_timing_cache().serialize()))
+        replace_file_in(timing_path.parent, timing_path.name, bytes(config.get_timing_cache().serialize()))
         return bytes(serialized)
