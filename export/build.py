@@ -139,7 +139,7 @@ def _target(args, opened):
     """--target and --attention resolved (export/target.py); the model's config is read only when
     --target auto or ort-cpu has to check it (safetensors headers and config.json, no weights)."""
     from export.target import resolve_target
-    if args.target == "portable" or args.attention is not None or not args.fuse:
+    if args.target == "portable" or (args.attention is not None and not args.genai) or not args.fuse:
         cfg = None
     else:
         cfg = opened().cfg

@@ -62,6 +62,8 @@ def test_explicit_options_decide():
     (("portable", None, True, "fp32", True, None), "--target portable: expected ort-cpu or none with --genai"),
     (("ort-cpu", None, True, "fp32", False, TINY_ROPE), "found head size 8 with rope"),
     (("ort-cpu", None, True, "fp16", False, LEARNED), "found --dtype fp16"),
+    (("auto", None, True, "fp32", True, TINY_ROPE), "--genai: expected a model ONNX Runtime's GroupQueryAttention "
+                                                    "takes, found head size 8 with rope"),
 ])
 def test_contradictions_are_refused(args, message):
     with pytest.raises(UsageError) as e:
