@@ -388,11 +388,20 @@ def markdown(results: dict, summary: dict) -> str:
 
 # --- plots ------------------------------------------------------------------------------------------------
 
-def _add_errorbar(stats: dict, ys: list, lo: list, hi: list) -> None:
-    """Append a {median, min, max} summary as a median point with asymmetric min-max error bars."""
-    ys.append(stats["median"])
-    lo.append(stats["median"] - stats["min"])
-    hi.append(stats["max"] - stats["median"])
+def _series(cells: list, panel: tuple, sizes: list, name: str, key: str, x_of) -> tuple[list, list, list, list]:
+    """Runner `name`'s `key` summary ({median, min, max}) per size in one (backend, batch) panel, where
+    measured: (x positions, medians, median - min, max - median), what errorbar / bar take."""
+    xs, ys, lo, hi = [], [], [], []
+    for i, size in enumerate(sizes):
+        m = next((c["runners"].get(name) for c in cells if (c["backend"], c["batch"], c["size"]) == (*panel, size)),
+                 None)
+        if m and key in m:
+            s = m[key]
+            xs.append(x_of(i))
+            ys.append(s["median"])
+            lo.append(s["median"] - s["min"])
+            hi.append(s["max"] - s["median"])
+    return xs, ys, lo, hi
 
 
 def plots(results: dict, summary: dict, out: Path) -> list[Path]:
@@ -418,31 +427,30 @@ def plots(results: dict, summary: dict, out: Path) -> list[Path]:
             ax.axis("off")
         return fig, [flat[:len(panels)]]
 
+    def finish(fig, axes, ylabel: str, legend_at: str, title: str, name: str) -> None:
+        """Each panel's axes named, the figure titled and written; its path added to `written`."""
+        for ax, (backend, batch) in zip(axes[0], panels):
+            ax.set_xticks(range(len(sizes)), sizes)
+            ax.set_title(f"{backend}, batch {batch}")
+            ax.set_ylabel(ylabel)
+        _legend(axes[0], legend_at)
+        fig.suptitle(f"{title} — {stamp}", fontsize=9)
+        fig.tight_layout()
+        written.append(_save_figure(fig, out, name))
+        plt.close(fig)
+
     fig, axes = grid()
     width = 0.8 / len(runners)
     for ax, (backend, batch) in zip(axes[0], panels):
         for j, name in enumerate(runners):
-            xs, ys, lo, hi = [], [], [], []
-            for i, size in enumerate(sizes):
-                m = next((c["runners"].get(name) for c in cells
-                          if (c["backend"], c["batch"], c["size"]) == (backend, batch, size)), None)
-                if m:
-                    t = m["tokens_per_s"]
-                    xs.append(i - 0.4 + width * (j + 0.5))
-                    _add_errorbar(t, ys, lo, hi)
+            xs, ys, lo, hi = _series(cells, (backend, batch), sizes, name, "tokens_per_s",
+                                     lambda i: i - 0.4 + width * (j + 0.5))
             if xs:
                 ax.bar(xs, ys, width, yerr=[lo, hi], label=short(name), capsize=2,
                        hatch="//" if name in PEER_NAMES or name.startswith("genai-") else None)
         ax.set_yscale("log")
-        ax.set_xticks(range(len(sizes)), sizes)
-        ax.set_title(f"{backend}, batch {batch}")
-        ax.set_ylabel("output tokens/s (median, min–max)")
-    _legend(axes[0], "upper right")
-    fig.suptitle(f"Decode tokens/s by variant and size — {stamp}", fontsize=9)
-    fig.tight_layout()
-    p = _save_figure(fig, out, "tokens_per_s.png")
-    plt.close(fig)
-    written.append(p)
+    finish(fig, axes, "output tokens/s (median, min–max)", "upper right", "Decode tokens/s by variant and size",
+           "tokens_per_s.png")
 
     fig, axes = grid()
     variants = [n for n in results["settings"]["variants"] if n != BASELINE]
@@ -450,14 +458,8 @@ def plots(results: dict, summary: dict, out: Path) -> list[Path]:
     for ax, (backend, batch) in zip(axes[0], panels):
         ax.axhline(1.0, color="k", lw=0.8)
         for j, name in enumerate(variants):
-            xs, ys, lo, hi = [], [], [], []
-            for i, size in enumerate(sizes):
-                m = next((c["runners"].get(name) for c in cells
-                          if (c["backend"], c["batch"], c["size"]) == (backend, batch, size)), None)
-                if m and "ratio_vs_strong" in m:
-                    r = m["ratio_vs_strong"]
-                    xs.append(i - 0.4 + width * (j + 0.5))
-                    _add_errorbar(r, ys, lo, hi)
+            xs, ys, lo, hi = _series(cells, (backend, batch), sizes, name, "ratio_vs_strong",
+                                     lambda i: i - 0.4 + width * (j + 0.5))
             if xs:
                 ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", label=SHORT[name], capsize=3)
         for i, size in enumerate(sizes):
@@ -468,15 +470,8 @@ def plots(results: dict, summary: dict, out: Path) -> list[Path]:
                     if lim == lim:
                         ax.hlines(lim, i - 0.45, i + 0.45, colors="r", linestyles=style,
                                   label=f"limit 1/(1-f), {key} norms" if i == 0 else None)
-        ax.set_xticks(range(len(sizes)), sizes)
-        ax.set_title(f"{backend}, batch {batch}")
-        ax.set_ylabel("tokens/s ÷ rmsnorm-strong (per round)")
-    _legend(axes[0], "best")
-    fig.suptitle(f"Speedup over rmsnorm-strong with the profiled limit — {stamp}", fontsize=9)
-    fig.tight_layout()
-    p = _save_figure(fig, out, "ratio_vs_strong.png")
-    plt.close(fig)
-    written.append(p)
+    finish(fig, axes, "tokens/s ÷ rmsnorm-strong (per round)", "best",
+           "Speedup over rmsnorm-strong with the profiled limit", "ratio_vs_strong.png")
     return written
 
 

@@ -109,13 +109,11 @@ def run(argv: list[str]) -> int:
     check_output_dir(out, BUILD, inputs=[ckpt])
     if args.triton_repo is not None:        # refuse before an export that would be wasted
         check_output_dir(args.triton_repo, TRITON_REPOSITORY, inputs=[ckpt, out])
-    from export.pipeline import build, check_attention, check_quantize
-    check_quantize(quantize, args.fuse, args.dtype)
+    from export.pipeline import build, check_options, check_quantize
+    check_quantize(quantize, args.fuse, args.dtype)         # before the target: it reads the config
     opened = functools.cache(lambda: _open_weights(ckpt))      # read once, by whichever step needs it first
     target = _target(args, opened)
-    from export.genai import check_genai
-    check_genai(args.genai, args.fuse, args.dtype, target.attention)      # first: it names the option given
-    check_attention(target.attention, args.fuse, args.dtype)
+    check_options(quantize, args.genai, args.fuse, args.dtype, target.attention)
     source = _streamed(args.route, opened, args.dtype)
     if source is not None:
         from export.streamed import build_streamed

@@ -414,13 +414,10 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
     `quantize`: an export.quantize.QuantConfig (needs fuse and fp32): also model.<int8|int4>.onnx.
     `genai` (needs fuse, fp32, gqa): also the ONNX Runtime GenAI folder's files (export/genai.py).
     `target_why`: why export.build --target auto chose the attention, for the report (export/target.py)."""
-    from export.genai import check_genai
     from export.verify import ATOL, SCALE_TOL, VerificationError, interface_mismatches, read_interface
     checkpoint, out = Path(checkpoint), Path(out)
     check_output_dir(out, BUILD, inputs=[checkpoint])
-    check_quantize(quantize, fuse, dtype)
-    check_genai(genai, fuse, dtype, attention)
-    check_attention(attention, fuse, dtype)
+    check_options(quantize, genai, fuse, dtype, attention)
     t_start = time.perf_counter()
     report = BuildReport(str(checkpoint), str(out), dtype, fuse, atol=ATOL[dtype], scale_tol=SCALE_TOL[dtype],
                          attention=attention, target=target_of(attention), target_why=target_why)
@@ -528,6 +525,14 @@ def genai_files(stages: Stages, folder: Path, source: str, cfg, checkpoint: Path
     stages.done("genai", t0, f": max |d logits| {info['logits_max_abs_diff']:.3g} (atol {info['atol']:g})"
                 + ("" if info["tokenizer"] else "; no tokenizer: GenAI applications feed token ids"))
     return info
+
+
+def check_options(quantize, genai: bool, fuse: bool, dtype: str, attention: str) -> None:
+    """Every combination of build options refused before any work, in this order (each names its option)."""
+    from export.genai import check_genai
+    check_quantize(quantize, fuse, dtype)
+    check_genai(genai, fuse, dtype, attention)      # before check_attention: it names the option the user gave
+    check_attention(attention, fuse, dtype)
 
 
 def check_attention(attention: str, fuse: bool, dtype: str) -> None:

@@ -142,17 +142,14 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
     weights already opened (models.weights.open_weights), e.g. by the CLI's route choice. `genai`:
     also the ONNX Runtime GenAI folder's files, over the same weights file (export/genai.py).
     `target_why`: why export.build --target auto chose the attention, for the report (export/target.py)."""
-    from export.genai import check_genai
-    from export.pipeline import (REPORT, BuildReport, ModelSummary, Stages, check_attention, check_quantize,
-                                 genai_files, summary, versions, worst)
+    from export.pipeline import (REPORT, BuildReport, ModelSummary, Stages, check_options, genai_files, summary,
+                                 versions, worst)
     from export.target import target_of
     from export.verify import ATOL, SCALE_TOL
     from models.weights import open_weights
     checkpoint, out = Path(checkpoint), Path(out)
     check_output_dir(out, BUILD, inputs=[checkpoint])
-    check_quantize(quantize, fuse, dtype)
-    check_genai(genai, fuse, dtype, attention)
-    check_attention(attention, fuse, dtype)
+    check_options(quantize, genai, fuse, dtype, attention)
     t_start = time.perf_counter()
     source = source or open_weights(checkpoint, max_seq_len)
     cfg = source.cfg
