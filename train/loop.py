@@ -506,8 +506,67 @@ def _save_run(model, opt, run: TrainConfig, out: Path, work: Path | None, recipe
         par.barrier()                 # every rank's shards are written before rank 0 commits
 
 
-def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: str | None, state: dict | None,
-           par: Parallel, recipe: Recipe, estimate=None) -> dict:
+def _new_log(run: TrainConfig, command: str | None, model: Decoder, data: Data, sched, recipe: Recipe) -> dict:
+    """The run's log.json as it starts (also the resume state's log: a plain dict, written as JSON)."""
+    return {"preset": run.preset, "size": run.size, "command": command, "run": asdict(run),
+            "model_config": model.cfg.to_dict(), "params": model.num_params(), "data": data.stats,
+            "schedule": None if sched is None else {"warmup_steps": sched.warmup_steps, "taper_steps": sched.taper_steps,
+                                                     "calibration_step": sched.calibration_step,
+                                                     "gate_zero_from": sched.end},
+            "aux": {"lambda": run.aux_lambda, "s_tgt": run.s_tgt,
+                    "form": "lambda * mean_tokens (log rms(h) - log s_tgt)^2"},
+            "calibration": None, "evals": [], "step": 0, "resumed_at": [], "parallel": [],
+            "recipe": recipe.describe()}
+
+
+@dataclass
+class _Run:
+    """One training run's live pieces, for the step loop and checkpoint(). `log` and `aux` stay
+    plain dicts: they are the resume state's format (run_state.json), read back by --resume."""
+    run: TrainConfig
+    out: Path
+    work: Path | None
+    t0: float
+    par: Parallel
+    recipe: Recipe
+    data: Data
+    model: Decoder
+    opt: torch.optim.Optimizer
+    sched: object            # the gate schedule, or None for a run without TaperNorm
+    gen: torch.Generator     # the data order
+    log: dict
+    aux: dict                # the scale loss: on, s_tgt (set by calibration when --s-tgt calib)
+    micro: int               # windows per micro-batch on this rank
+    autocast: object
+
+    def checkpoint(self, step: int, train_loss: float | None, write: bool = True) -> dict:
+        """Evaluate at `step` (gate set by the schedule), log it, and with `write` replace OUT."""
+        run, sched, model, par = self.run, self.sched, self.model, self.par
+        gate = sched.gate_at(step) if sched else None
+        if sched:
+            model.set_gate(gate)
+        ev = evaluate(model, self.data.val, self.micro, par, self.autocast)
+        ev = {"step": step, "train_loss": train_loss, **ev, "gate": gate,
+              "lr": lr_at(step, run.steps, run.lr, run.lr_warmup), "phase": sched.phase(step) if sched else "train",
+              "elapsed_s": round(time.time() - self.t0, 1)}
+        self.log["evals"].append(ev)
+        self.log["wall_s"] = round(time.time() - self.t0, 1)
+        if write:
+            if not all_finite(model, par):
+                raise TrainError(f"training {run.preset}: weights are NaN or Inf at step {step}; nothing written "
+                                 f"for this step (lower --lr)")
+            self.log["step"] = step
+            self.log["parallel"][-1]["measured"] = measured_memory(self.opt, par)
+            _save_run(model, self.opt, run, self.out, self.work, self.recipe, self.data,
+                      {"step": step, "taper_c": model.taper_c(), "data_rng": self.gen.get_state(),
+                       "torch_rng": torch.get_rng_state(), "aux": self.aux, "log": self.log}, par)
+        return ev
+
+
+def _start_run(run: TrainConfig, out: Path, work: Path | None, t0: float, command: str | None, state: dict | None,
+               par: Parallel, recipe: Recipe, estimate=None):
+    """The data, the model (placed, or restored from `state` where the held run stopped) and its
+    optimizer; returns (the run, the module to run forward / backward through, the first step)."""
     par = dataclasses.replace(par, sharded=run.fsdp and par.distributed)
     data = prepare_data(run, work, par)
     raise_if_interrupted()
@@ -521,16 +580,8 @@ def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: s
     model.train()
     sched = run.gate_schedule()
     gen = torch.Generator().manual_seed(run.seed)  # same data order for every preset, and on every rank
-    log = {"preset": run.preset, "size": run.size, "command": command, "run": asdict(run),
-           "model_config": model.cfg.to_dict(), "params": model.num_params(), "data": data.stats,
-           "schedule": None if sched is None else {"warmup_steps": sched.warmup_steps, "taper_steps": sched.taper_steps,
-                                                    "calibration_step": sched.calibration_step, "gate_zero_from": sched.end},
-           "aux": {"lambda": run.aux_lambda, "s_tgt": run.s_tgt, "form": "lambda * mean_tokens (log rms(h) - log s_tgt)^2"},
-           "calibration": None, "evals": [], "step": 0, "resumed_at": [], "parallel": [],
-           "recipe": recipe.describe()}
-    aux = {"on": False, "s_tgt": None}
-    if run.aux_lambda > 0 and run.s_tgt != "calib":
-        aux["s_tgt"] = float(run.s_tgt)
+    log = _new_log(run, command, model, data, sched, recipe)
+    aux = {"on": False, "s_tgt": float(run.s_tgt) if run.aux_lambda > 0 and run.s_tgt != "calib" else None}
     start = 0
     if state is not None:          # continue exactly where the held run stopped
         _restore_model(model, state, gen, out)
@@ -543,7 +594,6 @@ def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: s
     opt = _optimizer(model, run.lr, run.weight_decay)
     if state is not None:
         _restore_optimizer(model, opt, state, run, out)
-    autocast = _autocast(run, par)
     # every optimizer step takes one global batch of run.batch_size windows: rank r reads the
     # r-th share, in grad_accum micro-batches; DDP averages the ranks' gradients
     per_rank = run.batch_size // par.world_size
@@ -554,51 +604,39 @@ def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: s
          "device": par.device.type, "dtype": run.dtype, "fsdp": par.sharded,
          "checkpoint_activations": run.checkpoint_activations,
          "memory_estimate": None if estimate is None else dataclasses.asdict(estimate)})
+    r = _Run(run, out, work, t0, par, recipe, data, model, opt, sched, gen, log, aux, micro, _autocast(run, par))
+    return r, ddp, start
 
-    def checkpoint(step: int, train_loss: float | None, write: bool = True) -> dict:
-        gate = sched.gate_at(step) if sched else None
-        if sched:
-            model.set_gate(gate)
-        ev = evaluate(model, data.val, micro, par, autocast)
-        ev = {"step": step, "train_loss": train_loss, **ev, "gate": gate, "lr": lr_at(step, run.steps, run.lr, run.lr_warmup),
-              "phase": sched.phase(step) if sched else "train", "elapsed_s": round(time.time() - t0, 1)}
-        log["evals"].append(ev)
-        log["wall_s"] = round(time.time() - t0, 1)
-        if write:
-            if not all_finite(model, par):
-                raise TrainError(f"training {run.preset}: weights are NaN or Inf at step {step}; nothing written "
-                                 f"for this step (lower --lr)")
-            log["step"] = step
-            log["parallel"][-1]["measured"] = measured_memory(opt, par)
-            _save_run(model, opt, run, out, work, recipe, data,
-                      {"step": step, "taper_c": model.taper_c(), "data_rng": gen.get_state(),
-                       "torch_rng": torch.get_rng_state(), "aux": aux, "log": log}, par)
-        return ev
 
-    ev = log["evals"][-1] if state is not None else checkpoint(0, None, write=False)   # step 0: logged, not written
+def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: str | None, state: dict | None,
+           par: Parallel, recipe: Recipe, estimate=None) -> dict:
+    r, ddp, start = _start_run(run, out, work, t0, command, state, par, recipe, estimate)
+    run, par, model, sched = r.run, r.par, r.model, r.sched
+    per_rank = run.batch_size // par.world_size
+    ev = r.log["evals"][-1] if state is not None else r.checkpoint(0, None, write=False)   # step 0: logged, not written
     bar = _progress(run, start) if par.is_main else None
     loss_acc, n_acc = 0.0, 0
     for step in range(start, run.steps):
         raise_if_interrupted()
-        recipe.before_step(step, model, data, log, par)
+        r.recipe.before_step(step, model, r.data, r.log, par)
         if sched and step == sched.calibration_step:
-            log["calibration"] = {"step": step, **_calibrate(model, data.calib, micro, run, aux, par)}
+            r.log["calibration"] = {"step": step, **_calibrate(model, r.data.calib, r.micro, run, r.aux, par)}
         g = sched.gate_at(step) if sched else None
         if sched:
             model.set_gate(g)
         lr = lr_at(step, run.steps, run.lr, run.lr_warmup)
-        for group in opt.param_groups:
+        for group in r.opt.param_groups:
             group["lr"] = lr
-        starts = _draw_starts(data.train, run.batch_size, run.seq_len, gen)[par.rank * per_rank:(par.rank + 1) * per_rank]
-        opt.zero_grad(set_to_none=True)
-        ce_mean = _accumulate_gradients(ddp, data.train, starts, micro, run, aux, par, autocast,
+        starts = _draw_starts(r.data.train, run.batch_size, run.seq_len, r.gen)[par.rank * per_rank:(par.rank + 1) * per_rank]
+        r.opt.zero_grad(set_to_none=True)
+        ce_mean = _accumulate_gradients(ddp, r.data.train, starts, r.micro, run, r.aux, par, r.autocast,
                                         where=f"at step {step} (gate {g})")
         torch.nn.utils.clip_grad_norm_(model.parameters(), run.grad_clip)
-        opt.step()
+        r.opt.step()
         loss_acc, n_acc = loss_acc + ce_mean, n_acc + 1
         done = step + 1
         if done % run.eval_every == 0 or done == run.steps:
-            ev = checkpoint(done, par.sum([loss_acc])[0] / (n_acc * par.world_size))
+            ev = r.checkpoint(done, par.sum([loss_acc])[0] / (n_acc * par.world_size))
             loss_acc, n_acc = 0.0, 0
         if bar is not None:
             bar.update(1)
@@ -606,7 +644,7 @@ def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: s
                                 f"rms {ev['prelogit_rms']:.2f}", refresh=False)
     if bar is not None:
         bar.close()
-    return log
+    return r.log
 
 
 def measured_memory(opt: torch.optim.Optimizer, par: Parallel) -> dict:
