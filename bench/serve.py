@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import stats
@@ -372,8 +373,57 @@ def _prompts(path: str | None) -> list[str]:
     return lines
 
 
+@dataclass
+class ServeRun:
+    """What a bench.serve run has measured so far, per concurrency level; results.json is written
+    from it after every level (JSON only at the file)."""
+    out: Path
+    started: str
+    command: str
+    machine: dict
+    pid: int | None
+    settings: dict
+    levels: list[int]
+    raw: dict = field(default_factory=dict)         # level -> [run_level() records of each round]
+    peak: dict = field(default_factory=dict)        # level -> peak server RSS, bytes
+    counters: dict = field(default_factory=dict)    # level -> scheduler counters' increments
+
+    def results(self) -> dict:
+        self.machine["loadavg_end"] = list(os.getloadavg())
+        done = [c for c in self.levels if self.raw.get(c)]
+        summaries = []
+        for c in done:
+            lv = summarize_level(self.raw[c], c)
+            lv["peak_rss_bytes"] = self.peak.get(c) or None
+            lv["scheduler"] = self.counters.get(c) or None
+            summaries.append(lv)
+        ratios = {}
+        if 1 in done:
+            base = [round_tokens_per_s(r) for r in self.raw[1]]
+            for c in done:
+                if c != 1:
+                    mine = [round_tokens_per_s(r) for r in self.raw[c]]
+                    n = min(len(base), len(mine))
+                    ratios[c] = stats.ratio_summary(mine[:n], base[:n]).as_dict()
+        return {"format": 1, "started": self.started, "command": self.command, "machine": self.machine,
+                "server_pid": self.pid, "settings": self.settings, "levels": summaries, "ratios": ratios,
+                # per request: sent (s after the round's start), TTFT and last token (s after sent), tokens, error
+                "requests": {c: [[{"sent": round(x["sent"] - r["start"], 6), "tokens": len(x["arrivals"]),
+                                   "ttft": round(x["arrivals"][0] - x["sent"], 6) if x["arrivals"] else None,
+                                   "last": round(x["arrivals"][-1] - x["sent"], 6) if x["arrivals"] else None,
+                                   "error": x["error"]} for x in r["records"]] for r in self.raw[c]] for c in done}}
+
+    def write(self) -> None:
+        from core.outputs import replace_file_in
+        results = self.results()
+        replace_file_in(self.out, "results.json", json.dumps(results, indent=1) + "\n")
+        replace_file_in(self.out, "results.md", markdown(results))
+        if results["levels"]:
+            plot({**results, "levels": sorted(results["levels"], key=lambda lv: lv["concurrency"])}, self.out)
+
+
 def run(argv: list[str] | None = None) -> int:
-    from core.outputs import SERVE_RESULTS, check_output_dir, claim_dir, replace_file_in
+    from core.outputs import SERVE_RESULTS, check_output_dir, claim_dir
     from runtime.triton.client import StreamingClient
     args = _parser().parse_args(argv)
     url = check_loopback(args.url)
@@ -385,68 +435,32 @@ def run(argv: list[str] | None = None) -> int:
     with StreamingClient(url, model=args.model, timeout_s=args.timeout) as client:   # reachable? refused early
         for i in range(max(1, args.warmup)):
             client.generate(prompts[i % len(prompts)], args.max_new_tokens, ignore_eos=True)
-    out = claim_dir(args.out, SERVE_RESULTS)
-    pid = listening_pid(int(url.rpartition(":")[2]))
-    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    command = "python -m bench.serve " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    machine = machine_info()
-    raw: dict[int, list[dict]] = {c: [] for c in levels}
-    peak: dict[int, int] = {c: 0 for c in levels}
-    counters: dict[int, dict[str, float]] = {c: {} for c in levels}
-
-    def write() -> dict:
-        machine["loadavg_end"] = list(os.getloadavg())
-        done = [c for c in levels if raw[c]]
-        summaries = []
-        for c in done:
-            lv = summarize_level(raw[c], c)
-            lv["peak_rss_bytes"] = peak[c] or None
-            lv["scheduler"] = counters[c] or None
-            summaries.append(lv)
-        ratios = {}
-        if 1 in done:
-            for c in done:
-                if c != 1:
-                    base = [round_tokens_per_s(r) for r in raw[1]]
-                    mine = [round_tokens_per_s(r) for r in raw[c]]
-                    n = min(len(base), len(mine))
-                    ratios[c] = stats.ratio_summary(mine[:n], base[:n]).as_dict()
-        results = {"format": 1, "started": started, "command": command, "machine": machine,
-                   "server_pid": pid, "settings": {"url": url, "model": args.model, "concurrency": levels,
-                                                   "requests": {c: args.requests or default_requests(c) for c in levels},
-                                                   "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
-                                                   "warmup": args.warmup, "prompts": prompts},
-                   "levels": summaries, "ratios": ratios,
-                   # per request: sent (s after the round's start), TTFT and last token (s after sent), tokens, error
-                   "requests": {c: [[{"sent": round(x["sent"] - r["start"], 6), "tokens": len(x["arrivals"]),
-                                      "ttft": round(x["arrivals"][0] - x["sent"], 6) if x["arrivals"] else None,
-                                      "last": round(x["arrivals"][-1] - x["sent"], 6) if x["arrivals"] else None,
-                                      "error": x["error"]} for x in r["records"]] for r in raw[c]] for c in done}}
-        replace_file_in(out, "results.json", json.dumps(results, indent=1) + "\n")
-        replace_file_in(out, "results.md", markdown(results))
-        if summaries:
-            plot({**results, "levels": sorted(summaries, key=lambda lv: lv["concurrency"])}, out)
-        return results
-
+    settings = {"url": url, "model": args.model, "concurrency": levels,
+                "requests": {c: args.requests or default_requests(c) for c in levels},
+                "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "warmup": args.warmup, "prompts": prompts}
+    sr = ServeRun(claim_dir(args.out, SERVE_RESULTS), time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                  "python -m bench.serve " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+                  machine_info(), listening_pid(int(url.rpartition(":")[2])), settings, levels)
     print(f"bench.serve: {url} levels {levels}, {args.rounds} round(s), {args.max_new_tokens} new tokens per request; "
-          f"server pid {pid if pid is not None else 'not visible (no RSS)'}", flush=True)
+          f"server pid {sr.pid if sr.pid is not None else 'not visible (no RSS)'}", flush=True)
     for r in range(args.rounds):
         for c in stats.round_order(levels, r):
-            n = args.requests or default_requests(c)
             before = settled_scheduler_counters(args.metrics_url)
-            with RssMonitor(pid) as rss:
-                level = run_level(url, c, n, prompts, args.max_new_tokens, args.model, args.timeout)
+            with RssMonitor(sr.pid) as rss:
+                level = run_level(url, c, settings["requests"][c], prompts, args.max_new_tokens, args.model,
+                                  args.timeout)
             after = settled_scheduler_counters(args.metrics_url)
+            totals = sr.counters.setdefault(c, {})
             for k, v in after.items():
-                counters[c][k] = counters[c].get(k, 0.0) + v - before.get(k, 0.0)
-            peak[c] = max(peak[c], rss.peak)
-            raw[c].append(level)
+                totals[k] = totals.get(k, 0.0) + v - before.get(k, 0.0)
+            sr.peak[c] = max(sr.peak.get(c, 0), rss.peak)
+            sr.raw.setdefault(c, []).append(level)
             lv = summarize_level([level], c)
             print(f"  round {r + 1} c={c}: {lv['completed']}/{lv['requests']} requests, {lv['tokens_per_s']:.1f} tok/s, "
                   f"TTFT p99 {lv['ttft']['p99_ms']:.0f} ms, ITL p99 {lv['itl']['p99_ms']:.0f} ms, "
                   f"{sum(lv['errors'].values())} errors", flush=True)
-            write()
-    print(f"wrote {out / 'results.json'}, {out / 'results.md'} and {out / 'serve.png'}")
+            sr.write()
+    print(f"wrote {sr.out / 'results.json'}, {sr.out / 'results.md'} and {sr.out / 'serve.png'}")
     return 0
 
 

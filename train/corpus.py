@@ -133,6 +133,8 @@ def _event(rng: random.Random, a: _Char, b: _Char, place: str) -> str:
 
 
 def _story(rng: random.Random) -> str:
+    # one function of template text, not split: the order of its rng draws defines the shipped
+    # corpus (and so the zoo's training data); a split that reorders a draw changes every story
     a, b = _Char(rng), _Char(rng)
     while b.name == a.name:
         b = _Char(rng)
