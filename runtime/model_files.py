@@ -36,18 +36,6 @@ def resolve_onnx(path: str | Path) -> Path:
     raise ModelFileError(f"{path}: expected a build directory or an .onnx file, found nothing there; {BUILD_HINT}")
 
 
-def build_attention(path: str | Path) -> str | None:
-    """The attention a build was made with (export.build --attention: plain, fused or gqa), from its
-    report.json; None where PATH is no build directory or the report does not say."""
-    import json
-    report = Path(path) / "report.json"
-    try:
-        attention = json.loads(report.read_text()).get("attention") if report.is_file() else None
-    except (ValueError, OSError, AttributeError):
-        return None
-    return attention if isinstance(attention, str) else None
-
-
 def resolve_tokenizer(path: str | Path) -> Path:
     """tokenizer.json in the build/checkpoint directory, or beside an .onnx file."""
     path = Path(path)

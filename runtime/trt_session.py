@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from core.contract import INPUT_IDS, LOGITS, POSITION
-from runtime.model_files import build_attention, resolve_onnx, spec_from_onnx_file
+from runtime.model_files import resolve_onnx, spec_from_onnx_file
 from runtime.session import CapacityError, DecoderSession, DeviceError
 from runtime.trt_engine import (DECODE_PROFILE, PREFILL_PROFILE, BuildOptions, EngineFromFile, EngineFromOnnx,
                                 check_aliases, check_engine_io, io_mapping)
@@ -50,7 +50,15 @@ def refuse_ort_only_build(model: str | Path) -> None:
     """A build made with --attention gqa runs ONNX Runtime's GroupQueryAttention, which TensorRT's
     parser does not take: say so up front (its report.json records the attention) instead of
     failing in the parser after loading CUDA."""
-    if build_attention(model) == "gqa":
+    import json
+    report = Path(model) / "report.json"
+    if not report.is_file():
+        return
+    try:
+        attention = json.loads(report.read_text()).get("attention")
+    except (ValueError, OSError):
+        return
+    if attention == "gqa":
         from runtime.session import ModelFileError
         raise ModelFileError(f"{model}: built with --attention gqa (ONNX Runtime's GroupQueryAttention, which the "
                              "TensorRT parser does not take); use --backend ort, or rebuild with --attention fused "

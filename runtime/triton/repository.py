@@ -40,7 +40,7 @@ from pathlib import Path
 from core.contract import (CACHE_PREFIX, INPUT_IDS, LOGITS, POSITION, ContractError, cache_names, load_onnx,
                            onnx_io as _proto_io, present_name, read_contract)
 from core.outputs import TRITON_REPOSITORY, output_dir
-from runtime.model_files import build_attention, resolve_onnx
+from runtime.model_files import resolve_onnx
 from runtime.session import ModelFileError, RuntimeUserError
 from runtime.trt_engine import DECODE_PROFILE, PREFILL_PROFILE, engine_info_path, read_engine_info
 
@@ -58,6 +58,9 @@ DEFAULT_MAX_QUEUED = 32       # generate: requests waiting for a slot before "se
 GENERATE_BACKENDS = {"trt": ("trt", "cuda"), "ort-cuda": ("ort", "cuda"), "ort-cpu": ("ort", "cpu")}
 AUTO = "auto"
 ENGINE_PLAN = f"{DECODER_TRT}/1/model.plan"     # the engine generate's trt backend runs (relative to the repository)
+ORT_ONLY_MARK = ("tapernorm.attention", "ort-gqa")   # graph_passes/ort_attention.py's metadata: ONNX Runtime only
+GQA_GRAPH = ("a GroupQueryAttention graph (export.build --attention gqa: ONNX Runtime's CPU provider only, "
+             "TensorRT's parser does not take it)")
 
 
 class RepositoryError(RuntimeUserError):
@@ -383,34 +386,40 @@ def _link_graph(src: Path, dst: Path) -> None:
         raise RepositoryError(str(e)) from None
 
 
-def choose_generate_backend(requested: str, engine: Path | None, kind: str, attention: str | None) -> str:
+def is_ort_only(onnx_path: Path) -> bool:
+    """Whether the graph carries ORT_ONLY_MARK: ONNX Runtime's GroupQueryAttention (GQA_GRAPH)."""
+    try:
+        proto = load_onnx(onnx_path, load_weights=False)
+    except ContractError as e:
+        raise RepositoryError(str(e)) from None
+    return {p.key: p.value for p in proto.metadata_props}.get(ORT_ONLY_MARK[0]) == ORT_ONLY_MARK[1]
+
+
+def choose_generate_backend(requested: str, engine: Path | None, kind: str, ort_only: bool = False) -> str:
     """What the generate model decodes with (a key of GENERATE_BACKENDS). auto: trt where the
     repository has an engine, else ort-cuda where it is written for GPU instances (--kind gpu), else
-    ort-cpu; a build with --attention gqa (ONNX Runtime's GroupQueryAttention: its CPU provider
-    only) always ort-cpu. A choice that cannot run is refused in one line."""
+    ort-cpu; an ORT-only graph (GQA_GRAPH) always ort-cpu. A choice that cannot run is refused in one line."""
     if requested != AUTO and requested not in GENERATE_BACKENDS:
         raise RepositoryError(f"--generate-backend {requested!r}: expected one of {AUTO}, {', '.join(GENERATE_BACKENDS)}")
-    if attention == "gqa" and requested not in (AUTO, "ort-cpu"):
-        raise RepositoryError(f"--generate-backend {requested}: expected a portable graph, found a build made with "
-                              "--attention gqa (ONNX Runtime's GroupQueryAttention, CPU only); use ort-cpu, or "
-                              "rebuild with --attention plain or fused")
+    if ort_only and requested not in (AUTO, "ort-cpu"):
+        raise RepositoryError(f"--generate-backend {requested}: expected a portable graph, found {GQA_GRAPH}; use "
+                              "ort-cpu, or rebuild with --attention plain or fused")
     if requested == "trt" and engine is None:
         raise RepositoryError("--generate-backend trt: expected a TensorRT engine of the build, found none; build one "
                               "(python -m runtime.generate --backend trt --model BUILD) or pass --engine FILE")
     if requested != AUTO:
         return requested
-    return "ort-cpu" if attention == "gqa" else "trt" if engine else "ort-cuda" if kind == "gpu" else "ort-cpu"
+    return "ort-cpu" if ort_only else "trt" if engine else "ort-cuda" if kind == "gpu" else "ort-cpu"
 
 
-def _engine_of(build: Path, onnx_path: Path, engine: str | Path | None, attention: str | None,
+def _engine_of(onnx_path: Path, engine: str | Path | None, ort_only: bool,
                max_batch_size: int) -> tuple[Path | None, dict | None]:
-    """The engine decoder_trt serves (--engine, else the newest one built beside the graph; none for a
-    gqa build, whose graph TensorRT cannot parse) and its build record; checked against max_batch_size."""
-    if attention == "gqa":
+    """The engine decoder_trt serves (--engine, else the newest one built beside the graph; none for an
+    ORT-only graph, which TensorRT cannot parse) and its build record; checked against max_batch_size."""
+    if ort_only:
         if engine is not None:
-            raise RepositoryError(f"--engine {engine}: expected a build TensorRT can run, found {build} made with "
-                                  "--attention gqa (ONNX Runtime's GroupQueryAttention); leave --engine out, or "
-                                  "rebuild with --attention plain or fused")
+            raise RepositoryError(f"--engine {engine}: expected a graph TensorRT can run, found {onnx_path}, "
+                                  f"{GQA_GRAPH}; leave --engine out, or rebuild with --attention plain or fused")
         return None, None
     if engine is None:
         engine = find_engine(onnx_path)
@@ -420,11 +429,17 @@ def _engine_of(build: Path, onnx_path: Path, engine: str | Path | None, attentio
     if engine is None:
         return None, None
     engine_build = read_engine_info(Path(engine))
-    built_batch = ((engine_build or {}).get("options") or {}).get("max_batch")
-    if isinstance(built_batch, int) and built_batch < max_batch_size:
+    built_batch = _built_batch(engine_build)
+    if built_batch is not None and built_batch < max_batch_size:
         raise RepositoryError(f"{engine}: expected an engine of max_batch >= --max-batch-size {max_batch_size}, found "
                               f"one built for {built_batch}; pass --max-batch-size {built_batch} or rebuild the engine")
     return Path(engine), engine_build
+
+
+def _built_batch(engine_build: dict | None) -> int | None:
+    """The max_batch an engine was built for, from its build record (None where the record does not say)."""
+    built = ((engine_build or {}).get("options") or {}).get("max_batch")
+    return built if isinstance(built, int) else None
 
 
 def _check_options(kind: str, max_batch_size: int, instances: int, slots: int, max_queued: int) -> None:
@@ -458,7 +473,7 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
 
     engine: a serialized TensorRT engine built from the build's fused graph; default: the
     newest model.fused.<key>.engine (runtime.trt_engine's name) in the build directory,
-    if any (no decoder_trt model otherwise, nor for a build made with --attention gqa).
+    if any (no decoder_trt model otherwise, nor for an ORT-only graph: GQA_GRAPH).
     Its max_batch must be >= max_batch_size.
     kind: instance kind of decoder_onnx (cpu | gpu); decoder_trt is always KIND_GPU.
     slots, max_queued: the generate model's slot pool (sequences decoded together, per
@@ -480,9 +495,13 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
         raise RepositoryError(f"{build / TOKENIZER}: expected the model's tokenizer, found no file; "
                               "copy the checkpoint's tokenizer.json there")
     _check_options(kind, max_batch_size, instances, slots, max_queued)
-    attention = build_attention(build)
-    engine, engine_build = _engine_of(build, onnx_path, engine, attention, max_batch_size)
-    backend = choose_generate_backend(generate_backend, engine, kind, attention)
+    ort_only = is_ort_only(onnx_path)
+    engine, engine_build = _engine_of(onnx_path, engine, ort_only, max_batch_size)
+    backend = choose_generate_backend(generate_backend, engine, kind, ort_only)
+    built_batch = _built_batch(engine_build)
+    if backend == "trt" and built_batch is not None and slots > built_batch:   # generate's pool is the engine's batch
+        raise RepositoryError(f"--slots {slots}: expected at most {built_batch} (the engine's max_batch; generate "
+                              f"decodes with trt); pass --slots {built_batch} or rebuild the engine with a larger max_batch")
     io = onnx_io(onnx_path)
     _check_contract(onnx_path, io)
 
@@ -506,7 +525,7 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
              # the TensorRT version, GPU and flags that built model.plan: it loads only in that TensorRT
              # version unless built version-compatible (then start tritonserver with
              # --backend-config=tensorrt,version-compatible=true)
-             "engine_build": engine_build, "attention": attention, "generate_backend": backend,
+             "engine_build": engine_build, "ort_only_graph": ort_only, "generate_backend": backend,
              "models": [m for m in (DECODER_ONNX, DECODER_TRT if engine else None, GENERATE) if m]}, indent=2) + "\n")
         if validate and have_tritonclient():
             check_repository(tmp)

@@ -1,6 +1,6 @@
 """What the generate model decodes with (issue 25): auto picks trt where the repository has an
-engine, else ort-cuda for GPU instances, else ort-cpu (always ort-cpu for an --attention gqa build,
-which gets no decoder_trt); impossible choices are refused in one line; the choice lands in
+engine, else ort-cuda for GPU instances, else ort-cpu (always ort-cpu for a GroupQueryAttention
+graph, export.build --attention gqa, which gets no decoder_trt); impossible choices are refused in one line; the choice lands in
 generate's config.pbtxt and repository.json; generate's session on ort-cpu serves the batch
 scheduler with runtime.generate's tokens, and a backend that cannot load here fails in one line.
 The GPU paths (trt, ort-cuda) are marked gpu and skip here with a reason."""
@@ -41,23 +41,23 @@ def _engine(where, max_batch: int | None = None):
     return engine
 
 
-@pytest.mark.parametrize("engine, kind, attention, want", [
-    (True, "cpu", None, "trt"), (True, "gpu", "plain", "trt"), (False, "gpu", "fused", "ort-cuda"),
-    (False, "cpu", None, "ort-cpu"), (True, "gpu", "gqa", "ort-cpu"), (False, "gpu", "gqa", "ort-cpu")])
-def test_auto_picks_the_engine_then_gpu_instances_then_the_cpu(engine, kind, attention, want, tmp_path):
-    assert choose_generate_backend("auto", tmp_path / "e.engine" if engine else None, kind, attention) == want
+@pytest.mark.parametrize("engine, kind, ort_only, want", [
+    (True, "cpu", False, "trt"), (True, "gpu", False, "trt"), (False, "gpu", False, "ort-cuda"),
+    (False, "cpu", False, "ort-cpu"), (True, "gpu", True, "ort-cpu"), (False, "gpu", True, "ort-cpu")])
+def test_auto_picks_the_engine_then_gpu_instances_then_the_cpu(engine, kind, ort_only, want, tmp_path):
+    assert choose_generate_backend("auto", tmp_path / "e.engine" if engine else None, kind, ort_only) == want
 
 
-@pytest.mark.parametrize("requested, engine, attention, message", [
-    ("trt", False, None, "--generate-backend trt: expected a TensorRT engine of the build, found none; build one"),
-    ("trt", True, "gqa", "found a build made with --attention gqa"),
-    ("ort-cuda", False, "gqa", "use ort-cpu, or rebuild with --attention plain or fused"),
-    ("tensorrt", False, None, "expected one of auto, trt, ort-cuda, ort-cpu")])
-def test_impossible_choices_are_refused_in_one_line(requested, engine, attention, message, tmp_path):
+@pytest.mark.parametrize("requested, engine, ort_only, message", [
+    ("trt", False, False, "--generate-backend trt: expected a TensorRT engine of the build, found none; build one"),
+    ("trt", True, True, "expected a portable graph, found a GroupQueryAttention graph (export.build --attention gqa"),
+    ("ort-cuda", False, True, "use ort-cpu, or rebuild with --attention plain or fused"),
+    ("tensorrt", False, False, "expected one of auto, trt, ort-cuda, ort-cpu")])
+def test_impossible_choices_are_refused_in_one_line(requested, engine, ort_only, message, tmp_path):
     with pytest.raises(RepositoryError, match=re.escape(message)) as e:
-        choose_generate_backend(requested, tmp_path / "e.engine" if engine else None, "gpu", attention)
+        choose_generate_backend(requested, tmp_path / "e.engine" if engine else None, "gpu", ort_only)
     assert "\n" not in str(e.value)
-    assert choose_generate_backend("ort-cpu", tmp_path / "e.engine", "gpu", attention) == "ort-cpu"   # always possible
+    assert choose_generate_backend("ort-cpu", tmp_path / "e.engine", "gpu", ort_only) == "ort-cpu"   # always possible
 
 
 def test_an_engine_means_trt_in_config_and_manifest(triton_build, tmp_path):
@@ -68,7 +68,9 @@ def test_an_engine_means_trt_in_config_and_manifest(triton_build, tmp_path):
     assert _params(repo)["decode_backend"] == "trt" and _params(repo)["engine"] == ENGINE_PLAN
     assert (repo / ENGINE_PLAN).is_file() and _generate_kind(repo) == "KIND_GPU"
     assert read_engine_info(repo / ENGINE_PLAN)["options"] == {"max_batch": 8}     # its record beside it
-    assert _manifest(repo)["generate_backend"] == "trt"
+    assert _manifest(repo)["generate_backend"] == "trt" and _manifest(repo)["ort_only_graph"] is False
+    with pytest.raises(RepositoryError, match=r"--slots 16: expected at most 8 \(the engine's max_batch"):
+        write_triton_repository(triton_build, tmp_path / "r2", engine=_engine(tmp_path, max_batch=8), slots=16)
 
 
 def test_gpu_instances_mean_ort_cuda_and_the_default_is_the_cpu(triton_build, tmp_path):
@@ -85,12 +87,19 @@ def test_gpu_instances_mean_ort_cuda_and_the_default_is_the_cpu(triton_build, tm
 
 @pytest.fixture
 def gqa_build(triton_build, tmp_path):
-    """The build, linked, with report.json saying --attention gqa and an engine file beside its graph."""
+    """The build, linked, its graph carrying the mark graph_passes/ort_attention.py leaves in a
+    GroupQueryAttention graph (what the repository reads; the ops do not matter here), an engine beside it."""
+    from core.contract import load_onnx
+    from core.onnx_writer import save_onnx
+    from runtime.model_files import resolve_onnx
+    from runtime.triton.repository import ORT_ONLY_MARK
     build = tmp_path / "gqa_build"
     shutil.copytree(triton_build, build, copy_function=os.link)
-    report = json.loads((triton_build / "report.json").read_text()) if (triton_build / "report.json").is_file() else {}
-    (build / "report.json").unlink(missing_ok=True)
-    (build / "report.json").write_text(json.dumps({**report, "attention": "gqa"}))
+    graph = resolve_onnx(build)
+    proto = load_onnx(graph)
+    proto.metadata_props.add(key=ORT_ONLY_MARK[0], value=ORT_ONLY_MARK[1])
+    graph.unlink()                                   # a link to the shared build's file: replaced, not written through
+    save_onnx(proto, graph)
     _engine(build)
     return build
 
@@ -100,8 +109,9 @@ def test_a_gqa_build_gets_no_tensorrt_model_and_decodes_on_the_cpu(gqa_build, tm
     from runtime.triton.__main__ import main
     repo = write_triton_repository(gqa_build, tmp_path / "repo", kind="gpu")     # the engine beside it is ignored
     assert sorted(p.name for p in repo.iterdir() if p.is_dir()) == ["decoder_onnx", "generate"]
-    assert _params(repo)["decode_backend"] == "ort-cpu" and _manifest(repo)["attention"] == "gqa"
-    with pytest.raises(RepositoryError, match="--attention gqa .*; leave --engine out"):
+    assert _params(repo)["decode_backend"] == "ort-cpu" and _manifest(repo)["ort_only_graph"] is True
+    assert _manifest(repo)["generate_backend"] == "ort-cpu"
+    with pytest.raises(RepositoryError, match="GroupQueryAttention graph .*; leave --engine out"):
         write_triton_repository(gqa_build, tmp_path / "r2", engine=_engine(tmp_path))
     for backend in ("trt", "ort-cuda"):
         assert main(["repo", "--build", str(gqa_build), "--out", str(tmp_path / "r3"), "--generate-backend", backend]) == 1
