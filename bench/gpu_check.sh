@@ -21,9 +21,11 @@
 #   probe         torch / CUDA device, ONNX Runtime providers, tensorrt, onnx-graphsurgeon, polygraphy
 #   torch_decode  the paper's headline: python -m bench.gpu_decode (torch backend, CUDA graphs,
 #                 rmsnorm-strong vs internal-/all-taper-fused, sizes 1M..124M, batch 1 and 8, fp32 and bf16)
-#   pytest_gpu    pytest -m gpu tests/runtime (torch CUDA graphs, ORT CUDA provider), TensorRT tests apart
+#   pytest_gpu    pytest -m gpu tests/runtime (torch CUDA graphs, ORT CUDA provider, its row steps) and the
+#                 Triton generate model on ort-cuda (tests/triton/test_generate_backend.py), TensorRT tests apart
 #   trt_tests     pytest -m gpu tests/runtime/test_trt_session.py (parse, KV-cache layers, both profiles,
-#                 aliasing, prefill + decode vs ORT CPU with TF32 off and on), where tensorrt imports
+#                 aliasing, prefill + decode vs ORT CPU with TF32 off and on), then TensorRT's row steps and
+#                 the Triton generate model on the repository's engine (trt), where tensorrt imports
 #   trt_bench     decode step timing of fused builds on the trt backend, where tensorrt imports
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -173,14 +175,20 @@ torch_decode() {
 
 pytest_gpu() {
     need_cuda
-    "$PY" -m pytest -m gpu tests/runtime --ignore=tests/runtime/test_trt_session.py -rs -v -p no:cacheprovider \
-        --junitxml="$LOG_DIR/pytest_gpu.xml"
+    "$PY" -m pytest -m gpu tests/runtime tests/triton/test_generate_backend.py --ignore=tests/runtime/test_trt_session.py \
+        --deselect "tests/runtime/test_scheduler.py::test_gpu_row_steps_touch_only_their_rows[trt]" \
+        --deselect "tests/triton/test_generate_backend.py::test_generate_on_the_gpu_batches_with_the_cpus_tokens[trt]" \
+        -rs -v -p no:cacheprovider --junitxml="$LOG_DIR/pytest_gpu.xml"
 }
 
 trt_tests() {
     need_trt
     "$PY" -m pytest -m gpu tests/runtime/test_trt_session.py -rs -v -p no:cacheprovider \
-        --junitxml="$LOG_DIR/trt_tests.xml"
+        --junitxml="$LOG_DIR/trt_tests.xml" || return 1
+    # the batch scheduler on TensorRT: row steps, and generate's session over the repository's engine
+    "$PY" -m pytest -m gpu "tests/runtime/test_scheduler.py::test_gpu_row_steps_touch_only_their_rows[trt]" \
+        "tests/triton/test_generate_backend.py::test_generate_on_the_gpu_batches_with_the_cpus_tokens[trt]" \
+        -rs -v -p no:cacheprovider --junitxml="$LOG_DIR/trt_generate.xml"
 }
 
 trt_bench() {
@@ -202,7 +210,7 @@ part install 150
 part probe 60
 part torch_decode 200
 part pytest_gpu 120
-part trt_tests 150
+part trt_tests 200
 part trt_bench 120
 
 for f in "$LOG_DIR"/torch_decode.log "$LOG_DIR"/trt_bench.log; do

@@ -13,9 +13,10 @@ no allocation that grows with the sequence.
     CUDA: the same buffers live on the device; tokens and positions are copied in
           with update_inplace, the logits [B, V] copied out.
 
-Steps on rows [start, stop) of the batch (CPU): an IO binding of OrtValues that wrap the
-row views cache[start:stop] (contiguous: the batch axis is the leading one) and the same
-rows of the decode buffers, made once per row range; the other rows are not touched.
+Steps on rows [start, stop) of the batch (CPU and CUDA): an IO binding of the rows
+cache[start:stop] (contiguous: the batch axis is the leading one) and the same rows of the
+decode buffers, bound by the address of row `start`, made once per row range; the other
+rows are not touched.
 """
 from __future__ import annotations
 
@@ -136,7 +137,7 @@ class OrtSession(DecoderSession):
         self.binding = self.session.io_binding()
         self.caches = {}
         self._cache_arrays = {}                    # CPU: the arrays the cache OrtValues wrap
-        self._row_bindings = {}                    # (start, stop, kind) -> (IOBinding, OrtValues it holds)
+        self._row_bindings = {}                    # (start, stop, decode) -> IOBinding of those rows
         zeros = np.zeros(spec.cache_shape(batch), spec.np_dtype)                              # [B, H, S_max, D]
         for name in spec.cache_names():
             if dev == "cpu":
@@ -161,6 +162,9 @@ class OrtSession(DecoderSession):
             self._ids_ov = ort.OrtValue.ortvalue_from_shape_and_type(self._ids.shape, np.int64, dev, 0)
             self._pos_ov = ort.OrtValue.ortvalue_from_shape_and_type(self._pos.shape, np.int64, dev, 0)
             self._logits_ov = ort.OrtValue.ortvalue_from_shape_and_type(self._logits.shape, self._logits_dtype, dev, 0)
+        self._buffers = {**{n: (v, spec.np_dtype) for n, v in self.caches.items()},     # what row bindings address
+                         INPUT_IDS: (self._ids_ov, np.int64), POSITION: (self._pos_ov, np.int64),
+                         LOGITS: (self._logits_ov, self._logits_dtype)}
         self._decode_bound = False
 
     # --- steps -------------------------------------------------------------------
@@ -184,85 +188,73 @@ class OrtSession(DecoderSession):
         self._decode_bound = True
 
     def _run_prefill(self, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
-        b, t = input_ids.shape
-        ort = self._ort
-        logits = np.empty((b, t, self.spec.vocab_size), self._logits_dtype)                   # [B, T, V]
-        if self._ort_device == "cpu":
-            self.binding.bind_ortvalue_input(INPUT_IDS, ort.OrtValue.ortvalue_from_numpy(input_ids))
-            self.binding.bind_ortvalue_input(POSITION, ort.OrtValue.ortvalue_from_numpy(position))
-            self.binding.bind_ortvalue_output(LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
-            self._run(self.binding)
-        else:
-            dev = self._ort_device
-            self.binding.bind_ortvalue_input(INPUT_IDS, ort.OrtValue.ortvalue_from_numpy(input_ids, dev, 0))
-            self.binding.bind_ortvalue_input(POSITION, ort.OrtValue.ortvalue_from_numpy(position, dev, 0))
-            out = ort.OrtValue.ortvalue_from_shape_and_type(logits.shape, self._logits_dtype, dev, 0)
-            self.binding.bind_ortvalue_output(LOGITS, out)
-            self._run(self.binding)
-            logits = out.numpy()
+        logits = self._prefill_with(self.binding, input_ids, position)
         self._decode_bound = False
         return logits
+
+    def _prefill_with(self, binding, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
+        """input_ids [b, T] and position [b] bound to `binding` (its caches already bound); one run -> logits [b, T, V]."""
+        b, t = input_ids.shape
+        ort, dev = self._ort, self._ort_device
+        logits = np.empty((b, t, self.spec.vocab_size), self._logits_dtype)                   # [b, T, V]
+        binding.bind_ortvalue_input(INPUT_IDS, ort.OrtValue.ortvalue_from_numpy(input_ids, dev, 0))
+        binding.bind_ortvalue_input(POSITION, ort.OrtValue.ortvalue_from_numpy(position, dev, 0))
+        if dev == "cpu":
+            binding.bind_ortvalue_output(LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
+            self._run(binding)
+            return logits
+        out = ort.OrtValue.ortvalue_from_shape_and_type(logits.shape, self._logits_dtype, dev, 0)
+        binding.bind_ortvalue_output(LOGITS, out)
+        self._run(binding)
+        return out.numpy()
 
     def _run_decode(self, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
         if not self._decode_bound:
             self._bind_decode()
-        if self._ort_device == "cpu":
-            self._ids[:, 0] = tokens          # the bound OrtValues wrap these arrays
-            self._pos[:] = position
-            self._run(self.binding)
-            return self._logits_row
-        self._ids[:, 0] = tokens
-        self._pos[:] = position
+        return self._decode_with(self.binding, 0, len(tokens), tokens, position)
+
+    def _decode_with(self, binding, start: int, stop: int, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
+        """tokens and positions into rows [start, stop) of the decode buffers, one run of `binding`
+        (bound to those rows) -> their logits [b, V]."""
+        self._ids[start:stop, 0] = tokens
+        self._pos[start:stop] = position
+        if self._ort_device == "cpu":         # the bound OrtValues wrap these arrays
+            self._run(binding)
+            return self._logits_row[start:stop]
         self._ids_ov.update_inplace(self._ids)
         self._pos_ov.update_inplace(self._pos)
-        self._run(self.binding)
-        return self._logits_ov.numpy()[:, 0]
+        self._run(binding)
+        return self._logits_ov.numpy()[start:stop, 0]
 
-    # --- steps on part of the batch (CPU) ----------------------------------------------
+    # --- steps on part of the batch ---------------------------------------------------
 
-    @property
-    def row_steps(self) -> bool:
-        return self._ort_device == "cpu" if self.session is not None else self.device == "cpu"
+    row_steps = True
 
     def _rows_binding(self, start: int, stop: int, decode: bool):
-        """An IO binding of rows [start, stop): cache views in place; for decode also the decode buffers' rows."""
+        """An IO binding of rows [start, stop) of the caches (input and present_* output: in place) and,
+        for decode, of the decode buffers; each bound by the address of its row `start` (CPU or CUDA)."""
         key = (start, stop, decode)
         if key not in self._row_bindings:
-            ort = self._ort
             binding = self.session.io_binding()
-            held = []
-            for name, array in self._cache_arrays.items():
-                view = ort.OrtValue.ortvalue_from_numpy(array[start:stop])                      # [b, H, S_max, D]
-                binding.bind_ortvalue_input(name, view)
-                binding.bind_ortvalue_output(present_name(name), view)
-                held.append(view)
+            roles = {n: (("input", n), ("output", present_name(n))) for n in self.spec.cache_names()}
             if decode:
-                for name, array in ((INPUT_IDS, self._ids), (POSITION, self._pos)):
-                    held.append(ort.OrtValue.ortvalue_from_numpy(array[start:stop]))
-                    binding.bind_ortvalue_input(name, held[-1])
-                held.append(ort.OrtValue.ortvalue_from_numpy(self._logits[start:stop]))          # [b, 1, V]
-                binding.bind_ortvalue_output(LOGITS, held[-1])
-            self._row_bindings[key] = (binding, held)
-        return self._row_bindings[key][0]
+                roles.update({INPUT_IDS: (("input", INPUT_IDS),), POSITION: (("input", POSITION),),
+                              LOGITS: (("output", LOGITS),)})
+            for name, binds in roles.items():
+                value, dtype = self._buffers[name]
+                shape = [stop - start, *value.shape()[1:]]                                     # [b, ...]
+                address = value.data_ptr() + start * int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
+                for direction, as_name in binds:
+                    getattr(binding, f"bind_{direction}")(as_name, self._ort_device, 0, dtype, shape, address)
+            self._row_bindings[key] = binding
+        return self._row_bindings[key]
 
     def _run_prefill_rows(self, start: int, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
-        b, t = input_ids.shape
-        ort = self._ort
-        binding = self._rows_binding(start, start + b, decode=False)
-        logits = np.empty((b, t, self.spec.vocab_size), self._logits_dtype)                   # [b, T, V]
-        binding.bind_ortvalue_input(INPUT_IDS, ort.OrtValue.ortvalue_from_numpy(input_ids))
-        binding.bind_ortvalue_input(POSITION, ort.OrtValue.ortvalue_from_numpy(position))
-        binding.bind_ortvalue_output(LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
-        self._run(binding)
-        return logits
+        return self._prefill_with(self._rows_binding(start, start + len(input_ids), decode=False), input_ids, position)
 
     def _run_decode_rows(self, start: int, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
         stop = start + len(tokens)
-        binding = self._rows_binding(start, stop, decode=True)
-        self._ids[start:stop, 0] = tokens          # the bound OrtValues wrap these rows
-        self._pos[start:stop] = position
-        self._run(binding)
-        return self._logits[start:stop, 0]
+        return self._decode_with(self._rows_binding(start, stop, decode=True), start, stop, tokens, position)
 
     # --- inspection (tests, docs) ---------------------------------------------------
 

@@ -170,7 +170,7 @@ class BatchScheduler:
             raise RuntimeError("BatchScheduler: activate the session first")
         if not session.row_steps:
             raise RuntimeUserError(f"backend {session.backend!r}: the batch scheduler needs steps on part of the "
-                                   "batch (row_steps), which this backend does not implement; use ort (cpu) or torch")
+                                   "batch (row_steps), which this backend does not implement; use ort, trt or torch")
         if slots < 1 or max_queued < 0 or prefill_tokens < 1:
             raise ValueError(f"slots {slots}, max_queued {max_queued}, prefill_tokens {prefill_tokens}: "
                              "expected slots >= 1, max_queued >= 0, prefill_tokens >= 1")

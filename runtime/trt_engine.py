@@ -297,3 +297,35 @@ class EngineFromOnnx:
                                    "(see the TensorRT log above); try a smaller --max-batch or the ort backend")
         replace_file_in(timing_path.parent, timing_path.name, bytes(config.get_timing_cache().serialize()))
         return bytes(serialized)
+
+
+class EngineFromFile:
+    """Loader of an engine built elsewhere (a Triton repository's model.plan): read, never built.
+
+    Its build record (<engine>.json) gives the options it was built with, where there is one;
+    the session reads the profiles' limits from the engine itself.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.built = False
+        self.info = read_engine_info(self.path) or {}
+
+    def options(self) -> BuildOptions:
+        """The BuildOptions of its record (defaults where it has none)."""
+        recorded = self.info.get("options") or {}
+        known = BuildOptions.__dataclass_fields__
+        return BuildOptions(**{k: v for k, v in recorded.items() if k in known})
+
+    def __call__(self) -> bytes:
+        try:
+            return self.path.read_bytes()
+        except OSError as e:
+            raise ModelFileError(f"{self.path}: expected a serialized TensorRT engine, found it unreadable "
+                                 f"({e.strerror}); write the repository again with its engine") from None
+
+    def report(self) -> dict:
+        return {"engine": str(self.path), "key": self.info.get("key"), "built": False,
+                "tensorrt": self.info.get("tensorrt"), "tf32": self.options().tf32,
+                "version_compatible": self.options().version_compatible,
+                "kv_cache_layers": self.info.get("kv_cache_layers")}

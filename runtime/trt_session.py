@@ -10,9 +10,15 @@ another stream is still clearing:
     caches     key_i / value_i [B, H, S_max, D], bound as input AND as present_* output
                (IKVCacheUpdateLayer writes in place: the two names share one address)
     decode     input_ids [B, 1], position [B], logits [B, 1, V]: device buffers whose
-               addresses are set once per batch size; a step copies B tokens and B
+               addresses are set once per row range; a step copies B tokens and B
                positions in from pinned host memory, enqueues the engine, copies
                the [B, V] logits out, and synchronizes the one stream
+    rows       a step on rows [start, start + b) (the batch scheduler's) binds the rows
+               cache[start:start + b] (contiguous: the batch axis leads) and the same rows
+               of the decode buffers; the other rows are neither read nor written
+
+A given engine file (`engine=`, a Triton repository's model.plan) is run as it is, its
+limits read from its prefill profile; otherwise the engine is built or reused beside the graph.
 
 Needs the tensorrt extra and a CUDA device; both are checked on activate with a
 one-line error.
@@ -20,6 +26,7 @@ one-line error.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +34,8 @@ import numpy as np
 from core.contract import INPUT_IDS, LOGITS, POSITION
 from runtime.model_files import refuse_ort_only, resolve_onnx, spec_from_onnx_file
 from runtime.session import CapacityError, DecoderSession, DeviceError
-from runtime.trt_engine import (DECODE_PROFILE, PREFILL_PROFILE, BuildOptions, EngineFromOnnx, check_aliases,
-                                check_engine_io, io_mapping)
+from runtime.trt_engine import (DECODE_PROFILE, PREFILL_PROFILE, BuildOptions, EngineFromFile, EngineFromOnnx,
+                                check_aliases, check_engine_io, io_mapping)
 
 
 def trt_to_torch_dtype(trt, torch, dtype):
@@ -43,14 +50,17 @@ class TrtSession(DecoderSession):
     backend = "trt"
 
     def __init__(self, model: str | Path, device: str = "cuda", options: BuildOptions = BuildOptions(),
-                 rebuild: bool = False):
+                 rebuild: bool = False, engine: str | Path | None = None):
+        """engine: run this serialized engine (built from `model`'s graph, e.g. a Triton repository's
+        model.plan) instead of building or reusing one beside the graph; options come from its record."""
         super().__init__()
         self.path = resolve_onnx(model)
         refuse_ort_only(self.path, "TensorRT")
         self.device = device
-        self.options = options
+        self.engine_file = EngineFromFile(engine) if engine is not None else None
+        self.options = self.engine_file.options() if self.engine_file else options
         self.rebuild = rebuild
-        self.loader: EngineFromOnnx | None = None
+        self.loader: EngineFromOnnx | EngineFromFile | None = None
 
     def _activate(self) -> None:
         from runtime.backends import BACKENDS, require
@@ -64,7 +74,7 @@ class TrtSession(DecoderSession):
         self._trt, self._torch = trt, torch
         self.spec = spec_from_onnx_file(self.path)
         self.options = self.options.resolved(self.spec)
-        self.loader = EngineFromOnnx(self.path, self.spec, self.options, self.rebuild)
+        self.loader = self.engine_file or EngineFromOnnx(self.path, self.spec, self.options, self.rebuild)
         data = self.loader()
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
@@ -81,6 +91,9 @@ class TrtSession(DecoderSession):
             names[name] = "input" if self.engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT else "output"
         check_engine_io(names, self.spec, self.loader.path)
         check_aliases(self.engine, self.spec, self.loader.path)
+        if self.engine_file:       # the limits it was built with, from its prefill profile's max shape
+            max_batch, max_prompt = self.engine.get_tensor_profile_shape(INPUT_IDS, PREFILL_PROFILE)[2]
+            self.options = replace(self.options, max_batch=int(max_batch), max_prompt=int(max_prompt))
         self.dtypes = {n: trt_to_torch_dtype(trt, torch, self.engine.get_tensor_dtype(n)) for n in names}
         self.stream = torch.cuda.Stream()
         self.contexts = []
@@ -96,17 +109,19 @@ class TrtSession(DecoderSession):
         self.engine = None
         self._runtime = None
 
-    def _bind(self, ctx, input_ids, position, logits) -> None:
-        """Shapes and addresses of every engine tensor; present_* share the cache's address."""
-        shapes = {INPUT_IDS: input_ids.shape, POSITION: position.shape,
-                  **{n: c.shape for n, c in self.caches.items()}}
+    def _bind(self, ctx, input_ids, position, logits, start: int = 0) -> None:
+        """Shapes and addresses of every engine tensor, the caches' rows [start, start + B) (views: the
+        batch axis leads, so they are contiguous); present_* share the cache's address."""
+        stop = start + input_ids.shape[0]
+        caches = {n: c[start:stop] for n, c in self.caches.items()}                   # [b, H, S_max, D]
+        shapes = {INPUT_IDS: input_ids.shape, POSITION: position.shape, **{n: c.shape for n, c in caches.items()}}
         for name, shape in shapes.items():
             if not ctx.set_input_shape(name, tuple(shape)):
                 raise CapacityError(f"{name}: expected a shape inside the engine's optimization profile, found "
                                     f"{list(shape)}; rebuild with larger BuildOptions (max_batch, max_prompt)")
         addresses = {INPUT_IDS: input_ids.data_ptr(), POSITION: position.data_ptr(), LOGITS: logits.data_ptr(),
-                     **{n: c.data_ptr() for n, c in self.caches.items()},
-                     **{out: self.caches[src].data_ptr() for out, src in io_mapping(self.spec).aliases.items()}}
+                     **{n: c.data_ptr() for n, c in caches.items()},
+                     **{out: caches[src].data_ptr() for out, src in io_mapping(self.spec).aliases.items()}}
         for name, ptr in addresses.items():
             if not ctx.set_tensor_address(name, ptr):
                 raise RuntimeError(f"{self.loader.path}: set_tensor_address({name!r}) failed (see the TensorRT log)")
@@ -129,7 +144,7 @@ class TrtSession(DecoderSession):
         self._logits_host = torch.empty((batch, self.spec.vocab_size), dtype=self._logits.dtype).pin_memory()
         self._ids_np, self._pos_np = self._ids_host.numpy(), self._pos_host.numpy()
         self._logits_np = self._logits_host.numpy()
-        self._bind(self.contexts[DECODE_PROFILE], self._ids, self._pos, self._logits)
+        self._decode_rows = None                 # the row range the decode context is bound to
         self.stream.synchronize()
 
     def _execute(self, ctx) -> None:
@@ -137,6 +152,16 @@ class TrtSession(DecoderSession):
             raise RuntimeError(f"{self.loader.path}: execute_async_v3 failed (see the TensorRT log)")
 
     def _run_prefill(self, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
+        return self._run_prefill_rows(0, input_ids, position)
+
+    def _run_decode(self, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
+        return self._run_decode_rows(0, tokens, position)
+
+    # --- steps on rows [start, start + b) of the batch (the whole batch: start 0, b = B) ----------
+
+    row_steps = True
+
+    def _run_prefill_rows(self, start: int, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
         torch = self._torch
         b, t = input_ids.shape
         if t > self.options.max_prompt:
@@ -148,26 +173,31 @@ class TrtSession(DecoderSession):
             pos = torch.from_numpy(position).to("cuda", self.dtypes[POSITION], non_blocking=True)
             logits = torch.empty((b, t, self.spec.vocab_size), dtype=self.dtypes[LOGITS], device="cuda")
             ctx = self.contexts[PREFILL_PROFILE]
-            self._bind(ctx, ids, pos, logits)
+            self._bind(ctx, ids, pos, logits, start)
             self._execute(ctx)
             host = logits.to("cpu", non_blocking=False)
         self.stream.synchronize()
         self._last_inference_s = time.perf_counter() - t0     # execute is asynchronous: timed to the sync
         return host.numpy()
 
-    def _run_decode(self, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
+    def _run_decode_rows(self, start: int, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
         torch = self._torch
-        self._ids_np[:, 0] = tokens
-        self._pos_np[:] = position
+        stop = start + len(tokens)
+        ctx = self.contexts[DECODE_PROFILE]
+        if self._decode_rows != (start, stop):    # rebound only when the range changes (the scheduler's rarely does)
+            self._bind(ctx, self._ids[start:stop], self._pos[start:stop], self._logits[start:stop], start)
+            self._decode_rows = (start, stop)
+        self._ids_np[start:stop, 0] = tokens
+        self._pos_np[start:stop] = position
         t0 = time.perf_counter()
         with torch.cuda.stream(self.stream):
-            self._ids.copy_(self._ids_host, non_blocking=True)
-            self._pos.copy_(self._pos_host, non_blocking=True)
-            self._execute(self.contexts[DECODE_PROFILE])
-            self._logits_host.copy_(self._logits[:, 0], non_blocking=True)
+            self._ids[start:stop].copy_(self._ids_host[start:stop], non_blocking=True)
+            self._pos[start:stop].copy_(self._pos_host[start:stop], non_blocking=True)
+            self._execute(ctx)
+            self._logits_host[start:stop].copy_(self._logits[start:stop, 0], non_blocking=True)
         self.stream.synchronize()
         self._last_inference_s = time.perf_counter() - t0     # execute is asynchronous: timed to the sync
-        return self._logits_np
+        return self._logits_np[start:stop]
 
     def cache_ptrs(self) -> dict[str, int]:
         return {n: c.data_ptr() for n, c in self.caches.items()}

@@ -9,7 +9,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 GPU_TESTS = ("test_torch_session.py::test_cuda_graph_decode_matches_cpu",
              "test_ort_session.py::test_ort_cuda_provider_matches_cpu",
-             "test_trt_session.py::test_trt_matches_ort_and_updates_in_place")
+             "test_trt_session.py::test_trt_matches_ort_and_updates_in_place",
+             "test_scheduler.py::test_gpu_row_steps_touch_only_their_rows[trt]",
+             "test_generate_backend.py::test_generate_on_the_gpu_batches_with_the_cpus_tokens[ort-cuda]")
 
 
 def test_gpu_marked_tests_collect_without_graphsurgeon(tmp_path):

@@ -14,7 +14,8 @@ def write_triton_repository(build: str | Path, repo: str | Path, **options) -> P
     """Write a Triton model repository for a finished build directory; returns its path.
 
     options: engine, max_batch_size (8), instances (1), kind ("cpu" | "gpu"),
-    max_new_tokens (32), intra_op_threads (0), slots (8), max_queued (32), validate (True);
+    max_new_tokens (32), intra_op_threads (0), slots (8), max_queued (32),
+    generate_backend ("auto" | "trt" | "ort-cuda" | "ort-cpu"), validate (True);
     see repository.write_repository.
     Raises RepositoryError (a UserError: one line for the user). Imported lazily: the
     package itself stays light, so the server's Python backend loads only what it runs.

@@ -2,7 +2,7 @@
 
     python -m runtime.triton repo   --build BUILD --out REPO [--engine FILE] [--max-batch-size 8]
                                     [--instances 1] [--kind cpu|gpu] [--max-new-tokens 32]
-                                    [--slots 8] [--max-queued 32]
+                                    [--slots 8] [--max-queued 32] [--generate-backend auto|trt|ort-cuda|ort-cpu]
     python -m runtime.triton check  --repo REPO
     python -m runtime.triton serve  --repo REPO [--host 127.0.0.1] [--http-port 8000] [--grpc-port 8001]
                                     [--metrics-port 8002]
@@ -22,6 +22,7 @@ from core.errors import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import itertools
+import json
 import signal
 import sys
 import threading
@@ -42,7 +43,12 @@ def _parser() -> ArgumentParser:
     r.add_argument("--engine", help="TensorRT engine built from the build's fused graph; default: the newest <graph stem>.<key>.engine in BUILD")
     r.add_argument("--max-batch-size", type=int_in(1, 4096), default=8, help="decoder models: sequences per step (default 8)")
     r.add_argument("--instances", type=int_in(1, 256), default=1, help="instance_group count of every model (default 1)")
-    r.add_argument("--kind", choices=("cpu", "gpu"), default="cpu", help="instance kind of decoder_onnx (default cpu)")
+    r.add_argument("--kind", choices=("cpu", "gpu"), default="cpu",
+                   help="instance kind of decoder_onnx (default cpu); gpu: --generate-backend auto picks ort-cuda "
+                        "where there is no engine")
+    r.add_argument("--generate-backend", choices=("auto", "trt", "ort-cuda", "ort-cpu"), default="auto",
+                   help="what the generate model decodes with; auto (default): trt where the repository has an "
+                        "engine, else ort-cuda with --kind gpu, else ort-cpu (always ort-cpu for an --attention gqa build)")
     r.add_argument("--max-new-tokens", type=positive_int, default=32, help="generate model: default when a request omits it")
     r.add_argument("--intra-op-threads", type=int_in(0, 256), default=0, help="generate model: ORT threads (0: ORT's default)")
     r.add_argument("--slots", type=int_in(1, 1024), default=8,
@@ -118,10 +124,12 @@ def run(argv: list[str] | None = None) -> int:
         from runtime.triton.repository import have_tritonclient, write_repository
         repo = write_repository(args.build, args.out, engine=args.engine, max_batch_size=args.max_batch_size,
                                 instances=args.instances, kind=args.kind, max_new_tokens=args.max_new_tokens,
-                                intra_op_threads=args.intra_op_threads, slots=args.slots, max_queued=args.max_queued)
+                                intra_op_threads=args.intra_op_threads, slots=args.slots, max_queued=args.max_queued,
+                                generate_backend=args.generate_backend)
         models = sorted(p.parent.name for p in repo.glob("*/config.pbtxt"))
+        backend = json.loads((repo / "repository.json").read_text())["generate_backend"]
         checked = "" if have_tritonclient() else " (configs not checked: install the triton extra and run check)"
-        print(f"{repo}: Triton model repository with {', '.join(models)}{checked}")
+        print(f"{repo}: Triton model repository with {', '.join(models)}; generate decodes with {backend}{checked}")
         return 0
     if args.command == "check":
         from runtime.triton.repository import check_repository

@@ -1,5 +1,8 @@
 """The `generate` model of the repository: a decoupled Triton Python-backend model over the
-batch scheduler (runtime/scheduler.py) and the project's ORT session.
+batch scheduler (runtime/scheduler.py) and a decode session of the backend its config names
+(parameter decode_backend: trt runs the repository's engine decoder_trt/1/model.plan, ort-cuda
+and ort-cpu its graph with ONNX Runtime; `open_decode_session`). It logs which at initialize,
+and a backend that cannot load here fails initialize with one line naming it and the fix.
 
 One request is one prompt: inputs prompt (BYTES [1]) and, optional, max_new_tokens,
 temperature, top_k, top_p, seed, ignore_eos, stream ([1] each). Outputs text (BYTES [1]) and
@@ -14,7 +17,7 @@ when the tokenizer has it, max_new_tokens from the config's parameters (32).
                             the non-streamed text.
 
 Transaction policy decoupled: `execute` only queues requests and returns; one scheduler
-per model instance (one backend process, one OrtSession whose caches are the slot pool)
+per model instance (one backend process, one decode session whose caches are the slot pool)
 serves every request of every execute call, and its loop thread sends the responses.
 A request the model cannot serve gets one error response (INVALID_ARG with the runtime's
 one-line message; UNAVAILABLE "server busy: ..." when the pool and its queue are full); a
@@ -30,6 +33,7 @@ decode (METRICS).
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,13 +149,38 @@ class ResponseStream:
             self.send(self.text.text(), list(seq.tokens), None, True)
 
 
+def open_decode_session(model_dir: Path, params: dict[str, str]):
+    """The generate model's active decode session, as its config's parameters name it (decode_backend,
+    a key of repository.GENERATE_BACKENDS; ort-cpu where absent: a repository written before it),
+    and the line it logs. A backend that cannot load here raises one RuntimeUserError line."""
+    from runtime.backends import open_session
+    from runtime.triton.repository import ENGINE_PLAN, GENERATE_BACKENDS
+    choice = params.get("decode_backend", "ort-cpu")
+    if choice not in GENERATE_BACKENDS:
+        raise RuntimeUserError(f"generate/config.pbtxt: decode_backend {choice!r}: expected one of "
+                               f"{', '.join(GENERATE_BACKENDS)}; write the repository again with python -m runtime.triton repo")
+    name, device = GENERATE_BACKENDS[choice]
+    engine = model_dir.parent.parent / params.get("engine", ENGINE_PLAN)      # <repo>/decoder_trt/1/model.plan
+    try:
+        if name == "trt":
+            session = open_session(name, engine.with_name("source.onnx"), device, engine=engine).activate()
+            what = f"TensorRT engine {engine}"
+        else:
+            session = open_session(name, model_dir, device,
+                                   intra_op_threads=int(params.get("intra_op_threads", 0))).activate()
+            what = f"ONNX Runtime {session.session.get_providers()[0]}, {session.path}"
+    except RuntimeUserError as e:
+        raise RuntimeUserError(f"generate: decode backend {choice} cannot load here ({e}); fix that, or write the "
+                               "repository with python -m runtime.triton repo --generate-backend ort-cpu") from None
+    return session, f"generate: decoding with {choice} ({what})"
+
+
 class TritonPythonModel:
     """Triton Python-backend entry points: initialize, execute, finalize."""
 
     def initialize(self, args: dict) -> None:
         import triton_python_backend_utils as pb_utils
         from runtime.model_files import load_tokenizer
-        from runtime.ort_session import OrtSession
         from runtime.scheduler import BatchScheduler
         self.pb = pb_utils
         config = json.loads(args["model_config"])
@@ -161,8 +190,11 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         self.default_max_new_tokens = int(params.get("max_new_tokens", 32))
         model_dir = Path(args["model_repository"]) / args["model_version"]
-        self.session = OrtSession(model_dir, device="cpu", intra_op_threads=int(params.get("intra_op_threads", 0)))
-        self.session.activate()
+        self.session, line = open_decode_session(model_dir, params)
+        if hasattr(pb_utils, "Logger"):           # Triton's log (the Python backend's Logger, 23.x and later)
+            pb_utils.Logger.log_info(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
         self.tokenizer = load_tokenizer(model_dir, self.session.spec.vocab_size)
         self.scheduler = BatchScheduler(self.session, slots=int(params.get("slots", DEFAULT_SLOTS)),
                                         max_queued=int(params.get("max_queued", DEFAULT_MAX_QUEUED))).start()

@@ -8,7 +8,9 @@
       decoder_trt/1/model.plan      the same contract; no controls (the engine has no such inputs);
                                     both optimization profiles (decode, prefill) in instance_group
       generate/config.pbtxt         backend python, decoupled: prompt -> text + tokens, streamed or
-      generate/1/model.py           whole, by runtime/scheduler.py over the project's ORT session
+      generate/1/model.py           whole, by runtime/scheduler.py over a decode session of the
+                                    backend its parameters name (GENERATE_BACKENDS; decoder_trt's
+                                    engine for trt)
       generate/1/model.fused.onnx   (or model.onnx where the build has no fused graph)
       generate/1/tokenizer.json
 
@@ -40,7 +42,7 @@ from core.contract import (CACHE_PREFIX, INPUT_IDS, LOGITS, POSITION, ContractEr
 from core.outputs import TRITON_REPOSITORY, output_dir
 from runtime.model_files import resolve_onnx
 from runtime.session import ModelFileError, RuntimeUserError
-from runtime.trt_engine import DECODE_PROFILE, PREFILL_PROFILE, read_engine_info
+from runtime.trt_engine import DECODE_PROFILE, PREFILL_PROFILE, engine_info_path, read_engine_info
 
 DECODER_ONNX, DECODER_TRT, GENERATE = "decoder_onnx", "decoder_trt", "generate"
 TOKENIZER = "tokenizer.json"
@@ -52,6 +54,13 @@ IDLE_US = 60_000_000          # a sequence with no request for 60 s releases its
 DEFAULT_MAX_NEW_TOKENS = 32   # runtime.generate's default
 DEFAULT_SLOTS = 8             # generate: sequences decoded together (the scheduler's cache slot pool)
 DEFAULT_MAX_QUEUED = 32       # generate: requests waiting for a slot before "server busy"
+# what generate decodes with: name -> (runtime.backends name, device); "auto" picks one (choose_generate_backend)
+GENERATE_BACKENDS = {"trt": ("trt", "cuda"), "ort-cuda": ("ort", "cuda"), "ort-cpu": ("ort", "cpu")}
+AUTO = "auto"
+ENGINE_PLAN = f"{DECODER_TRT}/1/model.plan"     # the engine generate's trt backend runs (relative to the repository)
+ORT_ONLY_MARK = ("tapernorm.attention", "ort-gqa")   # graph_passes/ort_attention.py's metadata: ONNX Runtime only
+GQA_GRAPH = ("a GroupQueryAttention graph (export.build --attention gqa: ONNX Runtime's CPU provider only, "
+             "TensorRT's parser does not take it)")
 
 
 class RepositoryError(RuntimeUserError):
@@ -191,9 +200,11 @@ def decoder_config(name: str, platform: str, io: OnnxIO, max_batch_size: int, in
 
 
 def generate_config(name: str, instances: int, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                    intra_op_threads: int = 0, slots: int = DEFAULT_SLOTS, max_queued: int = DEFAULT_MAX_QUEUED) -> str:
+                    intra_op_threads: int = 0, slots: int = DEFAULT_SLOTS, max_queued: int = DEFAULT_MAX_QUEUED,
+                    backend: str = "ort-cpu") -> str:
     """config.pbtxt of the Python-backend generation model: one request = one prompt, decoupled
-    (responses streamed by the model's batch scheduler; slots and max_queued size its pool)."""
+    (responses streamed by the model's batch scheduler; slots and max_queued size its pool; backend,
+    one of GENERATE_BACKENDS, is what it decodes with: KIND_GPU instances unless ort-cpu)."""
     inputs = ",\n".join([
         _tensor("prompt", "TYPE_STRING", [1]),
         _tensor("max_new_tokens", "TYPE_INT32", [1], optional=True),
@@ -205,18 +216,20 @@ def generate_config(name: str, instances: int, max_new_tokens: int = DEFAULT_MAX
         _tensor("stream", "TYPE_BOOL", [1], optional=True)])
     outputs = ",\n".join([_tensor("text", "TYPE_STRING", [1]), _tensor("tokens", "TYPE_INT64", [-1])])
     params = {"max_new_tokens": str(max_new_tokens), "intra_op_threads": str(intra_op_threads),
-              "slots": str(slots), "max_queued": str(max_queued)}
+              "slots": str(slots), "max_queued": str(max_queued), "decode_backend": backend,
+              **({"engine": ENGINE_PLAN} if backend == "trt" else {})}
+    kind = KINDS["cpu" if backend == "ort-cpu" else "gpu"]        # where its decode session runs
     lines = [f'name: "{name}"', 'backend: "python"', "max_batch_size: 0",
              "model_transaction_policy { decoupled: true }", "input [", inputs, "]",
              "output [", outputs, "]",
-             "instance_group [", f"  {{ count: {instances} kind: KIND_CPU }}", "]"]
+             "instance_group [", f"  {{ count: {instances} kind: {kind} }}", "]"]
     for k, v in params.items():
         lines.append(f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}')
     return "\n".join(lines) + "\n"
 
 
 GENERATE_MODEL_PY = '''"""Triton Python-backend model (decoupled): prompt -> text + tokens, streamed or whole, by
-tapernorm-deploy's batch scheduler over its ORT runtime.
+tapernorm-deploy's batch scheduler over its runtime (the backend config.pbtxt names).
 
 The code lives in runtime/triton/python_model.py: the server's Python must import
 tapernorm-deploy. The backend stub runs the first python3 on the server's PATH (its venv
@@ -373,19 +386,100 @@ def _link_graph(src: Path, dst: Path) -> None:
         raise RepositoryError(str(e)) from None
 
 
+def is_ort_only(onnx_path: Path) -> bool:
+    """Whether the graph carries ORT_ONLY_MARK: ONNX Runtime's GroupQueryAttention (GQA_GRAPH)."""
+    try:
+        proto = load_onnx(onnx_path, load_weights=False)
+    except ContractError as e:
+        raise RepositoryError(str(e)) from None
+    return {p.key: p.value for p in proto.metadata_props}.get(ORT_ONLY_MARK[0]) == ORT_ONLY_MARK[1]
+
+
+def choose_generate_backend(requested: str, engine: Path | None, kind: str, ort_only: bool = False) -> str:
+    """What the generate model decodes with (a key of GENERATE_BACKENDS). auto: trt where the
+    repository has an engine, else ort-cuda where it is written for GPU instances (--kind gpu), else
+    ort-cpu; an ORT-only graph (GQA_GRAPH) always ort-cpu. A choice that cannot run is refused in one line."""
+    if requested != AUTO and requested not in GENERATE_BACKENDS:
+        raise RepositoryError(f"--generate-backend {requested!r}: expected one of {AUTO}, {', '.join(GENERATE_BACKENDS)}")
+    if ort_only and requested not in (AUTO, "ort-cpu"):
+        raise RepositoryError(f"--generate-backend {requested}: expected a portable graph, found {GQA_GRAPH}; use "
+                              "ort-cpu, or rebuild with --attention plain or fused")
+    if requested == "trt" and engine is None:
+        raise RepositoryError("--generate-backend trt: expected a TensorRT engine of the build, found none; build one "
+                              "(python -m runtime.generate --backend trt --model BUILD) or pass --engine FILE")
+    if requested != AUTO:
+        return requested
+    return "ort-cpu" if ort_only else "trt" if engine else "ort-cuda" if kind == "gpu" else "ort-cpu"
+
+
+def _engine_of(onnx_path: Path, engine: str | Path | None, ort_only: bool,
+               max_batch_size: int) -> tuple[Path | None, dict | None]:
+    """The engine decoder_trt serves (--engine, else the newest one built beside the graph; none for an
+    ORT-only graph, which TensorRT cannot parse) and its build record; checked against max_batch_size."""
+    if ort_only:
+        if engine is not None:
+            raise RepositoryError(f"--engine {engine}: expected a graph TensorRT can run, found {onnx_path}, "
+                                  f"{GQA_GRAPH}; leave --engine out, or rebuild with --attention plain or fused")
+        return None, None
+    if engine is None:
+        engine = find_engine(onnx_path)
+    elif not Path(engine).is_file():
+        raise RepositoryError(f"{engine}: expected a serialized TensorRT engine file, found nothing; "
+                              "build one with the trt backend or leave --engine out")
+    if engine is None:
+        return None, None
+    engine_build = read_engine_info(Path(engine))
+    built_batch = _built_batch(engine_build)
+    if built_batch is not None and built_batch < max_batch_size:
+        raise RepositoryError(f"{engine}: expected an engine of max_batch >= --max-batch-size {max_batch_size}, found "
+                              f"one built for {built_batch}; pass --max-batch-size {built_batch} or rebuild the engine")
+    return Path(engine), engine_build
+
+
+def _built_batch(engine_build: dict | None) -> int | None:
+    """The max_batch an engine was built for, from its build record (None where the record does not say)."""
+    built = ((engine_build or {}).get("options") or {}).get("max_batch")
+    return built if isinstance(built, int) else None
+
+
+def _check_options(kind: str, max_batch_size: int, instances: int, slots: int, max_queued: int) -> None:
+    if kind not in KINDS:
+        raise RepositoryError(f"--kind {kind!r}: expected one of {', '.join(KINDS)}")
+    if max_batch_size < 1 or instances < 1:
+        raise RepositoryError(f"max_batch_size {max_batch_size}, instances {instances}: expected both >= 1")
+    if slots < 1 or max_queued < 0:
+        raise RepositoryError(f"slots {slots}, max_queued {max_queued}: expected slots >= 1 and max_queued >= 0")
+
+
+def _write_decoder_trt(tmp: Path, engine: Path, engine_build: dict | None, onnx_path: Path, io: OnnxIO,
+                       max_batch_size: int, instances: int) -> None:
+    d = tmp / DECODER_TRT / "1"
+    d.mkdir(parents=True)
+    _link_or_copy(engine, d / "model.plan")
+    if engine_build is not None:      # its build record beside it (what TrtSession reads for generate's trt backend)
+        engine_info_path(d / "model.plan").write_text(json.dumps(engine_build, indent=2) + "\n")
+    _link_graph(onnx_path, d / "source.onnx")       # what the engine was built from; for checks
+    (tmp / DECODER_TRT / "config.pbtxt").write_text(
+        decoder_config(DECODER_TRT, "tensorrt_plan", io, max_batch_size, instances, "gpu", same_buffer=True,
+                       profiles=(DECODE_PROFILE, PREFILL_PROFILE)))
+
+
 def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path | None = None,
                      max_batch_size: int = 8, instances: int = 1, kind: str = "cpu",
                      max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, intra_op_threads: int = 0,
                      slots: int = DEFAULT_SLOTS, max_queued: int = DEFAULT_MAX_QUEUED,
-                     validate: bool = True) -> Path:
+                     generate_backend: str = AUTO, validate: bool = True) -> Path:
     """Write the model repository for a build directory (see the module docstring); returns `repo`.
 
     engine: a serialized TensorRT engine built from the build's fused graph; default: the
     newest model.fused.<key>.engine (runtime.trt_engine's name) in the build directory,
-    if any (no decoder_trt model otherwise). Its max_batch must be >= max_batch_size.
+    if any (no decoder_trt model otherwise, nor for an ORT-only graph: GQA_GRAPH).
+    Its max_batch must be >= max_batch_size.
     kind: instance kind of decoder_onnx (cpu | gpu); decoder_trt is always KIND_GPU.
     slots, max_queued: the generate model's slot pool (sequences decoded together, per
     instance) and how many requests may wait for a slot before "server busy".
+    generate_backend: what generate decodes with, auto | trt | ort-cuda | ort-cpu
+    (choose_generate_backend; recorded in its config.pbtxt and in repository.json).
     validate: parse every config into ModelConfig and check it against the ONNX (skipped
     where tritonclient, from the triton extra, is not installed).
     """
@@ -400,52 +494,38 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
     if not (build / TOKENIZER).is_file():
         raise RepositoryError(f"{build / TOKENIZER}: expected the model's tokenizer, found no file; "
                               "copy the checkpoint's tokenizer.json there")
-    if kind not in KINDS:
-        raise RepositoryError(f"--kind {kind!r}: expected one of {', '.join(KINDS)}")
-    if max_batch_size < 1 or instances < 1:
-        raise RepositoryError(f"max_batch_size {max_batch_size}, instances {instances}: expected both >= 1")
-    if slots < 1 or max_queued < 0:
-        raise RepositoryError(f"slots {slots}, max_queued {max_queued}: expected slots >= 1 and max_queued >= 0")
-    if engine is None:
-        engine = find_engine(onnx_path)
-    elif not Path(engine).is_file():
-        raise RepositoryError(f"{engine}: expected a serialized TensorRT engine file, found nothing; "
-                              "build one with the trt backend or leave --engine out")
+    _check_options(kind, max_batch_size, instances, slots, max_queued)
+    ort_only = is_ort_only(onnx_path)
+    engine, engine_build = _engine_of(onnx_path, engine, ort_only, max_batch_size)
+    backend = choose_generate_backend(generate_backend, engine, kind, ort_only)
+    built_batch = _built_batch(engine_build)
+    if backend == "trt" and built_batch is not None and slots > built_batch:   # generate's pool is the engine's batch
+        raise RepositoryError(f"--slots {slots}: expected at most {built_batch} (the engine's max_batch; generate "
+                              f"decodes with trt); pass --slots {built_batch} or rebuild the engine with a larger max_batch")
     io = onnx_io(onnx_path)
     _check_contract(onnx_path, io)
-    engine_build = read_engine_info(Path(engine)) if engine else None
-    built_batch = ((engine_build or {}).get("options") or {}).get("max_batch")
-    if isinstance(built_batch, int) and built_batch < max_batch_size:
-        raise RepositoryError(f"{engine}: expected an engine of max_batch >= --max-batch-size {max_batch_size}, found "
-                              f"one built for {built_batch}; pass --max-batch-size {built_batch} or rebuild the engine")
 
-    with output_dir(repo, TRITON_REPOSITORY, inputs=[build] + ([Path(engine)] if engine else [])) as tmp:
+    with output_dir(repo, TRITON_REPOSITORY, inputs=[build] + ([engine] if engine else [])) as tmp:
         d = tmp / DECODER_ONNX / "1"
         d.mkdir(parents=True)
         ort_io = add_control_inputs(onnx_path, d / "model.onnx")
         (tmp / DECODER_ONNX / "config.pbtxt").write_text(
             decoder_config(DECODER_ONNX, "onnxruntime_onnx", ort_io, max_batch_size, instances, kind))
         if engine is not None:
-            d = tmp / DECODER_TRT / "1"
-            d.mkdir(parents=True)
-            _link_or_copy(Path(engine), d / "model.plan")
-            _link_graph(onnx_path, d / "source.onnx")       # what the engine was built from; for checks
-            (tmp / DECODER_TRT / "config.pbtxt").write_text(
-                decoder_config(DECODER_TRT, "tensorrt_plan", io, max_batch_size, instances, "gpu", same_buffer=True,
-                               profiles=(DECODE_PROFILE, PREFILL_PROFILE)))
+            _write_decoder_trt(tmp, engine, engine_build, onnx_path, io, max_batch_size, instances)
         d = tmp / GENERATE / "1"
         d.mkdir(parents=True)
         _link_graph(onnx_path, d / onnx_path.name)
         _link_or_copy(build / TOKENIZER, d / TOKENIZER)
         (d / "model.py").write_text(GENERATE_MODEL_PY)
         (tmp / GENERATE / "config.pbtxt").write_text(
-            generate_config(GENERATE, instances, max_new_tokens, intra_op_threads, slots, max_queued))
+            generate_config(GENERATE, instances, max_new_tokens, intra_op_threads, slots, max_queued, backend))
         (tmp / "repository.json").write_text(json.dumps(
             {"build": str(build.resolve()), "onnx": onnx_path.name, "engine": str(engine) if engine else None,
              # the TensorRT version, GPU and flags that built model.plan: it loads only in that TensorRT
              # version unless built version-compatible (then start tritonserver with
              # --backend-config=tensorrt,version-compatible=true)
-             "engine_build": engine_build,
+             "engine_build": engine_build, "ort_only_graph": ort_only, "generate_backend": backend,
              "models": [m for m in (DECODER_ONNX, DECODER_TRT if engine else None, GENERATE) if m]}, indent=2) + "\n")
         if validate and have_tritonclient():
             check_repository(tmp)

@@ -46,6 +46,8 @@ def _caches(session) -> list[np.ndarray]:
     """Copies of every cache [B, H, S_max, D] of an active session."""
     if isinstance(session, OrtSession):
         return [session.cache_array(n).copy() for n in session.spec.cache_names()]
+    if session.backend == "trt":
+        return [session.caches[n].cpu().numpy() for n in session.spec.cache_names()]
     return [t.clone().numpy() for kv in session.cache for t in kv]
 
 
@@ -83,6 +85,51 @@ def test_row_steps_read_and_write_only_their_rows(tiny, kind):
         np.testing.assert_allclose(logits[1], want, rtol=0, atol=1e-5)   # fp32, batch 2 vs 1: rounding only
         with pytest.raises(ValueError, match=r"rows \[3, 5\)"):
             s.decode_rows(3, np.array([1, 2]), np.array([0, 0]))
+
+
+def _gpu_session(kind, build, tmp_path) -> DecoderSession:
+    """An inactive ORT CUDA or TensorRT session of the build (TensorRT's engine built in a linked copy);
+    skips with the reason where this machine cannot run it."""
+    import importlib.util
+    import os
+    import shutil
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)")
+    if kind == "ort-cuda":
+        import onnxruntime as ort
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            pytest.skip("onnxruntime-gpu (CUDAExecutionProvider) is not installed: pip install 'tapernorm-deploy[gpu]'")
+        return OrtSession(build, device="cuda")
+    if importlib.util.find_spec("tensorrt") is None:
+        pytest.skip("tensorrt is not installed: pip install 'tapernorm-deploy[tensorrt]'")
+    from runtime.trt_engine import BuildOptions
+    from runtime.trt_session import TrtSession
+    shutil.copytree(build, tmp_path / "build", copy_function=os.link)
+    return TrtSession(tmp_path / "build", options=BuildOptions(max_batch=4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["ort-cuda", "trt"])
+def test_gpu_row_steps_touch_only_their_rows(tiny, kind, tmp_path):
+    """The row steps the scheduler runs on, on a GPU: the other rows' caches unchanged bit for bit,
+    each row's logits those of ORT on the CPU at batch 1 (atol 1e-3: other kernels), and a whole-batch
+    step after row steps still right (TensorRT rebinds its decode context)."""
+    with _gpu_session(kind, tiny[1], tmp_path) as s, OrtSession(tiny[1], intra_op_threads=1) as cpu:
+        s.reset(4), cpu.reset(1)
+        s.prefill(RNG.integers(0, 320, (4, 9)))
+        before = _caches(s)
+        ids = np.array([PROMPTS[1]])                                     # [1, 7] into row 2
+        np.testing.assert_allclose(s.prefill_rows(2, ids), cpu.prefill(ids), rtol=0, atol=1e-3)
+        after = _caches(s)
+        for b, a in zip(before, after):
+            np.testing.assert_array_equal(a[[0, 1, 3]], b[[0, 1, 3]])
+        logits = s.decode_rows(1, np.array([5, 6]), np.array([9, 7])).copy()     # rows 1, 2
+        for b, a in zip(after, _caches(s)):
+            np.testing.assert_array_equal(a[[0, 3]], b[[0, 3]])
+        np.testing.assert_allclose(logits[1], cpu.decode_step(np.array([6]), np.array([7]))[0], rtol=0, atol=1e-3)
+        full = s.decode_step(np.array([1, 2, 3, 4]), np.array([10, 10, 8, 10]))
+        np.testing.assert_allclose(full[2], cpu.decode_step(np.array([3]), np.array([8]))[0], rtol=0, atol=1e-3)
 
 
 @pytest.mark.parametrize("kind", ["ort", "torch"])

@@ -62,12 +62,14 @@ def triton_build(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def triton_repo(triton_build, tmp_path_factory) -> Path:
     """The repository, with a stand-in engine file so that decoder_trt is written too
-    (its config is checked against the ONNX the engine is built from, never loaded here)."""
+    (its config is checked against the ONNX the engine is built from, never loaded here);
+    generate decodes with ort-cpu (auto would pick the engine: trt)."""
     from runtime.triton import write_triton_repository
     root = tmp_path_factory.mktemp("triton_repo")
     engine = root / "model.fused.0123abcd.engine"
     engine.write_bytes(b"not a real engine: the CPU server never loads tensorrt_plan models")
-    return write_triton_repository(triton_build, root / "repo", engine=engine, intra_op_threads=1)
+    return write_triton_repository(triton_build, root / "repo", engine=engine, intra_op_threads=1,
+                                   generate_backend="ort-cpu")
 
 
 def infer_input(client_module, name, array, dt):

@@ -62,6 +62,7 @@ def test_server_started_on_localhost_in_bounded_time(server):
     log = server.log_path.read_text()
     assert f"Started HTTPService at 127.0.0.1:{server.http_port}" in log
     assert f"Started GRPCInferenceService at 127.0.0.1:{server.grpc_port}" in log
+    assert "generate: decoding with ort-cpu (ONNX Runtime CPUExecutionProvider" in log     # generate's backend, logged
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
