@@ -19,6 +19,8 @@ from runtime.session import ModelFileError
 FUSED, UNFUSED, TOKENIZER = "model.fused.onnx", "model.onnx", "tokenizer.json"
 QUANTIZED = ("model.int4.onnx", "model.int8.onnx")
 ORT_ONLY_MARK = ("tapernorm.attention", "ort-gqa")       # graph_passes/ort_attention.py's model metadata
+ORT_ONLY_GRAPH = ("ONNX Runtime's GroupQueryAttention (export.build --target ort-cpu, its default without "
+                  "TensorRT: ONNX Runtime only)")
 GENAI_SUFFIX = ".genai.onnx"                             # export/genai.py: GenAI's I/O, not our contract
 BUILD_HINT = "build one with: python -m export.build --fuse --checkpoint CHECKPOINT --out DIR"
 
@@ -42,18 +44,22 @@ def resolve_onnx(path: str | Path) -> Path:
     raise ModelFileError(f"{path}: expected a build directory or an .onnx file, found nothing there; {BUILD_HINT}")
 
 
-def refuse_ort_only(path: Path, runtime: str) -> None:
-    """A GroupQueryAttention graph (export.build --target ort-cpu, its default where TensorRT is not
-    installed) runs in ONNX Runtime only: say so before `runtime` loads anything. Read from the mark
-    graph_passes/ort_attention.py leaves in the graph, so a bare .onnx file is checked too."""
+def is_ort_only(path: Path) -> bool:
+    """Whether the graph is ONNX Runtime's GroupQueryAttention one (export.build --target ort-cpu, its
+    default where TensorRT is not installed), from the mark graph_passes/ort_attention.py leaves in it;
+    False for a file onnx cannot read (the backend's own load then says so in its words)."""
     import onnx
     try:
         meta = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
-    except Exception:       # an unreadable file: the backend's own load says so in its words
-        return
-    if meta.get(ORT_ONLY_MARK[0]) == ORT_ONLY_MARK[1]:
-        raise ModelFileError(f"{path}: expected a portable graph for {runtime}, found ONNX Runtime's "
-                             "GroupQueryAttention (export.build --target ort-cpu, its default without TensorRT); "
+    except Exception:
+        return False
+    return meta.get(ORT_ONLY_MARK[0]) == ORT_ONLY_MARK[1]
+
+
+def refuse_ort_only(path: Path, runtime: str) -> None:
+    """Say before `runtime` loads anything that a GroupQueryAttention graph runs in ONNX Runtime only."""
+    if is_ort_only(path):
+        raise ModelFileError(f"{path}: expected a portable graph for {runtime}, found {ORT_ONLY_GRAPH}; "
                              "use --backend ort, or rebuild with --target portable")
 
 

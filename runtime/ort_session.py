@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from core.contract import INPUT_IDS, LOGITS, POSITION, ContractError, check_external_data_file, present_name
-from runtime.model_files import resolve_onnx, spec_from_ort_session
+from runtime.model_files import ORT_ONLY_MARK, resolve_onnx, spec_from_ort_session
 from runtime.session import DecoderSession, DeviceError, MissingExtraError, ModelFileError, RuntimeUserError
 
 # provider name per --device; the CUDA and TensorRT providers come with onnxruntime-gpu
@@ -122,9 +122,9 @@ class OrtSession(DecoderSession):
         self._run_options = ort.RunOptions()
         self._run_options.add_run_config_entry("gpu_graph_id", "-1")
         self._ort_device = "cpu" if self.device == "cpu" else "cuda"
-        # a GroupQueryAttention graph (export.build --attention gqa) continues a cached prompt at batch 1 only
+        # a GroupQueryAttention graph (export.build --target ort-cpu) continues a cached prompt at batch 1 only
         meta = self.session.get_modelmeta().custom_metadata_map
-        self._gqa = meta.get("tapernorm.attention") == "ort-gqa"
+        self._gqa = meta.get(ORT_ONLY_MARK[0]) == ORT_ONLY_MARK[1]
 
     def _deactivate(self) -> None:
         self.binding = None

@@ -48,7 +48,7 @@ def _parser() -> ArgumentParser:
                         "where there is no engine")
     r.add_argument("--generate-backend", choices=("auto", "trt", "ort-cuda", "ort-cpu"), default="auto",
                    help="what the generate model decodes with; auto (default): trt where the repository has an "
-                        "engine, else ort-cuda with --kind gpu, else ort-cpu (always ort-cpu for an --attention gqa build)")
+                        "engine, else ort-cuda with --kind gpu, else ort-cpu (always ort-cpu for a --target ort-cpu build)")
     r.add_argument("--max-new-tokens", type=positive_int, default=32, help="generate model: default when a request omits it")
     r.add_argument("--intra-op-threads", type=int_in(0, 256), default=0, help="generate model: ORT threads (0: ORT's default)")
     r.add_argument("--slots", type=int_in(1, 1024), default=8,

@@ -40,7 +40,7 @@ from pathlib import Path
 from core.contract import (CACHE_PREFIX, INPUT_IDS, LOGITS, POSITION, ContractError, cache_names, load_onnx,
                            onnx_io as _proto_io, present_name, read_contract)
 from core.outputs import TRITON_REPOSITORY, output_dir
-from runtime.model_files import resolve_onnx
+from runtime.model_files import ORT_ONLY_GRAPH, is_ort_only, resolve_onnx
 from runtime.session import ModelFileError, RuntimeUserError
 from runtime.trt_engine import DECODE_PROFILE, PREFILL_PROFILE, engine_info_path, read_engine_info
 
@@ -58,9 +58,6 @@ DEFAULT_MAX_QUEUED = 32       # generate: requests waiting for a slot before "se
 GENERATE_BACKENDS = {"trt": ("trt", "cuda"), "ort-cuda": ("ort", "cuda"), "ort-cpu": ("ort", "cpu")}
 AUTO = "auto"
 ENGINE_PLAN = f"{DECODER_TRT}/1/model.plan"     # the engine generate's trt backend runs (relative to the repository)
-ORT_ONLY_MARK = ("tapernorm.attention", "ort-gqa")   # graph_passes/ort_attention.py's metadata: ONNX Runtime only
-GQA_GRAPH = ("a GroupQueryAttention graph (export.build --attention gqa: ONNX Runtime's CPU provider only, "
-             "TensorRT's parser does not take it)")
 
 
 class RepositoryError(RuntimeUserError):
@@ -386,24 +383,15 @@ def _link_graph(src: Path, dst: Path) -> None:
         raise RepositoryError(str(e)) from None
 
 
-def is_ort_only(onnx_path: Path) -> bool:
-    """Whether the graph carries ORT_ONLY_MARK: ONNX Runtime's GroupQueryAttention (GQA_GRAPH)."""
-    try:
-        proto = load_onnx(onnx_path, load_weights=False)
-    except ContractError as e:
-        raise RepositoryError(str(e)) from None
-    return {p.key: p.value for p in proto.metadata_props}.get(ORT_ONLY_MARK[0]) == ORT_ONLY_MARK[1]
-
-
 def choose_generate_backend(requested: str, engine: Path | None, kind: str, ort_only: bool = False) -> str:
     """What the generate model decodes with (a key of GENERATE_BACKENDS). auto: trt where the
     repository has an engine, else ort-cuda where it is written for GPU instances (--kind gpu), else
-    ort-cpu; an ORT-only graph (GQA_GRAPH) always ort-cpu. A choice that cannot run is refused in one line."""
+    ort-cpu; an ORT-only graph (ORT_ONLY_GRAPH) always ort-cpu. A choice that cannot run is refused in one line."""
     if requested != AUTO and requested not in GENERATE_BACKENDS:
         raise RepositoryError(f"--generate-backend {requested!r}: expected one of {AUTO}, {', '.join(GENERATE_BACKENDS)}")
     if ort_only and requested not in (AUTO, "ort-cpu"):
-        raise RepositoryError(f"--generate-backend {requested}: expected a portable graph, found {GQA_GRAPH}; use "
-                              "ort-cpu, or rebuild with --attention plain or fused")
+        raise RepositoryError(f"--generate-backend {requested}: expected a portable graph, found {ORT_ONLY_GRAPH}; use "
+                              "ort-cpu, or rebuild with --target portable")
     if requested == "trt" and engine is None:
         raise RepositoryError("--generate-backend trt: expected a TensorRT engine of the build, found none; build one "
                               "(python -m runtime.generate --backend trt --model BUILD) or pass --engine FILE")
@@ -419,7 +407,7 @@ def _engine_of(onnx_path: Path, engine: str | Path | None, ort_only: bool,
     if ort_only:
         if engine is not None:
             raise RepositoryError(f"--engine {engine}: expected a graph TensorRT can run, found {onnx_path}, "
-                                  f"{GQA_GRAPH}; leave --engine out, or rebuild with --attention plain or fused")
+                                  f"{ORT_ONLY_GRAPH}; leave --engine out, or rebuild with --target portable")
         return None, None
     if engine is None:
         engine = find_engine(onnx_path)
@@ -473,7 +461,7 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
 
     engine: a serialized TensorRT engine built from the build's fused graph; default: the
     newest model.fused.<key>.engine (runtime.trt_engine's name) in the build directory,
-    if any (no decoder_trt model otherwise, nor for an ORT-only graph: GQA_GRAPH).
+    if any (no decoder_trt model otherwise, nor for an ORT-only graph: ORT_ONLY_GRAPH).
     Its max_batch must be >= max_batch_size.
     kind: instance kind of decoder_onnx (cpu | gpu); decoder_trt is always KIND_GPU.
     slots, max_queued: the generate model's slot pool (sequences decoded together, per

@@ -37,7 +37,9 @@ def export_build_has_triton_repo() -> bool:
 
 @pytest.fixture(scope="session")
 def triton_build(tmp_path_factory) -> Path:
-    """A build directory: python -m export.build --fuse of a random DyT checkpoint (model.fused.onnx),
+    """A build directory: python -m export.build --fuse --target portable of a random DyT checkpoint (model.fused.onnx,
+    the graph TensorRT and Triton's batched step model take; tests/triton/test_generate_backend.py covers the
+    default ort-cpu graph),
     with --triton-repo BUILD.parent/build_repo where export.build has that flag;
     export_onnx plus copies where export.build is missing."""
     require("tritonclient.grpc", "the Triton repository tests")
@@ -46,7 +48,8 @@ def triton_build(tmp_path_factory) -> Path:
     out = root / "build"
     if importlib.util.find_spec("export.build") is not None:
         extra = ["--triton-repo", str(root / "build_repo")] if export_build_has_triton_repo() else []
-        proc = subprocess.run([sys.executable, "-m", "export.build", "--fuse", "--checkpoint", str(ckpt), "--out", str(out),
+        proc = subprocess.run([sys.executable, "-m", "export.build", "--fuse", "--target", "portable", "--checkpoint", str(ckpt),
+                               "--out", str(out),
                                *extra], capture_output=True, text=True, cwd=REPO, timeout=600)
         assert proc.returncode == 0, f"export.build failed:\n{proc.stderr[-2000:]}"
     else:

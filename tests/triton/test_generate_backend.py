@@ -1,6 +1,6 @@
 """What the generate model decodes with (issue 25): auto picks trt where the repository has an
 engine, else ort-cuda for GPU instances, else ort-cpu (always ort-cpu for a GroupQueryAttention
-graph, export.build --attention gqa, which gets no decoder_trt); impossible choices are refused in one line; the choice lands in
+graph, export.build --target ort-cpu, which gets no decoder_trt); impossible choices are refused in one line; the choice lands in
 generate's config.pbtxt and repository.json; generate's session on ort-cpu serves the batch
 scheduler with runtime.generate's tokens, and a backend that cannot load here fails in one line.
 The GPU paths (trt, ort-cuda) are marked gpu and skip here with a reason."""
@@ -50,8 +50,8 @@ def test_auto_picks_the_engine_then_gpu_instances_then_the_cpu(engine, kind, ort
 
 @pytest.mark.parametrize("requested, engine, ort_only, message", [
     ("trt", False, False, "--generate-backend trt: expected a TensorRT engine of the build, found none; build one"),
-    ("trt", True, True, "expected a portable graph, found a GroupQueryAttention graph (export.build --attention gqa"),
-    ("ort-cuda", False, True, "use ort-cpu, or rebuild with --attention plain or fused"),
+    ("trt", True, True, "expected a portable graph, found ONNX Runtime's GroupQueryAttention (export.build --target ort-cpu"),
+    ("ort-cuda", False, True, "use ort-cpu, or rebuild with --target portable"),
     ("tensorrt", False, False, "expected one of auto, trt, ort-cuda, ort-cpu")])
 def test_impossible_choices_are_refused_in_one_line(requested, engine, ort_only, message, tmp_path):
     with pytest.raises(RepositoryError, match=re.escape(message)) as e:
@@ -91,8 +91,7 @@ def gqa_build(triton_build, tmp_path):
     GroupQueryAttention graph (what the repository reads; the ops do not matter here), an engine beside it."""
     from core.contract import load_onnx
     from core.onnx_writer import save_onnx
-    from runtime.model_files import resolve_onnx
-    from runtime.triton.repository import ORT_ONLY_MARK
+    from runtime.model_files import ORT_ONLY_MARK, resolve_onnx
     build = tmp_path / "gqa_build"
     shutil.copytree(triton_build, build, copy_function=os.link)
     graph = resolve_onnx(build)
@@ -111,12 +110,12 @@ def test_a_gqa_build_gets_no_tensorrt_model_and_decodes_on_the_cpu(gqa_build, tm
     assert sorted(p.name for p in repo.iterdir() if p.is_dir()) == ["decoder_onnx", "generate"]
     assert _params(repo)["decode_backend"] == "ort-cpu" and _manifest(repo)["ort_only_graph"] is True
     assert _manifest(repo)["generate_backend"] == "ort-cpu"
-    with pytest.raises(RepositoryError, match="GroupQueryAttention graph .*; leave --engine out"):
+    with pytest.raises(RepositoryError, match="GroupQueryAttention .*; leave --engine out"):
         write_triton_repository(gqa_build, tmp_path / "r2", engine=_engine(tmp_path))
     for backend in ("trt", "ort-cuda"):
         assert main(["repo", "--build", str(gqa_build), "--out", str(tmp_path / "r3"), "--generate-backend", backend]) == 1
         err = capsys.readouterr().err
-        assert err.startswith(f"error: --generate-backend {backend}: ") and err.count("\n") == 1 and "gqa" in err
+        assert err.startswith(f"error: --generate-backend {backend}: ") and err.count("\n") == 1 and "--target portable" in err
     assert not (tmp_path / "r2").exists() and not (tmp_path / "r3").exists()
 
 
