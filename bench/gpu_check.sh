@@ -196,7 +196,7 @@ trt_bench() {
     has onnx_graphsurgeon || skip "onnx-graphsurgeon is not importable (export.build --fuse needs it; carry its wheel in ./wheels)"
     local build="$WORK/builds" zoo=models/zoo
     for kind in baseline all-taper; do
-        "$PY" -m export.build --fuse --checkpoint "$zoo/$kind" --out "$build/$kind" || return 1
+        "$PY" -m export.build --fuse --target portable --checkpoint "$zoo/$kind" --out "$build/$kind" || return 1
     done
     "$PY" -m runtime.step_timing --backend trt --model "$build/baseline" --model "$build/all-taper" \
         --batch 1 --prompt-len 16 --steps 200 --rounds 3
