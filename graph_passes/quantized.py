@@ -91,22 +91,32 @@ def gather_from_blocks(ctx: PassContext, emb: gs.Node, data: gs.Tensor, scales: 
                 inputs=[table, ids, row_scales], outputs=[out])]
 
 
-# --- tied_table -----------------------------------------------------------------------------------
+# --- tied_table and embedding_like_head: the token embedding read from blocks ------------------------
 
 @dataclass
-class TiedTableMatch(Match):
+class BlocksTableMatch(Match):
+    """The token embedding to be read from MatMulNBits-format blocks."""
     embedding: gs.Node
-    head: gs.Node                 # the head's MatMulNBits: its blocks become the table
+    data: gs.Tensor               # [V, d / block, blob]
+    scales: gs.Tensor
     rows: int                     # V
     bits: int
     block: int
+    what: str                     # the detail, e.g. "stored once: ..."
 
     @property
     def detail(self) -> str:
-        return f"stored once: the token embedding reads the LM head's int{self.bits} blocks (GatherBlockQuantized)"
+        return self.what
 
 
-class ShareTiedTable(GraphPass):
+class TableFromBlocks(GraphPass):
+    """Base of the two passes that make the token embedding a GatherBlockQuantized over blocks."""
+
+    def rewrite(self, ctx: PassContext, m: BlocksTableMatch) -> None:
+        gather_from_blocks(ctx, m.embedding, m.data, m.scales, m.rows, m.bits, m.block)
+
+
+class ShareTiedTable(TableFromBlocks):
     name = "tied_table"
     summary = "a tied embedding reads the quantized LM head's blocks (GatherBlockQuantized): the table stored once"
     anchors = ("Gather", "GatherBlockQuantized")
@@ -124,7 +134,7 @@ class ShareTiedTable(GraphPass):
     def __init__(self, tie: Tie | None):
         self.tie = tie
 
-    def match(self, ctx: PassContext, node: gs.Node) -> TiedTableMatch | Skip | None:
+    def match(self, ctx: PassContext, node: gs.Node) -> BlocksTableMatch | Skip | None:
         if not is_token_embedding(node):
             return None
         if self.tie is None:
@@ -138,29 +148,15 @@ class ShareTiedTable(GraphPass):
         if len(head.inputs) > 3 and head.inputs[3].name:
             return Skip("stored twice: the LM head's blocks have zero points (asymmetric); "
                         "the embedding keeps its own table")
-        k, block = head.attrs["K"], head.attrs["block_size"]
+        k, block, bits = head.attrs["K"], head.attrs["block_size"], head.attrs["bits"]
         if k % block:
             return Skip(f"stored twice: d_model {k} is not a multiple of the block size {block}")
-        return TiedTableMatch(ctx.layer_name(node), node, head, head.attrs["N"], head.attrs["bits"], block)
-
-    def rewrite(self, ctx: PassContext, m: TiedTableMatch) -> None:
-        gather_from_blocks(ctx, m.embedding, m.head.inputs[1], m.head.inputs[2], m.rows, m.bits, m.block)
-
-
-# --- embedding_like_head ----------------------------------------------------------------------------
-
-@dataclass
-class EmbeddingBlocksMatch(Match):
-    embedding: gs.Node
-    table: np.ndarray             # E [V, d], fp32
-    bits: int
-
-    @property
-    def detail(self) -> str:
-        return f"token embedding int{self.bits} like the head (GatherBlockQuantized)"
+        return BlocksTableMatch(ctx.layer_name(node), node, head.inputs[1], head.inputs[2], head.attrs["N"], bits, block,
+                                f"stored once: the token embedding reads the LM head's int{bits} blocks "
+                                "(GatherBlockQuantized)")
 
 
-class EmbeddingLikeHead(GraphPass):
+class EmbeddingLikeHead(TableFromBlocks):
     name = "embedding_like_head"
     summary = "an untied fp32 embedding reads its table quantized as the head's MatMulNBits blocks (int8 head)"
     anchors = ("Gather",)
@@ -176,20 +172,18 @@ class EmbeddingLikeHead(GraphPass):
     def __init__(self, blocks_of: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], bits: int, block: int):
         self.blocks_of, self.bits, self.block = blocks_of, bits, block
 
-    def match(self, ctx: PassContext, node: gs.Node) -> EmbeddingBlocksMatch | Skip | None:
+    def match(self, ctx: PassContext, node: gs.Node) -> BlocksTableMatch | Skip | None:
         table = const_value(node.inputs[0]) if is_token_embedding(node) and node.attrs.get("axis", 0) == 0 else None
         if table is None:
             return None
         if table.ndim != 2 or table.shape[1] % self.block:
             return Skip(f"token embedding kept fp32: its width is not a multiple of the block size {self.block}")
-        return EmbeddingBlocksMatch(ctx.layer_name(node), node, table, self.bits)
-
-    def rewrite(self, ctx: PassContext, m: EmbeddingBlocksMatch) -> None:
-        data, scales = self.blocks_of(m.table)
-        source = m.embedding.inputs[0].name
+        data, scales = self.blocks_of(table)          # new constants, not yet in the graph
+        source = node.inputs[0].name
         # ONNX Runtime's names for a quantizer's outputs: the streamed build traces them by name (export/stream.py)
-        gather_from_blocks(ctx, m.embedding, gs.Constant(f"{source}_Q{m.bits}", data),
-                           gs.Constant(f"{source}_scales", scales), len(m.table), m.bits, self.block)
+        return BlocksTableMatch(ctx.layer_name(node), node, gs.Constant(f"{source}_Q{self.bits}", data),
+                                gs.Constant(f"{source}_scales", scales), len(table), self.bits, self.block,
+                                f"token embedding int{self.bits} like the head (GatherBlockQuantized)")
 
 
 # --- mnb_bias -------------------------------------------------------------------------------------
