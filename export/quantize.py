@@ -15,8 +15,9 @@
 ONNX Runtime's own quantizer does the work (onnxruntime.quantization.matmul_nbits_quantizer,
 shared/design/METHOD.md "More checked facts"); this module picks what to quantize, calls it,
 runs the graph passes that rewrite its output (graph_passes/quantized.py: the tied table, the
-embedding like the head, biases into MatMulNBits) and records what they did and left alone. The folded scales are in the weights by then, so the
-quantizer sees the weights the graph really multiplies by. MatMuls of two activations
+embedding like the head, biases into MatMulNBits) and records what they did and left alone.
+The folded scales are in the weights by then, so the quantizer sees the weights the graph
+really multiplies by. MatMuls of two activations
 (attention) stay fp32, and so does the position table (one row read per token).
 
 Algorithms: rtn (round to nearest per block: DefaultWeightOnlyQuantConfig) and hqq
@@ -33,6 +34,7 @@ import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import numpy as np
 import onnx
@@ -201,13 +203,13 @@ def quantize_weights(proto: onnx.ModelProto, cfg: QuantConfig) -> tuple[onnx.Mod
     level = quiet.level
     quiet.setLevel(logging.ERROR)       # it logs one INFO line per weight
     try:
-        out = run_quantizer(proto, cfg, summary)
+        out = _run_quantizer(proto, cfg, summary)
         ctx = load_graph(out)
-        results = [p.run(ctx) for p in quantized_passes(cfg, tie)]
+        results = [p.run(ctx) for p in _passes(cfg, tie)]
         out = save_graph(ctx, out)
     finally:
         quiet.setLevel(level)
-    record_passes(summary, results, cfg)
+    _record_passes(summary, results, cfg)
     ops = [n.op_type for n in out.graph.node]
     summary.matmuls_quantized = ops.count("MatMulNBits")
     summary.matmuls_left = ops.count("MatMul")
@@ -221,7 +223,7 @@ def quantize_weights(proto: onnx.ModelProto, cfg: QuantConfig) -> tuple[onnx.Mod
     return out, summary
 
 
-def gather_ops(cfg: QuantConfig) -> tuple[str, ...]:
+def _quantizer_ops(cfg: QuantConfig) -> tuple[str, ...]:
     """The op types ONNX Runtime's quantizer is asked to quantize. The token embedding is stored like
     the head: int4 by the quantizer (it quantizes a Gather only in int4 with rtn), int8 after it
     (graph_passes.quantized.EmbeddingLikeHead); one table when tied. Under an fp32 head it stays int4
@@ -229,7 +231,7 @@ def gather_ops(cfg: QuantConfig) -> tuple[str, ...]:
     return ("MatMul", "Gather") if cfg.bits == 4 and cfg.algo == "rtn" and cfg.head_dtype != "int8" else ("MatMul",)
 
 
-def run_quantizer(proto: onnx.ModelProto, cfg: QuantConfig, summary: QuantSummary) -> onnx.ModelProto:
+def _run_quantizer(proto: onnx.ModelProto, cfg: QuantConfig, summary: QuantSummary) -> onnx.ModelProto:
     """ONNX Runtime's quantizer over a copy of `proto`: every constant MatMul in cfg's bits, then
     (a second pass, int8) an int8 head and the --int8-layers; an fp32 head stays fp32."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
@@ -239,7 +241,7 @@ def run_quantizer(proto: onnx.ModelProto, cfg: QuantConfig, summary: QuantSummar
     model = onnx.ModelProto()
     model.CopyFrom(proto)
     q = MatMulNBitsQuantizer(model, nodes_to_exclude=_other_gathers(proto) + ([head] if own_head else []) + int8,
-                             algo_config=algo_config(cfg, gather_ops(cfg)))
+                             algo_config=algo_config(cfg, _quantizer_ops(cfg)))
     q.process()
     if (own_head and cfg.head_dtype == "int8") or int8:
         q = MatMulNBitsQuantizer(q.model.model, nodes_to_exclude=[head] if cfg.head_dtype == "fp32" else [],
@@ -251,29 +253,29 @@ def run_quantizer(proto: onnx.ModelProto, cfg: QuantConfig, summary: QuantSummar
     return q.model.model
 
 
-def quantized_passes(cfg: QuantConfig, tie) -> list:
+def _passes(cfg: QuantConfig, tie) -> list:
     """The rewrites of the quantizer's output (graph_passes/quantized.py), in order: the tied table
     first (an embedding it shares is no longer an fp32 Gather for EmbeddingLikeHead)."""
     from graph_passes.quantized import BiasIntoMatMulNBits, EmbeddingLikeHead, ShareTiedTable
     passes = [ShareTiedTable(tie)]
     if cfg.head_dtype == "int8":
-        passes.append(EmbeddingLikeHead(lambda table: head_blocks(table, cfg), QUANT_BITS[cfg.head_dtype], cfg.block_size))
+        passes.append(EmbeddingLikeHead(partial(_head_blocks, cfg=cfg), QUANT_BITS[cfg.head_dtype], cfg.block_size))
     return passes + [BiasIntoMatMulNBits()]
 
 
-def record_passes(summary: QuantSummary, results: list, cfg: QuantConfig) -> None:
+def _record_passes(summary: QuantSummary, results: list, cfg: QuantConfig) -> None:
     """The passes' rewrites and the candidates they left alone, in the summary (as a build reports its folds)."""
     from graph_passes.quantized import UNTIED
     tied = results[0]
     summary.tied_table = next((f.detail for f in tied.folded), next((f.why for f in tied.skipped), UNTIED))
     summary.rewritten += [{"pass": r.name, "layer": f.where, "detail": f.detail} for r in results for f in r.folded]
     summary.notes += [f"{r.name}: {f.where} left alone: {f.why}" for r in results[1:] for f in r.skipped]
-    if "Gather" not in gather_ops(cfg) and cfg.head_dtype != "int8" and not tied.folded:
+    if "Gather" not in _quantizer_ops(cfg) and cfg.head_dtype != "int8" and not tied.folded:
         summary.notes.append("token embedding kept fp32 (" + ("ONNX Runtime's hqq quantizes MatMuls only)"
                              if cfg.algo == "hqq" else "like the fp32 head; ORT quantizes a Gather in int4 only)"))
 
 
-def head_blocks(table: np.ndarray, cfg: QuantConfig) -> tuple[np.ndarray, np.ndarray]:
+def _head_blocks(table: np.ndarray, cfg: QuantConfig) -> tuple[np.ndarray, np.ndarray]:
     """An embedding table E [V, d] quantized in the int8 head's format: ORT's quantizer has no int8
     Gather, so it quantizes a one-MatMul graph whose weight is E^T (the head's rounding); returns its
     blocks [V, d/block, blob] and scales. On the 1M DyT zoo model (head int8, body int4) an int8

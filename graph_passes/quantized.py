@@ -69,26 +69,8 @@ def find_tie(proto: onnx.ModelProto) -> Tie | None:
     return Tie(emb.output[0], head.output[0])
 
 
-# --- the shared rewrite ---------------------------------------------------------------------------
-
 def is_token_embedding(node: gs.Node) -> bool:
     return node.op in ("Gather", "GatherBlockQuantized") and len(node.inputs) > 1 and node.inputs[1].name == INPUT_IDS
-
-
-def gather_from_blocks(ctx: PassContext, emb: gs.Node, data: gs.Tensor, scales: gs.Tensor, rows: int, bits: int,
-                       block: int) -> None:
-    """Replace the embedding `emb` by GatherBlockQuantized(Reshape(data [V, K/block, blob] -> [V, -1]), ids,
-    Reshape(scales -> [V, K/block])): rows of MatMulNBits blocks read as a table."""
-    shape = ctx.const(f"{data.name}_rows_shape", np.array([rows, -1], np.int64))
-    table, row_scales = (gs.Variable(ctx.fresh_name(f"{t.name}_rows")) for t in (data, scales))
-    ids, out = emb.inputs[1], emb.outputs[0]
-    emb.outputs.clear()                    # the old embedding lets go of its output; cleanup drops it and its tables
-    ctx.graph.nodes += [
-        gs.Node("Reshape", ctx.fresh_name(f"{emb.name}_table"), inputs=[data, shape], outputs=[table]),
-        gs.Node("Reshape", ctx.fresh_name(f"{emb.name}_scales"), inputs=[scales, shape], outputs=[row_scales]),
-        gs.Node("GatherBlockQuantized", ctx.fresh_name(f"{emb.name}_blocks"), domain="com.microsoft",
-                attrs={"bits": bits, "block_size": block, "gather_axis": 0, "quantize_axis": 1},
-                inputs=[table, ids, row_scales], outputs=[out])]
 
 
 # --- tied_table and embedding_like_head: the token embedding read from blocks ------------------------
@@ -113,7 +95,17 @@ class TableFromBlocks(GraphPass):
     """Base of the two passes that make the token embedding a GatherBlockQuantized over blocks."""
 
     def rewrite(self, ctx: PassContext, m: BlocksTableMatch) -> None:
-        gather_from_blocks(ctx, m.embedding, m.data, m.scales, m.rows, m.bits, m.block)
+        """GatherBlockQuantized(Reshape(data [V, d/block, blob] -> [V, -1]), ids, Reshape(scales -> [V, d/block]))."""
+        shape = ctx.const(f"{m.data.name}_rows_shape", np.array([m.rows, -1], np.int64))
+        table, scales = (gs.Variable(ctx.fresh_name(f"{t.name}_rows")) for t in (m.data, m.scales))
+        emb, out = m.embedding, m.embedding.outputs[0]
+        emb.outputs.clear()                # the old embedding lets go of its output; cleanup drops it and its tables
+        ctx.graph.nodes += [
+            gs.Node("Reshape", ctx.fresh_name(f"{emb.name}_table"), inputs=[m.data, shape], outputs=[table]),
+            gs.Node("Reshape", ctx.fresh_name(f"{emb.name}_scales"), inputs=[m.scales, shape], outputs=[scales]),
+            gs.Node("GatherBlockQuantized", ctx.fresh_name(f"{emb.name}_blocks"), domain="com.microsoft",
+                    attrs={"bits": m.bits, "block_size": m.block, "gather_axis": 0, "quantize_axis": 1},
+                    inputs=[table, emb.inputs[1], scales], outputs=[out])]
 
 
 class ShareTiedTable(TableFromBlocks):
@@ -151,7 +143,8 @@ class ShareTiedTable(TableFromBlocks):
         k, block, bits = head.attrs["K"], head.attrs["block_size"], head.attrs["bits"]
         if k % block:
             return Skip(f"stored twice: d_model {k} is not a multiple of the block size {block}")
-        return BlocksTableMatch(ctx.layer_name(node), node, head.inputs[1], head.inputs[2], head.attrs["N"], bits, block,
+        data, scales = head.inputs[1], head.inputs[2]
+        return BlocksTableMatch(ctx.layer_name(node), node, data, scales, head.attrs["N"], bits, block,
                                 f"stored once: the token embedding reads the LM head's int{bits} blocks "
                                 "(GatherBlockQuantized)")
 
@@ -163,7 +156,7 @@ class EmbeddingLikeHead(TableFromBlocks):
 
     # Pattern (`blocks_of` quantizes E^T as a MatMul weight: ORT's quantizer has no int8 Gather):
     #
-    #     input_ids ──▶ Gather(E, axis 0) ──▶ emb        E: a constant [V, d], d a multiple of the block size
+    #     input_ids ──▶ Gather(E, axis 0) ──▶ emb        E: a constant [V, d], d a multiple of the block
     #   ==>
     #     input_ids ──▶ GatherBlockQuantized(Reshape(E_Q<bits>), Reshape(E_scales)) ──▶ emb
     #

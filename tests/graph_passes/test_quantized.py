@@ -110,7 +110,8 @@ def test_a_tied_head_whose_blocks_cannot_serve_as_the_table_is_left_alone_with_a
 # --- embedding_like_head -------------------------------------------------------------------------
 
 def untied_embedding(d: int = D) -> onnx.ModelProto:
-    """input_ids ──▶ Gather(E) ──▶ logits (the embedding alone), and a position table read by `pos` (not a candidate)."""
+    """input_ids ──▶ Gather(E) ──▶ logits (the embedding alone), plus a position table read by `pos`
+    (not a candidate)."""
     nodes = [helper.make_node("Gather", ["E", "input_ids"], ["emb"], name="embed"),
              helper.make_node("Gather", ["P", "pos"], ["p"], name="positions"),
              helper.make_node("Add", ["emb", "p"], ["logits"], name="add")]
@@ -133,7 +134,8 @@ def test_an_untied_embedding_reads_int8_blocks_and_only_it():
     out, result = apply(EmbeddingLikeHead(int8_rows, 8, BLOCK), fp)
     assert [f.detail for f in result.folded] == ["token embedding int8 like the head (GatherBlockQuantized)"]
     assert not result.skipped and ops(out) == ["Add", "Gather", "GatherBlockQuantized", "Reshape", "Reshape"]
-    assert {i.name for i in out.graph.initializer} >= {"E_Q8", "E_scales", "P"}     # ORT's names: export/stream.py traces them
+    # ONNX Runtime's names for its outputs: export/stream.py traces them
+    assert {i.name for i in out.graph.initializer} >= {"E_Q8", "E_scales", "P"}
     feeds = {**IDS, "pos": np.array([[0, 1, 2, 3, 4]], np.int64)}
     data, scales = int8_rows(onnx.numpy_helper.to_array(fp.graph.initializer[0]))
     table = (data.reshape(V, D).astype(np.float32) - 128) * np.repeat(scales.reshape(V, -1), BLOCK, axis=1)
@@ -185,7 +187,7 @@ def test_the_bias_moves_into_matmulnbits_bit_equal_to_no_sum():
                              [("x", TensorProto.FLOAT, [1, 3, N]), ("h", TensorProto.FLOAT, [1, 3, D])]))
     feeds = _feeds()
     np.testing.assert_array_equal(run(out, feeds)["logits"], run(plain, {k: feeds[k] for k in ("x", "h")})["logits"])
-    np.testing.assert_allclose(run(out, feeds)["logits"], run(q, feeds)["logits"], atol=1e-5)      # Sum: one rounding apart
+    np.testing.assert_allclose(run(out, feeds)["logits"], run(q, feeds)["logits"], atol=1e-5)   # Sum: a rounding apart
 
 
 @pytest.mark.parametrize("case, why", [
