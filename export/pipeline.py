@@ -27,6 +27,7 @@ import copy
 import json
 import shutil
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -486,7 +487,8 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
                             f"{report.quantized['gathers_quantized']} Gather(s); weights "
                             f"{report.quantized['weight_bytes_before'] / 1e6:.1f} -> "
                             f"{report.quantized['weight_bytes_after'] / 1e6:.1f} MB; embedding / head table "
-                            f"{report.quantized['tied_table'].split(':')[0]}")
+                            f"{report.quantized['tied_table'].split(':')[0]}; rewrote "
+                            f"{by_pass(x['pass'] for x in report.quantized['rewritten']) or 'nothing'}")
                 t0 = stages.start(f"verify {q.file_name()} vs {FUSED} (tolerance per dtype; top-1 over greedy tokens)")
                 verify_quantized(verifier, loaded, fused, fused_runs, quantized, q, report)
                 d = report.quantized["drift"]
@@ -562,6 +564,11 @@ def check_quantize(quantize, fuse: bool, dtype: str) -> None:
     quantize.validate()
 
 
+def by_pass(names) -> str:
+    """'taper_scale 8, norm_gamma 1': the sites each graph pass rewrote, in the order the passes ran."""
+    return ", ".join(f"{p} {n}" for p, n in Counter(names).items())
+
+
 def summary(r: BuildReport, log) -> None:
     m = r.model
     src = f", from a Hugging Face {r.source[3:]} folder" if r.source.startswith("hf:") else ""
@@ -574,10 +581,10 @@ def summary(r: BuildReport, log) -> None:
         log(f"  {kind:8s} {sum(counts.values())} nodes, {norm_ops[kind]} norm op(s){shown}, "
             f"{counts.get('MatMul', 0)} MatMul, {counts.get('Mul', 0)} Mul, {counts.get('Add', 0)} Add")
     if r.fuse:
-        by_pass: dict[str, int] = {}
-        for f in r.folded:
-            by_pass[f.pass_name] = by_pass.get(f.pass_name, 0) + 1
-        log(f"  folded   {len(r.folded)} layer(s): " + ", ".join(f"{p} {n}" for p, n in by_pass.items()))
+        log(f"  folded   {len(r.folded)} layer(s): " + by_pass(f.pass_name for f in r.folded))
+    rewritten = r.quantized.get("rewritten", [])
+    if rewritten:
+        log(f"  rewrote  {len(rewritten)} site(s) of {r.quantized['file']}: " + by_pass(x["pass"] for x in rewritten))
     for key, per in r.max_abs_diff.items():
         tol = f"atol {r.atol:g}" + (f" + {r.scale_tol:g} x max|ref|" if r.scale_tol else "")
         if r.quantized and key.endswith("_vs_fused"):

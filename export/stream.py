@@ -84,6 +84,7 @@ class Proxy:
     tensors: dict[str, np.ndarray]        # the folded proxy's parameters and buffers, in the graph dtype
     fp: onnx.ModelProto                   # the float graph (after the passes)
     graph: onnx.ModelProto                # the final graph (quantized when asked)
+    quantized: object = None              # export.quantize.QuantSummary of that quantization
 
 
 def build_proxy(skeleton: Decoder, dtype: str, fuse: bool, attention: str, quantize, seed: int, k: int) -> Proxy:
@@ -101,11 +102,11 @@ def build_proxy(skeleton: Decoder, dtype: str, fuse: bool, attention: str, quant
                         attention="fused" if attention == "gqa" else attention)
     if fuse:
         proto, _ = run_passes(proto, passes_for(attention))
-    graph = proto
+    graph, summary = proto, None
     if quantize is not None:
         from export.quantize import quantize_weights
-        graph, _ = quantize_weights(proto, quantize)
-    return Proxy(widths, tensors, proto, graph)
+        graph, summary = quantize_weights(proto, quantize)
+    return Proxy(widths, tensors, proto, graph, summary)
 
 
 # --- tracing initializers ----------------------------------------------------------------------
@@ -244,6 +245,9 @@ class GraphPlan:
     fuse: bool
     quantize: object = None
     notes: list[str] = field(default_factory=list)
+    # the quantized proxy's QuantSummary: what the graph passes rewrote and left alone, the same sites
+    # at the real size (the proxies keep the widths' remainders modulo the block size)
+    quantized: object = None
 
 
 def plan_graph(source, dtype: str = "fp32", fuse: bool = True, attention: str = "plain", quantize=None) -> GraphPlan:
@@ -295,7 +299,7 @@ def plan_graph(source, dtype: str = "fp32", fuse: bool = True, attention: str = 
         for name, r in recipes.items():
             if isinstance(r, Const) and r.value.dtype == np.float16:
                 recipes[name] = Const(r.value.astype(np.float32).astype(NP[onnx.TensorProto.BFLOAT16]))
-    return GraphPlan(proto, recipes, float_recipes, dtype, fuse, quantize)
+    return GraphPlan(proto, recipes, float_recipes, dtype, fuse, quantize, quantized=a.quantized)
 
 
 def _real_size_graph(a: Proxy, b: Proxy, widths, recipes, skeleton: Decoder, dtype: str) -> onnx.ModelProto:

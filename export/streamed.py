@@ -229,7 +229,8 @@ def _record_graph(report, plan, source, fuse: bool, key: str) -> None:
         report.quantized = {"file": plan.quantize.file_name(), "config": asdict(plan.quantize),
                             "matmuls_quantized": ops.get("MatMulNBits", 0), "matmuls_left": ops.get("MatMul", 0),
                             "gathers_quantized": ops.get("GatherBlockQuantized", 0), "head": plan.quantize.head_dtype,
-                            "weight_bytes_before": source.weight_bytes()}
+                            "weight_bytes_before": source.weight_bytes(),
+                            **{k: getattr(plan.quantized, k) for k in ("tied_table", "notes", "rewritten")}}
 
 
 def _checkable(path: Path, report, log) -> Path:

@@ -12,9 +12,9 @@ this project's machine): on the 1M zoo model (4 layers) the fp32 decode step dro
 (docs/bench.md, "Re-run on the current code"). Sum adds left to right, (x + h W) + b instead of x + (h W + b):
 one fp32 rounding apart, within the build's fp32 tolerance (the build verifies it).
 
-Quantized builds put the bias back into MatMulNBits (export.quantize: its bias input is the
-kernel's own epilogue, as ONNX Runtime's MatMulNBits + Add fusion would do it), so there the
-residual is one Add again. Run on request (`--attention gqa`, the ONNX Runtime graph), after
+Quantized builds put the bias back into MatMulNBits (graph_passes/quantized.py, mnb_bias: its
+bias input is the kernel's own epilogue, as ONNX Runtime's MatMulNBits + Add fusion would do
+it), so there the residual is one Add again. Run on request (`--attention gqa`, the ONNX Runtime graph), after
 the folds: a fold rewrites a bias (b + beta W), and this pass would hide it from them.
 """
 from __future__ import annotations
