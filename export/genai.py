@@ -14,9 +14,13 @@ graph in the form GenAI loads as it is (what its builder writes for a Llama, che
 
 The graph is our GroupQueryAttention graph (--attention gqa: graph_passes/ort_attention.py) with
 its I/O renamed; its weights are not touched. Our `position` input (the first cache slot of the
-step, per sequence) becomes a value computed from the mask, as GenAI's own graphs do:
+step, per sequence) becomes a value computed from the mask, as GenAI's own graphs derive their lengths:
 
-    position = ReduceSum(attention_mask, axis 1) - sequence_length        # [B]: the past length
+    position = ReduceSum(attention_mask[:, :total_sequence_length - sequence_length], axis 1)   # [B]: the past length
+
+the real tokens before the step's. GenAI right-pads a batch's prompts (pad ids, mask 0); a padded row's
+prefill then starts at 0 (ReduceSum(attention_mask) - sequence_length would be negative there) and its
+decode steps at its own length, the slot GroupQueryAttention writes (seqlens_k = position + S - 1).
 
 With weights in a .data file (large models) the GenAI graph names the same file: a second view
 of the same weights costs no disk (core.onnx_writer.save_onnx keeps external tensors in their file).
@@ -103,13 +107,23 @@ def genai_graph(proto, where="graph"):
     inputs = [v for v in g.input if v.name != POSITION]
     del g.input[:]
     g.input.extend([inputs[0], mask, *inputs[1:]] if inputs[0].name == INPUT_IDS else [mask, *inputs])
-    axis = helper.make_tensor("genai_axis_1", TensorProto.INT64, [1], [1])
-    g.initializer.append(axis)
-    # position [B] = tokens seen before this step: the mask's length per sequence minus the step's tokens
-    nodes = [helper.make_node("ReduceSum", ["attention_mask", "genai_axis_1"], ["genai_seen"], "genai_seen",
-                              keepdims=0),
+    g.initializer.extend([helper.make_tensor("genai_axis_1", TensorProto.INT64, [1], [1]),
+                          helper.make_tensor("genai_zero", TensorProto.INT64, [1], [0])])
+    # position [B] = the real tokens before this step: the mask summed over its columns before the step's
+    # S (the last S columns). Not ReduceSum(mask) - S: GenAI right-pads a batch's prompts (mask 1 1 1 0 0 0),
+    # which makes that negative at a padded row's prefill, and `position` also indexes the positional
+    # embedding (a Gather wraps a negative index). GroupQueryAttention's lengths (ort_attention.py: seqlens_k =
+    # position + S - 1, total = max(position) + S) are then GenAI's graphs' own but at a padded row's prefill,
+    # where seqlens_k also covers the pads: causal, the real tokens never see them, and decode overwrites them.
+    nodes = [helper.make_node("Shape", ["attention_mask"], ["genai_total_length"], "genai_total_length",
+                              start=1, end=2),
              helper.make_node("Shape", [INPUT_IDS], ["genai_step_length"], "genai_step_length", start=1, end=2),
-             helper.make_node("Sub", ["genai_seen", "genai_step_length"], [POSITION], "genai_position")]
+             helper.make_node("Sub", ["genai_total_length", "genai_step_length"], ["genai_past_length"],
+                              "genai_past_length"),
+             helper.make_node("Slice", ["attention_mask", "genai_zero", "genai_past_length", "genai_axis_1"],
+                              ["genai_past_mask"], "genai_past_mask"),
+             helper.make_node("ReduceSum", ["genai_past_mask", "genai_axis_1"], [POSITION], "genai_position",
+                              keepdims=0)]
     old = list(g.node)
     del g.node[:]
     g.node.extend(nodes + old)

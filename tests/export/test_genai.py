@@ -76,6 +76,22 @@ def genai_greedy(folder: Path, prompt: list[int], n: int) -> list[int]:
     return [int(t) for t in gen.get_sequence(0)][len(prompt):]
 
 
+def genai_batch_greedy(folder: Path, texts: list[str], n: int) -> list[list[int]]:
+    """GenAI's own loop on prompts it pads itself (og.Tokenizer.encode_batch: right padding, attention_mask
+    0 there), at most n greedy tokens a row: each row's new tokens (a finished row's end is eos, then pad)."""
+    og = _og()
+    model = og.Model(str(folder))
+    tok = og.Tokenizer(model)
+    padded = max(len(tok.encode(t)) for t in texts)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=padded + n, do_sample=False, batch_size=len(texts))
+    gen = og.Generator(model, params)
+    gen.append_tokens(tok.encode_batch(texts))
+    while not gen.is_done():
+        gen.generate_next_token()
+    return [[int(t) for t in gen.get_sequence(i)][padded:] for i in range(len(texts))]
+
+
 CASES = [
     # (source, --quantize or None, route): each of fp32 / int4, in-memory / streamed, zoo / HF once by default.
     # A random-init HF model quantizes to int4 only in the streamed route: the in-memory build checks the
@@ -160,3 +176,28 @@ def test_genai_graph_refuses_a_graph_without_group_query_attention():
     proto = export_onnx(random_model(norm="rmsnorm"), None, "fp32", attention="fused")
     with pytest.raises(GenAIError, match=r"expected every cache read and written by GroupQueryAttention"):
         genai_graph(proto, "model.fused.onnx")
+
+
+def test_genai_batch_of_different_lengths_equals_batch_1(tmp_path):
+    """A batch GenAI pads itself (prompts of 4, 9 and 10 tokens, right-padded) picks, row by row, the
+    tokens each prompt gets alone (GenAI at batch 1 and runtime.generate). A padded row's past length
+    is its own, not the padded length: ReduceSum(mask) - sequence_length made the position of a padded
+    row's prefill negative, and the learned positional embedding's Gather read rows from the end."""
+    _og()
+    ckpt = _source("zoo:internal-taper", tmp_path)
+    out = tmp_path / "build"
+    _build(ckpt, out)
+    texts = ["Once upon a time", PROMPT, "The little dog ran to the park and saw"]
+    from models.checkpoint import load_tokenizer
+    prompts = [load_tokenizer(out).encode(t).ids for t in texts]
+    assert len({len(p) for p in prompts}) == len(prompts), [len(p) for p in prompts]
+    batch = genai_batch_greedy(out, texts, NEW_TOKENS)
+    ids = json.loads((out / "genai_config.json").read_text())["model"]
+    for prompt, text, row in zip(prompts, texts, batch):
+        alone = genai_batch_greedy(out, [text], NEW_TOKENS)[0]      # up to eos (GenAI stops there)
+        k = len(alone)
+        ours, logits = ours_greedy(out / "model.fused.onnx", prompt, NEW_TOKENS)
+        assert k >= 4 and compare_greedy(ours[:k], logits[:k], alone) >= k // 2, (ours, alone)
+        assert compare_greedy(ours[:k], logits[:k], row[:k]) >= k // 2, (prompt, row, alone)
+        if row[:k] == alone:         # then past its eos only eos / pad
+            assert set(row[k:]) <= {ids["eos_token_id"], ids["pad_token_id"]}, (prompt, row, alone)
