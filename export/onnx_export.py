@@ -33,10 +33,10 @@ from onnx import numpy_helper
 from onnxscript.onnx_opset import opset24 as op
 
 from core.contract import INPUT_IDS, POSITION, io_names
-from models.decoder import Decoder
+from models.decoder import TORCH_DTYPES, Decoder
 
 OPSET = 24
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+DTYPES = ("fp32", "fp16")          # what torch exports (a bf16 graph: the streamed build, export/stream.py)
 # model-level metadata that graph passes and runtimes read back (all values are strings)
 META_PREFIX = "tapernorm."
 
@@ -141,7 +141,7 @@ def export_onnx(model: Decoder, path: str | Path | None, dtype: str = "fp32", ve
     if attention not in ATTENTION:
         raise ValueError(f"attention {attention!r}; expected one of {', '.join(ATTENTION)}")
     model = model.eval()
-    torch_dtype = DTYPES[dtype]
+    torch_dtype = TORCH_DTYPES[dtype]
     if torch_dtype != torch.float32:
         import copy
         model = copy.deepcopy(model).to(torch_dtype)

@@ -166,9 +166,9 @@ def real_tokens(tokenizer: Path | None, vocab_size: int) -> list[int] | None:
 
 def load_checkpoint_stage(checkpoint: Path, fuse: bool, dtype: str) -> Loaded:
     """Our checkpoint, or a Hugging Face folder converted in memory."""
-    import torch
     from models.checkpoint import TOKENIZER, has_tokenizer, load_checkpoint
     from models.convert import convert, is_hf_folder
+    from models.decoder import TORCH_DTYPES
     if is_hf_folder(checkpoint):
         c = convert(checkpoint)
         model, tokenizer, source, notes = c.model, c.tokenizer, f"hf:{c.model_type}", c.notes
@@ -178,7 +178,7 @@ def load_checkpoint_stage(checkpoint: Path, fuse: bool, dtype: str) -> Loaded:
         if tokenizer is None:
             notes.append(f"{checkpoint} has no {TOKENIZER}: verified on random tokens only; generation needs one")
     check_model(model, fuse, dtype)
-    reference = model if dtype == "fp32" else copy.deepcopy(model).to(torch.float16)
+    reference = model if dtype == "fp32" else copy.deepcopy(model).to(TORCH_DTYPES[dtype])
     return Loaded(model, reference, real_tokens(tokenizer, model.cfg.vocab_size), tokenizer, source, notes)
 
 

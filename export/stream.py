@@ -38,10 +38,9 @@ import torch
 from onnx import helper, numpy_helper
 
 from core.errors import UserError
-from models.decoder import Decoder, DecoderConfig
+from models.decoder import TORCH_DTYPES, Decoder, DecoderConfig
 from models.fold import fold_block_norms, fold_final_norm, fold_norms
 
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 DTYPES = ("fp32", "fp16", "bf16")
 # the dtype the proxies are exported at: a bf16 graph is the fp16 graph retyped (export/bfloat16.py)
 PROXY_DTYPE = {"fp32": "fp32", "fp16": "fp16", "bf16": "fp16"}

@@ -247,24 +247,21 @@ def _checkable(path: Path, report, log) -> Path:
     return widened_copy(path)
 
 
-# the torch reference's compute dtype per graph dtype (bf16: checked widened, so against fp32)
-REFERENCE_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "float32"}
-
-
 def _reference(stages, source, plan, path: Path, dtype: str):
     """The torch references, one block at a time, on the verification sessions: the checkpoint's
     model, and for a quantized graph also the folded model with the graph's dequantized weights
     (export/quant_reference.py; None where its blocks carry zero points)."""
-    import torch
     from core.contract import contract_of
     from export.quant_reference import QuantizedParts
+    from models.decoder import TORCH_DTYPES
     from models.layerwise import layerwise_run
     iface = contract_of(path)
     sessions = verification_sessions(iface, real_tokens(source))
     steps = [s for _, s in sessions]
     t0 = stages.start(f"torch reference, block by block ({len(sessions)} sessions: prefill + decode steps"
                       f"{'; and with the graph dequantized weights' if plan.quantize is not None else ''})")
-    runs = layerwise_run(source, steps, getattr(torch, REFERENCE_DTYPES[dtype]), log=stages.log)
+    # the reference computes in the graph's dtype; a bf16 graph is checked widened (_checkable), so against fp32
+    runs = layerwise_run(source, steps, TORCH_DTYPES["fp32" if dtype == "bf16" else dtype], log=stages.log)
     dequantized = None
     if plan.quantize is not None and plan.quantize.algo == "rtn":
         stages.log("      and with the graph's dequantized weights:")

@@ -121,7 +121,8 @@ def ort_session(path_or_proto, optimize: bool = False) -> ort.InferenceSession:
 def run_torch(model, iface: DecodeContract, steps: list[Step]) -> list[dict[str, np.ndarray]]:
     """The reference: the torch Decoder on the same session (cache written in place)."""
     import torch
-    dtype = {"fp32": torch.float32, "fp16": torch.float16}[iface.dtype]
+    from models.decoder import TORCH_DTYPES
+    dtype = TORCH_DTYPES[iface.dtype]
     batch = steps[0].input_ids.shape[0]
     cache = model.cfg.cache_layout().allocate(batch, dtype=dtype)
     results = []

@@ -42,6 +42,8 @@ POS_EMBEDDINGS = ("learned", "rope")
 ACTIVATIONS = {"gelu_new": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "relu": F.relu, "silu": F.silu}
 ROPE_TYPES = ("default", "linear", "llama3")
 MAX_LAYERS = 4096
+# the project's float dtype names (core/contract.py; numpy: core.contract.np_dtype) -> torch
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass

@@ -20,9 +20,8 @@ import numpy as np
 import torch
 
 from core.contract import DecodeContract
+from models.decoder import TORCH_DTYPES
 from runtime.session import DecoderSession, DeviceError
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class TorchSession(DecoderSession):
@@ -35,7 +34,7 @@ class TorchSession(DecoderSession):
         self.device = torch.device(device)
         self.compile = compile
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
-        self.dtype = DTYPES[dtype]
+        self.dtype, self.dtype_name = TORCH_DTYPES[dtype], dtype
         self.model = None
 
     def _activate(self) -> None:
@@ -52,7 +51,7 @@ class TorchSession(DecoderSession):
             except CheckpointError as e:
                 raise ModelFileError(str(e)) from None
         self.model = model.eval().to(self.device, self.dtype)
-        self.spec = DecodeContract.from_config(self.model.cfg, {torch.float32: "fp32", torch.float16: "fp16"}.get(self.dtype, "fp32"))
+        self.spec = DecodeContract.from_config(self.model.cfg, "fp32" if self.dtype_name == "bf16" else self.dtype_name)
         self._forward = torch.compile(self.model, dynamic=False) if self.compile else self.model
 
     def _deactivate(self) -> None:
