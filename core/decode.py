@@ -71,6 +71,14 @@ class DecodeDriver:
         return self.run(np.asarray(tokens, np.int64)[:, None], np.asarray(position, np.int64))[LOGITS][:, -1]
 
 
+def token_steps(ids: np.ndarray, prompt: int, start: np.ndarray | None = None) -> list[Step]:
+    """ids [B, T] as a planned session: the first `prompt` tokens prefilled at slot start [B]
+    (default 0), then the rest one token a step."""
+    start = np.zeros(ids.shape[0], np.int64) if start is None else start
+    return [Step(ids[:, :prompt], start.copy())] + [Step(ids[:, t:t + 1], start + t)
+                                                    for t in range(prompt, ids.shape[1])]
+
+
 def run_steps(step, contract: DecodeContract, steps: list[Step], trim: int | None = None) -> list[dict]:
     """Every output of every step of a planned session (prefill, then one-token steps).
     trim: keep the logits of every step and, of the last step only, the caches cut to their

@@ -21,7 +21,7 @@ import numpy as np
 
 from core.contract import (CACHE_DTYPES, CACHE_PREFIX, POSITION, ContractError, DecodeContract, TensorSpec, np_dtype,
                            onnx_io, read_contract, tensor_specs)
-from core.decode import Step, graph_step, run_steps
+from core.decode import Step, graph_step, run_steps, token_steps
 
 PAST = re.compile(r"past_key_values\.(\d+)\.(key|value)$")
 PRESENT = re.compile(r"present\.(\d+)\.(key|value)$")
@@ -55,10 +55,7 @@ def session_steps(iface: DecodeContract, seed: int = 0, batch: int = 2, prompt: 
         rng = np.random.default_rng(seed)
         ids = rng.integers(0, iface.vocab_size, size=(batch, total), dtype=np.int64)
         start = np.minimum(np.arange(batch, dtype=np.int64) * (0 if same_start else 2), iface.capacity - total)
-    steps = [Step(ids[:, :prompt], start.copy())]
-    for t in range(prompt, total):
-        steps.append(Step(ids[:, t:t + 1], start + t))
-    return steps
+    return token_steps(ids, prompt, start)
 
 
 def run_onnx(sess, iface: DecodeContract, steps: list[Step], trim: int | None = None) -> list[dict[str, np.ndarray]]:

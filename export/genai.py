@@ -31,8 +31,6 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
-
 from core.errors import UserError
 
 GENAI_GRAPH, GENAI_CONFIG = "model.genai.onnx", "genai_config.json"
@@ -221,22 +219,19 @@ def verify_genai(folder: Path, source: str, tokens: list[int] | None) -> float:
     """The GenAI graph against the graph it came from, in ONNX Runtime (one session at a time):
     prefill + one-token steps on random and real tokens, batch 2 from slot 0; the logits of every
     step within GENAI_ATOL (export.verify.VerificationError otherwise). Returns the max |d logits|."""
-    from export.conventions import Step, detect, run_onnx
+    from core.contract import LOGITS
+    from core.decode import token_steps
+    from export.conventions import detect, run_onnx
     from export.verify import compare_sessions, ort_session, read_interface
-    ours_proto = _structure(folder / source)
-    iface, genai = read_interface(ours_proto, source), detect(_structure(folder / GENAI_GRAPH), GENAI_GRAPH)
+    iface = read_interface(_structure(folder / source), source)
+    genai = detect(_structure(folder / GENAI_GRAPH), GENAI_GRAPH)
     plans = genai.sessions(tokens=tokens)
-    sess = ort_session(folder / source)
-    ours = []
-    for _, plan in plans:
-        ids, p = plan.ids, plan.prompt
-        b = ids.shape[0]
-        steps = [Step(ids[:, :p], np.zeros(b, np.int64))] + [Step(ids[:, t:t + 1], np.full(b, t, np.int64))
-                                                            for t in range(p, ids.shape[1])]
-        ours.append([{"logits": r["logits"]} for r in run_onnx(sess, iface, steps)])
+    sess = ort_session(folder / source)          # the same tokens from slot 0, driven by core.decode; logits kept
+    ours = [[{LOGITS: r[LOGITS]} for r in run_onnx(sess, iface, token_steps(plan.ids, plan.prompt))]
+            for _, plan in plans]
     del sess
     sess = ort_session(folder / GENAI_GRAPH)
-    theirs = [[{"logits": r["logits"]} for r in genai.run(sess, plan)] for _, plan in plans]
+    theirs = [[{LOGITS: r[LOGITS]} for r in genai.run(sess, plan)] for _, plan in plans]
     del sess
     results = compare_sessions([(label, r, t) for (label, _), r, t in zip(plans, ours, theirs)], "fp32",
                                f"{GENAI_GRAPH} vs {source}", atol=GENAI_ATOL)
