@@ -40,11 +40,12 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} PiB"
 
 
-def check_memory(nbytes: int, what: str, fix: str) -> None:
-    """Refuse (UserError) an allocation of `nbytes` that cannot fit in the available memory."""
+def check_memory(nbytes: int, what: str, fix: str, share: float = MEMORY_SHARE, needs: str | None = None) -> None:
+    """Refuse (UserError, one line) `nbytes` above `share` of the available memory: an allocation
+    (MEMORY_SHARE), or a whole run's estimated peak (share 1; `needs` says how the estimate is made up)."""
     avail = available_memory()
-    if avail is not None and nbytes > MEMORY_SHARE * avail:
-        raise UserError(f"{what}: needs {nbytes:,} bytes ({human_bytes(nbytes)}), this machine has "
+    if avail is not None and nbytes > share * avail:
+        raise UserError(f"{what}: needs {needs or f'{nbytes:,} bytes ({human_bytes(nbytes)})'}, this machine has "
                         f"{human_bytes(avail)} available; {fix}")
 
 

@@ -21,8 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.errors import UserError
-from core.inputs import available_memory, human_bytes
+from core.inputs import check_memory, human_bytes
 from core.outputs import BUILD, check_output_dir, output_dir
 
 GIB = 1 << 30
@@ -80,15 +79,9 @@ def in_memory_peak(cfg) -> int:
     return BASE_BYTES + 18 * 4 * cfg.approx_param_count()
 
 
-def check_fits(estimate: MemoryEstimate, what: str, fix: str) -> None:
-    """One line, before anything is written, when the estimate exceeds what is available."""
-    avail = available_memory()
-    if avail is not None and estimate.peak > avail:
-        raise UserError(f"{what}: needs {estimate.line()}, this machine has {human_bytes(avail)} available; {fix}")
-
-
 def cheaper_option(cfg, dtype: str, quantize) -> str:
     """What would fit: the first of int4, int8, fp16 whose estimate is lower and fits."""
+    from core.inputs import available_memory
     from export.quantize import QuantConfig
     avail = available_memory() or 0
     for label, d, q in (("--quantize int4", "fp32", QuantConfig("int4")), ("--quantize int8", "fp32", QuantConfig("int8")),
@@ -155,8 +148,8 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
     cfg = source.cfg
     _check_gate(source, fuse)
     estimate = streamed_memory(cfg, dtype, quantize)
-    check_fits(estimate, f"{checkpoint}: the streamed build of {cfg.approx_param_count() / 1e9:.2f}B parameters",
-               cheaper_option(cfg, dtype, quantize))
+    check_memory(estimate.peak, f"{checkpoint}: the streamed build of {cfg.approx_param_count() / 1e9:.2f}B parameters",
+                 cheaper_option(cfg, dtype, quantize), share=1.0, needs=estimate.line())
     key = quantize.dtype if quantize is not None else dtype
     checked = "dequantized" if quantize is not None and quantize.algo == "rtn" else key
     report = BuildReport(str(checkpoint), str(out), dtype, fuse, atol=ATOL[checked], scale_tol=SCALE_TOL[checked],

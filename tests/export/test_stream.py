@@ -112,7 +112,7 @@ def test_direct_block_quantization_equals_onnx_runtimes_quantizer(bits, k):
 def test_a_build_that_cannot_fit_is_refused_in_one_line_and_writes_nothing(tmp_path, monkeypatch):
     import export.streamed as streamed
     from core.errors import UserError
-    monkeypatch.setattr(streamed, "available_memory", lambda: 256 << 20)
+    monkeypatch.setattr("core.inputs.available_memory", lambda: 256 << 20)
     with pytest.raises(UserError) as e:
         streamed.build_streamed(ZOO / "internal-taper", tmp_path / "out", True)
     msg = str(e.value)
@@ -120,20 +120,15 @@ def test_a_build_that_cannot_fit_is_refused_in_one_line_and_writes_nothing(tmp_p
     assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
 
 
-def test_the_refusal_names_an_option_that_fits():
+def test_the_refusal_names_an_option_that_fits(monkeypatch):
     from export.streamed import cheaper_option, streamed_memory
     from models.decoder import DecoderConfig
-    import export.streamed as streamed
     cfg = DecoderConfig(vocab_size=128256, d_model=4096, n_layer=32, n_head=32, n_kv_head=8, mlp="swiglu",
                         mlp_hidden=14336, pos_embedding="rope", tie_embeddings=False)       # Llama-3-8B's shape
     fp32, int4 = streamed_memory(cfg, "fp32", None), streamed_memory(cfg, "fp32", QuantConfig("int4"))
     assert int4.peak < fp32.peak
-    original = streamed.available_memory
-    try:
-        streamed.available_memory = lambda: (int4.peak + fp32.peak) // 2
-        assert cheaper_option(cfg, "fp32", None).startswith("build with --quantize int4")
-    finally:
-        streamed.available_memory = original
+    monkeypatch.setattr("core.inputs.available_memory", lambda: (int4.peak + fp32.peak) // 2)
+    assert cheaper_option(cfg, "fp32", None).startswith("build with --quantize int4")
 
 
 def _peak_of_build(folder: Path, out: Path, *args: str) -> int:
