@@ -58,6 +58,16 @@ def session_steps(iface: DecodeContract, seed: int = 0, batch: int = 2, prompt: 
     return token_steps(ids, prompt, start)
 
 
+def verification_sessions(iface: DecodeContract, tokens: list[int] | None = None, seeds=(0, 1),
+                          same_start: bool = False) -> list[tuple[str, list[Step]]]:
+    """The labelled sessions a graph is verified on: random tokens per seed (session_steps; same_start
+    for a graph whose batched prefills start at slot 0) and, with `tokens`, real text."""
+    runs = [(f"random tokens, seed {s}", session_steps(iface, seed=s, same_start=same_start)) for s in seeds]
+    if tokens is not None:
+        runs.append(("real tokens", session_steps(iface, tokens=tokens)))
+    return runs
+
+
 def run_onnx(sess, iface: DecodeContract, steps: list[Step], trim: int | None = None) -> list[dict[str, np.ndarray]]:
     """Outputs of every step of an ONNX Runtime session, driven by core.decode (see run_steps for `trim`)."""
     return run_steps(graph_step(sess), iface, steps, trim)
@@ -96,11 +106,7 @@ class Ours:
         return interface_mismatches(self.contract, other.contract)
 
     def sessions(self, seeds=(0, 1), tokens=None) -> list[tuple[str, list[Step]]]:
-        runs = [(f"random tokens, seed {s}", session_steps(self.contract, seed=s, same_start=self.same_start))
-                for s in seeds]
-        if tokens is not None:
-            runs.append(("real tokens", session_steps(self.contract, tokens=tokens)))
-        return runs
+        return verification_sessions(self.contract, tokens, seeds, self.same_start)
 
     def run(self, sess, steps: list[Step]) -> list[dict[str, np.ndarray]]:
         return run_onnx(sess, self.contract, steps)

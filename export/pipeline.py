@@ -203,13 +203,11 @@ class Verifier:
     """The decode sessions of a build, with the torch reference and each graph's outputs computed once."""
 
     def __init__(self, loaded: Loaded, proto, seeds=(0, 1), same_start: bool = False):
-        from export.verify import read_interface, run_torch, session_steps
+        from export.conventions import verification_sessions
+        from export.verify import read_interface, run_torch
         self.iface = read_interface(proto)
         # same_start: batched prefills at slot 0, what a GroupQueryAttention graph takes (--attention gqa)
-        self.sessions = [(f"random tokens, seed {s}", session_steps(self.iface, seed=s, same_start=same_start))
-                         for s in seeds]
-        if loaded.tokens:
-            self.sessions.append(("real tokens", session_steps(self.iface, tokens=loaded.tokens)))
+        self.sessions = verification_sessions(self.iface, loaded.tokens, seeds, same_start)
         self.torch = [run_torch(loaded.reference, self.iface, steps) for _, steps in self.sessions]
 
     def run(self, proto) -> list:

@@ -95,15 +95,6 @@ def cheaper_option(cfg, dtype: str, quantize) -> str:
 
 # --- the driver ----------------------------------------------------------------------------------
 
-def verification_sessions(iface, tokens):
-    """Random tokens (batched prefills from slot 0, what every graph kind takes) and real text."""
-    from export.conventions import session_steps
-    sessions = [(f"random tokens, seed {s}", session_steps(iface, seed=s, same_start=True)) for s in (0, 1)]
-    if tokens:
-        sessions.append(("real tokens", session_steps(iface, tokens=tokens)))
-    return sessions
-
-
 def release_freed_memory() -> None:
     """Hand the heap's freed pages back to the system (glibc's malloc_trim; nothing elsewhere). The
     reference's blocks are gone by now, but glibc keeps their pages: the Llama-3.2-1B shape's build
@@ -245,11 +236,13 @@ def _reference(stages, source, plan, path: Path, dtype: str):
     model, and for a quantized graph also the folded model with the graph's dequantized weights
     (export/quant_reference.py; None where its blocks carry zero points)."""
     from core.contract import contract_of
+    from export.conventions import verification_sessions
     from export.quant_reference import QuantizedParts
     from models.decoder import TORCH_DTYPES
     from models.layerwise import layerwise_run
     iface = contract_of(path)
-    sessions = verification_sessions(iface, real_tokens(source))
+    # batched prefills from slot 0: what every graph kind takes
+    sessions = verification_sessions(iface, real_tokens(source), same_start=True)
     steps = [s for _, s in sessions]
     t0 = stages.start(f"torch reference, block by block ({len(sessions)} sessions: prefill + decode steps"
                       f"{'; and with the graph dequantized weights' if plan.quantize is not None else ''})")
