@@ -106,6 +106,8 @@ def decode_one_token(session: DecoderSession, tokens: np.ndarray, position: np.n
     return session.decode_step(tokens, position)
 
 
+# Not core.decode's driver: its decode step is checked, wrapped in a feeds dict and sliced each call, and greedy
+# only; this loop checks the whole run once (decode_step_unchecked), samples, stops, and times every engine call.
 def decode_n_tokens(session: DecoderSession, first: np.ndarray, lengths: np.ndarray, n: int,
                     config: GenerationConfig, rng: np.random.Generator, result: GenerationResult) -> None:
     """Feed `first` and n - 1 more tokens; appends to result.tokens / step_s / logits.
