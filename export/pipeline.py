@@ -63,6 +63,11 @@ class ModelSummary:
     n_kv_head: int = 0
     pos_embedding: str = "learned"
 
+    @classmethod
+    def of(cls, cfg, gate: float | None, params: int) -> "ModelSummary":
+        return cls(cfg.norm, cfg.taper_scope, gate, cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab_size,
+                   cfg.max_seq_len, cfg.tie_embeddings, params, cfg.kv_heads, cfg.pos_embedding)
+
 
 @dataclass
 class Fold:
@@ -139,14 +144,17 @@ class Stages:
 
 # --- stages ------------------------------------------------------------------------------------
 
+def check_gate(model, fuse: bool) -> None:
+    """--fuse folds a TaperNorm only at gate 0: refuse a model (or a weights source's skeleton) before any work."""
+    if fuse and model.cfg.norm == "taper" and model.gate.value != 0.0:
+        raise BuildError(f"{', '.join(model.taper_layers())}: TaperNorm gate {model.gate.value:g}; --fuse needs gate 0 "
+                         "(finish the taper, or build without --fuse)")
+
+
 def check_model(model, fuse: bool, dtype: str) -> None:
     """Refuse, before anything is written, what the build cannot do."""
     from models.checkpoint import DISABLED_NORM_EPS
-    cfg = model.cfg
-    if fuse and cfg.norm == "taper" and model.gate.value != 0.0:
-        names = ", ".join(model.taper_layers())
-        raise BuildError(f"{names}: TaperNorm gate {model.gate.value:g}; --fuse needs gate 0 "
-                         "(finish the taper, or build without --fuse)")
+    check_gate(model, fuse)
     if dtype == "fp16":
         eps = {name or "model": m.eps for name, m in model.named_modules()
                if isinstance(getattr(m, "eps", None), (int, float)) and m.eps >= DISABLED_NORM_EPS}
@@ -413,7 +421,7 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
     `quantize`: an export.quantize.QuantConfig (needs fuse and fp32): also model.<int8|int4>.onnx.
     `genai` (needs fuse, fp32, gqa): also the ONNX Runtime GenAI folder's files (export/genai.py).
     `target_why`: why export.build --target auto chose the attention, for the report (export/target.py)."""
-    from export.verify import ATOL, SCALE_TOL, VerificationError, interface_mismatches, read_interface
+    from export.verify import ATOL, SCALE_TOL
     checkpoint, out = Path(checkpoint), Path(out)
     check_output_dir(out, BUILD, inputs=[checkpoint])
     check_options(quantize, genai, fuse, dtype, attention)
@@ -421,25 +429,7 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
     report = BuildReport(str(checkpoint), str(out), dtype, fuse, atol=ATOL[dtype], scale_tol=SCALE_TOL[dtype],
                          attention=attention, target=target_of(attention), target_why=target_why)
     stages = Stages(report, (6 if fuse else 4) + (2 if quantize else 0) + (1 if genai else 0), log)
-
-    t0 = time.perf_counter()          # announced once loaded and checked: a refusal prints only its error line
-    loaded = load_checkpoint_stage(checkpoint, fuse, dtype)
-    cfg, model = loaded.model.cfg, loaded.model
-    gate = model.gate.value if cfg.norm == "taper" else None
-    report.model = ModelSummary(cfg.norm, cfg.taper_scope, gate, cfg.n_layer, cfg.d_model, cfg.n_head,
-                                cfg.vocab_size, cfg.max_seq_len, cfg.tie_embeddings, model.num_params(),
-                                cfg.kv_heads, cfg.pos_embedding)
-    report.source = loaded.source
-    report.notes += loaded.notes
-    if loaded.source == "checkpoint":
-        stages.start(f"load checkpoint {checkpoint}")
-    else:
-        stages.start(f"convert Hugging Face {loaded.source[3:]} folder {checkpoint} in memory "
-                     f"(python -m models.convert saves it as a checkpoint)")
-    stages.done("load", t0, f": {cfg.norm}{' (' + cfg.taper_scope + ')' if cfg.taper_scope else ''}, "
-                f"{model.num_params():,} params, gate {'-' if gate is None else gate}")
-    for note in loaded.notes[1 if loaded.source != "checkpoint" else 0:]:
-        log(f"      note: {note}")
+    loaded = _load_stage(stages, report, checkpoint, fuse, dtype)
 
     with output_dir(out, BUILD, inputs=[checkpoint]) as tmp:
         t0 = stages.start(f"export {dtype} ONNX (opset 24, KV cache via TensorScatter, {attention} attention)")
@@ -457,60 +447,104 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
                     + (f"\n      eps approximation: {report.eps_approximation['summary']}" if report.eps_approximation else ""))
 
         if fuse:
-            from graph_passes import passes_for
-            t0 = stages.start(f"fuse: {', '.join(passes_for(attention))}")
-            fused = fuse_stage(proto, report, attention)
-            save_onnx(sign_onnx(fused), tmp / FUSED)
-            _graph_stats(report, "fused", fused)
-            stages.done("fuse", t0, f": {len(report.folded)} layer(s) folded, nodes {len(proto.graph.node)} -> "
-                        f"{len(fused.graph.node)}")
-
-            t0 = stages.start("verify model.fused.onnx vs torch and vs model.onnx")
-            bad = interface_mismatches(read_interface(proto), read_interface(fused))
-            if bad:
-                raise VerificationError("model.fused.onnx vs model.onnx interfaces", bad)
-            fused_runs = verifier.run(fused)
-            report.max_abs_diff["fused_vs_torch"] = verifier.compare(verifier.torch, fused_runs, "model.fused.onnx vs torch")
-            report.max_abs_diff["fused_vs_unfused"] = verifier.compare(unfused_runs, fused_runs,
-                                                                       "model.fused.onnx vs model.onnx")
-            stages.done("verify_fused", t0, f": max |d logits| vs torch "
-                        f"{worst(report.max_abs_diff['fused_vs_torch'], 'logits'):.3g}")
-
+            fused, fused_runs = _fuse_stages(stages, report, verifier, proto, unfused_runs, tmp / FUSED, attention)
             if quantize is not None:
-                q = quantize
-                t0 = stages.start(f"quantize {q.dtype} weights ({q.algo}, block {q.block_size}, accuracy level "
-                                  f"{q.accuracy_level}): {FUSED} -> {q.file_name()}")
-                quantized = quantize_stage(fused, q, tmp / q.file_name(), report)
-                stages.done("quantize", t0, f": {report.quantized['matmuls_quantized']} MatMul(s), "
-                            f"{report.quantized['gathers_quantized']} Gather(s); weights "
-                            f"{report.quantized['weight_bytes_before'] / 1e6:.1f} -> "
-                            f"{report.quantized['weight_bytes_after'] / 1e6:.1f} MB; embedding / head table "
-                            f"{report.quantized['tied_table'].split(':')[0]}; rewrote "
-                            f"{by_pass(x['pass'] for x in report.quantized['rewritten']) or 'nothing'}")
-                t0 = stages.start(f"verify {q.file_name()} vs {FUSED} (tolerance per dtype; top-1 over greedy tokens)")
-                verify_quantized(verifier, loaded, fused, fused_runs, quantized, q, report)
-                d = report.quantized["drift"]
-                stages.done("verify_quantized", t0, f": max |d logits| {d['logits_max_abs_diff']:.3g}, top-1 "
-                            f"{d['top1_agreement']:.1%} over {d['top1_positions']} tokens")
+                _quantize_stages(stages, report, verifier, loaded, fused, fused_runs, quantize, tmp)
             if genai:
-                report.genai = genai_files(stages, tmp, quantize.file_name() if quantize else FUSED, cfg, checkpoint,
-                                           loaded.tokenizer, loaded.tokens)
+                report.genai = genai_files(stages, tmp, quantize.file_name() if quantize else FUSED, loaded.model.cfg,
+                                           checkpoint, loaded.tokenizer, loaded.tokens)
 
         t0 = stages.start(f"write {out}")
-        from models.checkpoint import CONFIG, TOKENIZER, checkpoint_config
-        if loaded.source == "checkpoint":
-            shutil.copyfile(checkpoint / CONFIG, tmp / CONFIG)
-        else:       # the converted config: what was built
-            (tmp / CONFIG).write_text(json.dumps(checkpoint_config(model, loaded.tokenizer is not None), indent=2) + "\n")
-        if loaded.tokenizer is not None:
-            shutil.copyfile(loaded.tokenizer, tmp / TOKENIZER)
-        report.versions = versions()
-        report.timings_s["total"] = round(time.perf_counter() - t_start, 3)
-        report.files = sorted(p.name for p in tmp.iterdir()) + [REPORT]
-        (tmp / REPORT).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        write_model_files(tmp, checkpoint, loaded.source, loaded.model, loaded.tokenizer)
+        write_report(report, tmp, t_start)
     stages.done("write", t0)
     summary(report, log)
     return report
+
+
+def _load_stage(stages: Stages, report: BuildReport, checkpoint: Path, fuse: bool, dtype: str) -> Loaded:
+    """load_checkpoint_stage, announced once loaded and checked (a refusal prints only its error line)."""
+    t0 = time.perf_counter()
+    loaded = load_checkpoint_stage(checkpoint, fuse, dtype)
+    cfg, model = loaded.model.cfg, loaded.model
+    gate = model.gate.value if cfg.norm == "taper" else None
+    report.model = ModelSummary.of(cfg, gate, model.num_params())
+    report.source = loaded.source
+    report.notes += loaded.notes
+    if loaded.source == "checkpoint":
+        stages.start(f"load checkpoint {checkpoint}")
+    else:
+        stages.start(f"convert Hugging Face {loaded.source[3:]} folder {checkpoint} in memory "
+                     f"(python -m models.convert saves it as a checkpoint)")
+    stages.done("load", t0, f": {cfg.norm}{' (' + cfg.taper_scope + ')' if cfg.taper_scope else ''}, "
+                f"{model.num_params():,} params, gate {'-' if gate is None else gate}")
+    for note in loaded.notes[1 if loaded.source != "checkpoint" else 0:]:
+        stages.log(f"      note: {note}")
+    return loaded
+
+
+def _fuse_stages(stages: Stages, report: BuildReport, verifier: Verifier, proto, unfused_runs, path: Path,
+                 attention: str):
+    """fuse_stage, written to `path`, then verified against torch and model.onnx (interfaces first);
+    returns the fused graph and its runs."""
+    from export.verify import VerificationError, interface_mismatches, read_interface
+    from graph_passes import passes_for
+    t0 = stages.start(f"fuse: {', '.join(passes_for(attention))}")
+    fused = fuse_stage(proto, report, attention)
+    save_onnx(sign_onnx(fused), path)
+    _graph_stats(report, "fused", fused)
+    stages.done("fuse", t0, f": {len(report.folded)} layer(s) folded, nodes {len(proto.graph.node)} -> "
+                f"{len(fused.graph.node)}")
+
+    t0 = stages.start("verify model.fused.onnx vs torch and vs model.onnx")
+    bad = interface_mismatches(read_interface(proto), read_interface(fused))
+    if bad:
+        raise VerificationError("model.fused.onnx vs model.onnx interfaces", bad)
+    fused_runs = verifier.run(fused)
+    report.max_abs_diff["fused_vs_torch"] = verifier.compare(verifier.torch, fused_runs, "model.fused.onnx vs torch")
+    report.max_abs_diff["fused_vs_unfused"] = verifier.compare(unfused_runs, fused_runs,
+                                                               "model.fused.onnx vs model.onnx")
+    stages.done("verify_fused", t0, f": max |d logits| vs torch "
+                f"{worst(report.max_abs_diff['fused_vs_torch'], 'logits'):.3g}")
+    return fused, fused_runs
+
+
+def _quantize_stages(stages: Stages, report: BuildReport, verifier: Verifier, loaded: Loaded, fused, fused_runs, q,
+                     folder: Path) -> None:
+    """quantize_stage into `folder`, then verify_quantized against the fused graph."""
+    t0 = stages.start(f"quantize {q.dtype} weights ({q.algo}, block {q.block_size}, accuracy level "
+                      f"{q.accuracy_level}): {FUSED} -> {q.file_name()}")
+    quantized = quantize_stage(fused, q, folder / q.file_name(), report)
+    stages.done("quantize", t0, f": {report.quantized['matmuls_quantized']} MatMul(s), "
+                f"{report.quantized['gathers_quantized']} Gather(s); weights "
+                f"{report.quantized['weight_bytes_before'] / 1e6:.1f} -> "
+                f"{report.quantized['weight_bytes_after'] / 1e6:.1f} MB; embedding / head table "
+                f"{report.quantized['tied_table'].split(':')[0]}; rewrote "
+                f"{by_pass(x['pass'] for x in report.quantized['rewritten']) or 'nothing'}")
+    t0 = stages.start(f"verify {q.file_name()} vs {FUSED} (tolerance per dtype; top-1 over greedy tokens)")
+    verify_quantized(verifier, loaded, fused, fused_runs, quantized, q, report)
+    d = report.quantized["drift"]
+    stages.done("verify_quantized", t0, f": max |d logits| {d['logits_max_abs_diff']:.3g}, top-1 "
+                f"{d['top1_agreement']:.1%} over {d['top1_positions']} tokens")
+
+
+def write_model_files(folder: Path, checkpoint: Path, source: str, model, tokenizer: Path | None) -> None:
+    """Both routes' config.json (the checkpoint's own; a converted model's, what was built) and tokenizer.json."""
+    from models.checkpoint import CONFIG, TOKENIZER, checkpoint_config
+    if source == "checkpoint":
+        shutil.copyfile(checkpoint / CONFIG, folder / CONFIG)
+    else:
+        (folder / CONFIG).write_text(json.dumps(checkpoint_config(model, tokenizer is not None), indent=2) + "\n")
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, folder / TOKENIZER)
+
+
+def write_report(report: BuildReport, folder: Path, t_start: float) -> None:
+    """Both routes' last step: versions, the total time, the file list, then report.json itself."""
+    report.versions = versions()
+    report.timings_s["total"] = round(time.perf_counter() - t_start, 3)
+    report.files = sorted(p.name for p in folder.iterdir()) + [REPORT]
+    (folder / REPORT).write_text(json.dumps(report.to_json(), indent=2) + "\n")
 
 
 def genai_files(stages: Stages, folder: Path, source: str, cfg, checkpoint: Path, tokenizer, tokens) -> dict:

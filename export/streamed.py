@@ -15,8 +15,6 @@ reference holds one block, then is gone before ONNX Runtime loads the graph.
 """
 from __future__ import annotations
 
-import json
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,8 +124,8 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
     weights already opened (models.weights.open_weights), e.g. by the CLI's route choice. `genai`:
     also the ONNX Runtime GenAI folder's files, over the same weights file (export/genai.py).
     `target_why`: why export.build --target auto chose the attention, for the report (export/target.py)."""
-    from export.pipeline import (REPORT, BuildReport, ModelSummary, Stages, check_options, genai_files, summary,
-                                 versions, worst)
+    from export.pipeline import (BuildReport, ModelSummary, Stages, check_gate, check_options, genai_files,
+                                 real_tokens, summary, worst, write_model_files, write_report)
     from export.target import target_of
     from export.verify import ATOL, SCALE_TOL
     from models.weights import open_weights
@@ -137,7 +135,7 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
     t_start = time.perf_counter()
     source = source or open_weights(checkpoint, max_seq_len)
     cfg = source.cfg
-    _check_gate(source, fuse)
+    check_gate(source.skeleton, fuse)
     estimate = streamed_memory(cfg, dtype, quantize)
     check_memory(estimate.peak, f"{checkpoint}: the streamed build of {cfg.approx_param_count() / 1e9:.2f}B parameters",
                  cheaper_option(cfg, dtype, quantize), share=1.0, needs=estimate.line())
@@ -146,9 +144,7 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
     report = BuildReport(str(checkpoint), str(out), dtype, fuse, atol=ATOL[checked], scale_tol=SCALE_TOL[checked],
                          attention=attention, route="streamed", target=target_of(attention), target_why=target_why)
     gate = source.skeleton.gate.value if cfg.norm == "taper" else None
-    report.model = ModelSummary(cfg.norm, cfg.taper_scope, gate, cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab_size,
-                                cfg.max_seq_len, cfg.tie_embeddings, cfg.approx_param_count(), cfg.kv_heads,
-                                cfg.pos_embedding)
+    report.model = ModelSummary.of(cfg, gate, cfg.approx_param_count())
     report.source, report.notes = source.source, list(source.notes)
     report.memory_estimate = {"peak_bytes": estimate.peak, **estimate.parts}
     stages = Stages(report, 6 if genai else 5, log)
@@ -156,6 +152,8 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
     stages.done("open", t0, f": {cfg.approx_param_count():,} params, {cfg.n_layer} layers; estimated peak "
                 f"{estimate.line()}")
     name = quantize.file_name() if quantize is not None else ("model.fused.onnx" if fuse else "model.onnx")
+    tokenizer = _tokenizer(source)
+    tokens = real_tokens(tokenizer, cfg.vocab_size)
     with output_dir(out, BUILD, inputs=[checkpoint]) as tmp:
         from export.stream import plan_graph, write_graph
         t0 = stages.start(f"plan {name}: {'fold, ' if fuse else ''}{attention} attention"
@@ -170,7 +168,7 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
         if quantize is not None:
             report.quantized["weight_bytes_after"] = written
         checked = _checkable(tmp / name, report, log)
-        runs_ref, runs_deq, sessions, iface = _reference(stages, source, plan, checked, dtype)
+        runs_ref, runs_deq, sessions, iface = _reference(stages, source, plan, checked, dtype, tokens)
         t0 = stages.start(f"verify {checked.name} in ONNX Runtime vs the torch reference"
                           f"{' with its dequantized weights; drift and top-1 vs the float model' if quantize else ''}")
         _verify(report, checked, iface, sessions, runs_ref, runs_deq, quantize, key, log)
@@ -178,22 +176,11 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
         if checked != tmp / name:
             checked.unlink()                # our own temporary graph (the weights are the build's)
         if genai:
-            report.genai = genai_files(stages, tmp, name, cfg, checkpoint, _tokenizer(source), real_tokens(source))
-        _write_files(source, tmp, cfg)
-        report.versions = versions()
-        report.timings_s["total"] = round(time.perf_counter() - t_start, 3)
-        report.files = sorted(p.name for p in tmp.iterdir()) + [REPORT]
-        (tmp / REPORT).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+            report.genai = genai_files(stages, tmp, name, cfg, checkpoint, tokenizer, tokens)
+        write_model_files(tmp, source.where, source.source, source.skeleton, tokenizer)
+        write_report(report, tmp, t_start)
     summary(report, log)
     return report
-
-
-def _check_gate(source, fuse: bool) -> None:
-    from export.pipeline import BuildError
-    skel = source.skeleton
-    if fuse and source.cfg.norm == "taper" and skel.gate.value != 0.0:
-        raise BuildError(f"{', '.join(skel.taper_layers())}: TaperNorm gate {skel.gate.value:g}; --fuse needs gate 0 "
-                         "(finish the taper, or build without --fuse)")
 
 
 def _record_graph(report, plan, source, fuse: bool, key: str) -> None:
@@ -231,7 +218,7 @@ def _checkable(path: Path, report, log) -> Path:
     return widened_copy(path)
 
 
-def _reference(stages, source, plan, path: Path, dtype: str):
+def _reference(stages, source, plan, path: Path, dtype: str, tokens: list[int] | None):
     """The torch references, one block at a time, on the verification sessions: the checkpoint's
     model, and for a quantized graph also the folded model with the graph's dequantized weights
     (export/quant_reference.py; None where its blocks carry zero points)."""
@@ -242,7 +229,7 @@ def _reference(stages, source, plan, path: Path, dtype: str):
     from models.layerwise import layerwise_run
     iface = contract_of(path)
     # batched prefills from slot 0: what every graph kind takes
-    sessions = verification_sessions(iface, real_tokens(source), same_start=True)
+    sessions = verification_sessions(iface, tokens, same_start=True)
     steps = [s for _, s in sessions]
     t0 = stages.start(f"torch reference, block by block ({len(sessions)} sessions: prefill + decode steps"
                       f"{'; and with the graph dequantized weights' if plan.quantize is not None else ''})")
@@ -300,23 +287,3 @@ def _verify(report, path: Path, iface, sessions, runs_ref, runs_deq, quantize, k
 def _tokenizer(source) -> Path | None:
     from models.checkpoint import TOKENIZER
     return source.where / TOKENIZER if (source.where / TOKENIZER).is_file() else None
-
-
-def real_tokens(source) -> list[int] | None:
-    """export.pipeline.REAL_TEXT in the model's tokenizer (ids it can index), or None without one."""
-    from export.pipeline import REAL_TEXT
-    from models.checkpoint import load_tokenizer
-    if _tokenizer(source) is None:
-        return None
-    return [i for i in load_tokenizer(source.where).encode(REAL_TEXT).ids if i < source.cfg.vocab_size] or None
-
-
-def _write_files(source, tmp: Path, cfg) -> None:
-    from models.checkpoint import CONFIG, TOKENIZER, checkpoint_config
-    if source.source == "checkpoint":
-        shutil.copyfile(source.where / CONFIG, tmp / CONFIG)
-    else:
-        (tmp / CONFIG).write_text(json.dumps(checkpoint_config(source.skeleton, (source.where / TOKENIZER).is_file()),
-                                             indent=2) + "\n")
-    if (source.where / TOKENIZER).is_file():
-        shutil.copyfile(source.where / TOKENIZER, tmp / TOKENIZER)
