@@ -273,17 +273,20 @@ def _fsync_tree(root: Path) -> None:
         _fsync_dir(Path(dirpath))
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
+def _fsync(path, flags: int = os.O_RDONLY) -> None:
+    """A file's data (with O_DIRECTORY: a directory's entries) on disk before a rename publishes it."""
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
-    except OSError:
-        pass
     finally:
         os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        _fsync(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:         # a file system that cannot sync a directory: the rename stands regardless
+        pass
 
 
 _RENAME_EXCHANGE = 2
@@ -403,11 +406,7 @@ def output_file(out: str | os.PathLike, kind: OutputKind, inputs=()):
     try:
         yield tmp
         os.chmod(tmp, file_mode())
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(tmp)
         check_output_file(out, kind, inputs)
         with _signals_blocked():
             os.replace(tmp, out)
@@ -454,11 +453,7 @@ def replaced_file_in(directory: Path, name: str):
     os.close(fd)
     try:
         yield Path(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(tmp)
         os.chmod(tmp, file_mode())
         with _signals_blocked():
             os.replace(tmp, directory / name)
