@@ -231,6 +231,20 @@ class Verifier:
                                    tolerance or self.iface.dtype, what)
         return {c.what: c.max_abs_diff for c in results}
 
+    def check_against_export(self, report: BuildReport, unfused, unfused_runs, graph, kind: str, name: str,
+                             run=None) -> list:
+        """`graph` (a `kind` graph, `name` in messages) against torch and against the export `unfused`, interfaces
+        first, into report.max_abs_diff[<kind>_vs_torch / <kind>_vs_unfused]; returns its runs (by `run`, default
+        self.run)."""
+        from export.verify import VerificationError, interface_mismatches, read_interface
+        bad = interface_mismatches(read_interface(unfused), read_interface(graph))
+        if bad:
+            raise VerificationError(f"{name} vs model.onnx interfaces", bad)
+        runs = (run or self.run)(graph)
+        report.max_abs_diff[f"{kind}_vs_torch"] = self.compare(self.torch, runs, f"{name} vs torch")
+        report.max_abs_diff[f"{kind}_vs_unfused"] = self.compare(unfused_runs, runs, f"{name} vs model.onnx")
+        return runs
+
 
 def fuse_stage(proto, report: BuildReport, attention: str = "plain", fold: bool = True):
     """Run the default passes (and with attention "gqa" the ONNX Runtime rewrite); every TaperNorm
@@ -369,18 +383,12 @@ class ModelStages:
     def fuse(self, unfused, fold: bool = True) -> StageGraph:
         """model.fused.onnx's stage on the export `unfused` (fold=False: the ONNX Runtime rewrites
         alone, fuse_stage), verified against torch and against the export, interfaces first."""
-        from export.verify import VerificationError, interface_mismatches, read_interface
         report, kind = self._report(), "fused" if fold else "unfused_ort"
         proto = fuse_stage(unfused, report, self.attention, fold)
         _graph_stats(report, kind, proto)
         if self.verify:
-            bad = interface_mismatches(read_interface(unfused), read_interface(proto))
-            if bad:
-                raise VerificationError(f"{kind} graph vs model.onnx interfaces", bad)
-            v, runs = self._verifier_for(unfused), self._run(kind, proto)
-            report.max_abs_diff[f"{kind}_vs_torch"] = v.compare(v.torch, runs, f"{kind} graph vs torch")
-            report.max_abs_diff[f"{kind}_vs_unfused"] = v.compare(self._run("unfused", unfused), runs,
-                                                                   f"{kind} graph vs model.onnx")
+            self._verifier_for(unfused).check_against_export(report, unfused, self._run("unfused", unfused), proto,
+                                                             kind, f"{kind} graph", lambda p: self._run(kind, p))
         return StageGraph(proto, kind, report)
 
     def quantize(self, fused, cfg, path: Path) -> StageGraph:
@@ -487,7 +495,6 @@ def _fuse_stages(stages: Stages, report: BuildReport, verifier: Verifier, proto,
                  attention: str):
     """fuse_stage, written to `path`, then verified against torch and model.onnx (interfaces first);
     returns the fused graph and its runs."""
-    from export.verify import VerificationError, interface_mismatches, read_interface
     from graph_passes import passes_for
     t0 = stages.start(f"fuse: {', '.join(passes_for(attention))}")
     fused = fuse_stage(proto, report, attention)
@@ -497,13 +504,7 @@ def _fuse_stages(stages: Stages, report: BuildReport, verifier: Verifier, proto,
                 f"{len(fused.graph.node)}")
 
     t0 = stages.start("verify model.fused.onnx vs torch and vs model.onnx")
-    bad = interface_mismatches(read_interface(proto), read_interface(fused))
-    if bad:
-        raise VerificationError("model.fused.onnx vs model.onnx interfaces", bad)
-    fused_runs = verifier.run(fused)
-    report.max_abs_diff["fused_vs_torch"] = verifier.compare(verifier.torch, fused_runs, "model.fused.onnx vs torch")
-    report.max_abs_diff["fused_vs_unfused"] = verifier.compare(unfused_runs, fused_runs,
-                                                               "model.fused.onnx vs model.onnx")
+    fused_runs = verifier.check_against_export(report, proto, unfused_runs, fused, "fused", FUSED)
     stages.done("verify_fused", t0, f": max |d logits| vs torch "
                 f"{worst(report.max_abs_diff['fused_vs_torch'], 'logits'):.3g}")
     return fused, fused_runs
