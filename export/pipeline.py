@@ -281,6 +281,15 @@ def quantize_stage(fused, cfg, path: Path, report: BuildReport):
     return quantized
 
 
+def quantized_drift(float_runs, runs, agree: float, n: int, prompt: str) -> dict:
+    """report.quantized["drift"] of both routes: the quantized graph's logits against the float model's,
+    and the top-1 agreement (`agree` over `n` positions of `prompt`)."""
+    from export.quantize import logits_diff
+    worst_logits, mean_logits, ref_scale = logits_diff(float_runs, runs)
+    return {"logits_max_abs_diff": worst_logits, "logits_mean_abs_diff": mean_logits, "logits_max_abs_fused": ref_scale,
+            "top1_agreement": agree, "top1_positions": n, "top1_prompt": prompt}
+
+
 def verify_quantized(verifier: "Verifier", loaded: Loaded, fused, fused_runs, quantized, cfg, report: BuildReport,
                      trained: bool = True) -> None:
     """The quantized graph against the fp32 fused graph: every output within the dtype's
@@ -288,21 +297,18 @@ def verify_quantized(verifier: "Verifier", loaded: Loaded, fused, fused_runs, qu
     an agreement below MIN_TOP1[dtype] fails the build of a trained model. `trained=False` (random
     weights, the bench's larger sizes): the floor, a trained model's, is reported in a note instead
     (random-init int4 agrees on ~20 % of tokens whatever the graph; the tolerance still holds)."""
-    from export.quantize import GREEDY_TOKENS, MIN_TOP1, fit_prompt, logits_diff, top1_agreement
+    from export.quantize import GREEDY_TOKENS, MIN_TOP1, fit_prompt, top1_agreement
     from export.verify import ATOL, SCALE_TOL, VerificationError, ort_session
     runs = verifier.run(quantized)
     key = f"{cfg.dtype}_vs_fused"
     report.max_abs_diff[key] = verifier.compare(fused_runs, runs, f"{cfg.file_name()} vs {FUSED}", cfg.dtype)
-    worst_logits, mean_logits, ref_scale = logits_diff(fused_runs, runs)
     text = "real text" if loaded.tokens else "random tokens"
     prompt = loaded.tokens or [int(t) for t in np.random.default_rng(0).integers(0, verifier.iface.vocab_size, 16)]
     prompt = fit_prompt(prompt, verifier.iface, GREEDY_TOKENS)
     agree, n = top1_agreement(ort_session(fused), ort_session(quantized), verifier.iface, prompt, GREEDY_TOKENS)
     report.quantized["tolerance"] = {"atol": ATOL[cfg.dtype], "scale_tol": SCALE_TOL[cfg.dtype],
                                      "min_top1": MIN_TOP1[cfg.dtype]}
-    report.quantized["drift"] = {"logits_max_abs_diff": worst_logits, "logits_mean_abs_diff": mean_logits,
-                                 "logits_max_abs_fused": ref_scale, "top1_agreement": agree,
-                                 "top1_positions": n, "top1_prompt": f"{text}, {len(prompt)} tokens"}
+    report.quantized["drift"] = quantized_drift(fused_runs, runs, agree, n, f"{text}, {len(prompt)} tokens")
     if agree < MIN_TOP1[cfg.dtype]:
         line = (f"top-1 agreement {agree:.3f} over {n} greedy tokens < {MIN_TOP1[cfg.dtype]} (the {cfg.dtype} floor); "
                 "try --head int8, --block-size 16, --algo hqq, or int8")

@@ -249,7 +249,8 @@ def _verify(report, path: Path, iface, sessions, runs_ref, runs_deq, quantize, k
     graphs), DEQUANTIZED_ATOL against the dequantized one (quantized graphs), where the drift from
     the float model and the top-1 agreement with it are measured and reported."""
     from export.conventions import run_onnx
-    from export.quantize import MIN_TOP1, logits_diff
+    from export.pipeline import quantized_drift
+    from export.quantize import MIN_TOP1
     from export.verify import DEQUANTIZED, VerificationError, compare_sessions, ort_session
     from models.layerwise import used_slots
     sess = ort_session(path)
@@ -268,10 +269,8 @@ def _verify(report, path: Path, iface, sessions, runs_ref, runs_deq, quantize, k
     if quantize is None:
         return
     agree, n = top1(runs_ref, runs)
-    worst_logits, mean_logits, ref_scale = logits_diff(runs_ref, runs)
-    report.quantized["drift"] = {"logits_max_abs_diff": worst_logits, "logits_mean_abs_diff": mean_logits,
-                                 "logits_max_abs_fused": ref_scale, "top1_agreement": agree, "top1_positions": n,
-                                 "top1_prompt": "the verification sessions, teacher-forced, vs the float model"}
+    report.quantized["drift"] = quantized_drift(runs_ref, runs, agree, n,
+                                                "the verification sessions, teacher-forced, vs the float model")
     report.quantized["tolerance"] = {"atol": report.atol, "scale_tol": report.scale_tol,
                                      "min_top1": MIN_TOP1[quantize.dtype],
                                      "checked_against": "dequantized weights" if runs_deq is not None else "float model"}
