@@ -155,18 +155,7 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
     tokenizer = _tokenizer(source)
     tokens = real_tokens(tokenizer, cfg.vocab_size)
     with output_dir(out, BUILD, inputs=[checkpoint]) as tmp:
-        from export.stream import plan_graph, write_graph
-        t0 = stages.start(f"plan {name}: {'fold, ' if fuse else ''}{attention} attention"
-                          f"{', ' + quantize.dtype if quantize else ''} on two small proxies of the model")
-        plan = plan_graph(source, dtype, fuse, attention, quantize)
-        stages.done("plan", t0, f": {len(plan.proto.graph.node)} nodes, {len(plan.recipes)} initializers")
-        t0 = stages.start(f"write {name} (weights read, {'folded, ' if fuse else ''}"
-                          f"{'quantized' if quantize else 'cast to ' + dtype} and written block by block)")
-        written = write_graph(plan, source, tmp / name, log)
-        stages.done("write_graph", t0, f": {written / 1e9:.2f} GB of weights")
-        _record_graph(report, plan, source, fuse, key)
-        if quantize is not None:
-            report.quantized["weight_bytes_after"] = written
+        plan = _plan_and_write(stages, report, source, tmp / name, dtype, fuse, attention, quantize, key)
         checked = _checkable(tmp / name, report, log)
         runs_ref, runs_deq, sessions, iface = _reference(stages, source, plan, checked, dtype, tokens)
         t0 = stages.start(f"verify {checked.name} in ONNX Runtime vs the torch reference"
@@ -181,6 +170,23 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
         write_report(report, tmp, t_start)
     summary(report, log)
     return report
+
+
+def _plan_and_write(stages, report, source, path: Path, dtype: str, fuse: bool, attention: str, quantize, key: str):
+    """The stages plan (the graph on two small proxies) and write_graph (the weights, block by block, to `path`)."""
+    from export.stream import plan_graph, write_graph
+    t0 = stages.start(f"plan {path.name}: {'fold, ' if fuse else ''}{attention} attention"
+                      f"{', ' + quantize.dtype if quantize else ''} on two small proxies of the model")
+    plan = plan_graph(source, dtype, fuse, attention, quantize)
+    stages.done("plan", t0, f": {len(plan.proto.graph.node)} nodes, {len(plan.recipes)} initializers")
+    t0 = stages.start(f"write {path.name} (weights read, {'folded, ' if fuse else ''}"
+                      f"{'quantized' if quantize else 'cast to ' + dtype} and written block by block)")
+    written = write_graph(plan, source, path, stages.log)
+    stages.done("write_graph", t0, f": {written / 1e9:.2f} GB of weights")
+    _record_graph(report, plan, source, fuse, key)
+    if quantize is not None:
+        report.quantized["weight_bytes_after"] = written
+    return plan
 
 
 def _record_graph(report, plan, source, fuse: bool, key: str) -> None:
