@@ -482,8 +482,6 @@ def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed:
     '<variant>.<dtype>'. attention: "plain" ops, "fused" (one ONNX Attention op per layer) or
     "gqa" (ONNX Runtime's GroupQueryAttention, export.build --attention gqa). verify=False: no
     graph is checked against torch (GraphInfo.verified None), and the caller says so."""
-    import logging
-    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     cache.mkdir(parents=True, exist_ok=True)
     options = BuildOptions(size, capacity, Path(cache), seed, tuple(dtypes), attention, verify)
     bases: dict[str, tuple[Decoder, str]] = {}

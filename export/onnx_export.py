@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import warnings
 from pathlib import Path
 
@@ -131,6 +132,10 @@ def _drop_unused_outputs(proto: onnx.ModelProto, op_type: str) -> None:
                 n.output.pop()
 
 
+EXPORTER_LOGGERS = {"torch.onnx._internal.exporter._registration": logging.ERROR, "onnxscript": logging.WARNING,
+                    "onnx_ir": logging.WARNING}
+
+
 def export_onnx(model: Decoder, path: str | Path | None, dtype: str = "fp32", verbose: bool = False,
                 attention: str = "plain") -> onnx.ModelProto:
     """Export `model` (not modified) to `path` (None: not saved) and return the ONNX model. attention: "plain"
@@ -150,8 +155,12 @@ def export_onnx(model: Decoder, path: str | Path | None, dtype: str = "fp32", ve
     dynamic_shapes = {INPUT_IDS: {0: batch, 1: seq}, POSITION: {0: batch},
                       "cache": tuple(({0: batch}, {0: batch}) for _ in range(model.cfg.n_layer))}
     in_names, out_names = io_names(model.cfg.n_layer)
-    # the exporter prints its own progress lines; keep them unless asked
+    # the exporter prints its own progress lines, and its optimizer logs INFO lines wherever the root
+    # logger is at INFO (ONNX Runtime's quantizer, GenAI's builder set it on import); keep them unless asked
     quiet = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())
+    if not verbose:
+        for name, level in EXPORTER_LOGGERS.items():
+            logging.getLogger(name).setLevel(level)
     fused = fused_attention_export() if attention == "fused" else contextlib.nullcontext()
     with warnings.catch_warnings(), quiet, fused:
         warnings.simplefilter("ignore")

@@ -201,8 +201,6 @@ def eps_stage(loaded: Loaded, verifier: "Verifier") -> dict | None:
 
 
 def export_stage(loaded: Loaded, path: Path, dtype: str, attention: str = "plain"):
-    import logging
-    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     from export.onnx_export import export_onnx
     return export_onnx(loaded.model, path, dtype, attention=attention)
 

@@ -251,10 +251,6 @@ class GraphPlan:
 
 def plan_graph(source, dtype: str = "fp32", fuse: bool = True, attention: str = "plain", quantize=None) -> GraphPlan:
     """Build the two proxies and trace every initializer of the final graph (see the module doc)."""
-    for name in ("torch.onnx._internal.exporter._registration", "onnxscript", "onnx_ir"):
-        # ONNX Runtime's quantizer sets the root logger to INFO on import: the exporter's notes would show
-        logging.getLogger(name).setLevel(logging.WARNING if name != "torch.onnx._internal.exporter._registration"
-                                         else logging.ERROR)
     if dtype not in DTYPES:
         raise StreamError(f"--dtype {dtype}: the streamed build writes {', '.join(DTYPES)}; pick one")
     skeleton = source.skeleton
