@@ -501,11 +501,17 @@ def default_attention(backends: list[str], sizes: list[str]) -> str:
 
 def claim_outputs(args) -> tuple[Path, Path]:
     """(results directory, build cache), both checked before either is created: nothing half-written."""
-    from core.outputs import BENCH_CACHE, BENCH_RESULTS, check_output_dir, claim_dir
+    from core.outputs import BENCH_CACHE, BENCH_RESULTS, check_output_dir, claim_dir, marker_kind, write_marker
     if args.cache is not None:
         check_output_dir(args.cache, BENCH_CACHE, option="--cache")
     out = claim_dir(args.out, BENCH_RESULTS)
-    return out, claim_dir(args.cache, BENCH_CACHE, option="--cache") if args.cache is not None else out / "cache"
+    if args.cache is not None:
+        return out, claim_dir(args.cache, BENCH_CACHE, option="--cache")
+    cache = out / "cache"               # inside our results directory: ours, marked so a later --cache reuses it
+    cache.mkdir(exist_ok=True)
+    if marker_kind(cache) is None:
+        write_marker(cache, BENCH_CACHE)
+    return out, cache
 
 
 @dataclass

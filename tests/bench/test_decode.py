@@ -280,3 +280,15 @@ def test_default_attention_is_export_builds_default_graph(monkeypatch):
     args = ["--quick", "--peers", "none", "--backends", "ort", "--out", "x"]
     assert settings_from(_parser().parse_args(args)).attention == "gqa"
     assert settings_from(_parser().parse_args(args + ["--attention", "plain"])).attention == "plain"
+
+
+def test_the_default_cache_is_marked_so_a_later_run_reuses_it_with_cache(tmp_path):
+    """OUT/cache (the default) is ours: marked at once, so `--cache OUT/cache` of a later run is accepted
+    (it was refused as a folder we did not write)."""
+    from bench.decode import _parser, claim_outputs
+    from core.outputs import BENCH_CACHE, marker_kind
+    out, cache = claim_outputs(_parser().parse_args(["--out", str(tmp_path / "a")]))
+    assert cache == out / "cache" and marker_kind(cache) == BENCH_CACHE.name
+    (cache / "x.onnx").write_bytes(b"graph")
+    out2, cache2 = claim_outputs(_parser().parse_args(["--out", str(tmp_path / "b"), "--cache", str(cache)]))
+    assert cache2 == cache and (cache2 / "x.onnx").read_bytes() == b"graph"
