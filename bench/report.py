@@ -405,6 +405,8 @@ def _series(cells: list, panel: tuple, sizes: list, name: str, key: str, x_of) -
 
 
 def plots(results: dict, summary: dict, out: Path) -> list[Path]:
+    # one function for the two figures (69 lines): they share the panel grid, the sizes and `finish`,
+    # closures over this run's layout; apart, each would take the same seven arguments
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -24,7 +24,7 @@ from graph_passes.registry import DEFAULT_PASSES, PASSES, run_passes
 SHOWN_FINDINGS = 10      # per pass without --verbose
 
 
-def run(argv: list[str]) -> int:
+def _parser() -> ArgumentParser:
     ap = ArgumentParser(prog="python -m graph_passes", description=__doc__.split("\n\n")[1])
     ap.add_argument("input", nargs="?", help="ONNX model to rewrite")
     ap.add_argument("-o", "--output", help="where to write the rewritten model (a new file, or one this command wrote)")
@@ -34,7 +34,25 @@ def run(argv: list[str]) -> int:
     ap.add_argument("--verbose", action="store_true",
                     help=f"print every candidate left alone (default: the first {SHOWN_FINDINGS} per pass)")
     ap.add_argument("--list", action="store_true", help="list the registered passes and exit")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _print_results(results, verbose: bool) -> None:
+    """Per pass: what it folded, and the candidates it left alone (the first few unless verbose)."""
+    for r in results:
+        counts = f"{len(r.lint)} issue(s)" if r.lint else f"{len(r.folded)} folded, {len(r.skipped)} skipped"
+        print(f"{r.name}: {counts}")
+        for f in r.folded:
+            print(f"  {f.where}: {f.detail}")
+        shown = r.findings if verbose else r.findings[:SHOWN_FINDINGS]
+        for f in shown:
+            print(f"  {'lint' if f.kind == 'lint' else 'note'}: {f}")
+        if len(shown) < len(r.findings):
+            print(f"  ... {len(r.findings) - len(shown)} more (--verbose prints all)")
+
+
+def run(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
     if args.list:
         for name, cls in PASSES.items():
             print(f"{name:16s} {cls.summary}")
@@ -64,18 +82,8 @@ def run(argv: list[str]) -> int:
                         f"file, found {inline_bytes(fused) / 1e9:.1f} GB; run python -m export.build --fuse instead")
     with output_file(out, FUSED_ONNX, inputs=[args.input]) as tmp:
         save_onnx(sign_onnx(fused), tmp)
-    lint = []
-    for r in results:
-        lint += r.lint
-        counts = f"{len(r.lint)} issue(s)" if r.lint else f"{len(r.folded)} folded, {len(r.skipped)} skipped"
-        print(f"{r.name}: {counts}")
-        for f in r.folded:
-            print(f"  {f.where}: {f.detail}")
-        shown = r.findings if args.verbose else r.findings[:SHOWN_FINDINGS]
-        for f in shown:
-            print(f"  {'lint' if f.kind == 'lint' else 'note'}: {f}")
-        if len(shown) < len(r.findings):
-            print(f"  ... {len(r.findings) - len(shown)} more (--verbose prints all)")
+    _print_results(results, args.verbose)
+    lint = [issue for r in results for issue in r.lint]
     folded = sum(len(r.folded) for r in results if r.name != "fold_constants")
     skipped = sum(len(r.skipped) for r in results)
     after = op_counts(fused)

@@ -137,47 +137,52 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _resumed_settings(a, p):
+    """--resume: the held run's settings (and recipe), with what a resume may change."""
+    given = sorted(k for k, v in vars(a).items() if k not in RESUME_OPTIONS and v != p.get_default(k))
+    if given:
+        raise UsageError(f"python -m train.finetune --resume: continues the run with its own settings; drop "
+                         f"{', '.join('--' + k.replace('_', '-').replace('source', 'from') for k in given)}")
+    from train.loop import held_recipe, resume_config
+    run_cfg = resume_config(a.out)
+    recipe_info = held_recipe(a.out) or {}
+    if "finetune" not in recipe_info:
+        raise TrainError(f"--out {a.out}: holds a run of python -m train, not of train.finetune; "
+                         f"resume it with python -m train --out {a.out} --resume")
+    run_cfg.out, run_cfg.threads, run_cfg.progress = a.out, a.threads, not a.quiet
+    if a.grad_accum is not None:
+        run_cfg.grad_accum = a.grad_accum
+    if a.device is not None:
+        run_cfg.device = a.device
+    if a.checkpoint_activations:
+        run_cfg.checkpoint_activations = True
+    return run_cfg, recipe_info["finetune"], recipe_info["from"], recipe_info["fakeln_every"]
+
+
+def _new_settings(a):
+    """A new run: the options checked, the settings from the source's config (no weights read)."""
+    from core.outputs import TRAINING_RUN, check_output_dir
+    if a.source is None or a.method is None:
+        raise UsageError("python -m train.finetune: --from and --method are required for a new run "
+                         "(or pass --resume); see --help")
+    method = a.method
+    if method != "fakeln" and a.fakeln_every is not None:
+        raise UsageError(f"--fakeln-every: applies to --method fakeln, not {method}; drop it")
+    taper_only = [o for o, v in (("--warmup-steps", a.warmup_steps), ("--taper-steps", a.taper_steps)) if v is not None]
+    if method not in ("internal-taper", "all-taper") and taper_only:
+        raise UsageError(f"{', '.join(taper_only)}: apply to the taper methods, not {method}; drop them")
+    check_output_dir(a.out, TRAINING_RUN, inputs=[a.source])
+    from models.weights import open_weights
+    model = open_weights(a.source)      # the config and the tensors' names: no weights read here
+    run_cfg = finetune_config(method, model, a)
+    every = fakeln_every(run_cfg.steps, len(model.cfg.norm_names()), a.fakeln_every) if method == "fakeln" else None
+    return run_cfg, method, a.source, every
+
+
 def run(argv: list[str]) -> int:
     p = build_parser()
     a = p.parse_args(argv)
-    from core.outputs import TRAINING_RUN, check_output_dir
-    if a.resume:
-        given = sorted(k for k, v in vars(a).items() if k not in RESUME_OPTIONS and v != p.get_default(k))
-        if given:
-            raise UsageError(f"python -m train.finetune --resume: continues the run with its own settings; drop "
-                             f"{', '.join('--' + k.replace('_', '-').replace('source', 'from') for k in given)}")
-        from train.loop import held_recipe, resume_config
-        run_cfg = resume_config(a.out)
-        recipe_info = held_recipe(a.out) or {}
-        if "finetune" not in recipe_info:
-            raise TrainError(f"--out {a.out}: holds a run of python -m train, not of train.finetune; "
-                             f"resume it with python -m train --out {a.out} --resume")
-        run_cfg.out, run_cfg.threads, run_cfg.progress = a.out, a.threads, not a.quiet
-        if a.grad_accum is not None:
-            run_cfg.grad_accum = a.grad_accum
-        if a.device is not None:
-            run_cfg.device = a.device
-        if a.checkpoint_activations:
-            run_cfg.checkpoint_activations = True
-        method, source, every = recipe_info["finetune"], recipe_info["from"], recipe_info["fakeln_every"]
-    else:
-        if a.source is None or a.method is None:
-            raise UsageError("python -m train.finetune: --from and --method are required for a new run "
-                             "(or pass --resume); see --help")
-        method, source = a.method, a.source
-        if method != "fakeln" and a.fakeln_every is not None:
-            raise UsageError(f"--fakeln-every: applies to --method fakeln, not {method}; drop it")
-        taper_only = [o for o, v in (("--warmup-steps", a.warmup_steps), ("--taper-steps", a.taper_steps)) if v is not None]
-        if method not in ("internal-taper", "all-taper") and taper_only:
-            raise UsageError(f"{', '.join(taper_only)}: apply to the taper methods, not {method}; drop them")
-        check_output_dir(a.out, TRAINING_RUN, inputs=[a.source])
-        from models.weights import open_weights
-        model = open_weights(a.source)      # the config and the tensors' names: no weights read here
-        run_cfg = finetune_config(method, model, a)
-        every = None
-        if method == "fakeln":
-            every = fakeln_every(run_cfg.steps, len(model.cfg.norm_names()), a.fakeln_every)
-        del model
+    run_cfg, method, source, every = _resumed_settings(a, p) if a.resume else _new_settings(a)
     run_cfg.resolve()
     from train.interrupts import raise_if_interrupted
     from train.loop import check_out, train
