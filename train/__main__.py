@@ -50,7 +50,7 @@ import shlex
 import sys
 
 from core.errors import ArgumentParser, UsageError, float_in, int_in, positive_int, seed_int
-from train.config import TrainConfig, TrainError, add_execution_options
+from train.config import TrainConfig, TrainError, add_execution_options, apply_resume_options
 from train.presets import PRESETS, SIZES
 
 # what --resume may be given beside --out: how the run is executed, not what it computes
@@ -126,13 +126,7 @@ def _resume_config(p: argparse.ArgumentParser, a) -> TrainConfig:
     if held_recipe(a.out) is not None:    # its model, steps and saves are the recipe's: plain training would differ
         raise TrainError(f"--out {a.out}: holds a run of python -m train.finetune, not of python -m train; "
                          f"resume it with python -m train.finetune --out {shlex.quote(a.out)} --resume")
-    run.out, run.threads, run.progress = a.out, a.threads, not a.quiet
-    if a.grad_accum is not None:
-        run.grad_accum = a.grad_accum
-    if a.device is not None:
-        run.device = a.device
-    if a.checkpoint_activations:
-        run.checkpoint_activations = True
+    apply_resume_options(run, a)
     return run
 
 

@@ -183,6 +183,18 @@ class TrainConfig:
             return None
         return GateSchedule(self.warmup_steps, self.taper_steps)
 
+def apply_resume_options(run, a) -> None:
+    """What a --resume may change of the held run's settings (RESUME_OPTIONS of train and train.finetune):
+    where it runs and reports, not what it computes."""
+    run.out, run.threads, run.progress = a.out, a.threads, not a.quiet
+    if a.grad_accum is not None:
+        run.grad_accum = a.grad_accum
+    if a.device is not None:
+        run.device = a.device
+    if a.checkpoint_activations:
+        run.checkpoint_activations = True
+
+
 def add_execution_options(p, module: str) -> None:
     """The data-parallel options `train` and `train.finetune` share (one place for their help)."""
     from core.errors import int_in

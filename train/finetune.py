@@ -40,7 +40,7 @@ import sys
 from pathlib import Path
 
 from core.errors import ArgumentParser, UsageError, float_in, int_in, seed_int
-from train.config import TrainConfig, TrainError, add_execution_options
+from train.config import TrainConfig, TrainError, add_execution_options, apply_resume_options
 
 METHODS = ("internal-taper", "all-taper", "fakeln", "vanilla")
 DEFAULTS = dict(steps=600, lr=5e-4, batch_size=16, seq_len=128, eval_every=100)
@@ -149,13 +149,7 @@ def _resumed_settings(a, p):
     if "finetune" not in recipe_info:
         raise TrainError(f"--out {a.out}: holds a run of python -m train, not of train.finetune; "
                          f"resume it with python -m train --out {a.out} --resume")
-    run_cfg.out, run_cfg.threads, run_cfg.progress = a.out, a.threads, not a.quiet
-    if a.grad_accum is not None:
-        run_cfg.grad_accum = a.grad_accum
-    if a.device is not None:
-        run_cfg.device = a.device
-    if a.checkpoint_activations:
-        run_cfg.checkpoint_activations = True
+    apply_resume_options(run_cfg, a)
     return run_cfg, recipe_info["finetune"], recipe_info["from"], recipe_info["fakeln_every"]
 
 
