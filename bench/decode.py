@@ -3,7 +3,8 @@
 Decode throughput of the deployed variants (bench/variants.py) side by side, with the
 peers a user would run instead (bench/runners.py), gpt-fast style:
 
-    1. measure the machine's memory read bandwidth (np.max over 1 GiB on one and on --threads threads, and a BLAS matrix-vector product; best of 5)
+    1. measure the machine's memory read bandwidth (np.max over 1 GiB on one and on --threads
+       threads, and a BLAS matrix-vector product; best of 5)
     2. build every variant's ONNX once into OUT/cache (export.pipeline's stages, each graph verified
        as export.build verifies it unless --no-verify)
     3. per (size, backend) one worker process: load every runner, then per batch size
