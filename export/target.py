@@ -35,7 +35,9 @@ class Target:
         """One line for the build's output: which graph runs where, and how to get the other one."""
         other = "portable" if self.name == "ort-cpu" else "ort-cpu"
         because = f" ({self.why})" if self.why else ""
-        return (f"target   {self.name}{because}: {', '.join(graphs)} for {RUNS_ON[self.name]}; "
+        quantized = [g for g in graphs if g.startswith(("model.int4", "model.int8"))]
+        runs = f"; ONNX Runtime given the folder runs {quantized[0]}" if quantized else ""   # model_files.resolve_onnx
+        return (f"target   {self.name}{because}: {', '.join(graphs)} for {RUNS_ON[self.name]}{runs}; "
                 f"for {FOR[other]}: --target {other}")
 
 

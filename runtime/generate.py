@@ -288,7 +288,9 @@ def run(argv: list[str] | None = None) -> int:
     for new in result.tokens:
         text = tok.decode([t for t in new if t not in stop])
         print(text.replace("\\", "\\\\").replace("\n", "\\n") if len(texts) > 1 else text)
-    print(f"{args.backend}: {result.metrics_line()}", file=sys.stderr)
+    graph = getattr(session, "path", None)          # which graph of a build ran (a --quantize build: int4)
+    ran = f" {graph.name}" if graph is not None and graph.suffix == ".onnx" else ""
+    print(f"{args.backend}{ran}: {result.metrics_line()}", file=sys.stderr)
     return 0
 
 

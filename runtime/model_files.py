@@ -1,10 +1,10 @@
 """Finding the files a backend runs (ONNX graph, tokenizer) and checking the graph's I/O contract.
 
     build/<name>/                 from export.build
-        model.fused.onnx          preferred by the ort and trt backends
+        model.int4.onnx           a --quantize build's graph: what ONNX Runtime runs first (the user
+        model.int8.onnx           built it to run it; MatMulNBits / QLinear ops are ONNX Runtime's)
+        model.fused.onnx          what TensorRT runs, and ONNX Runtime without a quantized graph
         model.onnx                used when no fused graph exists
-        model.int4.onnx           used when neither exists (a streamed --quantize build writes only
-        model.int8.onnx           its quantized graph: export/streamed.py)
         tokenizer.json, config.json, report.json
 
 --model may also name an .onnx file; its tokenizer.json is looked up beside it.
@@ -25,9 +25,10 @@ GENAI_SUFFIX = ".genai.onnx"                             # export/genai.py: GenA
 BUILD_HINT = "build one with: python -m export.build --fuse --checkpoint CHECKPOINT --out DIR"
 
 
-def resolve_onnx(path: str | Path) -> Path:
-    """The graph to run: PATH itself if it is a file, else PATH/model.fused.onnx, else PATH/model.onnx,
-    else a quantized graph (what a streamed quantized build holds)."""
+def resolve_onnx(path: str | Path, quantized_first: bool = False) -> Path:
+    """The graph to run: PATH itself if it is a file, else in PATH: model.fused.onnx, else model.onnx, else a
+    quantized graph (all a streamed quantized build holds). quantized_first (ONNX Runtime): a quantized graph
+    before the others, so that a `--quantize int4` build runs int4 without naming the file."""
     path = Path(path)
     if path.is_file() and path.name.endswith(GENAI_SUFFIX):
         raise ModelFileError(f"{path}: expected a graph with this project's decode contract, found ONNX Runtime "
@@ -36,7 +37,7 @@ def resolve_onnx(path: str | Path) -> Path:
     if path.is_file():
         return path
     if path.is_dir():
-        for name in (FUSED, UNFUSED, *QUANTIZED):
+        for name in (*QUANTIZED, FUSED, UNFUSED) if quantized_first else (FUSED, UNFUSED, *QUANTIZED):
             if (path / name).is_file():
                 return path / name
         raise ModelFileError(f"{path}: expected a build directory with {FUSED}, {UNFUSED} or {' or '.join(QUANTIZED)}, "

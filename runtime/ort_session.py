@@ -63,7 +63,7 @@ class OrtSession(DecoderSession):
         super().__init__()
         if device not in PROVIDERS:
             raise ValueError(f"device {device!r}; expected one of {', '.join(PROVIDERS)}")
-        self.path = resolve_onnx(model)
+        self.path = resolve_onnx(model, quantized_first=True)
         self.device = device
         self.intra_op_threads = intra_op_threads
         self.log_severity = log_severity

@@ -75,8 +75,9 @@ def test_the_line_says_which_graph_runs_where():
     line = Target("ort-cpu", "gqa", "auto: the fastest graph on this CPU").describe(["model.fused.onnx",
                                                                                      "model.int4.onnx"])
     assert line == ("target   ort-cpu (auto: the fastest graph on this CPU): model.fused.onnx, model.int4.onnx for "
-                    "ONNX Runtime on the CPU (GroupQueryAttention: ONNX Runtime only); for TensorRT and other "
-                    "runtimes: --target portable")
+                    "ONNX Runtime on the CPU (GroupQueryAttention: ONNX Runtime only); ONNX Runtime given the "
+                    "folder runs model.int4.onnx; for TensorRT and other runtimes: --target portable")
+    assert "given the folder" not in Target("portable", "plain").describe(["model.fused.onnx"])
 
 
 def test_cli_refuses_a_contradiction_in_one_line(tmp_path):

@@ -123,3 +123,20 @@ def test_seeded_sampling_prints_the_same_text_run_to_run(tiny):
     a, b, c = cli(*args, "--seed", "5"), cli(*args, "--seed", "5"), cli(*args, "--seed", "6")
     assert a.returncode == b.returncode == c.returncode == 0, a.stderr
     assert a.stdout == b.stdout and a.stdout != c.stdout
+
+
+def test_a_quantized_build_runs_its_quantized_graph_in_onnx_runtime(tmp_path, tiny):
+    """A --quantize build holds model.fused.onnx and model.int4.onnx: ONNX Runtime given the folder runs the
+    int4 graph (what the user built to run), TensorRT's order keeps the portable fused graph first, and
+    runtime.generate says on stderr which graph ran."""
+    from runtime.model_files import resolve_onnx
+    from runtime.ort_session import OrtSession
+    both = tmp_path / "both"
+    both.mkdir()
+    for name in ("model.fused.onnx", "model.int4.onnx"):
+        (both / name).write_bytes(b"")
+    assert OrtSession(both).path.name == "model.int4.onnx"
+    assert resolve_onnx(both).name == "model.fused.onnx"                # the TensorRT session's order
+    _, build = tiny
+    o = cli("--model", build, "--prompt", "Once", "--max-new-tokens", "2")
+    assert o.returncode == 0 and o.stderr.splitlines()[-1].startswith("ort model.onnx: "), o.stderr   # (tiny: one graph)
