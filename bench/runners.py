@@ -81,11 +81,9 @@ class SessionRunner(Runner):
     """runtime.generate over a DecoderSession; `make(profile_dir)` returns an inactive session
     (with ONNX Runtime profiling switched on when profile_dir is given)."""
 
-    def __init__(self, name: str, make, weight_bytes: int, norm_nodes: dict | None = None,
-                 torch_model=None):
+    def __init__(self, name: str, make, weight_bytes: int, norm_nodes: dict | None = None):
         self.name, self.make, self.weight_bytes = name, make, weight_bytes
         self.norm_nodes = norm_nodes or {}
-        self.torch_model = torch_model
         self.session = None
 
     def _activate(self) -> None:
@@ -102,7 +100,7 @@ class SessionRunner(Runner):
         if self.session.backend == "ort":
             return self._profile_ort(prompts, steps)
         if self.session.backend == "torch":
-            return self._profile_torch(prompts, steps)
+            return torch_norm_share(self.session, prompts, steps)
         return None
 
     def _decode_steps(self, session, prompts, steps):
@@ -121,9 +119,6 @@ class SessionRunner(Runner):
             finally:
                 s.deactivate()
         return ort_norm_share(events, self.norm_nodes)
-
-    def _profile_torch(self, prompts, steps):
-        return torch_norm_share(self.session, prompts, steps, self._decode_steps)
 
     def close(self):
         if self.session is not None:
@@ -209,7 +204,7 @@ def profiler_noise_dropped():
                 os.write(2, kept)
 
 
-def torch_norm_share(session, prompts, steps, decode_steps) -> dict:
+def torch_norm_share(session, prompts, steps) -> dict:
     """Share f of the decode step spent inside norm modules, from torch.profiler: each norm
     module's forward is wrapped in record_function('bench.norm.{block|final}') and each
     decode step in 'bench.decode_step'; f = norm time / step time (CPU-side wall)."""
