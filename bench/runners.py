@@ -38,15 +38,9 @@ class Timing:
 
 
 def rss_bytes() -> int:
-    """Current resident set size of this process (VmRSS)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    """Current resident set size of this process (VmRSS; 0 where /proc cannot be read)."""
+    from runtime.triton.server import rss_bytes as tree_rss
+    return tree_rss([os.getpid()])
 
 
 def peak_rss_bytes() -> int:

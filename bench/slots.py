@@ -30,12 +30,8 @@ import numpy as np
 from bench import stats
 
 
-def rss_bytes() -> int:
-    from runtime.triton.server import rss_bytes as tree_rss
-    return tree_rss([os.getpid()])
-
-
 def measure(model: str, slots: int, prompt: int, threads: int, rounds: int) -> dict:
+    from bench.runners import rss_bytes
     from runtime.ort_session import OrtSession
     from runtime.session import RuntimeUserError
     pool = OrtSession(model, intra_op_threads=threads).activate()
