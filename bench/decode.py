@@ -24,7 +24,6 @@ guard_startup(__name__)     # before the imports below: a Ctrl-C while they load
 
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -71,29 +70,6 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5, threads: int = 1) -> dict
     out["gemv_blas"] = best_of(lambda: a @ x)
     out["best"] = max(out.values())
     return out
-
-
-def machine_info() -> dict:
-    cpu = "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    gpu = None
-    try:
-        import torch
-        if torch.cuda.is_available():
-            gpu = torch.cuda.get_device_name(0)
-    except Exception:
-        pass
-    from bench.runners import threads_default
-    return {"cpu": cpu, "cores": threads_default(), "memory_gib": round(mem / 2**30, 1), "gpu": gpu,
-            "platform": platform.platform(), "python": platform.python_version(),
-            "loadavg_start": list(os.getloadavg())}
 
 
 def backend_status(name: str) -> str | None:
@@ -623,6 +599,7 @@ def run(argv) -> int:
     if not s.verify:
         print("  verification OFF (--no-verify): no graph is checked against torch, nor a quantized one against its "
               "fp32 graph; results.json says settings.verify false", flush=True)
+    from bench.runners import machine_info
     r.machine = machine_info()
     r.bandwidth = read_bandwidth(s.bandwidth_gib, 5, s.threads)
     print("  read bandwidth: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in r.bandwidth.items()), flush=True)

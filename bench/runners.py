@@ -362,3 +362,24 @@ def versions() -> dict:
 
 def threads_default() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def machine_info(gpu: bool = True) -> dict:
+    """The machine a bench runs on (its results' "machine"); gpu=False leaves the CUDA device out
+    and torch unimported (bench.serve, bench.scale)."""
+    import platform
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        cpuinfo = []
+    info = {"cpu": next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?"),
+            "cores": threads_default(),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
+    if gpu:
+        info["gpu"] = None
+        with contextlib.suppress(Exception):
+            import torch
+            if torch.cuda.is_available():
+                info["gpu"] = torch.cuda.get_device_name(0)
+    return {**info, "platform": platform.platform(), "python": platform.python_version(),
+            "loadavg_start": list(os.getloadavg())}

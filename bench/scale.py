@@ -344,7 +344,7 @@ def bench_shape(spec: str, options: dict[str, list[str]], args, log=print) -> di
 
 def run_bench(args) -> int:
     import platform
-    from bench.serve import machine_info
+    from bench.runners import machine_info
     from bench.shapes import resolve_shape
     from core.errors import UsageError, UserError
     from core.outputs import REPORT_JSON, check_output_file, write_json
@@ -367,7 +367,7 @@ def run_bench(args) -> int:
         (max(avail - 2**30, 0) if avail is not None else 0)
     import onnxruntime
     report = {"command": "python -m bench.scale " + shlex.join(args.argv),
-              "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "machine": machine_info(),
+              "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "machine": machine_info(gpu=False),
               "versions": {"onnxruntime": onnxruntime.__version__, "python": platform.python_version()},
               "rounds": args.rounds, "decode_tokens": args.decode_tokens, "prompt_tokens": args.prompt_tokens,
               "threads": args.threads, "memory_cap_bytes": args.cap_bytes, "shapes": []}

@@ -75,15 +75,6 @@ def check_loopback(url: str) -> str:
     return url
 
 
-def machine_info() -> dict:
-    """The machine the server and this load run on (bench.decode's fields, without importing torch)."""
-    import platform
-    cpu = next((ln.split(":", 1)[1].strip() for ln in _read_lines("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-            "platform": platform.platform(), "python": platform.python_version(), "loadavg_start": list(os.getloadavg())}
-
-
 def _read_lines(path: str) -> list[str]:
     try:
         return Path(path).read_text().splitlines()
@@ -423,6 +414,7 @@ class ServeRun:
 
 
 def run(argv: list[str] | None = None) -> int:
+    from bench.runners import machine_info
     from core.outputs import SERVE_RESULTS, check_output_dir, claim_dir
     from runtime.triton.client import StreamingClient
     args = _parser().parse_args(argv)
@@ -440,7 +432,7 @@ def run(argv: list[str] | None = None) -> int:
                 "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "warmup": args.warmup, "prompts": prompts}
     sr = ServeRun(claim_dir(args.out, SERVE_RESULTS), time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                   "python -m bench.serve " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
-                  machine_info(), listening_pid(int(url.rpartition(":")[2])), settings, levels)
+                  machine_info(gpu=False), listening_pid(int(url.rpartition(":")[2])), settings, levels)
     print(f"bench.serve: {url} levels {levels}, {args.rounds} round(s), {args.max_new_tokens} new tokens per request; "
           f"server pid {sr.pid if sr.pid is not None else 'not visible (no RSS)'}", flush=True)
     for r in range(args.rounds):
