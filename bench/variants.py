@@ -167,7 +167,6 @@ def base_model(size: str, kind: str, capacity: int, seed: int = 0) -> tuple[Deco
     return _random_model(size, kind, capacity, seed), f"random:seed{seed} ({why})"
 
 
-
 # --- torch-side variants --------------------------------------------------------------------
 
 class NaiveRMSNorm(nn.Module):
@@ -190,14 +189,9 @@ def naive_rmsnorm(model: Decoder) -> Decoder:
     model = copy.deepcopy(model)
     for name, m in list(model.named_modules()):
         if isinstance(m, RMSNorm):
-            parent, attr = _parent(model, name)
-            setattr(parent, attr, NaiveRMSNorm(m.weight, m.eps))
+            path, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(path), attr, NaiveRMSNorm(m.weight, m.eps))     # path "": the model
     return model.eval()
-
-
-def _parent(model: nn.Module, name: str):
-    path, _, attr = name.rpartition(".")
-    return (model.get_submodule(path) if path else model), attr
 
 
 # Variant.transform -> the model transform (a copy; the trained model is left as it is)
