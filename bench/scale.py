@@ -32,6 +32,7 @@ from core.errors import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import json
+import math
 import os
 import re
 import shlex
@@ -304,7 +305,7 @@ def table(shape: dict) -> str:
 
 def bench_shape(spec: str, options: dict[str, list[str]], args, log=print) -> dict:
     import importlib.util
-    from bench.shapes import folder_config, folder_matches, human, numel, resolve_shape, tensor_specs, write_random_folder
+    from bench.shapes import folder_config, folder_matches, human, resolve_shape, tensor_specs, write_random_folder
     name, config = resolve_shape(spec)
     config = folder_config(config, layers=args.layers)
     folder = args.work / name
@@ -313,7 +314,7 @@ def bench_shape(spec: str, options: dict[str, list[str]], args, log=print) -> di
     else:
         write_random_folder(spec, folder, layers=args.layers, log=log)
     shape = {"name": name, "config": config, "folder": str(folder), "folder_bytes": folder_bytes(folder),
-             "params": sum(numel(s) for _, s, _ in tensor_specs(config)),
+             "params": sum(math.prod(s) for _, s, _ in tensor_specs(config)),
              "options": {n: {"build_args": a, "runs": []} for n, a in options.items()}, "peers": {}}
     genai_in = None
     if "genai" in args.peers:
