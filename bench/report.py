@@ -61,12 +61,10 @@ def _runner_metrics(raw: dict, batch: int, new_tokens: int, weight_bytes: int, b
          "steps_per_s": steps_per_s, "weight_bytes": weight_bytes,
          "achieved_Bps": achieved, "bandwidth_share": achieved / bw if bw > 0 else float("nan"),
          "bandwidth_share_same_threads": achieved / bw_same if bw_same > 0 else float("nan")}
-    prof = raw.get("profile")
-    if prof and "f" in prof:
+    if prof := raw.get("profile"):
         m["profile"] = prof
-        m["limit_own"] = stats.limit_speedup(prof["f"])
-    elif prof:
-        m["profile"] = prof
+        if "f" in prof:
+            m["limit_own"] = stats.limit_speedup(prof["f"])
     return m
 
 
