@@ -94,42 +94,34 @@ def backend_status(name: str) -> str | None:
 
 @dataclass
 class WorkerSpec:
-    """What one worker process runs: one (size, backend) cell. It crosses the process boundary as
-    JSON (to_json / from_json) and is typed on both sides."""
+    """What one worker process runs: one (size, backend) cell of the run's settings. It crosses the
+    process boundary as JSON (to_json / from_json) and is typed on both sides."""
     size: str
     backend: str
-    variants: list[str]
+    settings: Settings
     onnx: dict[str, GraphInfo]          # runner name -> built graph (bench.variants.build_onnx)
     genai: dict[str, dict]              # GenAI peers' infos (bench.genai)
-    batches: list[int]
-    prompt: int
-    new_tokens: int
-    rounds: int
-    threads: int
-    profile_steps: int
-    peers: list[str]
-    capacity: int
-    seed: int
-    dtypes: list[str]
 
     def to_json(self) -> dict:
         return {**asdict(self), "onnx": {k: v.to_json() for k, v in self.onnx.items()}}
 
     @classmethod
     def from_json(cls, data: dict) -> "WorkerSpec":
-        return cls(**{**data, "onnx": {k: GraphInfo.from_json(v) for k, v in data["onnx"].items()}})
+        return cls(**{**data, "settings": Settings(**data["settings"]),
+                      "onnx": {k: GraphInfo.from_json(v) for k, v in data["onnx"].items()}})
 
 
 def onnx_runners(spec: WorkerSpec) -> list:
     """Our runners over the built graphs (quantized graphs, com.microsoft MatMulNBits, on ONNX Runtime only)."""
     from bench.runners import SessionRunner, make_ort_session
-    dtypes = spec.dtypes if spec.backend == "ort" else ["fp32"]
-    names = [quantized_name(n, d) for n in spec.variants for d in dtypes if quantized_name(n, d) in spec.onnx]
+    s = spec.settings
+    dtypes = s.dtypes if spec.backend == "ort" else ["fp32"]
+    names = [quantized_name(n, d) for n in s.variants for d in dtypes if quantized_name(n, d) in spec.onnx]
     out = []
     for name in names:
         info = spec.onnx[name]
         if spec.backend == "ort":
-            make = make_ort_session(info.path, "cpu", spec.threads)
+            make = make_ort_session(info.path, "cpu", s.threads)
         else:
             from runtime.backends import open_session
             make = lambda pd, p=info.path: open_session("trt", p)  # noqa: E731
@@ -145,10 +137,10 @@ def torch_runners(spec: WorkerSpec) -> list:
     from runtime.torch_session import TorchSession
     device = "cuda" if spec.backend == "torch-cuda" else "cpu"
     bases, out = {}, []
-    for name in spec.variants:
+    for name in spec.settings.variants:
         v = VARIANTS[name]
         if v.kind not in bases:
-            bases[v.kind] = base_model(spec.size, v.kind, spec.capacity, spec.seed)
+            bases[v.kind] = base_model(spec.size, v.kind, spec.settings.capacity, spec.settings.seed)
         m = torch_variant(v, bases[v.kind][0])
         out.append(SessionRunner(name, lambda pd, m=m: TorchSession(m, device=device), weight_bytes_torch(m)))
         out[-1].source = bases[v.kind][1]
@@ -159,15 +151,16 @@ def peer_runners(spec: WorkerSpec) -> list:
     """The peers beside our ONNX backends (and torch-cuda on a GPU); on CPU once, in the ort worker."""
     from bench.runners import HFRunner, PlainOrtRunner
     device = "cuda" if spec.backend in ("torch-cuda", "trt") else "cpu"
-    out = []
-    if "hf-generate" in spec.peers and spec.backend != "torch":
-        out.append(HFRunner(SIZES[spec.size], spec.capacity, device=device))
-    if "ort-plain" in spec.peers and spec.backend == "ort":
+    s, out = spec.settings, []
+    peers = s.cell_peers(spec.backend)
+    if "hf-generate" in peers:
+        out.append(HFRunner(SIZES[spec.size], s.capacity, device=device))
+    if "ort-plain" in peers:
         info = spec.onnx[BASELINE]
-        out.append(PlainOrtRunner(info.path, spec.threads, info.weight_bytes))
-    if "genai" in spec.peers and spec.backend == "ort":
+        out.append(PlainOrtRunner(info.path, s.threads, info.weight_bytes))
+    if "genai" in peers:
         from bench.genai import GenAIRunner
-        out += [GenAIRunner(info, spec.threads) for info in spec.genai.values()]
+        out += [GenAIRunner(info, s.threads) for info in spec.genai.values()]
     return out
 
 
@@ -198,14 +191,15 @@ def timed_rounds(runners, prompts: np.ndarray, n: int, rounds: int, log=None) ->
 
 def batch_cell(spec: WorkerSpec, runners: list, batch: int) -> dict:
     """One batch size: the timed rounds, then a profiled decode of each of our runners."""
-    prompts = np.random.default_rng(batch).integers(0, SIZES[spec.size]["vocab_size"], (batch, spec.prompt))
+    s = spec.settings
+    prompts = np.random.default_rng(batch).integers(0, SIZES[spec.size]["vocab_size"], (batch, s.prompt))
     label = f"{spec.size} {spec.backend} b{batch}"
-    cell, order = timed_rounds(runners, prompts, spec.new_tokens, spec.rounds,
+    cell, order = timed_rounds(runners, prompts, s.new_tokens, s.rounds,
                                log=lambda msg: print(f"    {label} {msg}", flush=True))
     for r in runners:
-        if r.kind == "ours" and spec.profile_steps > 0:
+        if r.kind == "ours" and s.profile_steps > 0:
             try:
-                cell[r.name]["profile"] = r.profile(prompts, spec.profile_steps)
+                cell[r.name]["profile"] = r.profile(prompts, s.profile_steps)
             except Exception as e:   # a profiler failure must not lose the timings
                 cell[r.name]["profile"] = {"error": f"{type(e).__name__}: {e}"}
     return {"order": order, "runners": cell}
@@ -215,7 +209,7 @@ def worker(spec: WorkerSpec) -> dict:
     """The cell's raw timings (JSON: the worker process's answer)."""
     import torch
     from bench.runners import peak_rss_bytes
-    torch.set_num_threads(spec.threads)
+    torch.set_num_threads(spec.settings.threads)
     t_start = time.perf_counter()
     ours = onnx_runners(spec) if spec.backend in ONNX_BACKENDS else torch_runners(spec)
     runners = ours + peer_runners(spec)
@@ -224,7 +218,7 @@ def worker(spec: WorkerSpec) -> dict:
         r.activate()
         loaded[r.name] = {"kind": r.kind, "weight_bytes": r.weight_bytes, "rss_load_bytes": r.rss_load_bytes,
                           "source": getattr(r, "source", None), "impl": getattr(r, "impl", None)}
-    batches = {str(b): batch_cell(spec, runners, b) for b in spec.batches}
+    batches = {str(b): batch_cell(spec, runners, b) for b in spec.settings.batches}
     for r in runners:
         r.close()
     return {"size": spec.size, "backend": spec.backend, "runners": loaded, "batches": batches,
@@ -539,11 +533,7 @@ MODEL_FIELDS = ("source", "params", "weight_bytes", "nodes", "op_counts", "build
 
 
 def cell_spec(run: Run, size: str, backend: str) -> WorkerSpec:
-    s = run.settings
-    return WorkerSpec(size=size, backend=backend, variants=s.variants, onnx=run.builds.onnx[size],
-                      genai=run.builds.genai[size], batches=s.batches, prompt=s.prompt, new_tokens=s.new_tokens,
-                      rounds=s.rounds, threads=s.threads, profile_steps=s.profile_steps, peers=s.peers,
-                      capacity=s.capacity, seed=s.seed, dtypes=s.dtypes)
+    return WorkerSpec(size, backend, run.settings, run.builds.onnx[size], run.builds.genai[size])
 
 
 def run_cells(run: Run) -> None:
