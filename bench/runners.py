@@ -91,25 +91,19 @@ class SessionRunner(Runner):
         return Timing(r.ttft_s, r.step_s, r.total_s, run_s=float(sum(r.engine_s)))   # the session's own engine timing
 
     def profile(self, prompts, steps):
-        if self.session.backend == "ort":
-            return self._profile_ort(prompts, steps)
+        """Norm share of the decode step: torch's on this session; ONNX Runtime's on a second session
+        of the graph with profiling on (its trace in a temporary directory)."""
         if self.session.backend == "torch":
             return torch_norm_share(self.session, prompts, steps)
-        return None
-
-    def _decode_steps(self, session, prompts, steps):
+        if self.session.backend != "ort":
+            return None
         from core.decode import DecodeDriver, greedy_tokens
-        session.reset(prompts.shape[0])
-        greedy_tokens(DecodeDriver(session.step, session.spec, prompts.shape[0], owns_caches=True), prompts, steps)
-
-    def _profile_ort(self, prompts, steps):
-        import tempfile
         with tempfile.TemporaryDirectory() as tmp:
             s = self.make(Path(tmp)).activate()
             try:
-                self._decode_steps(s, prompts, steps)
-                trace = s.session.end_profiling()
-                events = json.loads(Path(trace).read_text())
+                s.reset(prompts.shape[0])
+                greedy_tokens(DecodeDriver(s.step, s.spec, prompts.shape[0], owns_caches=True), prompts, steps)
+                events = json.loads(Path(s.session.end_profiling()).read_text())
             finally:
                 s.deactivate()
         return ort_norm_share(events, self.norm_nodes)
