@@ -75,20 +75,17 @@ def check_loopback(url: str) -> str:
     return url
 
 
-def _read_lines(path: str) -> list[str]:
-    try:
-        return Path(path).read_text().splitlines()
-    except OSError:
-        return []
-
-
 # --- the server's processes ------------------------------------------------------------------------
 
 def listening_pid(port: int) -> int | None:
     """The process that listens on TCP `port` (Linux /proc), or None where it cannot be seen."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in _read_lines(table)[1:]:
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:         # no such table (IPv6 off), or no /proc
+            continue
+        for line in lines:
             f = line.split()
             if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:   # 0A: LISTEN
                 inodes.add(f[9])
