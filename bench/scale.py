@@ -216,7 +216,6 @@ def genai_build(inp: Path, out: Path, cache: Path, cap_bytes: int = 0) -> dict:
     into a temporary sibling renamed into place when it succeeds: a failed or stopped build leaves
     nothing that the next run would have to be told about."""
     import shutil
-    import tempfile
     from core.errors import UserError
     if out.exists() and not (out / "genai_config.json").is_file():
         raise UserError(f"{out}: exists and is no GenAI build (no genai_config.json); move it away or use another --work")
