@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import stats
+from bench.shapes import DTYPES, folder_config, folder_matches, human, resolve_shape, tensor_specs, write_random_folder
 
 GRAPHS = ("model.int4.onnx", "model.int8.onnx", "model.fused.onnx", "model.onnx")    # decoded: the first found
 PEERS = ("genai",)
@@ -278,7 +279,6 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def table(shape: dict) -> str:
-    from bench.shapes import human
 
     def f(s: dict, digits: int) -> str:
         if s is None:
@@ -304,7 +304,6 @@ def table(shape: dict) -> str:
 
 def bench_shape(spec: str, options: dict[str, list[str]], args, log=print) -> dict:
     import importlib.util
-    from bench.shapes import folder_config, folder_matches, human, resolve_shape, tensor_specs, write_random_folder
     name, config = resolve_shape(spec)
     config = folder_config(config, layers=args.layers)
     folder = args.work / name
@@ -345,7 +344,6 @@ def bench_shape(spec: str, options: dict[str, list[str]], args, log=print) -> di
 def run_bench(args) -> int:
     import platform
     from bench.runners import machine_info
-    from bench.shapes import resolve_shape
     from core.errors import UsageError, UserError
     from core.outputs import REPORT_JSON, check_output_file, write_json
     options = parse_options(args.options or "") if args.options is not None or not args.peers else {}
@@ -419,7 +417,6 @@ def plot(reports: list[dict], out: Path) -> Path:
 
 def run(argv: list[str]) -> int:
     from core.errors import ArgumentParser, float_in, int_in, positive_int
-    from bench.shapes import DTYPES
     p = ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[1])
     sub = p.add_subparsers(dest="command", required=True)
     mk = sub.add_parser("make", help="write a random-init Hugging Face folder of a real shape")
@@ -460,10 +457,8 @@ def run(argv: list[str]) -> int:
         print(f"wrote {plot([read_json_file(r, 'a bench.scale report') for r in args.reports], args.out)}")
         return 0
     if args.command == "make":
-        from bench.shapes import write_random_folder
         out = write_random_folder(args.shape, args.out, seed=args.seed, dtype=args.dtype,
                                   shard_bytes=max(1, int(args.shard_gb * GB)), layers=args.layers)
-        from bench.shapes import human
         print(f"wrote {out}: {human(folder_bytes(out), 'B')}")
         return 0
     if args.command == "decode":
