@@ -37,6 +37,7 @@ import numpy as np
 
 from bench import stats
 from bench.variants import BASELINE, SIZES, VARIANTS, GraphInfo, capacity_for, quantized_name
+from core.errors import ArgumentParser, UsageError, float_in, int_in, nonnegative_int, run_cli, seed_int
 
 ONNX_BACKENDS = ("ort", "trt")
 ALL_BACKENDS = ("ort", "torch", "torch-cuda", "trt")
@@ -318,7 +319,6 @@ def build_models(s: Settings, cache: Path, jobs: int) -> Builds:
 # --- CLI -------------------------------------------------------------------------------------------
 
 def _parser():
-    from core.errors import ArgumentParser, float_in, int_in, nonnegative_int, seed_int
     p = ArgumentParser(prog="python -m bench.decode", description=__doc__.split("\n\n")[1])
     p.add_argument("--out", type=Path, help="results directory (results.json, results.md, *.png, cache/)")
     p.add_argument("--quick", action="store_true", help="sizes 1M,8M; ort+torch; batch 1; 32 new tokens; 3 rounds")
@@ -358,7 +358,6 @@ def _parser():
 
 
 def _csv(value, default, known=None, what=""):
-    from core.errors import UsageError
     items = [x.strip() for x in (value.split(",") if value else default) if x.strip()]
     if not items:
         raise UsageError(f"--{what}s {value!r}: expected a comma list, found nothing; see --help")
@@ -370,7 +369,6 @@ def _csv(value, default, known=None, what=""):
 
 
 def _batches(value, default) -> list[int]:
-    from core.errors import UsageError
     items = _csv(value, default, what="batche")
     try:
         batches = [int(b) for b in items]
@@ -435,7 +433,6 @@ def unavailable(wanted: list[str], peers: list[str]) -> dict[str, str]:
 
 def settings_from(args) -> Settings:
     """The command line's lists and defaults (--quick's among them), checked; what cannot run here left out."""
-    from core.errors import UsageError
     q = args.quick
     names = _csv(args.variants, list(VARIANTS), VARIANTS, "variant")
     if BASELINE not in names:
@@ -562,7 +559,6 @@ def list_models() -> None:
 
 
 def main(argv=None) -> int:
-    from core.errors import run_cli
     return run_cli(run, argv)
 
 
@@ -577,7 +573,6 @@ def run(argv) -> int:
         list_models()
         return 0
     if args.out is None:
-        from core.errors import UsageError
         raise UsageError("python -m bench.decode: --out DIR is required (where results.json, results.md and the plots go)")
     s = settings_from(args)
     out, cache = claim_outputs(args)

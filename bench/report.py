@@ -20,6 +20,7 @@ from pathlib import Path
 from bench import stats
 from bench.targets import TARGETS
 from bench.variants import BASELINE, REMOVES, quantized_name, split_name
+from core.errors import ArgumentParser, UserError, run_cli
 
 FUSED = "internal-taper-fused"
 SHORT = {"rmsnorm-strong": "strong", "rmsnorm-plain": "plain", "internal-taper-unfused": "int-taper unfused",
@@ -517,7 +518,6 @@ def write_reports(results: dict, out: Path) -> dict:
 
 
 def run(argv: list[str]) -> int:
-    from core.errors import ArgumentParser, UserError
     from core.inputs import read_json_file
     from core.outputs import BENCH_RESULTS, claim_dir
     ap = ArgumentParser(prog="python -m bench.report",
@@ -539,7 +539,6 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-    from core.errors import run_cli
     return run_cli(run, argv)
 
 

@@ -46,6 +46,7 @@ import numpy as np
 
 from bench import stats
 from bench.shapes import DTYPES, folder_config, folder_matches, human, resolve_shape, tensor_specs, write_random_folder
+from core.errors import ArgumentParser, UsageError, UserError, float_in, int_in, positive_int, run_cli
 
 GRAPHS = ("model.int4.onnx", "model.int8.onnx", "model.fused.onnx", "model.onnx")    # decoded: the first found
 PEERS = ("genai",)
@@ -177,7 +178,6 @@ def graph_of(build: Path) -> Path | None:
 
 def parse_options(text: str) -> dict[str, list[str]]:
     """'name=--fuse --quantize int4;fp32=--fuse' -> {name: build args}."""
-    from core.errors import UsageError
     options = {}
     for item in (s.strip() for s in text.split(";")):
         if not item:
@@ -217,7 +217,6 @@ def genai_build(inp: Path, out: Path, cache: Path, cap_bytes: int = 0) -> dict:
     into a temporary sibling renamed into place when it succeeds: a failed or stopped build leaves
     nothing that the next run would have to be told about."""
     import shutil
-    from core.errors import UserError
     if out.exists() and not (out / "genai_config.json").is_file():
         raise UserError(f"{out}: exists and is no GenAI build (no genai_config.json); move it away or use another --work")
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -344,7 +343,6 @@ def bench_shape(spec: str, options: dict[str, list[str]], args, log=print) -> di
 def run_bench(args) -> int:
     import platform
     from bench.runners import machine_info
-    from core.errors import UsageError, UserError
     from core.outputs import REPORT_JSON, check_output_file, write_json
     options = parse_options(args.options or "") if args.options is not None or not args.peers else {}
     specs = [s.strip() for s in args.shapes.split(",") if s.strip()]
@@ -416,7 +414,6 @@ def plot(reports: list[dict], out: Path) -> Path:
 
 
 def run(argv: list[str]) -> int:
-    from core.errors import ArgumentParser, float_in, int_in, positive_int
     p = ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[1])
     sub = p.add_subparsers(dest="command", required=True)
     mk = sub.add_parser("make", help="write a random-init Hugging Face folder of a real shape")
@@ -468,7 +465,6 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-    from core.errors import run_cli
     return run_cli(run, argv)
 
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import stats
+from core.errors import ArgumentParser, UsageError, UserError, float_in, int_in, run_cli
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 PROMPTS = [
@@ -65,7 +66,6 @@ def default_requests(concurrency: int) -> int:
 
 
 def check_loopback(url: str) -> str:
-    from core.errors import UsageError
     from runtime.triton.client import check_url
     check_url(url)
     host = url.rpartition(":")[0]
@@ -319,7 +319,6 @@ def plot(results: dict, out: Path) -> Path:
 # --- CLI -------------------------------------------------------------------------------------------
 
 def _parser():
-    from core.errors import ArgumentParser, float_in, int_in
     p = ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n\n")[1])
     p.add_argument("--url", required=True, help="HOST:PORT of the server's gRPC endpoint, on this machine")
     p.add_argument("--concurrency", default=DEFAULT_CONCURRENCY,
@@ -339,7 +338,6 @@ def _parser():
 
 
 def _levels(value: str) -> list[int]:
-    from core.errors import UsageError
     try:
         levels = [int(x) for x in value.split(",") if x.strip()]
     except ValueError:
@@ -351,7 +349,6 @@ def _levels(value: str) -> list[int]:
 
 
 def _prompts(path: str | None) -> list[str]:
-    from core.errors import UserError
     from core.inputs import read_text_file
     if path is None:
         return list(PROMPTS)
@@ -454,7 +451,6 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from core.errors import run_cli
     return run_cli(run, argv)
 
 

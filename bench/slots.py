@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from bench import stats
+from core.errors import ArgumentParser, int_in, run_cli
 
 
 def measure(model: str, slots: int, prompt: int, threads: int, rounds: int) -> dict:
@@ -95,7 +96,6 @@ def markdown(result: dict) -> str:
 
 
 def _parser():
-    from core.errors import ArgumentParser, int_in
     p = ArgumentParser(prog="python -m bench.slots", description=__doc__.split("\n\n")[1].split("\n")[0])
     p.add_argument("--model", required=True, help="build directory or .onnx file (the ort backend, CPU)")
     p.add_argument("--slots", type=int_in(2, 256), default=16, help="slots of the pool (default 16)")
@@ -124,7 +124,6 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from core.errors import run_cli
     return run_cli(run, argv)
 
 
