@@ -36,8 +36,14 @@ from pathlib import Path
 import numpy as np
 
 from bench import stats
-from bench.variants import BASELINE, SIZES, VARIANTS, GraphInfo, capacity_for, quantized_name
+from bench.genai import PRECISIONS, GenAIRunner, build_genai, build_ours_genai, genai_status
+from bench.runners import (HFRunner, PlainOrtRunner, SessionRunner, machine_info, make_ort_session, peak_rss_bytes,
+                           versions)
+from bench.variants import (BASELINE, SIZES, VARIANTS, GraphInfo, base_model, build_onnx, capacity_for, config_for,
+                            quantized_name, torch_variant, weight_bytes_torch)
 from core.errors import ArgumentParser, UsageError, float_in, int_in, nonnegative_int, run_cli, seed_int
+from core.outputs import (BENCH_CACHE, BENCH_RESULTS, check_output_dir, claim_dir, marker_kind, replace_file_in,
+                          write_marker)
 
 ONNX_BACKENDS = ("ort", "trt")
 ALL_BACKENDS = ("ort", "torch", "torch-cuda", "trt")
@@ -114,7 +120,6 @@ class WorkerSpec:
 
 def onnx_runners(spec: WorkerSpec) -> list:
     """Our runners over the built graphs (quantized graphs, com.microsoft MatMulNBits, on ONNX Runtime only)."""
-    from bench.runners import SessionRunner, make_ort_session
     s = spec.settings
     dtypes = s.dtypes if spec.backend == "ort" else ["fp32"]
     names = [quantized_name(n, d) for n in s.variants for d in dtypes if quantized_name(n, d) in spec.onnx]
@@ -133,8 +138,6 @@ def onnx_runners(spec: WorkerSpec) -> list:
 
 def torch_runners(spec: WorkerSpec) -> list:
     """Our runners on torch eager: each variant's model (bench.variants.torch_variant)."""
-    from bench.runners import SessionRunner
-    from bench.variants import base_model, torch_variant, weight_bytes_torch
     from runtime.torch_session import TorchSession
     device = "cuda" if spec.backend == "torch-cuda" else "cpu"
     bases, out = {}, []
@@ -150,7 +153,6 @@ def torch_runners(spec: WorkerSpec) -> list:
 
 def peer_runners(spec: WorkerSpec) -> list:
     """The peers beside our ONNX backends (and torch-cuda on a GPU); on CPU once, in the ort worker."""
-    from bench.runners import HFRunner, PlainOrtRunner
     device = "cuda" if spec.backend in ("torch-cuda", "trt") else "cpu"
     s, out = spec.settings, []
     peers = s.cell_peers(spec.backend)
@@ -160,7 +162,6 @@ def peer_runners(spec: WorkerSpec) -> list:
         info = spec.onnx[BASELINE]
         out.append(PlainOrtRunner(info.path, s.threads, info.weight_bytes))
     if "genai" in peers:
-        from bench.genai import GenAIRunner
         out += [GenAIRunner(info, s.threads) for info in spec.genai.values()]
     return out
 
@@ -209,7 +210,6 @@ def batch_cell(spec: WorkerSpec, runners: list, batch: int) -> dict:
 def worker(spec: WorkerSpec) -> dict:
     """The cell's raw timings (JSON: the worker process's answer)."""
     import torch
-    from bench.runners import peak_rss_bytes
     torch.set_num_threads(spec.settings.threads)
     t_start = time.perf_counter()
     ours = onnx_runners(spec) if spec.backend in ONNX_BACKENDS else torch_runners(spec)
@@ -228,7 +228,6 @@ def worker(spec: WorkerSpec) -> dict:
 
 def run_worker(spec: WorkerSpec, workdir: Path) -> dict:
     """Run `worker(spec)` in a fresh process (its own peak RSS, no state shared between cells)."""
-    from core.outputs import replace_file_in
     spec_path = workdir / f"spec-{spec.size}-{spec.backend}.json"
     out_path = spec_path.with_name(spec_path.name.replace("spec-", "cell-"))
     replace_file_in(workdir, spec_path.name, json.dumps(spec.to_json()))
@@ -251,7 +250,6 @@ class Builds:
 
 def _build_task(args):
     size, names, cap, cache, seed, dtypes, attention, verify = args
-    from bench.variants import build_onnx
     return size, build_onnx(size, names, cap, Path(cache), seed, dtypes=dtypes, attention=attention, verify=verify)
 
 
@@ -259,7 +257,6 @@ def build_genai_all(sizes, dtypes, cap, cache: Path, seed: int, verify: bool = T
     """Per size and dtype GenAI has (fp32, int4): GenAI's own build and GenAI's folder of our folded
     graph (bench.genai.build_ours_genai); ({size: {runner name: info}}, {what: why not} for what
     could not be built)."""
-    from bench.genai import PRECISIONS, build_genai, build_ours_genai
     out, skipped = {s: {} for s in sizes}, {}
     for size in sizes:
         for precision in [d for d in dtypes if d in PRECISIONS]:
@@ -423,7 +420,6 @@ def unavailable(wanted: list[str], peers: list[str]) -> dict[str, str]:
         peers.remove("hf-generate")
         skipped["hf-generate"] = "transformers is not installed (pip install 'tapernorm-deploy[hf]')"
     if "genai" in peers:
-        from bench.genai import genai_status
         why = genai_status() or (None if "ort" in wanted else "genai runs beside the ort backend, not asked for")
         if why:
             peers.remove("genai")
@@ -469,7 +465,6 @@ def default_attention(backends: list[str], sizes: list[str]) -> str:
 
 def claim_outputs(args) -> tuple[Path, Path]:
     """(results directory, build cache), both checked before either is created: nothing half-written."""
-    from core.outputs import BENCH_CACHE, BENCH_RESULTS, check_output_dir, claim_dir, marker_kind, write_marker
     if args.cache is not None:
         check_output_dir(args.cache, BENCH_CACHE, option="--cache")
     out = claim_dir(args.out, BENCH_RESULTS)
@@ -501,7 +496,6 @@ class Run:
 
     def results(self, complete: bool) -> dict:
         """results.json's content (format 1; bench.report adds the summary)."""
-        from bench.runners import versions
         s, b = self.settings, self.builds
         return {
             "format": 1, "started": self.started, "wall_s": round(time.perf_counter() - self.t_start, 1),
@@ -548,7 +542,6 @@ def run_cells(run: Run) -> None:
 
 
 def list_models() -> None:
-    from bench.variants import config_for
     from models.decoder import Decoder
     import torch
     for s in SIZES:
@@ -566,7 +559,6 @@ def run(argv) -> int:
     args = _parser().parse_args(argv)
     if args.worker:         # the process boundary: a WorkerSpec in, the cell's timings out, as JSON
         result = worker(WorkerSpec.from_json(json.loads(args.worker.read_text())))
-        from core.outputs import replace_file_in
         replace_file_in(args.worker_out.parent, args.worker_out.name, json.dumps(result))
         return 0
     if args.list:
@@ -584,7 +576,6 @@ def run(argv) -> int:
     if not s.verify:
         print("  verification OFF (--no-verify): no graph is checked against torch, nor a quantized one against its "
               "fp32 graph; results.json says settings.verify false", flush=True)
-    from bench.runners import machine_info
     r.machine = machine_info()
     r.bandwidth = read_bandwidth(s.bandwidth_gib, 5, s.threads)
     print("  read bandwidth: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in r.bandwidth.items()), flush=True)

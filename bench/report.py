@@ -21,6 +21,7 @@ from bench import stats
 from bench.targets import TARGETS
 from bench.variants import BASELINE, REMOVES, quantized_name, split_name
 from core.errors import ArgumentParser, UserError, run_cli
+from core.outputs import BENCH_RESULTS, claim_dir, png_signature_metadata, replace_file_in
 
 FUSED = "internal-taper-fused"
 SHORT = {"rmsnorm-strong": "strong", "rmsnorm-plain": "plain", "internal-taper-unfused": "int-taper unfused",
@@ -479,7 +480,6 @@ def plots(results: dict, summary: dict, out: Path) -> list[Path]:
 def _save_figure(fig, out: Path, name: str) -> Path:
     """A signed PNG, replaced atomically inside the results directory (ours: it carries the marker)."""
     import io
-    from core.outputs import png_signature_metadata, replace_file_in
     buf = io.BytesIO()
     fig.savefig(buf, dpi=110, format="png", metadata=png_signature_metadata())
     return replace_file_in(out, name, buf.getvalue())
@@ -507,7 +507,6 @@ def _clean(x):
 
 def write_reports(results: dict, out: Path) -> dict:
     """results.json, results.md and the plots, each replaced atomically inside `out` (a results directory)."""
-    from core.outputs import replace_file_in
     out = Path(out)
     summary = summarize(results)
     results = dict(results, summary=_clean(summary))
@@ -519,7 +518,6 @@ def write_reports(results: dict, out: Path) -> dict:
 
 def run(argv: list[str]) -> int:
     from core.inputs import read_json_file
-    from core.outputs import BENCH_RESULTS, claim_dir
     ap = ArgumentParser(prog="python -m bench.report",
                         description="tables and plots from a results.json of python -m bench.decode")
     ap.add_argument("dir", type=Path, help="a results directory of python -m bench.decode")

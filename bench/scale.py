@@ -47,6 +47,8 @@ import numpy as np
 from bench import stats
 from bench.shapes import DTYPES, folder_config, folder_matches, human, resolve_shape, tensor_specs, write_random_folder
 from core.errors import ArgumentParser, UsageError, UserError, float_in, int_in, positive_int, run_cli
+from core.outputs import (FIGURE, REPORT_JSON, SCALE_FOLDER, check_output_file, output_dir, output_file,
+                          png_signature_metadata, write_json)
 
 GRAPHS = ("model.int4.onnx", "model.int8.onnx", "model.fused.onnx", "model.onnx")    # decoded: the first found
 PEERS = ("genai",)
@@ -200,7 +202,6 @@ def parse_options(text: str) -> dict[str, list[str]]:
 
 def genai_input(folder: Path, out: Path) -> Path:
     """The folder's files (linked) plus a tokenizer: GenAI's builder loads one and fails without it."""
-    from core.outputs import SCALE_FOLDER, output_dir
     from bench.genai import TOKENIZER
     from transformers import PreTrainedTokenizerFast
     with output_dir(out, SCALE_FOLDER, inputs=[folder]) as tmp:
@@ -343,7 +344,6 @@ def bench_shape(spec: str, options: dict[str, list[str]], args, log=print) -> di
 def run_bench(args) -> int:
     import platform
     from bench.runners import machine_info
-    from core.outputs import REPORT_JSON, check_output_file, write_json
     options = parse_options(args.options or "") if args.options is not None or not args.peers else {}
     specs = [s.strip() for s in args.shapes.split(",") if s.strip()]
     names = [resolve_shape(s)[0] for s in specs]            # one error line before any work
@@ -388,7 +388,6 @@ def plot(reports: list[dict], out: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from core.outputs import FIGURE, output_file, png_signature_metadata
     rows = [(f"{sh['name']}\n{name}", o["summary"]) for r in reports for sh in r["shapes"]
             for name, o in sh["options"].items()]
     fig, axes = plt.subplots(1, len(PLOTTED), figsize=(4.2 * len(PLOTTED), 0.45 * len(rows) + 1.6))

@@ -42,6 +42,8 @@ from pathlib import Path
 
 from bench import stats
 from core.errors import ArgumentParser, UsageError, UserError, float_in, int_in, run_cli
+from core.outputs import SERVE_RESULTS, check_output_dir, claim_dir, png_signature_metadata, replace_file_in
+from runtime.triton.client import StreamingClient, check_url
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 PROMPTS = [
@@ -66,7 +68,6 @@ def default_requests(concurrency: int) -> int:
 
 
 def check_loopback(url: str) -> str:
-    from runtime.triton.client import check_url
     check_url(url)
     host = url.rpartition(":")[0]
     if host not in LOOPBACK:
@@ -167,7 +168,6 @@ def scheduler_counters(metrics_url: str | None) -> dict[str, float]:
 def run_level(url: str, concurrency: int, requests: int, prompts: list[str], max_new_tokens: int,
               model: str, timeout_s: float) -> dict:
     """c closed-loop clients until `requests` are done: raw per-request timings."""
-    from runtime.triton.client import StreamingClient
     lock = threading.Lock()
     issued = [0]
     records: list[dict] = []
@@ -292,7 +292,6 @@ def plot(results: dict, out: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from core.outputs import png_signature_metadata, replace_file_in
     levels = results["levels"]
     cs = [lv["concurrency"] for lv in levels]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -399,7 +398,6 @@ class ServeRun:
                                    "error": x["error"]} for x in r["records"]] for r in self.raw[c]] for c in done}}
 
     def write(self) -> None:
-        from core.outputs import replace_file_in
         results = self.results()
         replace_file_in(self.out, "results.json", json.dumps(results, indent=1) + "\n")
         replace_file_in(self.out, "results.md", markdown(results))
@@ -409,8 +407,6 @@ class ServeRun:
 
 def run(argv: list[str] | None = None) -> int:
     from bench.runners import machine_info
-    from core.outputs import SERVE_RESULTS, check_output_dir, claim_dir
-    from runtime.triton.client import StreamingClient
     args = _parser().parse_args(argv)
     url = check_loopback(args.url)
     if args.metrics_url is not None:

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from core.outputs import replace_file_in, replaced_file_in, sign_onnx
 from models.decoder import Decoder, DecoderConfig
 from models.fold import FOLDED_NORM_CLASSES, fold_norms
 from models.norms import DyT, LayerNorm, RMSNorm, TaperNorm
@@ -428,7 +429,6 @@ class ModelGraphs:
     def quantized(self, name: str, path: Path, proto, dtype: str, fp32: GraphInfo) -> GraphInfo:
         """The fused graph's weights in `dtype` (export.quantize: rtn, block 32, accuracy level 4), built once."""
         from core.contract import load_onnx
-        from core.outputs import replaced_file_in
         from export.quantize import QuantConfig
         qname = quantized_name(name, dtype)
         qpath = path.with_name(path.name.replace(f"-{name}-", f"-{qname}-"))
@@ -457,14 +457,12 @@ class ModelGraphs:
 def write_graph(cache: Path, name: str, proto) -> None:
     """A graph into the cache: core.onnx_writer, signed, replaced atomically (core.outputs)."""
     from core.onnx_writer import save_onnx
-    from core.outputs import replaced_file_in, sign_onnx
     with replaced_file_in(cache, name) as tmp:
         save_onnx(sign_onnx(proto), tmp)
 
 
 def write_meta(cache: Path, path: Path, info: GraphInfo) -> None:
     """A cache entry's meta file, written after its graph (an entry is served only when both are there)."""
-    from core.outputs import replace_file_in
     replace_file_in(cache, path.with_suffix(".json").name, json.dumps(info.to_json(), indent=1))
 
 
