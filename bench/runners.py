@@ -313,9 +313,8 @@ class HFRunner(Runner):
         self.model = GPT2LMHeadModel(cfg).eval().to(self.device)
         self.model.generation_config.eos_token_id = None
         self.model.generation_config.pad_token_id = 0
-        params = {id(p): p for p in self.model.parameters()}
-        wpe = self.model.transformer.wpe.weight
-        self.weight_bytes = sum(p.numel() * p.element_size() for k, p in params.items() if k != id(wpe))
+        wpe = self.model.transformer.wpe.weight         # parameters() yields the tied head's weight once
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p is not wpe)
         self.impl = getattr(self.model.config, "_attn_implementation", None)
 
     def generate(self, prompts, n):
