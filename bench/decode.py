@@ -568,7 +568,7 @@ def run(argv) -> int:
         raise UsageError("python -m bench.decode: --out DIR is required (where results.json, results.md and the plots go)")
     s = settings_from(args)
     out, cache = claim_outputs(args)
-    command = "python -m bench.decode " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = "python -m bench.decode " + shlex.join(sys.argv[1:] if argv is None else argv)
     r = Run(s, command, out)
     print(f"bench.decode: sizes {s.sizes}, backends {s.backends}, batches {s.batches}, prompt {s.prompt}, "
           f"{s.new_tokens} new tokens, {s.rounds} rounds, {s.threads} threads, {s.attention} attention; "

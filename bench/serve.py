@@ -421,7 +421,7 @@ def run(argv: list[str] | None = None) -> int:
                 "requests": {c: args.requests or default_requests(c) for c in levels},
                 "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "warmup": args.warmup, "prompts": prompts}
     sr = ServeRun(claim_dir(args.out, SERVE_RESULTS), time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                  "python -m bench.serve " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+                  "python -m bench.serve " + shlex.join(sys.argv[1:] if argv is None else argv),
                   machine_info(gpu=False), listening_pid(int(url.rpartition(":")[2])), settings, levels)
     print(f"bench.serve: {url} levels {levels}, {args.rounds} round(s), {args.max_new_tokens} new tokens per request; "
           f"server pid {sr.pid if sr.pid is not None else 'not visible (no RSS)'}", flush=True)

@@ -114,7 +114,7 @@ def run(argv: list[str] | None = None) -> int:
     loadavg = list(os.getloadavg())
     result = measure(args.model, args.slots, args.prompt, args.threads, args.rounds)
     result.update(settings={"slots": args.slots, "prompt": args.prompt, "threads": args.threads, "rounds": args.rounds},
-                  command="python -m bench.slots " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+                  command="python -m bench.slots " + shlex.join(sys.argv[1:] if argv is None else argv),
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   loadavg={"start": loadavg, "end": list(os.getloadavg())})
     print(markdown(result))
