@@ -21,7 +21,7 @@ from bench import stats
 from bench.targets import TARGETS
 from bench.variants import BASELINE, REMOVES, quantized_name, split_name
 from core.errors import ArgumentParser, UserError, run_cli
-from core.outputs import BENCH_RESULTS, claim_dir, png_signature_metadata, replace_file_in
+from core.outputs import BENCH_RESULTS, claim_dir, png_signature_metadata, replace_file_in, replaced_file_in
 
 FUSED = "internal-taper-fused"
 SHORT = {"rmsnorm-strong": "strong", "rmsnorm-plain": "plain", "internal-taper-unfused": "int-taper unfused",
@@ -479,10 +479,9 @@ def plots(results: dict, summary: dict, out: Path) -> list[Path]:
 
 def _save_figure(fig, out: Path, name: str) -> Path:
     """A signed PNG, replaced atomically inside the results directory (ours: it carries the marker)."""
-    import io
-    buf = io.BytesIO()
-    fig.savefig(buf, dpi=110, format="png", metadata=png_signature_metadata())
-    return replace_file_in(out, name, buf.getvalue())
+    with replaced_file_in(out, name) as tmp:
+        fig.savefig(tmp, dpi=110, format="png", metadata=png_signature_metadata())
+    return out / name
 
 
 def _legend(axes, loc) -> None:

@@ -384,7 +384,6 @@ PLOTTED = (("peak_rss_gb", "build peak resident GB"), ("wall_s", "build wall s")
 def plot(reports: list[dict], out: Path) -> Path:
     """One bar per (shape, option) of the reports, median with its min-max, for build peak memory,
     build time and decode speed; a bar is missing where that row has no number (bf16 decode)."""
-    import io
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -404,11 +403,9 @@ def plot(reports: list[dict], out: Path) -> Path:
     starts = ", ".join(sorted({r["started"][:16] for r in reports}))
     fig.suptitle(f"bench.scale (median, min-max over rounds; orange: ONNX Runtime GenAI's builder), {starts}", fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, dpi=110, format="png", metadata=png_signature_metadata())
-    plt.close(fig)
     with output_file(out, FIGURE) as tmp:
-        tmp.write_bytes(buf.getvalue())
+        fig.savefig(tmp, dpi=110, format="png", metadata=png_signature_metadata())
+    plt.close(fig)
     return out
 
 

@@ -42,7 +42,8 @@ from pathlib import Path
 
 from bench import stats
 from core.errors import ArgumentParser, UsageError, UserError, float_in, int_in, run_cli
-from core.outputs import SERVE_RESULTS, check_output_dir, claim_dir, png_signature_metadata, replace_file_in
+from core.outputs import (SERVE_RESULTS, check_output_dir, claim_dir, png_signature_metadata, replace_file_in,
+                          replaced_file_in)
 from runtime.triton.client import StreamingClient, check_url
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
@@ -288,7 +289,6 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict, out: Path) -> Path:
-    import io
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -309,10 +309,10 @@ def plot(results: dict, out: Path) -> Path:
     fig.suptitle(f"bench.serve {results['started']}, {results['settings']['max_new_tokens']} new tokens per request",
                  fontsize=9)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, dpi=110, format="png", metadata=png_signature_metadata())
+    with replaced_file_in(out, "serve.png") as tmp:
+        fig.savefig(tmp, dpi=110, format="png", metadata=png_signature_metadata())
     plt.close(fig)
-    return replace_file_in(out, "serve.png", buf.getvalue())
+    return out / "serve.png"
 
 
 # --- CLI -------------------------------------------------------------------------------------------
