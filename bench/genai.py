@@ -29,8 +29,8 @@ import numpy as np
 from bench.runners import Runner, Timing
 from core.outputs import BENCH_CACHE, output_dir, replace_file_in
 
-PRECISIONS = ("fp32", "int4")
-OURS_VARIANT = "all-taper-fused"       # every norm folded away: the graph GenAI's own builder cannot make      # what the builder's -p takes that we compare (int8 is not a CPU option)
+PRECISIONS = ("fp32", "int4")          # what the builder's -p takes that we compare (int8 is not a CPU option)
+OURS_VARIANT = "all-taper-fused"       # every norm folded away: the graph GenAI's own builder cannot make
 TOKENIZER = Path(__file__).resolve().parent.parent / "train" / "data" / "tokenizer.json"
 
 
