@@ -278,12 +278,11 @@ def build_all(sizes, names, cap, cache: Path, seed: int, jobs: int, dtypes=("fp3
     """ONNX for every (size, variant), `jobs` export processes at a time; grouped by model
     (Variant.model_key) so internal-taper's unfused and fused graphs share one export."""
     import multiprocessing as mp
-    groups: list[tuple] = []
-    for size in sizes:
-        by_model: dict[tuple, list[str]] = {}
-        for n in names:
-            by_model.setdefault(VARIANTS[n].model_key, []).append(n)
-        groups += [(size, g, cap, str(cache), seed, list(dtypes), attention, verify) for g in by_model.values()]
+    by_model: dict[tuple, list[str]] = {}
+    for n in names:
+        by_model.setdefault(VARIANTS[n].model_key, []).append(n)
+    groups = [(size, g, cap, str(cache), seed, list(dtypes), attention, verify)
+              for size in sizes for g in by_model.values()]
     out: dict[str, dict] = {s: {} for s in sizes}
     if jobs <= 1:
         for size, infos in map(_build_task, groups):
