@@ -24,7 +24,6 @@ guard_startup(__name__)     # before the imports below: a Ctrl-C while they load
 
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -37,7 +36,14 @@ from pathlib import Path
 import numpy as np
 
 from bench import stats
-from bench.variants import BASELINE, SIZES, VARIANTS, GraphInfo, capacity_for, quantized_name
+from bench.genai import PRECISIONS, GenAIRunner, build_genai, build_ours_genai, genai_status
+from bench.runners import (HFRunner, PlainOrtRunner, SessionRunner, machine_info, make_ort_session, peak_rss_bytes,
+                           versions)
+from bench.variants import (BASELINE, SIZES, VARIANTS, GraphInfo, base_model, build_onnx, capacity_for, config_for,
+                            quantized_name, torch_variant, weight_bytes_torch)
+from core.errors import ArgumentParser, UsageError, float_in, int_in, nonnegative_int, run_cli, seed_int
+from core.outputs import (BENCH_CACHE, BENCH_RESULTS, check_output_dir, claim_dir, marker_kind, replace_file_in,
+                          write_marker)
 
 ONNX_BACKENDS = ("ort", "trt")
 ALL_BACKENDS = ("ort", "torch", "torch-cuda", "trt")
@@ -73,29 +79,6 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5, threads: int = 1) -> dict
     return out
 
 
-def machine_info() -> dict:
-    cpu = "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    gpu = None
-    try:
-        import torch
-        if torch.cuda.is_available():
-            gpu = torch.cuda.get_device_name(0)
-    except Exception:
-        pass
-    from bench.runners import threads_default
-    return {"cpu": cpu, "cores": threads_default(), "memory_gib": round(mem / 2**30, 1), "gpu": gpu,
-            "platform": platform.platform(), "python": platform.python_version(),
-            "loadavg_start": list(os.getloadavg())}
-
-
 def backend_status(name: str) -> str | None:
     """None when the backend can run here, else why not."""
     if name in ("ort", "torch"):
@@ -118,42 +101,33 @@ def backend_status(name: str) -> str | None:
 
 @dataclass
 class WorkerSpec:
-    """What one worker process runs: one (size, backend) cell. It crosses the process boundary as
-    JSON (to_json / from_json) and is typed on both sides."""
+    """What one worker process runs: one (size, backend) cell of the run's settings. It crosses the
+    process boundary as JSON (to_json / from_json) and is typed on both sides."""
     size: str
     backend: str
-    variants: list[str]
+    settings: Settings
     onnx: dict[str, GraphInfo]          # runner name -> built graph (bench.variants.build_onnx)
     genai: dict[str, dict]              # GenAI peers' infos (bench.genai)
-    batches: list[int]
-    prompt: int
-    new_tokens: int
-    rounds: int
-    threads: int
-    profile_steps: int
-    peers: list[str]
-    capacity: int
-    seed: int
-    dtypes: list[str]
 
     def to_json(self) -> dict:
         return {**asdict(self), "onnx": {k: v.to_json() for k, v in self.onnx.items()}}
 
     @classmethod
     def from_json(cls, data: dict) -> "WorkerSpec":
-        return cls(**{**data, "onnx": {k: GraphInfo.from_json(v) for k, v in data["onnx"].items()}})
+        return cls(**{**data, "settings": Settings(**data["settings"]),
+                      "onnx": {k: GraphInfo.from_json(v) for k, v in data["onnx"].items()}})
 
 
 def onnx_runners(spec: WorkerSpec) -> list:
     """Our runners over the built graphs (quantized graphs, com.microsoft MatMulNBits, on ONNX Runtime only)."""
-    from bench.runners import SessionRunner, make_ort_session
-    dtypes = spec.dtypes if spec.backend == "ort" else ["fp32"]
-    names = [quantized_name(n, d) for n in spec.variants for d in dtypes if quantized_name(n, d) in spec.onnx]
+    s = spec.settings
+    dtypes = s.dtypes if spec.backend == "ort" else ["fp32"]
+    names = [quantized_name(n, d) for n in s.variants for d in dtypes if quantized_name(n, d) in spec.onnx]
     out = []
     for name in names:
         info = spec.onnx[name]
         if spec.backend == "ort":
-            make = make_ort_session(info.path, "cpu", spec.threads)
+            make = make_ort_session(info.path, "cpu", s.threads)
         else:
             from runtime.backends import open_session
             make = lambda pd, p=info.path: open_session("trt", p)  # noqa: E731
@@ -164,15 +138,13 @@ def onnx_runners(spec: WorkerSpec) -> list:
 
 def torch_runners(spec: WorkerSpec) -> list:
     """Our runners on torch eager: each variant's model (bench.variants.torch_variant)."""
-    from bench.runners import SessionRunner
-    from bench.variants import base_model, torch_variant, weight_bytes_torch
     from runtime.torch_session import TorchSession
     device = "cuda" if spec.backend == "torch-cuda" else "cpu"
     bases, out = {}, []
-    for name in spec.variants:
+    for name in spec.settings.variants:
         v = VARIANTS[name]
         if v.kind not in bases:
-            bases[v.kind] = base_model(spec.size, v.kind, spec.capacity, spec.seed)
+            bases[v.kind] = base_model(spec.size, v.kind, spec.settings.capacity, spec.settings.seed)
         m = torch_variant(v, bases[v.kind][0])
         out.append(SessionRunner(name, lambda pd, m=m: TorchSession(m, device=device), weight_bytes_torch(m)))
         out[-1].source = bases[v.kind][1]
@@ -181,17 +153,16 @@ def torch_runners(spec: WorkerSpec) -> list:
 
 def peer_runners(spec: WorkerSpec) -> list:
     """The peers beside our ONNX backends (and torch-cuda on a GPU); on CPU once, in the ort worker."""
-    from bench.runners import HFRunner, PlainOrtRunner
     device = "cuda" if spec.backend in ("torch-cuda", "trt") else "cpu"
-    out = []
-    if "hf-generate" in spec.peers and spec.backend != "torch":
-        out.append(HFRunner(SIZES[spec.size], spec.capacity, device=device))
-    if "ort-plain" in spec.peers and spec.backend == "ort":
+    s, out = spec.settings, []
+    peers = s.cell_peers(spec.backend)
+    if "hf-generate" in peers:
+        out.append(HFRunner(SIZES[spec.size], s.capacity, device=device))
+    if "ort-plain" in peers:
         info = spec.onnx[BASELINE]
-        out.append(PlainOrtRunner(info.path, spec.threads, info.weight_bytes))
-    if "genai" in spec.peers and spec.backend == "ort":
-        from bench.genai import GenAIRunner
-        out += [GenAIRunner(info, spec.threads) for info in spec.genai.values()]
+        out.append(PlainOrtRunner(info.path, s.threads, info.weight_bytes))
+    if "genai" in peers:
+        out += [GenAIRunner(info, s.threads) for info in spec.genai.values()]
     return out
 
 
@@ -222,14 +193,15 @@ def timed_rounds(runners, prompts: np.ndarray, n: int, rounds: int, log=None) ->
 
 def batch_cell(spec: WorkerSpec, runners: list, batch: int) -> dict:
     """One batch size: the timed rounds, then a profiled decode of each of our runners."""
-    prompts = np.random.default_rng(batch).integers(0, SIZES[spec.size]["vocab_size"], (batch, spec.prompt))
+    s = spec.settings
+    prompts = np.random.default_rng(batch).integers(0, SIZES[spec.size]["vocab_size"], (batch, s.prompt))
     label = f"{spec.size} {spec.backend} b{batch}"
-    cell, order = timed_rounds(runners, prompts, spec.new_tokens, spec.rounds,
+    cell, order = timed_rounds(runners, prompts, s.new_tokens, s.rounds,
                                log=lambda msg: print(f"    {label} {msg}", flush=True))
     for r in runners:
-        if r.kind == "ours" and spec.profile_steps > 0:
+        if r.kind == "ours" and s.profile_steps > 0:
             try:
-                cell[r.name]["profile"] = r.profile(prompts, spec.profile_steps)
+                cell[r.name]["profile"] = r.profile(prompts, s.profile_steps)
             except Exception as e:   # a profiler failure must not lose the timings
                 cell[r.name]["profile"] = {"error": f"{type(e).__name__}: {e}"}
     return {"order": order, "runners": cell}
@@ -238,8 +210,7 @@ def batch_cell(spec: WorkerSpec, runners: list, batch: int) -> dict:
 def worker(spec: WorkerSpec) -> dict:
     """The cell's raw timings (JSON: the worker process's answer)."""
     import torch
-    from bench.runners import peak_rss_bytes
-    torch.set_num_threads(spec.threads)
+    torch.set_num_threads(spec.settings.threads)
     t_start = time.perf_counter()
     ours = onnx_runners(spec) if spec.backend in ONNX_BACKENDS else torch_runners(spec)
     runners = ours + peer_runners(spec)
@@ -248,7 +219,7 @@ def worker(spec: WorkerSpec) -> dict:
         r.activate()
         loaded[r.name] = {"kind": r.kind, "weight_bytes": r.weight_bytes, "rss_load_bytes": r.rss_load_bytes,
                           "source": getattr(r, "source", None), "impl": getattr(r, "impl", None)}
-    batches = {str(b): batch_cell(spec, runners, b) for b in spec.batches}
+    batches = {str(b): batch_cell(spec, runners, b) for b in spec.settings.batches}
     for r in runners:
         r.close()
     return {"size": spec.size, "backend": spec.backend, "runners": loaded, "batches": batches,
@@ -257,7 +228,6 @@ def worker(spec: WorkerSpec) -> dict:
 
 def run_worker(spec: WorkerSpec, workdir: Path) -> dict:
     """Run `worker(spec)` in a fresh process (its own peak RSS, no state shared between cells)."""
-    from core.outputs import replace_file_in
     spec_path = workdir / f"spec-{spec.size}-{spec.backend}.json"
     out_path = spec_path.with_name(spec_path.name.replace("spec-", "cell-"))
     replace_file_in(workdir, spec_path.name, json.dumps(spec.to_json()))
@@ -280,7 +250,6 @@ class Builds:
 
 def _build_task(args):
     size, names, cap, cache, seed, dtypes, attention, verify = args
-    from bench.variants import build_onnx
     return size, build_onnx(size, names, cap, Path(cache), seed, dtypes=dtypes, attention=attention, verify=verify)
 
 
@@ -288,7 +257,6 @@ def build_genai_all(sizes, dtypes, cap, cache: Path, seed: int, verify: bool = T
     """Per size and dtype GenAI has (fp32, int4): GenAI's own build and GenAI's folder of our folded
     graph (bench.genai.build_ours_genai); ({size: {runner name: info}}, {what: why not} for what
     could not be built)."""
-    from bench.genai import PRECISIONS, build_genai, build_ours_genai
     out, skipped = {s: {} for s in sizes}, {}
     for size in sizes:
         for precision in [d for d in dtypes if d in PRECISIONS]:
@@ -310,12 +278,11 @@ def build_all(sizes, names, cap, cache: Path, seed: int, jobs: int, dtypes=("fp3
     """ONNX for every (size, variant), `jobs` export processes at a time; grouped by model
     (Variant.model_key) so internal-taper's unfused and fused graphs share one export."""
     import multiprocessing as mp
-    groups: list[tuple] = []
-    for size in sizes:
-        by_model: dict[tuple, list[str]] = {}
-        for n in names:
-            by_model.setdefault(VARIANTS[n].model_key, []).append(n)
-        groups += [(size, g, cap, str(cache), seed, list(dtypes), attention, verify) for g in by_model.values()]
+    by_model: dict[tuple, list[str]] = {}
+    for n in names:
+        by_model.setdefault(VARIANTS[n].model_key, []).append(n)
+    groups = [(size, g, cap, str(cache), seed, list(dtypes), attention, verify)
+              for size in sizes for g in by_model.values()]
     out: dict[str, dict] = {s: {} for s in sizes}
     if jobs <= 1:
         for size, infos in map(_build_task, groups):
@@ -348,7 +315,6 @@ def build_models(s: Settings, cache: Path, jobs: int) -> Builds:
 # --- CLI -------------------------------------------------------------------------------------------
 
 def _parser():
-    from core.errors import ArgumentParser, float_in, int_in, nonnegative_int, seed_int
     p = ArgumentParser(prog="python -m bench.decode", description=__doc__.split("\n\n")[1])
     p.add_argument("--out", type=Path, help="results directory (results.json, results.md, *.png, cache/)")
     p.add_argument("--quick", action="store_true", help="sizes 1M,8M; ort+torch; batch 1; 32 new tokens; 3 rounds")
@@ -388,7 +354,6 @@ def _parser():
 
 
 def _csv(value, default, known=None, what=""):
-    from core.errors import UsageError
     items = [x.strip() for x in (value.split(",") if value else default) if x.strip()]
     if not items:
         raise UsageError(f"--{what}s {value!r}: expected a comma list, found nothing; see --help")
@@ -400,7 +365,6 @@ def _csv(value, default, known=None, what=""):
 
 
 def _batches(value, default) -> list[int]:
-    from core.errors import UsageError
     items = _csv(value, default, what="batche")
     try:
         batches = [int(b) for b in items]
@@ -455,7 +419,6 @@ def unavailable(wanted: list[str], peers: list[str]) -> dict[str, str]:
         peers.remove("hf-generate")
         skipped["hf-generate"] = "transformers is not installed (pip install 'tapernorm-deploy[hf]')"
     if "genai" in peers:
-        from bench.genai import genai_status
         why = genai_status() or (None if "ort" in wanted else "genai runs beside the ort backend, not asked for")
         if why:
             peers.remove("genai")
@@ -465,7 +428,6 @@ def unavailable(wanted: list[str], peers: list[str]) -> dict[str, str]:
 
 def settings_from(args) -> Settings:
     """The command line's lists and defaults (--quick's among them), checked; what cannot run here left out."""
-    from core.errors import UsageError
     q = args.quick
     names = _csv(args.variants, list(VARIANTS), VARIANTS, "variant")
     if BASELINE not in names:
@@ -502,7 +464,6 @@ def default_attention(backends: list[str], sizes: list[str]) -> str:
 
 def claim_outputs(args) -> tuple[Path, Path]:
     """(results directory, build cache), both checked before either is created: nothing half-written."""
-    from core.outputs import BENCH_CACHE, BENCH_RESULTS, check_output_dir, claim_dir, marker_kind, write_marker
     if args.cache is not None:
         check_output_dir(args.cache, BENCH_CACHE, option="--cache")
     out = claim_dir(args.out, BENCH_RESULTS)
@@ -534,7 +495,6 @@ class Run:
 
     def results(self, complete: bool) -> dict:
         """results.json's content (format 1; bench.report adds the summary)."""
-        from bench.runners import versions
         s, b = self.settings, self.builds
         return {
             "format": 1, "started": self.started, "wall_s": round(time.perf_counter() - self.t_start, 1),
@@ -563,11 +523,7 @@ MODEL_FIELDS = ("source", "params", "weight_bytes", "nodes", "op_counts", "build
 
 
 def cell_spec(run: Run, size: str, backend: str) -> WorkerSpec:
-    s = run.settings
-    return WorkerSpec(size=size, backend=backend, variants=s.variants, onnx=run.builds.onnx[size],
-                      genai=run.builds.genai[size], batches=s.batches, prompt=s.prompt, new_tokens=s.new_tokens,
-                      rounds=s.rounds, threads=s.threads, profile_steps=s.profile_steps, peers=s.peers,
-                      capacity=s.capacity, seed=s.seed, dtypes=s.dtypes)
+    return WorkerSpec(size, backend, run.settings, run.builds.onnx[size], run.builds.genai[size])
 
 
 def run_cells(run: Run) -> None:
@@ -585,7 +541,6 @@ def run_cells(run: Run) -> None:
 
 
 def list_models() -> None:
-    from bench.variants import config_for
     from models.decoder import Decoder
     import torch
     for s in SIZES:
@@ -596,7 +551,6 @@ def list_models() -> None:
 
 
 def main(argv=None) -> int:
-    from core.errors import run_cli
     return run_cli(run, argv)
 
 
@@ -604,18 +558,16 @@ def run(argv) -> int:
     args = _parser().parse_args(argv)
     if args.worker:         # the process boundary: a WorkerSpec in, the cell's timings out, as JSON
         result = worker(WorkerSpec.from_json(json.loads(args.worker.read_text())))
-        from core.outputs import replace_file_in
         replace_file_in(args.worker_out.parent, args.worker_out.name, json.dumps(result))
         return 0
     if args.list:
         list_models()
         return 0
     if args.out is None:
-        from core.errors import UsageError
         raise UsageError("python -m bench.decode: --out DIR is required (where results.json, results.md and the plots go)")
     s = settings_from(args)
     out, cache = claim_outputs(args)
-    command = "python -m bench.decode " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = "python -m bench.decode " + shlex.join(sys.argv[1:] if argv is None else argv)
     r = Run(s, command, out)
     print(f"bench.decode: sizes {s.sizes}, backends {s.backends}, batches {s.batches}, prompt {s.prompt}, "
           f"{s.new_tokens} new tokens, {s.rounds} rounds, {s.threads} threads, {s.attention} attention; "

@@ -27,9 +27,10 @@ from pathlib import Path
 import numpy as np
 
 from bench.runners import Runner, Timing
+from core.outputs import BENCH_CACHE, output_dir, replace_file_in
 
-PRECISIONS = ("fp32", "int4")
-OURS_VARIANT = "all-taper-fused"       # every norm folded away: the graph GenAI's own builder cannot make      # what the builder's -p takes that we compare (int8 is not a CPU option)
+PRECISIONS = ("fp32", "int4")          # what the builder's -p takes that we compare (int8 is not a CPU option)
+OURS_VARIANT = "all-taper-fused"       # every norm folded away: the graph GenAI's own builder cannot make
 TOKENIZER = Path(__file__).resolve().parent.parent / "train" / "data" / "tokenizer.json"
 
 
@@ -70,7 +71,6 @@ def build_genai(size: str, shape: dict, capacity: int, precision: str, cache: Pa
     Its folders are written whole or not at all (core.outputs.output_dir, marked as cache entries)."""
     from importlib.metadata import version
     from core.onnx_writer import initializer_bytes
-    from core.outputs import BENCH_CACHE, output_dir, replace_file_in
     from graph_passes.base import op_counts
     out = cache / f"genai-{size}-cap{capacity}-{precision}-seed{seed}-og{version('onnxruntime-genai')}"
     info_path = out.with_name(out.name + ".json")          # (with_suffix would cut the version's ".0")
@@ -104,7 +104,6 @@ def build_ours_genai(size: str, capacity: int, precision: str, cache: Path, seed
     for int4), reused when present; its info (as build_genai's, with the runner's name)."""
     from bench.variants import VARIANTS, base_model, build_onnx, quantized_name
     from core.onnx_writer import save_onnx
-    from core.outputs import BENCH_CACHE, output_dir, replace_file_in
     from export.genai import GENAI_CONFIG, GENAI_GRAPH, genai_config, genai_graph
     out = cache / f"ours-genai-{size}-cap{capacity}-{OURS_VARIANT}-{precision}-seed{seed}"
     info_path = out.with_name(out.name + ".json")
@@ -143,7 +142,6 @@ class GenAIRunner(Runner):
 
     def _activate(self):
         import onnxruntime_genai as og
-        from core.outputs import replace_file_in
         cfg = json.loads((Path(self.path) / "genai_config.json").read_text())
         cfg["model"]["decoder"]["session_options"]["intra_op_num_threads"] = self.threads
         replace_file_in(Path(self.path), "genai_config.json", json.dumps(cfg, indent=1))

@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from bench import stats
+from core.errors import ArgumentParser, UsageError, UserError, int_in, run_cli, seed_int
 
 BASELINE = "rmsnorm-strong"
 FUSED = ("internal-taper-fused", "all-taper-fused")
@@ -117,7 +118,6 @@ def format_cell(size: str, dtype: str, batch: int, cell: dict, device: str = "cu
 
 def _csv(value: str, known, what: str) -> list[str]:
     """The items of a comma list, each one of `known`; UsageError naming the option otherwise."""
-    from core.errors import UsageError
     items = [v.strip() for v in value.split(",") if v.strip()]
     bad = [v for v in items if v not in known]
     if not items or bad:
@@ -127,7 +127,6 @@ def _csv(value: str, known, what: str) -> list[str]:
 
 
 def _batches(value: str) -> list[int]:
-    from core.errors import UsageError
     items = [v.strip() for v in value.split(",") if v.strip()]
     bad = [v for v in items if not (v.isascii() and v.isdigit() and 1 <= int(v) <= 256)]
     if not items or bad:
@@ -137,7 +136,6 @@ def _batches(value: str) -> list[int]:
 
 
 def run(argv: list[str]) -> int:
-    from core.errors import ArgumentParser, UserError, int_in, seed_int
     from bench.variants import SIZES
     p = ArgumentParser(prog="python -m bench.gpu_decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default=",".join(DEFAULT_SIZES), help=f"comma list of {', '.join(SIZES)}")
@@ -168,7 +166,6 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from core.errors import run_cli
     return run_cli(run, argv)
 
 

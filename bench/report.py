@@ -20,6 +20,8 @@ from pathlib import Path
 from bench import stats
 from bench.targets import TARGETS
 from bench.variants import BASELINE, REMOVES, quantized_name, split_name
+from core.errors import ArgumentParser, UserError, run_cli
+from core.outputs import BENCH_RESULTS, claim_dir, png_signature_metadata, replace_file_in, replaced_file_in
 
 FUSED = "internal-taper-fused"
 SHORT = {"rmsnorm-strong": "strong", "rmsnorm-plain": "plain", "internal-taper-unfused": "int-taper unfused",
@@ -61,12 +63,10 @@ def _runner_metrics(raw: dict, batch: int, new_tokens: int, weight_bytes: int, b
          "steps_per_s": steps_per_s, "weight_bytes": weight_bytes,
          "achieved_Bps": achieved, "bandwidth_share": achieved / bw if bw > 0 else float("nan"),
          "bandwidth_share_same_threads": achieved / bw_same if bw_same > 0 else float("nan")}
-    prof = raw.get("profile")
-    if prof and "f" in prof:
+    if prof := raw.get("profile"):
         m["profile"] = prof
-        m["limit_own"] = stats.limit_speedup(prof["f"])
-    elif prof:
-        m["profile"] = prof
+        if "f" in prof:
+            m["limit_own"] = stats.limit_speedup(prof["f"])
     return m
 
 
@@ -211,31 +211,27 @@ def genai_acceptance(cells: list[dict], results: dict) -> list[dict]:
     deployment), batch 1: int4 and fp32 over GenAI of the same dtype; fp32 over the plain ORT
     loop and GenAI fp32 at the small sizes."""
     t = TARGETS["ours_over_genai"]
-    out = []
-    for dtype in ("int4", "fp32"):
-        figs, oks = [], []
-        for c in [c for c in _cells(cells, backend="ort", batch=1) if c["size"] in t.sizes]:
-            for name in (quantized_name(FUSED, dtype), quantized_name(BASELINE, dtype)):
-                got = _ratio_line(c, name, f"genai-{dtype}")
-                if got:
-                    figs.append(got[0])
-                    if name.startswith(FUSED):
-                        oks.append(got[1] >= t.threshold)
-        out.append(_verdict(f"ours {dtype} >= {t.threshold}x GenAI {dtype} tok/s at {t.label}, batch 1 "
-                            f"(judged on int-taper fused)", figs, oks))
+    out = [_over_peers(cells, t, [(quantized_name(n, dtype), f"genai-{dtype}") for n in (FUSED, BASELINE)],
+                       f"ours {dtype} >= {t.threshold}x GenAI {dtype} tok/s at {t.label}, batch 1 "
+                       f"(judged on int-taper fused)") for dtype in ("int4", "fp32")]
     t = TARGETS["ours_over_plain_small"]
+    pairs = [(name, peer) for peer in ("ort-plain", "genai-fp32") for name in (FUSED, BASELINE)]
+    return out + [_over_peers(cells, t, pairs, f"ours fp32 >= {t.threshold}x the plain ORT loop and >= {t.threshold}x "
+                                               f"GenAI fp32 at {t.label}, batch 1 (judged on int-taper fused)")]
+
+
+def _over_peers(cells: list[dict], t, pairs: list[tuple[str, str]], criterion: str) -> dict:
+    """Ours over peers in the ort batch-1 cells at the target's sizes: a figure per (runner, peer)
+    pair measured, judged on internal-taper fused (of any dtype)."""
     figs, oks = [], []
     for c in [c for c in _cells(cells, backend="ort", batch=1) if c["size"] in t.sizes]:
-        for peer in ("ort-plain", "genai-fp32"):
-            for name in (FUSED, BASELINE):
-                got = _ratio_line(c, name, peer)
-                if got:
-                    figs.append(got[0])
-                    if name == FUSED:
-                        oks.append(got[1] >= t.threshold)
-    out.append(_verdict(f"ours fp32 >= {t.threshold}x the plain ORT loop and >= {t.threshold}x GenAI fp32 at "
-                        f"{t.label}, batch 1 (judged on int-taper fused)", figs, oks))
-    return out
+        for name, peer in pairs:
+            got = _ratio_line(c, name, peer)
+            if got:
+                figs.append(got[0])
+                if split_name(name)[0] == FUSED:
+                    oks.append(got[1] >= t.threshold)
+    return _verdict(criterion, figs, oks)
 
 
 def _pct(x: float) -> str:
@@ -479,11 +475,9 @@ def plots(results: dict, summary: dict, out: Path) -> list[Path]:
 
 def _save_figure(fig, out: Path, name: str) -> Path:
     """A signed PNG, replaced atomically inside the results directory (ours: it carries the marker)."""
-    import io
-    from core.outputs import png_signature_metadata, replace_file_in
-    buf = io.BytesIO()
-    fig.savefig(buf, dpi=110, format="png", metadata=png_signature_metadata())
-    return replace_file_in(out, name, buf.getvalue())
+    with replaced_file_in(out, name) as tmp:
+        fig.savefig(tmp, dpi=110, format="png", metadata=png_signature_metadata())
+    return out / name
 
 
 def _legend(axes, loc) -> None:
@@ -508,7 +502,6 @@ def _clean(x):
 
 def write_reports(results: dict, out: Path) -> dict:
     """results.json, results.md and the plots, each replaced atomically inside `out` (a results directory)."""
-    from core.outputs import replace_file_in
     out = Path(out)
     summary = summarize(results)
     results = dict(results, summary=_clean(summary))
@@ -519,9 +512,7 @@ def write_reports(results: dict, out: Path) -> dict:
 
 
 def run(argv: list[str]) -> int:
-    from core.errors import ArgumentParser, UserError
     from core.inputs import read_json_file
-    from core.outputs import BENCH_RESULTS, claim_dir
     ap = ArgumentParser(prog="python -m bench.report",
                         description="tables and plots from a results.json of python -m bench.decode")
     ap.add_argument("dir", type=Path, help="a results directory of python -m bench.decode")
@@ -541,7 +532,6 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-    from core.errors import run_cli
     return run_cli(run, argv)
 
 

@@ -38,15 +38,9 @@ class Timing:
 
 
 def rss_bytes() -> int:
-    """Current resident set size of this process (VmRSS)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    """Current resident set size of this process (VmRSS; 0 where /proc cannot be read)."""
+    from runtime.triton.server import rss_bytes as tree_rss
+    return tree_rss([os.getpid()])
 
 
 def peak_rss_bytes() -> int:
@@ -81,11 +75,9 @@ class SessionRunner(Runner):
     """runtime.generate over a DecoderSession; `make(profile_dir)` returns an inactive session
     (with ONNX Runtime profiling switched on when profile_dir is given)."""
 
-    def __init__(self, name: str, make, weight_bytes: int, norm_nodes: dict | None = None,
-                 torch_model=None):
+    def __init__(self, name: str, make, weight_bytes: int, norm_nodes: dict | None = None):
         self.name, self.make, self.weight_bytes = name, make, weight_bytes
         self.norm_nodes = norm_nodes or {}
-        self.torch_model = torch_model
         self.session = None
 
     def _activate(self) -> None:
@@ -99,31 +91,22 @@ class SessionRunner(Runner):
         return Timing(r.ttft_s, r.step_s, r.total_s, run_s=float(sum(r.engine_s)))   # the session's own engine timing
 
     def profile(self, prompts, steps):
-        if self.session.backend == "ort":
-            return self._profile_ort(prompts, steps)
+        """Norm share of the decode step: torch's on this session; ONNX Runtime's on a second session
+        of the graph with profiling on (its trace in a temporary directory)."""
         if self.session.backend == "torch":
-            return self._profile_torch(prompts, steps)
-        return None
-
-    def _decode_steps(self, session, prompts, steps):
+            return torch_norm_share(self.session, prompts, steps)
+        if self.session.backend != "ort":
+            return None
         from core.decode import DecodeDriver, greedy_tokens
-        session.reset(prompts.shape[0])
-        greedy_tokens(DecodeDriver(session.step, session.spec, prompts.shape[0], owns_caches=True), prompts, steps)
-
-    def _profile_ort(self, prompts, steps):
-        import tempfile
         with tempfile.TemporaryDirectory() as tmp:
             s = self.make(Path(tmp)).activate()
             try:
-                self._decode_steps(s, prompts, steps)
-                trace = s.session.end_profiling()
-                events = json.loads(Path(trace).read_text())
+                s.reset(prompts.shape[0])
+                greedy_tokens(DecodeDriver(s.step, s.spec, prompts.shape[0], owns_caches=True), prompts, steps)
+                events = json.loads(Path(s.session.end_profiling()).read_text())
             finally:
                 s.deactivate()
         return ort_norm_share(events, self.norm_nodes)
-
-    def _profile_torch(self, prompts, steps):
-        return torch_norm_share(self.session, prompts, steps, self._decode_steps)
 
     def close(self):
         if self.session is not None:
@@ -209,7 +192,7 @@ def profiler_noise_dropped():
                 os.write(2, kept)
 
 
-def torch_norm_share(session, prompts, steps, decode_steps) -> dict:
+def torch_norm_share(session, prompts, steps) -> dict:
     """Share f of the decode step spent inside norm modules, from torch.profiler: each norm
     module's forward is wrapped in record_function('bench.norm.{block|final}') and each
     decode step in 'bench.decode_step'; f = norm time / step time (CPU-side wall)."""
@@ -330,9 +313,8 @@ class HFRunner(Runner):
         self.model = GPT2LMHeadModel(cfg).eval().to(self.device)
         self.model.generation_config.eos_token_id = None
         self.model.generation_config.pad_token_id = 0
-        params = {id(p): p for p in self.model.parameters()}
-        wpe = self.model.transformer.wpe.weight
-        self.weight_bytes = sum(p.numel() * p.element_size() for k, p in params.items() if k != id(wpe))
+        wpe = self.model.transformer.wpe.weight         # parameters() yields the tied head's weight once
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p is not wpe)
         self.impl = getattr(self.model.config, "_attn_implementation", None)
 
     def generate(self, prompts, n):
@@ -373,3 +355,24 @@ def versions() -> dict:
 
 def threads_default() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def machine_info(gpu: bool = True) -> dict:
+    """The machine a bench runs on (its results' "machine"); gpu=False leaves the CUDA device out
+    and torch unimported (bench.serve, bench.scale)."""
+    import platform
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        cpuinfo = []
+    info = {"cpu": next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?"),
+            "cores": threads_default(),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
+    if gpu:
+        info["gpu"] = None
+        with contextlib.suppress(Exception):
+            import torch
+            if torch.cuda.is_available():
+                info["gpu"] = torch.cuda.get_device_name(0)
+    return {**info, "platform": platform.platform(), "python": platform.python_version(),
+            "loadavg_start": list(os.getloadavg())}

@@ -32,6 +32,7 @@ from core.errors import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import json
+import math
 import os
 import re
 import shlex
@@ -44,6 +45,10 @@ from pathlib import Path
 import numpy as np
 
 from bench import stats
+from bench.shapes import DTYPES, folder_config, folder_matches, human, resolve_shape, tensor_specs, write_random_folder
+from core.errors import ArgumentParser, UsageError, UserError, float_in, int_in, positive_int, run_cli
+from core.outputs import (FIGURE, REPORT_JSON, SCALE_FOLDER, check_output_file, output_dir, output_file,
+                          png_signature_metadata, write_json)
 
 GRAPHS = ("model.int4.onnx", "model.int8.onnx", "model.fused.onnx", "model.onnx")    # decoded: the first found
 PEERS = ("genai",)
@@ -175,7 +180,6 @@ def graph_of(build: Path) -> Path | None:
 
 def parse_options(text: str) -> dict[str, list[str]]:
     """'name=--fuse --quantize int4;fp32=--fuse' -> {name: build args}."""
-    from core.errors import UsageError
     options = {}
     for item in (s.strip() for s in text.split(";")):
         if not item:
@@ -198,7 +202,6 @@ def parse_options(text: str) -> dict[str, list[str]]:
 
 def genai_input(folder: Path, out: Path) -> Path:
     """The folder's files (linked) plus a tokenizer: GenAI's builder loads one and fails without it."""
-    from core.outputs import SCALE_FOLDER, output_dir
     from bench.genai import TOKENIZER
     from transformers import PreTrainedTokenizerFast
     with output_dir(out, SCALE_FOLDER, inputs=[folder]) as tmp:
@@ -215,8 +218,6 @@ def genai_build(inp: Path, out: Path, cache: Path, cap_bytes: int = 0) -> dict:
     into a temporary sibling renamed into place when it succeeds: a failed or stopped build leaves
     nothing that the next run would have to be told about."""
     import shutil
-    import tempfile
-    from core.errors import UserError
     if out.exists() and not (out / "genai_config.json").is_file():
         raise UserError(f"{out}: exists and is no GenAI build (no genai_config.json); move it away or use another --work")
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -278,7 +279,6 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def table(shape: dict) -> str:
-    from bench.shapes import human
 
     def f(s: dict, digits: int) -> str:
         if s is None:
@@ -304,7 +304,6 @@ def table(shape: dict) -> str:
 
 def bench_shape(spec: str, options: dict[str, list[str]], args, log=print) -> dict:
     import importlib.util
-    from bench.shapes import folder_config, folder_matches, human, numel, resolve_shape, tensor_specs, write_random_folder
     name, config = resolve_shape(spec)
     config = folder_config(config, layers=args.layers)
     folder = args.work / name
@@ -313,7 +312,7 @@ def bench_shape(spec: str, options: dict[str, list[str]], args, log=print) -> di
     else:
         write_random_folder(spec, folder, layers=args.layers, log=log)
     shape = {"name": name, "config": config, "folder": str(folder), "folder_bytes": folder_bytes(folder),
-             "params": sum(numel(s) for _, s, _ in tensor_specs(config)),
+             "params": sum(math.prod(s) for _, s, _ in tensor_specs(config)),
              "options": {n: {"build_args": a, "runs": []} for n, a in options.items()}, "peers": {}}
     genai_in = None
     if "genai" in args.peers:
@@ -344,10 +343,7 @@ def bench_shape(spec: str, options: dict[str, list[str]], args, log=print) -> di
 
 def run_bench(args) -> int:
     import platform
-    from bench.serve import machine_info
-    from bench.shapes import resolve_shape
-    from core.errors import UsageError, UserError
-    from core.outputs import REPORT_JSON, check_output_file, write_json
+    from bench.runners import machine_info
     options = parse_options(args.options or "") if args.options is not None or not args.peers else {}
     specs = [s.strip() for s in args.shapes.split(",") if s.strip()]
     names = [resolve_shape(s)[0] for s in specs]            # one error line before any work
@@ -367,7 +363,7 @@ def run_bench(args) -> int:
         (max(avail - 2**30, 0) if avail is not None else 0)
     import onnxruntime
     report = {"command": "python -m bench.scale " + shlex.join(args.argv),
-              "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "machine": machine_info(),
+              "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "machine": machine_info(gpu=False),
               "versions": {"onnxruntime": onnxruntime.__version__, "python": platform.python_version()},
               "rounds": args.rounds, "decode_tokens": args.decode_tokens, "prompt_tokens": args.prompt_tokens,
               "threads": args.threads, "memory_cap_bytes": args.cap_bytes, "shapes": []}
@@ -388,11 +384,9 @@ PLOTTED = (("peak_rss_gb", "build peak resident GB"), ("wall_s", "build wall s")
 def plot(reports: list[dict], out: Path) -> Path:
     """One bar per (shape, option) of the reports, median with its min-max, for build peak memory,
     build time and decode speed; a bar is missing where that row has no number (bf16 decode)."""
-    import io
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from core.outputs import FIGURE, output_file, png_signature_metadata
     rows = [(f"{sh['name']}\n{name}", o["summary"]) for r in reports for sh in r["shapes"]
             for name, o in sh["options"].items()]
     fig, axes = plt.subplots(1, len(PLOTTED), figsize=(4.2 * len(PLOTTED), 0.45 * len(rows) + 1.6))
@@ -409,17 +403,13 @@ def plot(reports: list[dict], out: Path) -> Path:
     starts = ", ".join(sorted({r["started"][:16] for r in reports}))
     fig.suptitle(f"bench.scale (median, min-max over rounds; orange: ONNX Runtime GenAI's builder), {starts}", fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, dpi=110, format="png", metadata=png_signature_metadata())
-    plt.close(fig)
     with output_file(out, FIGURE) as tmp:
-        tmp.write_bytes(buf.getvalue())
+        fig.savefig(tmp, dpi=110, format="png", metadata=png_signature_metadata())
+    plt.close(fig)
     return out
 
 
 def run(argv: list[str]) -> int:
-    from core.errors import ArgumentParser, float_in, int_in, positive_int
-    from bench.shapes import DTYPES
     p = ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[1])
     sub = p.add_subparsers(dest="command", required=True)
     mk = sub.add_parser("make", help="write a random-init Hugging Face folder of a real shape")
@@ -460,10 +450,8 @@ def run(argv: list[str]) -> int:
         print(f"wrote {plot([read_json_file(r, 'a bench.scale report') for r in args.reports], args.out)}")
         return 0
     if args.command == "make":
-        from bench.shapes import write_random_folder
         out = write_random_folder(args.shape, args.out, seed=args.seed, dtype=args.dtype,
                                   shard_bytes=max(1, int(args.shard_gb * GB)), layers=args.layers)
-        from bench.shapes import human
         print(f"wrote {out}: {human(folder_bytes(out), 'B')}")
         return 0
     if args.command == "decode":
@@ -473,7 +461,6 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-    from core.errors import run_cli
     return run_cli(run, argv)
 
 

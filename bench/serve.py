@@ -41,6 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import stats
+from core.errors import ArgumentParser, UsageError, UserError, float_in, int_in, run_cli
+from core.outputs import (SERVE_RESULTS, check_output_dir, claim_dir, png_signature_metadata, replace_file_in,
+                          replaced_file_in)
+from runtime.triton.client import StreamingClient, check_url
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 PROMPTS = [
@@ -65,8 +69,6 @@ def default_requests(concurrency: int) -> int:
 
 
 def check_loopback(url: str) -> str:
-    from core.errors import UsageError
-    from runtime.triton.client import check_url
     check_url(url)
     host = url.rpartition(":")[0]
     if host not in LOOPBACK:
@@ -75,29 +77,17 @@ def check_loopback(url: str) -> str:
     return url
 
 
-def machine_info() -> dict:
-    """The machine the server and this load run on (bench.decode's fields, without importing torch)."""
-    import platform
-    cpu = next((ln.split(":", 1)[1].strip() for ln in _read_lines("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-            "platform": platform.platform(), "python": platform.python_version(), "loadavg_start": list(os.getloadavg())}
-
-
-def _read_lines(path: str) -> list[str]:
-    try:
-        return Path(path).read_text().splitlines()
-    except OSError:
-        return []
-
-
 # --- the server's processes ------------------------------------------------------------------------
 
 def listening_pid(port: int) -> int | None:
     """The process that listens on TCP `port` (Linux /proc), or None where it cannot be seen."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in _read_lines(table)[1:]:
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:         # no such table (IPv6 off), or no /proc
+            continue
+        for line in lines:
             f = line.split()
             if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:   # 0A: LISTEN
                 inodes.add(f[9])
@@ -179,7 +169,6 @@ def scheduler_counters(metrics_url: str | None) -> dict[str, float]:
 def run_level(url: str, concurrency: int, requests: int, prompts: list[str], max_new_tokens: int,
               model: str, timeout_s: float) -> dict:
     """c closed-loop clients until `requests` are done: raw per-request timings."""
-    from runtime.triton.client import StreamingClient
     lock = threading.Lock()
     issued = [0]
     records: list[dict] = []
@@ -300,11 +289,9 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict, out: Path) -> Path:
-    import io
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from core.outputs import png_signature_metadata, replace_file_in
     levels = results["levels"]
     cs = [lv["concurrency"] for lv in levels]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -322,16 +309,15 @@ def plot(results: dict, out: Path) -> Path:
     fig.suptitle(f"bench.serve {results['started']}, {results['settings']['max_new_tokens']} new tokens per request",
                  fontsize=9)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, dpi=110, format="png", metadata=png_signature_metadata())
+    with replaced_file_in(out, "serve.png") as tmp:
+        fig.savefig(tmp, dpi=110, format="png", metadata=png_signature_metadata())
     plt.close(fig)
-    return replace_file_in(out, "serve.png", buf.getvalue())
+    return out / "serve.png"
 
 
 # --- CLI -------------------------------------------------------------------------------------------
 
 def _parser():
-    from core.errors import ArgumentParser, float_in, int_in
     p = ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n\n")[1])
     p.add_argument("--url", required=True, help="HOST:PORT of the server's gRPC endpoint, on this machine")
     p.add_argument("--concurrency", default=DEFAULT_CONCURRENCY,
@@ -351,7 +337,6 @@ def _parser():
 
 
 def _levels(value: str) -> list[int]:
-    from core.errors import UsageError
     try:
         levels = [int(x) for x in value.split(",") if x.strip()]
     except ValueError:
@@ -363,7 +348,6 @@ def _levels(value: str) -> list[int]:
 
 
 def _prompts(path: str | None) -> list[str]:
-    from core.errors import UserError
     from core.inputs import read_text_file
     if path is None:
         return list(PROMPTS)
@@ -414,7 +398,6 @@ class ServeRun:
                                    "error": x["error"]} for x in r["records"]] for r in self.raw[c]] for c in done}}
 
     def write(self) -> None:
-        from core.outputs import replace_file_in
         results = self.results()
         replace_file_in(self.out, "results.json", json.dumps(results, indent=1) + "\n")
         replace_file_in(self.out, "results.md", markdown(results))
@@ -423,8 +406,7 @@ class ServeRun:
 
 
 def run(argv: list[str] | None = None) -> int:
-    from core.outputs import SERVE_RESULTS, check_output_dir, claim_dir
-    from runtime.triton.client import StreamingClient
+    from bench.runners import machine_info
     args = _parser().parse_args(argv)
     url = check_loopback(args.url)
     if args.metrics_url is not None:
@@ -439,8 +421,8 @@ def run(argv: list[str] | None = None) -> int:
                 "requests": {c: args.requests or default_requests(c) for c in levels},
                 "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "warmup": args.warmup, "prompts": prompts}
     sr = ServeRun(claim_dir(args.out, SERVE_RESULTS), time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                  "python -m bench.serve " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
-                  machine_info(), listening_pid(int(url.rpartition(":")[2])), settings, levels)
+                  "python -m bench.serve " + shlex.join(sys.argv[1:] if argv is None else argv),
+                  machine_info(gpu=False), listening_pid(int(url.rpartition(":")[2])), settings, levels)
     print(f"bench.serve: {url} levels {levels}, {args.rounds} round(s), {args.max_new_tokens} new tokens per request; "
           f"server pid {sr.pid if sr.pid is not None else 'not visible (no RSS)'}", flush=True)
     for r in range(args.rounds):
@@ -465,7 +447,6 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from core.errors import run_cli
     return run_cli(run, argv)
 
 

@@ -14,6 +14,7 @@ on the values; conversion and export read every tensor, so the sizes are real.
 from __future__ import annotations
 
 import json
+import math
 import time
 import zlib
 from pathlib import Path
@@ -138,18 +139,11 @@ def human(n: float, unit: str = "") -> str:
     return f"{n:.0f}{' ' + unit if unit else ''}"
 
 
-def numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def plan_shards(specs, itemsize: int, shard_bytes: int) -> list[list[tuple]]:
     """Tensors grouped in order into shards of at most shard_bytes (a larger tensor gets a shard of its own)."""
     shards, size = [[]], 0
     for spec in specs:
-        nbytes = numel(spec[1]) * itemsize
+        nbytes = math.prod(spec[1]) * itemsize
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
@@ -180,10 +174,10 @@ def write_random_folder(shape_name_or_config: str | dict, out_dir, seed: int = 0
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
     specs = tensor_specs(config)
     shards = plan_shards(specs, itemsize, shard_bytes)
-    total = sum(numel(s) for _, s, _ in specs) * itemsize
+    total = sum(math.prod(s) for _, s, _ in specs) * itemsize
     marker = {"shape": name, "seed": seed, "dtype": dtype, "config": config}
     check_output_dir(out_dir, SCALE_FOLDER)         # before the line below says what it is about to write
-    log(f"{name}: {human(sum(numel(s) for _, s, _ in specs))} parameters, {human(total, 'B')} {dtype} "
+    log(f"{name}: {human(sum(math.prod(s) for _, s, _ in specs))} parameters, {human(total, 'B')} {dtype} "
         f"in {len(shards)} shard(s) -> {out_dir}")
     with output_dir(out_dir, SCALE_FOLDER, marker=marker) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

@@ -28,14 +28,11 @@ import time
 import numpy as np
 
 from bench import stats
-
-
-def rss_bytes() -> int:
-    from runtime.triton.server import rss_bytes as tree_rss
-    return tree_rss([os.getpid()])
+from core.errors import ArgumentParser, int_in, run_cli
 
 
 def measure(model: str, slots: int, prompt: int, threads: int, rounds: int) -> dict:
+    from bench.runners import rss_bytes
     from runtime.ort_session import OrtSession
     from runtime.session import RuntimeUserError
     pool = OrtSession(model, intra_op_threads=threads).activate()
@@ -99,7 +96,6 @@ def markdown(result: dict) -> str:
 
 
 def _parser():
-    from core.errors import ArgumentParser, int_in
     p = ArgumentParser(prog="python -m bench.slots", description=__doc__.split("\n\n")[1].split("\n")[0])
     p.add_argument("--model", required=True, help="build directory or .onnx file (the ort backend, CPU)")
     p.add_argument("--slots", type=int_in(2, 256), default=16, help="slots of the pool (default 16)")
@@ -118,7 +114,7 @@ def run(argv: list[str] | None = None) -> int:
     loadavg = list(os.getloadavg())
     result = measure(args.model, args.slots, args.prompt, args.threads, args.rounds)
     result.update(settings={"slots": args.slots, "prompt": args.prompt, "threads": args.threads, "rounds": args.rounds},
-                  command="python -m bench.slots " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+                  command="python -m bench.slots " + shlex.join(sys.argv[1:] if argv is None else argv),
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   loadavg={"start": loadavg, "end": list(os.getloadavg())})
     print(markdown(result))
@@ -128,7 +124,6 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from core.errors import run_cli
     return run_cli(run, argv)
 
 

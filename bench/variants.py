@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from core.outputs import replace_file_in, replaced_file_in, sign_onnx
 from models.decoder import Decoder, DecoderConfig
 from models.fold import FOLDED_NORM_CLASSES, fold_norms
 from models.norms import DyT, LayerNorm, RMSNorm, TaperNorm
@@ -167,7 +168,6 @@ def base_model(size: str, kind: str, capacity: int, seed: int = 0) -> tuple[Deco
     return _random_model(size, kind, capacity, seed), f"random:seed{seed} ({why})"
 
 
-
 # --- torch-side variants --------------------------------------------------------------------
 
 class NaiveRMSNorm(nn.Module):
@@ -190,14 +190,9 @@ def naive_rmsnorm(model: Decoder) -> Decoder:
     model = copy.deepcopy(model)
     for name, m in list(model.named_modules()):
         if isinstance(m, RMSNorm):
-            parent, attr = _parent(model, name)
-            setattr(parent, attr, NaiveRMSNorm(m.weight, m.eps))
+            path, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(path), attr, NaiveRMSNorm(m.weight, m.eps))     # path "": the model
     return model.eval()
-
-
-def _parent(model: nn.Module, name: str):
-    path, _, attr = name.rpartition(".")
-    return (model.get_submodule(path) if path else model), attr
 
 
 # Variant.transform -> the model transform (a copy; the trained model is left as it is)
@@ -217,11 +212,10 @@ def torch_variant(variant: Variant, model: Decoder) -> Decoder:
 def weight_bytes_torch(model: nn.Module) -> int:
     """Bytes of the weights one decode step reads: every parameter once, but not the position
     table (one row per step) nor an untied token embedding (one row per token)."""
-    params = {id(p): p for p in model.parameters()}
     skip = {id(model.wpe.weight)}
     if model.lm_head.weight is not model.wte.weight:
         skip.add(id(model.wte.weight))
-    return sum(p.numel() * p.element_size() for k, p in params.items() if k not in skip)
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)     # each once
 
 
 # --- runner names ----------------------------------------------------------------------------
@@ -434,7 +428,6 @@ class ModelGraphs:
     def quantized(self, name: str, path: Path, proto, dtype: str, fp32: GraphInfo) -> GraphInfo:
         """The fused graph's weights in `dtype` (export.quantize: rtn, block 32, accuracy level 4), built once."""
         from core.contract import load_onnx
-        from core.outputs import replaced_file_in
         from export.quantize import QuantConfig
         qname = quantized_name(name, dtype)
         qpath = path.with_name(path.name.replace(f"-{name}-", f"-{qname}-"))
@@ -463,14 +456,12 @@ class ModelGraphs:
 def write_graph(cache: Path, name: str, proto) -> None:
     """A graph into the cache: core.onnx_writer, signed, replaced atomically (core.outputs)."""
     from core.onnx_writer import save_onnx
-    from core.outputs import replaced_file_in, sign_onnx
     with replaced_file_in(cache, name) as tmp:
         save_onnx(sign_onnx(proto), tmp)
 
 
 def write_meta(cache: Path, path: Path, info: GraphInfo) -> None:
     """A cache entry's meta file, written after its graph (an entry is served only when both are there)."""
-    from core.outputs import replace_file_in
     replace_file_in(cache, path.with_suffix(".json").name, json.dumps(info.to_json(), indent=1))
 
 

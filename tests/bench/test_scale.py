@@ -2,6 +2,7 @@
 transformers loads and models.convert converts) and bench.scale run end to end on a tiny Llama.
 No timing is asserted: only that every measurement is there and positive."""
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from bench import scale
-from bench.shapes import SHAPES, folder_config, folder_matches, numel, tensor_specs, write_random_folder
+from bench.shapes import SHAPES, folder_config, folder_matches, tensor_specs, write_random_folder
 from core.outputs import JSON_SIGNATURE_KEY, REPORT_JSON
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,7 +52,7 @@ def test_every_real_shape_lists_the_tensors_transformers_builds(name):
         expected.pop("lm_head.weight")
     ours = {n: s for n, s, _ in tensor_specs(config)}
     assert ours == expected
-    assert sum(numel(s) for s in ours.values()) == PARAMS[name]
+    assert sum(math.prod(s) for s in ours.values()) == PARAMS[name]
     assert model.dtype == torch.bfloat16
 
 
