@@ -27,7 +27,6 @@ or the embedding / LM head, plus the quantizer's copies of one matrix.
 from __future__ import annotations
 
 import copy
-import logging
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -368,41 +367,12 @@ def _rtn_matmul_blocks(w: np.ndarray, bits: int, block: int) -> dict[int, onnx.T
 def quantize_one(x: np.ndarray, q: Quantized, qcfg) -> dict[int, onnx.TensorProto]:
     """ONNX Runtime's quantizer on one matrix alone: input index -> the tensor it writes, as it
     would for that matrix inside the whole graph (the quantizer treats each weight on its own)."""
-    from onnx import TensorProto
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-    from export.quantize import QuantConfig, algo_config
+    from export.quantize import QuantConfig, quantize_one_node
     bits_cfg = QuantConfig("int8" if q.bits == 8 else "int4", qcfg.block_size, qcfg.accuracy_level,
                            qcfg.algo if q.bits == 4 else "rtn")
     if q.op != "Gather" and bits_cfg.algo == "rtn":
         return _rtn_matmul_blocks(np.ascontiguousarray(x.T if q.op == "MatMulT" else x), q.bits, qcfg.block_size)
-    if q.op == "Gather":
-        v, d = x.shape
-        node = helper.make_node("Gather", ["W", "ids"], ["y"], name="one")
-        ins = [helper.make_tensor_value_info("ids", TensorProto.INT64, [1])]
-        outs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, d])]
-        op_types = ("Gather",)
-    else:
-        w = x.T if q.op == "MatMulT" else x
-        x = np.ascontiguousarray(w)
-        k, n = x.shape
-        node = helper.make_node("MatMul", ["x", "W"], ["y"], name="one")
-        ins = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])]
-        outs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])]
-        op_types = ("MatMul",)
-    g = helper.make_graph([node], "one", ins, outs, [numpy_helper.from_array(x, "W")])
-    quiet = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
-        quantizer = MatMulNBitsQuantizer(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]),
-                                         algo_config=algo_config(bits_cfg, op_types))
-        quantizer.process()
-    finally:
-        quiet.setLevel(level)
-    model = quantizer.model.model
-    qnode = next(nd for nd in model.graph.node if nd.op_type in ("MatMulNBits", "GatherBlockQuantized"))
-    inits = {i.name: i for i in model.graph.initializer}
-    return {i: inits[name] for i, name in enumerate(qnode.input) if name in inits}
+    return quantize_one_node("Gather" if q.op == "Gather" else "MatMul", x.T if q.op == "MatMulT" else x, bits_cfg)
 
 
 def load_top(source, fuse: bool) -> Decoder:
