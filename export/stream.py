@@ -56,8 +56,7 @@ class StreamError(UserError):
 def proxy_widths(cfg: DecoderConfig, block: int, k: int) -> dict[str, int]:
     """Small widths with the same remainders modulo `block` as the real ones (so every
     divisibility test a pass or the quantizer makes comes out the same), all different."""
-    real = {"d_model": cfg.d_model, "hidden": cfg.hidden, "vocab_size": cfg.vocab_size}
-    return {name: block * (k + j) + real[name] % block for j, name in enumerate(WIDTHS)}
+    return {name: block * (k + j) + getattr(cfg, name) % block for j, name in enumerate(WIDTHS)}
 
 
 def proxy_model(skeleton: Decoder, widths: dict[str, int], seed: int) -> Decoder:
@@ -182,10 +181,6 @@ class _Index:
         return None
 
 
-def _widths_map(a: Proxy, b: Proxy, real: dict[str, int]) -> dict[tuple[int, int], int]:
-    return {(a.widths[n], b.widths[n]): real[n] for n in WIDTHS}
-
-
 def _substitute_ints(name: str, x: np.ndarray, y: np.ndarray, widths: dict[tuple[int, int], int]) -> np.ndarray:
     """An integer constant that holds widths: proxy A's widths where proxy B has its own -> real."""
     if x.shape != y.shape:
@@ -255,8 +250,7 @@ def plan_graph(source, dtype: str = "fp32", fuse: bool = True, attention: str = 
     skeleton = source.skeleton
     a = build_proxy(skeleton, PROXY_DTYPE[dtype], fuse, attention, quantize, PROXY_SEEDS[0], k=2)
     b = build_proxy(skeleton, PROXY_DTYPE[dtype], fuse, attention, quantize, PROXY_SEEDS[1], k=5)
-    real = {"d_model": skeleton.cfg.d_model, "hidden": skeleton.cfg.hidden, "vocab_size": skeleton.cfg.vocab_size}
-    widths = _widths_map(a, b, real)
+    widths = {(a.widths[n], b.widths[n]): getattr(skeleton.cfg, n) for n in WIDTHS}     # proxy A's, B's -> real
     ops_a, ops_b = [n.op_type for n in a.graph.graph.node], [n.op_type for n in b.graph.graph.node]
     if ops_a != ops_b:
         raise StreamError("streamed build: the graph's ops depend on the model's widths; build without --stream")
