@@ -251,12 +251,11 @@ def verify_pair(a, b, atol: float | None = None, seeds=(0, 1), tokens=None, refe
 
 def _run_all(conv, proto, label: str, sessions) -> list[list[dict]]:
     """Every session's outputs of one graph; ONNX Runtime refusing the graph or its inputs is one line."""
+    state = ort.capi.onnxruntime_pybind11_state
     try:
         sess = ort_session(proto)
         return [conv.run(sess, plan) for _, plan in sessions]
-    except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidArgument,
-            ort.capi.onnxruntime_pybind11_state.RuntimeException, ort.capi.onnxruntime_pybind11_state.InvalidGraph,
-            ort.capi.onnxruntime_pybind11_state.NotImplemented) as e:
+    except (state.Fail, state.InvalidArgument, state.RuntimeException, state.InvalidGraph, state.NotImplemented) as e:
         from core.errors import first_line
         raise UserError(f"{label}: ONNX Runtime could not run it as {conv.describe()} (prefill + one-token steps, "
                         f"batch 2): {first_line(e)}; check that it runs on the CPU provider with these inputs") from None
