@@ -192,7 +192,6 @@ def load_checkpoint_stage(checkpoint: Path, fuse: bool, dtype: str) -> Loaded:
 
 def eps_stage(loaded: Loaded, verifier: "Verifier") -> dict | None:
     """The eps approximation error of disabled norms, on the verification tokens (None without any)."""
-    import numpy as np
     import torch
     from models.disabled_norm import approximation_error
     batches = [torch.from_numpy(np.concatenate([s.input_ids for s in steps], axis=1)) for _, steps in verifier.sessions]
