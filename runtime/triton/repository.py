@@ -82,12 +82,17 @@ class OnnxIO:
         return sum(1 for n in self.inputs if n.startswith(CACHE_PREFIX))
 
 
-def onnx_io(path: str | Path) -> OnnxIO:
-    """Graph inputs and outputs (weights not loaded)."""
+def _graph_of(path: str | Path):
+    """The graph without its weights (external ones stay in their file); a broken file is one RepositoryError."""
     try:
-        return _io_of(load_onnx(path, load_weights=False))
+        return load_onnx(path, load_weights=False)
     except ContractError as e:
         raise RepositoryError(str(e)) from None
+
+
+def onnx_io(path: str | Path) -> OnnxIO:
+    """Graph inputs and outputs (weights not loaded)."""
+    return _io_of(_graph_of(path))
 
 
 def _io_of(proto) -> OnnxIO:
@@ -123,10 +128,7 @@ def add_control_inputs(src: Path, dst: Path) -> OnnxIO:
     reaches the model for a ready sequence.
     """
     from onnx import TensorProto, helper
-    try:
-        proto = load_onnx(src, load_weights=False)     # external weights stay in their file: linked, not read
-    except ContractError as e:
-        raise RepositoryError(str(e)) from None
+    proto = _graph_of(src)         # external weights: linked below, not read
     batch = proto.graph.input[0].type.tensor_type.shape.dim[0]
     for name in CONTROLS:
         if any(i.name == name for i in proto.graph.input):
@@ -377,10 +379,7 @@ def _link_external_data(proto, src: Path, dst: Path) -> None:
 def _link_graph(src: Path, dst: Path) -> None:
     """A graph file and its external data, linked (or copied) to `dst`."""
     _link_or_copy(src, dst)
-    try:
-        _link_external_data(load_onnx(src, load_weights=False), src, dst)
-    except ContractError as e:
-        raise RepositoryError(str(e)) from None
+    _link_external_data(_graph_of(src), src, dst)
 
 
 def choose_generate_backend(requested: str, engine: Path | None, kind: str, ort_only: bool = False) -> str:
