@@ -2,8 +2,8 @@
 
     prefill          prompts of different lengths, RIGHT-padded to T = max length, all at
                      position 0; the next-token logits of prompt b are at index len_b - 1
-    decode_one_token tokens [B] at position[b] = len_b + step -> logits [B, V]
-    decode_n_tokens  the loop: sample, stop tokens, per-step timing
+    decode_n_tokens  the loop: each step writes tokens [B] at position[b] = len_b + step -> logits
+                     [B, V]; sample, stop tokens, per-step timing
     generate         capacity check, reset, prefill, decode_n_tokens
 
 Why right padding works without an attention-mask input: the graph lets query t of
@@ -47,7 +47,7 @@ class GenerationResult:
     tokens: list[list[int]]        # new tokens per prompt, a stop token included, nothing after it
     prompt_lengths: list[int]
     ttft_s: float                  # prefill + first token selection
-    step_s: list[float]            # each decode step (decode_one_token + sampling + the loop's bookkeeping)
+    step_s: list[float]            # each decode step (the session's step + sampling + the loop's bookkeeping)
     total_s: float
     engine_s: list[float] = field(default_factory=list)   # of each decode step, the session's engine call
     logits: list[np.ndarray] = field(default_factory=list)   # [B, V] per new token, with keep_logits
@@ -99,11 +99,6 @@ def prefill(session: DecoderSession, prompts: list[list[int]]) -> tuple[np.ndarr
     ids, lengths = pad_right(prompts)
     logits = session.prefill(ids, np.zeros(len(prompts), np.int64))                          # [B, T, V]
     return logits[np.arange(len(prompts)), lengths - 1], lengths
-
-
-def decode_one_token(session: DecoderSession, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
-    """Write tokens [B] at position [B]; logits [B, V] for the token after each."""
-    return session.decode_step(tokens, position)
 
 
 # Not core.decode's driver: its decode step is checked, wrapped in a feeds dict and sliced each call, and greedy
