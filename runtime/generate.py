@@ -177,6 +177,7 @@ def generate(session: DecoderSession, prompts: list[list[int]], config: Generati
 
 # --- CLI ----------------------------------------------------------------------------------
 
+EOS = "<|endoftext|>"
 MAX_PROMPTS = 256                  # --batch-file: prompts per batch (one batch holds every cache at once)
 MAX_BATCH_FILE_BYTES = 1 << 20     # --batch-file: 1 MiB of text
 
@@ -214,13 +215,16 @@ def _load_tokenizer(backend: str, model: str, vocab_size: int):
     return load_tokenizer(model, vocab_size)
 
 
+def default_stop_tokens(tok, ignore_eos: bool) -> tuple[int, ...]:
+    """The default stop tokens (also the Triton generate model's): <|endoftext|> when the tokenizer has it."""
+    eos = None if ignore_eos else tok.token_to_id(EOS)
+    return () if eos is None else (eos,)
+
+
 def parse_stop_tokens(tok, stops: list[str] | None, ignore_eos: bool, vocab_size: int) -> tuple[int, ...]:
-    """--stop values (token text or id:N) as ids; default: <|endoftext|> when the tokenizer has it."""
-    if ignore_eos:
-        return ()
-    if stops is None:
-        eos = tok.token_to_id("<|endoftext|>")
-        return () if eos is None else (eos,)
+    """--stop values (token text or id:N) as ids; default: default_stop_tokens."""
+    if ignore_eos or stops is None:
+        return default_stop_tokens(tok, ignore_eos)
     ids = []
     for s in stops:
         if s.startswith("id:"):

@@ -41,12 +41,11 @@ from typing import Callable
 
 import numpy as np
 
-from runtime.generate import GenerationConfig
+from runtime.generate import GenerationConfig, default_stop_tokens
 from runtime.sampling import SamplingConfig
 from runtime.scheduler import CANCELLED, ERROR, ServerBusy
 from runtime.session import RuntimeUserError
 
-EOS = "<|endoftext|>"
 DEFAULT_SLOTS, DEFAULT_MAX_QUEUED = 8, 32
 METRICS_PERIOD_S = 0.1
 # Prometheus metrics of each instance: (name, kind, description, labels, value from (running, waiting, stats))
@@ -79,14 +78,6 @@ class Request:
     stream: bool = False
 
 
-def stop_tokens(tokenizer, ignore_eos: bool) -> tuple[int, ...]:
-    """runtime.generate's default: <|endoftext|> when the tokenizer has it."""
-    if ignore_eos:
-        return ()
-    eos = tokenizer.token_to_id(EOS)
-    return () if eos is None else (eos,)
-
-
 def generation_config(tokenizer, req: Request) -> GenerationConfig:
     sampling = SamplingConfig(req.temperature, req.top_k, req.top_p)
     try:
@@ -94,7 +85,7 @@ def generation_config(tokenizer, req: Request) -> GenerationConfig:
     except ValueError as e:
         raise RuntimeUserError(f"sampling: {e}; fix the request") from None
     return GenerationConfig(max_new_tokens=req.max_new_tokens, sampling=sampling, seed=req.seed,
-                            stop_tokens=stop_tokens(tokenizer, req.ignore_eos))
+                            stop_tokens=default_stop_tokens(tokenizer, req.ignore_eos))
 
 
 class TextStream:
