@@ -37,7 +37,7 @@ import torch
 from onnx import helper, numpy_helper
 
 from core.errors import UserError
-from models.decoder import TORCH_DTYPES, Decoder, DecoderConfig
+from models.decoder import TORCH_DTYPES, Decoder, DecoderConfig, rope_inv_freq
 from models.fold import fold_block_norms, fold_final_norm, fold_norms
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -376,7 +376,6 @@ def load_top(source, fuse: bool) -> Decoder:
     top.blocks = torch.nn.ModuleList()
     top = source.fill(top, "")
     if source.cfg.pos_embedding == "rope":
-        from models.decoder import rope_inv_freq
         top.rotary.inv_freq = rope_inv_freq(source.cfg)
     if fuse:
         fold_final_norm(top, keep_tied=True)

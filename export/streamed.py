@@ -16,7 +16,7 @@ reference holds one block, then is gone before ONNX Runtime loads the graph.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from core.inputs import check_memory, human_bytes
@@ -79,7 +79,7 @@ def in_memory_peak(cfg) -> int:
 
 def cheaper_option(cfg, dtype: str, quantize) -> str:
     """What would fit: the first of int4, int8, fp16 whose estimate is lower and fits."""
-    from core.inputs import available_memory
+    from core.inputs import available_memory      # looked up when called: tests replace it
     from export.quantize import QuantConfig
     avail = available_memory() or 0
     for label, d, q in (("--quantize int4", "fp32", QuantConfig("int4")), ("--quantize int8", "fp32", QuantConfig("int8")),
@@ -201,7 +201,6 @@ def _record_graph(report, plan, source, fuse: bool, key: str) -> None:
         report.folded = [Fold("models.fold", n, "affine part folded into the next linear(s) while streaming")
                          for n in source.cfg.norm_names() if n not in kept]
     if plan.quantize is not None:
-        from dataclasses import asdict
         ops = report.op_counts[kind]
         report.quantized = {"file": plan.quantize.file_name(), "config": asdict(plan.quantize),
                             "matmuls_quantized": ops.get("MatMulNBits", 0), "matmuls_left": ops.get("MatMul", 0),

@@ -31,7 +31,7 @@ import onnxruntime as ort
 
 from core.contract import (CACHE_KINDS, LOGITS, DecodeContract, cache_name, check_external_data_file, contract_of, load_onnx,
                            np_dtype, present_name)
-from core.errors import ArgumentParser, UserError, float_in, run_cli
+from core.errors import ArgumentParser, UserError, first_line, float_in, run_cli
 from export.conventions import Step, detect, interface_mismatches, run_onnx, session_steps  # noqa: F401
 
 # Per-dtype absolute tolerances. fp32: the fold only reorders a per-channel
@@ -256,7 +256,6 @@ def _run_all(conv, proto, label: str, sessions) -> list[list[dict]]:
         sess = ort_session(proto)
         return [conv.run(sess, plan) for _, plan in sessions]
     except (state.Fail, state.InvalidArgument, state.RuntimeException, state.InvalidGraph, state.NotImplemented) as e:
-        from core.errors import first_line
         raise UserError(f"{label}: ONNX Runtime could not run it as {conv.describe()} (prefill + one-token steps, "
                         f"batch 2): {first_line(e)}; check that it runs on the CPU provider with these inputs") from None
 
@@ -316,7 +315,6 @@ def run(argv: list[str]) -> int:
         except UserError:
             raise
         except Exception as e:  # tokenizers raises a bare Exception
-            from core.errors import first_line
             raise UserError(f"{tok_path}: expected a readable tokenizer.json, found an error ({first_line(e)}); "
                             "pass the model's tokenizer.json") from None
     pa, pb = load_onnx(args.a), load_onnx(args.b)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runtime.sampling import SamplingConfig, sample
-from core.errors import run_cli
+from core.errors import ArgumentParser, float_in, nonnegative_int, positive_int, run_cli, seed_int
 from runtime.session import CapacityError, DecoderSession, RuntimeUsageError, RuntimeUserError
 
 
@@ -183,7 +183,6 @@ MAX_BATCH_FILE_BYTES = 1 << 20     # --batch-file: 1 MiB of text
 
 
 def _parser():
-    from core.errors import ArgumentParser, float_in, int_in, nonnegative_int, positive_int, seed_int
     from runtime.backends import BACKENDS
     p = ArgumentParser(prog="python -m runtime.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="build directory or .onnx file (ort, trt); checkpoint directory (torch)")

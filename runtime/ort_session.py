@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from core.contract import INPUT_IDS, LOGITS, POSITION, ContractError, check_external_data_file, present_name
+from core.contract import (INPUT_IDS, LOGITS, POSITION, ContractError, check_external_data_file, contract_of,
+                           present_name)
 from runtime.model_files import ORT_ONLY_MARK, resolve_onnx, spec_from_ort_session
 from runtime.session import DecoderSession, DeviceError, MissingExtraError, ModelFileError, RuntimeUserError
 
@@ -269,7 +270,6 @@ class OrtSession(DecoderSession):
 
 def _is_bf16(path) -> bool:
     """Whether the graph's caches and logits are bf16 (core.contract reads the graph, not its weights)."""
-    from core.contract import ContractError, contract_of
     try:
         return contract_of(path).dtype == "bf16"
     except ContractError:

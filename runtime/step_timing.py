@@ -16,12 +16,12 @@ from __future__ import annotations
 from core.errors import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
-import sys
 import time
 
 import numpy as np
 
 from core.decode import DecodeDriver
+from core.errors import ArgumentParser, int_in, positive_int, run_cli
 from runtime.session import DecoderSession, RuntimeUserError
 
 
@@ -64,7 +64,6 @@ def summarize(times: dict[str, np.ndarray]) -> str:
 
 
 def run(argv: list[str]) -> int:
-    from core.errors import ArgumentParser, int_in, positive_int
     p = ArgumentParser(prog="python -m runtime.step_timing", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", action="append", required=True, help="repeat to time several models interleaved")
     p.add_argument("--backend", default="ort")
@@ -89,7 +88,6 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from core.errors import run_cli
     return run_cli(run, argv)
 
 

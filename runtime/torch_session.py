@@ -21,7 +21,7 @@ import torch
 
 from core.contract import DecodeContract
 from models.decoder import TORCH_DTYPES
-from runtime.session import DecoderSession, DeviceError
+from runtime.session import DecoderSession, DeviceError, ModelFileError
 
 
 class TorchSession(DecoderSession):
@@ -45,7 +45,6 @@ class TorchSession(DecoderSession):
             model = self.source
         else:
             from models.checkpoint import CheckpointError, load_checkpoint
-            from runtime.session import ModelFileError
             try:
                 model = load_checkpoint(self.source)
             except CheckpointError as e:

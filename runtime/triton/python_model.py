@@ -43,7 +43,7 @@ import numpy as np
 
 from runtime.generate import GenerationConfig, default_stop_tokens
 from runtime.sampling import SamplingConfig
-from runtime.scheduler import CANCELLED, ERROR, ServerBusy
+from runtime.scheduler import CANCELLED, ERROR, BatchScheduler, ServerBusy
 from runtime.session import RuntimeUserError
 
 DEFAULT_SLOTS, DEFAULT_MAX_QUEUED = 8, 32
@@ -172,7 +172,6 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         import triton_python_backend_utils as pb_utils
         from runtime.model_files import load_tokenizer
-        from runtime.scheduler import BatchScheduler
         self.pb = pb_utils
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):

@@ -37,11 +37,11 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.contract import (CACHE_PREFIX, INPUT_IDS, LOGITS, POSITION, ContractError, cache_names, load_onnx,
-                           onnx_io as _proto_io, present_name, read_contract)
+from core.contract import (CACHE_PREFIX, INPUT_IDS, LOGITS, POSITION, ContractError, cache_names, external_files,
+                           load_onnx, onnx_io as _proto_io, present_name, read_contract)
 from core.outputs import TRITON_REPOSITORY, output_dir
 from runtime.model_files import ORT_ONLY_GRAPH, is_ort_only, resolve_onnx
-from runtime.session import ModelFileError, RuntimeUserError
+from runtime.session import MissingExtraError, ModelFileError, RuntimeUserError
 from runtime.trt_engine import DECODE_PROFILE, PREFILL_PROFILE, engine_info_path, read_engine_info
 
 DECODER_ONNX, DECODER_TRT, GENERATE = "decoder_onnx", "decoder_trt", "generate"
@@ -262,7 +262,6 @@ def parse_config(text: str, where="config.pbtxt"):
         from google.protobuf import text_format
         from tritonclient.grpc import model_config_pb2
     except ImportError:
-        from runtime.session import MissingExtraError
         raise MissingExtraError("runtime.triton check", "triton", "tritonclient.grpc") from None
     try:
         return text_format.Parse(text, model_config_pb2.ModelConfig())
@@ -370,7 +369,6 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 def _link_external_data(proto, src: Path, dst: Path) -> None:
     """The external-data files `src`'s graph names, linked beside `dst` under the same names (a
     streamed build keeps its weights in `<graph>.data`: neither read nor copied when linkable)."""
-    from core.contract import external_files
     for location in external_files(proto):
         if not (dst.parent / location).exists():
             _link_or_copy(src.parent / location, dst.parent / location)
