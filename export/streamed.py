@@ -128,6 +128,7 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
                                  real_tokens, summary, worst, write_model_files, write_report)
     from export.target import target_of
     from export.verify import ATOL, SCALE_TOL
+    from models.checkpoint import TOKENIZER
     from models.weights import open_weights
     checkpoint, out = Path(checkpoint), Path(out)
     check_output_dir(out, BUILD, inputs=[checkpoint])
@@ -152,7 +153,7 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
     stages.done("open", t0, f": {cfg.approx_param_count():,} params, {cfg.n_layer} layers; estimated peak "
                 f"{estimate.line()}")
     name = quantize.file_name() if quantize is not None else ("model.fused.onnx" if fuse else "model.onnx")
-    tokenizer = _tokenizer(source)
+    tokenizer = source.where / TOKENIZER if (source.where / TOKENIZER).is_file() else None
     tokens = real_tokens(tokenizer, cfg.vocab_size)
     with output_dir(out, BUILD, inputs=[checkpoint]) as tmp:
         plan = _plan_and_write(stages, report, source, tmp / name, dtype, fuse, attention, quantize, key)
@@ -286,8 +287,3 @@ def _verify(report, path: Path, iface, sessions, runs_ref, runs_deq, quantize, k
             raise VerificationError(f"{path.name} vs torch", [line])
         report.notes.append(line)       # the graph is exact (checked above); its quality is the model's and the dtype's
         log(f"      note: {line}")
-
-
-def _tokenizer(source) -> Path | None:
-    from models.checkpoint import TOKENIZER
-    return source.where / TOKENIZER if (source.where / TOKENIZER).is_file() else None
