@@ -329,10 +329,6 @@ def _group(name: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def _params_of(recipe) -> list[str]:
-    return recipe.params if isinstance(recipe, Rows) else []
-
-
 def _rows_value(recipe: Rows, tensors: dict[str, torch.Tensor], np_dtype) -> np.ndarray:
     parts = [tensors[n].detach().to(torch.float32).numpy() for n in recipe.params]
     x = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
@@ -403,8 +399,8 @@ def write_graph(plan: GraphPlan, source, path, log=print) -> int:
     inits = {i.name: i for i in plan.proto.graph.initializer}
     by_group: dict[int, list[str]] = defaultdict(list)
     for name, recipe in plan.recipes.items():
-        params = _params_of(plan.float_recipes[recipe.source] if isinstance(recipe, Quantized) else recipe)
-        groups = {_group(p) for p in params} or {-1}
+        read = plan.float_recipes[recipe.source] if isinstance(recipe, Quantized) else recipe
+        groups = {_group(p) for p in (read.params if isinstance(read, Rows) else [])} or {-1}
         if len(groups) > 1:
             raise StreamError(f"streamed build: initializer {name} mixes parameters of several blocks; "
                               "build without --stream")
