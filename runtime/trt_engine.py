@@ -44,7 +44,7 @@ import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from core.contract import INPUT_IDS, LOGITS, POSITION, DecodeContract, present_name
+from core.contract import INPUT_IDS, POSITION, DecodeContract, io_names, present_name
 from core.outputs import replace_file_in
 from runtime.session import ModelFileError, RuntimeUserError
 
@@ -106,10 +106,8 @@ class EngineIO:
 
 
 def io_mapping(spec: DecodeContract) -> EngineIO:
-    caches = spec.cache_names()
-    return EngineIO(inputs=(INPUT_IDS, POSITION, *caches),
-                    outputs=(LOGITS, *(present_name(n) for n in caches)),
-                    aliases={present_name(n): n for n in caches})
+    inputs, outputs = io_names(spec.n_layer)
+    return EngineIO(tuple(inputs), tuple(outputs), aliases={present_name(n): n for n in spec.cache_names()})
 
 
 def check_engine_io(engine_names: dict[str, str], spec: DecodeContract, where) -> None:
