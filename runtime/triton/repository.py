@@ -204,15 +204,9 @@ def generate_config(name: str, instances: int, max_new_tokens: int = DEFAULT_MAX
     """config.pbtxt of the Python-backend generation model: one request = one prompt, decoupled
     (responses streamed by the model's batch scheduler; slots and max_queued size its pool; backend,
     one of GENERATE_BACKENDS, is what it decodes with: KIND_GPU instances unless ort-cpu)."""
-    inputs = ",\n".join([
-        _tensor("prompt", "TYPE_STRING", [1]),
-        _tensor("max_new_tokens", "TYPE_INT32", [1], optional=True),
-        _tensor("temperature", "TYPE_FP32", [1], optional=True),
-        _tensor("top_k", "TYPE_INT32", [1], optional=True),
-        _tensor("top_p", "TYPE_FP32", [1], optional=True),
-        _tensor("seed", "TYPE_INT64", [1], optional=True),
-        _tensor("ignore_eos", "TYPE_BOOL", [1], optional=True),
-        _tensor("stream", "TYPE_BOOL", [1], optional=True)])
+    from runtime.triton.client import SAMPLING_INPUTS      # the optional inputs, as the client sends them
+    inputs = ",\n".join([_tensor("prompt", "TYPE_STRING", [1])]
+                         + [_tensor(name, f"TYPE_{dt}", [1], optional=True) for name, dt, _ in SAMPLING_INPUTS])
     outputs = ",\n".join([_tensor("text", "TYPE_STRING", [1]), _tensor("tokens", "TYPE_INT64", [-1])])
     params = {"max_new_tokens": str(max_new_tokens), "intra_op_threads": str(intra_op_threads),
               "slots": str(slots), "max_queued": str(max_queued), "decode_backend": backend,
