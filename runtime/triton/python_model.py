@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable
 
@@ -232,14 +232,10 @@ class TritonPythonModel:
             prompt = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
         except UnicodeDecodeError:
             raise RuntimeUserError("input prompt: expected UTF-8 text, found undecodable bytes") from None
-        return Request(prompt=prompt,
-                       max_new_tokens=int(self._scalar(request, "max_new_tokens", self.default_max_new_tokens)),
-                       temperature=float(self._scalar(request, "temperature", 0.0)),
-                       top_k=int(self._scalar(request, "top_k", 0)),
-                       top_p=float(self._scalar(request, "top_p", 1.0)),
-                       seed=int(self._scalar(request, "seed", 0)),
-                       ignore_eos=bool(self._scalar(request, "ignore_eos", False)),
-                       stream=bool(self._scalar(request, "stream", False)))
+        defaults = {f.name: f.default for f in fields(Request) if f.name != "prompt"}
+        defaults["max_new_tokens"] = self.default_max_new_tokens
+        # each optional input, or its default, as the type of that default (int, float, bool)
+        return Request(prompt, **{n: type(d)(self._scalar(request, n, d)) for n, d in defaults.items()})
 
     def _sender(self, request) -> Callable:
         pb = self.pb
