@@ -49,7 +49,7 @@ import collections
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 import numpy as np
@@ -228,9 +228,7 @@ class BatchScheduler:
 
     def stats(self) -> SchedulerStats:
         with self._lock:
-            s = SchedulerStats(**{k: v for k, v in vars(self._stats).items()})
-            s.finished = dict(self._stats.finished)
-            return s
+            return replace(self._stats, finished=dict(self._stats.finished))
 
     def start(self) -> "BatchScheduler":
         """Run the step loop in a daemon thread until close()."""
