@@ -277,10 +277,8 @@ def verify_config(config, io: OnnxIO) -> list[str]:
     if config.max_batch_size < 1:
         errors.append(f"max_batch_size is {config.max_batch_size}; expected >= 1 (the ONNX has a batch axis)")
     seq = config.sequence_batching
-    expected_in: dict[str, tuple[str, tuple]] = {}
-    for t in config.input:
-        shape = tuple(t.reshape.shape) if t.HasField("reshape") else tuple(t.dims)
-        expected_in[t.name] = (dtype(t.data_type), shape)
+    expected_in = {t.name: (dtype(t.data_type), tuple(t.reshape.shape) if t.HasField("reshape") else tuple(t.dims))
+                   for t in config.input}
     for c in seq.control_input:
         if len(c.control) != 1:
             errors.append(f"control input {c.name}: expected one control, found {len(c.control)}")
