@@ -265,12 +265,10 @@ def _verify(report, path: Path, iface, sessions, runs_ref, runs_deq, quantize, k
         runs.append(run_onnx(sess, iface, steps, trim=used_slots(steps)))
         log(f"      [{k + 1}/{len(sessions)}] {label}: {len(steps)} steps run")
     del sess
-    if quantize is None or runs_deq is None:
-        results = compare_sessions([(label, ref, got) for (label, _), ref, got in zip(sessions, runs_ref, runs)],
-                                   key, f"{path.name} vs torch")
-    else:
-        results = compare_sessions([(label, ref, got) for (label, _), ref, got in zip(sessions, runs_deq, runs)],
-                                   DEQUANTIZED, f"{path.name} vs torch with its dequantized weights")
+    exact = quantize is not None and runs_deq is not None       # against its own dequantized weights
+    refs, tolerance, what = (runs_deq, DEQUANTIZED, " with its dequantized weights") if exact else (runs_ref, key, "")
+    results = compare_sessions([(label, ref, got) for (label, _), ref, got in zip(sessions, refs, runs)],
+                               tolerance, f"{path.name} vs torch{what}")
     report.max_abs_diff["graph_vs_torch"] = {c.what: c.max_abs_diff for c in results}
     if quantize is None:
         return
