@@ -405,11 +405,10 @@ def write_graph(plan: GraphPlan, source, path, log=print) -> int:
             raise StreamError(f"streamed build: initializer {name} mixes parameters of several blocks; "
                               "build without --stream")
         by_group[groups.pop()].append(name)
+    order = sorted(by_group, key=lambda g: (g < 0, g))
     # always beside the graph: weights kept inline would all be held until the graph is saved
     # (GPT-2 medium's 1.6 GB peaked at 8 GB that way)
-    external = True
-    order = sorted(by_group, key=lambda g: (g < 0, g))
-    with StreamedWeights(path, external) as out:
+    with StreamedWeights(path, external=True) as out:
         for k, group in enumerate(order):
             tensors = _load_group(source, group, plan.fuse)
             quantized_cache: dict[tuple[str, str, int], dict[int, np.ndarray]] = {}
