@@ -214,11 +214,9 @@ def verify_pair(a, b, atol: float | None = None, seeds=(0, 1), tokens=None, refe
     With `reference` (a third graph, e.g. the unfused export), A and B are each
     compared against it as well. Every graph runs with ORT optimizations off.
     """
-    protos = [p if isinstance(p, onnx.ModelProto) else onnx.load(str(p)) for p in (a, b)]
-    labels = ["first graph", "second graph"]
-    if reference is not None:
-        protos.append(reference if isinstance(reference, onnx.ModelProto) else onnx.load(str(reference)))
-        labels.append("reference")
+    graphs = [(a, "first graph"), (b, "second graph")] + ([(reference, "reference")] if reference is not None else [])
+    protos = [p if isinstance(p, onnx.ModelProto) else onnx.load(str(p)) for p, _ in graphs]
+    labels = [label for _, label in graphs]
     conv = [detect(p, label) for p, label in zip(protos, labels)]
     bad = []
     for c, label in zip(conv[1:], labels[1:]):
