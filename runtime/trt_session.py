@@ -84,10 +84,8 @@ class TrtSession(DecoderSession):
         if self.engine is None:
             raise ModelFileError(f"{self.loader.path}: expected an engine this TensorRT can load, found one it rejects; "
                                  "delete it to rebuild")
-        names = {}
-        for i in range(self.engine.num_io_tensors):
-            name = self.engine.get_tensor_name(i)
-            names[name] = "input" if self.engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT else "output"
+        names = {n: "input" if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT else "output"
+                 for n in map(self.engine.get_tensor_name, range(self.engine.num_io_tensors))}
         check_engine_io(names, self.spec, self.loader.path)
         check_aliases(self.engine, self.spec, self.loader.path)
         if self.engine_file:       # the limits it was built with, from its prefill profile's max shape
