@@ -130,11 +130,9 @@ def add_control_inputs(src: Path, dst: Path) -> OnnxIO:
     from onnx import TensorProto, helper
     proto = _graph_of(src)         # external weights: linked below, not read
     batch = proto.graph.input[0].type.tensor_type.shape.dim[0]
-    for name in CONTROLS:
-        if any(i.name == name for i in proto.graph.input):
-            continue
-        vi = helper.make_tensor_value_info(name, TensorProto.BOOL, [batch.dim_param or None, 1])
-        proto.graph.input.append(vi)
+    inputs = {i.name for i in proto.graph.input}
+    for name in (c for c in CONTROLS if c not in inputs):
+        proto.graph.input.append(helper.make_tensor_value_info(name, TensorProto.BOOL, [batch.dim_param or None, 1]))
     from core.onnx_writer import save_onnx
     save_onnx(proto, dst)
     _link_external_data(proto, src, dst)
