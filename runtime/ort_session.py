@@ -182,12 +182,6 @@ class OrtSession(DecoderSession):
         self.session.run_with_iobinding(binding, self._run_options)
         self._last_inference_s = time.perf_counter() - t0
 
-    def _bind_decode(self) -> None:
-        self.binding.bind_ortvalue_input(INPUT_IDS, self._ids_ov)
-        self.binding.bind_ortvalue_input(POSITION, self._pos_ov)
-        self.binding.bind_ortvalue_output(LOGITS, self._logits_ov)
-        self._decode_bound = True
-
     def _run_prefill(self, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
         logits = self._prefill_with(self.binding, input_ids, position)
         self._decode_bound = False
@@ -210,8 +204,11 @@ class OrtSession(DecoderSession):
         return out.numpy()
 
     def _run_decode(self, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
-        if not self._decode_bound:
-            self._bind_decode()
+        if not self._decode_bound:         # the decode buffers, bound until a prefill rebinds the inputs
+            self.binding.bind_ortvalue_input(INPUT_IDS, self._ids_ov)
+            self.binding.bind_ortvalue_input(POSITION, self._pos_ov)
+            self.binding.bind_ortvalue_output(LOGITS, self._logits_ov)
+            self._decode_bound = True
         return self._decode_with(self.binding, 0, len(tokens), tokens, position)
 
     def _decode_with(self, binding, start: int, stop: int, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
