@@ -20,6 +20,7 @@ connections up to its exit timeout.
 from __future__ import annotations
 
 import http.client
+import importlib
 import json
 import queue
 import time
@@ -46,11 +47,7 @@ def _module(protocol: str):
     if protocol not in PROTOCOLS:
         raise ClientError(f"--protocol {protocol!r}: expected one of {', '.join(PROTOCOLS)}")
     try:
-        if protocol == "http":
-            import tritonclient.http as m
-        else:
-            import tritonclient.grpc as m
-        return m
+        return importlib.import_module(f"tritonclient.{protocol}")
     except ImportError:
         raise MissingExtraError("runtime.triton client", "triton", f"tritonclient.{protocol}") from None
 
