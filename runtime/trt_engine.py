@@ -87,13 +87,8 @@ def profile_shapes(spec: DecodeContract, options: BuildOptions) -> list[ProfileS
 
     def profile(seq: tuple[int, int, int]) -> ProfileShapes:
         batch = (1, o.opt_batch, o.max_batch)
-        shapes: ProfileShapes = {
-            INPUT_IDS: tuple((b, s) for b, s in zip(batch, seq)),
-            POSITION: tuple((b,) for b in batch),
-        }
-        for name in spec.cache_names():
-            shapes[name] = tuple(spec.cache_shape(b) for b in batch)
-        return shapes
+        return {INPUT_IDS: tuple(zip(batch, seq)), POSITION: tuple((b,) for b in batch),
+                **{name: tuple(spec.cache_shape(b) for b in batch) for name in spec.cache_names()}}
     return [profile((1, 1, 1)), profile((1, o.opt_prompt, o.max_prompt))]
 
 
