@@ -144,12 +144,8 @@ class TritonServer:
             raise ServerError("tritonserver: expected metrics, found them off; start it with metrics_port")
         with urllib.request.urlopen(f"http://{self.metrics_url}/metrics", timeout=5) as r:
             text = r.read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
+        samples = (line.rpartition(" ") for line in text.splitlines() if line and not line.startswith("#"))
+        return {name: float(value) for name, _, value in samples}
 
     def pids(self) -> list[int]:
         """The server and every process it started (the Python backend stubs), for RSS readings."""
