@@ -56,11 +56,8 @@ def time_decode_steps(session: DecoderSession, batch: int = 1, prompt_len: int =
 
 
 def summarize(times: dict[str, np.ndarray]) -> str:
-    parts = []
-    for k, v in times.items():
-        p50, lo, hi = np.percentile(v, 50) * 1e6, v.min() * 1e6, v.max() * 1e6
-        parts.append(f"{k} p50 {p50:.1f} us (min {lo:.1f}, max {hi:.1f})")
-    return "; ".join(parts)
+    return "; ".join(f"{k} p50 {np.percentile(v, 50) * 1e6:.1f} us (min {v.min() * 1e6:.1f}, max {v.max() * 1e6:.1f})"
+                     for k, v in times.items())
 
 
 def run(argv: list[str]) -> int:
