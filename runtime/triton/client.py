@@ -61,12 +61,7 @@ def build_inputs(m, prompt: str, max_new_tokens: int | None = None, temperature:
     values = [("prompt", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES")]
     values += [(name, np.array([given[name]], dtype=np_dt), dt) for name, dt, np_dt in SAMPLING_INPUTS
                if given[name] is not None]
-    inputs = []
-    for name, array, dt in values:
-        t = m.InferInput(name, list(array.shape), dt)
-        t.set_data_from_numpy(array)
-        inputs.append(t)
-    return inputs
+    return [m.InferInput(name, list(array.shape), dt).set_data_from_numpy(array) for name, array, dt in values]
 
 
 def check_url(url: str) -> str:
