@@ -155,14 +155,11 @@ class OrtSession(DecoderSession):
         self._pos = np.zeros(batch, np.int64)                                                  # [B]
         self._logits = np.zeros((batch, 1, spec.vocab_size), self._logits_dtype)               # [B, 1, V]
         self._logits_row = self._logits[:, 0]            # [B, V] view, returned by every CPU decode step
-        if dev == "cpu":
-            self._ids_ov = ort.OrtValue.ortvalue_from_numpy(self._ids)
-            self._pos_ov = ort.OrtValue.ortvalue_from_numpy(self._pos)
-            self._logits_ov = ort.OrtValue.ortvalue_from_numpy(self._logits)
-        else:
-            self._ids_ov = ort.OrtValue.ortvalue_from_shape_and_type(self._ids.shape, np.int64, dev, 0)
-            self._pos_ov = ort.OrtValue.ortvalue_from_shape_and_type(self._pos.shape, np.int64, dev, 0)
-            self._logits_ov = ort.OrtValue.ortvalue_from_shape_and_type(self._logits.shape, self._logits_dtype, dev, 0)
+
+        def bound(a: np.ndarray):         # CPU: an OrtValue wrapping the array, no copy; CUDA: device memory like it
+            return (ort.OrtValue.ortvalue_from_numpy(a) if dev == "cpu"
+                    else ort.OrtValue.ortvalue_from_shape_and_type(a.shape, a.dtype, dev, 0))
+        self._ids_ov, self._pos_ov, self._logits_ov = bound(self._ids), bound(self._pos), bound(self._logits)
         self._buffers = {**{n: (v, spec.np_dtype) for n, v in self.caches.items()},     # what row bindings address
                          INPUT_IDS: (self._ids_ov, np.int64), POSITION: (self._pos_ov, np.int64),
                          LOGITS: (self._logits_ov, self._logits_dtype)}
