@@ -40,7 +40,7 @@ from pathlib import Path
 
 from core.errors import ArgumentParser, UsageError, UserError, int_in, run_cli
 from core.outputs import BUILD, TRITON_REPOSITORY, check_output_dir
-from export.target import TARGETS
+from export.target import TARGETS, resolve_target
 from export.quantize import (ALGOS, BLOCK_SIZES, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, HEAD_DTYPES, QUANT_BITS,
                              QuantConfig)
 
@@ -136,7 +136,6 @@ def _open_weights(ckpt: Path):
 def _target(args, opened):
     """--target and --attention resolved (export/target.py); the model's config is read only when
     --target auto or ort-cpu has to check it (safetensors headers and config.json, no weights)."""
-    from export.target import resolve_target
     if args.target == "portable" or (args.attention is not None and not args.genai) or not args.fuse:
         cfg = None
     else:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.errors import UserError
+from core.errors import UsageError, UserError
 from core.onnx_writer import save_onnx
 from core.outputs import BUILD, check_output_dir, output_dir, sign_onnx
 from export.target import Target, target_of
@@ -192,7 +192,6 @@ def load_checkpoint_stage(checkpoint: Path, fuse: bool, dtype: str) -> Loaded:
 
 def eps_stage(loaded: Loaded, verifier: "Verifier") -> dict | None:
     """The eps approximation error of disabled norms, on the verification tokens (None without any)."""
-    import numpy as np
     import torch
     from models.disabled_norm import approximation_error
     batches = [torch.from_numpy(np.concatenate([s.input_ids for s in steps], axis=1)) for _, steps in verifier.sessions]
@@ -578,7 +577,6 @@ def check_attention(attention: str, fuse: bool, dtype: str) -> None:
     """--attention gqa rewrites the folded fp32 graph for ONNX Runtime's CPU kernel: refuse other combinations."""
     if attention != "gqa":
         return
-    from core.errors import UsageError
     if not fuse:
         raise UsageError("--attention gqa: expected --fuse too (the GroupQueryAttention rewrite runs after the fold); "
                          "add --fuse")
@@ -591,7 +589,6 @@ def check_quantize(quantize, fuse: bool, dtype: str) -> None:
     """--quantize quantizes the folded fp32 graph: refuse other combinations before any work."""
     if quantize is None:
         return
-    from core.errors import UsageError
     if not fuse:
         raise UsageError(f"--quantize {quantize.dtype}: expected --fuse too (the folded graph is what gets quantized); "
                          "add --fuse")

@@ -37,14 +37,12 @@ def dequantize(x: np.ndarray, op: str, bits: int, qcfg) -> np.ndarray:
     [N, K], nn.Linear's layout)."""
     from export.stream import Quantized, quantize_one
     out = quantize_one(x, Quantized("", op, 0, bits), qcfg)
+    if 3 in out:
+        raise UnsupportedDequantization("zero points")
     if op == "Gather":
-        if 3 in out:
-            raise UnsupportedDequantization("zero points")
         data = numpy_helper.to_array(out[0]).astype(np.float32)                  # [V, d]
         scales = numpy_helper.to_array(out[2]).astype(np.float32)                # [V, d / block]
         return data * np.repeat(scales, qcfg.block_size, axis=1)[:, :data.shape[1]]
-    if 3 in out:
-        raise UnsupportedDequantization("zero points")
     blocks = numpy_helper.to_array(out[1])                                        # [N, K/block, blob] uint8
     n, k_blocks, _ = blocks.shape
     if bits == 4:      # two values a byte, the low nibble first

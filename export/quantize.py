@@ -30,6 +30,7 @@ the share of positions where their argmax agrees is reported).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -179,6 +180,18 @@ def _int8_layer_matmuls(proto: onnx.ModelProto, names: tuple[str, ...]) -> list[
     return picked
 
 
+@contextlib.contextmanager
+def quiet_quantizer():
+    """ONNX Runtime's weight quantizer at ERROR while it runs (it logs one INFO line per weight)."""
+    log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def algo_config(cfg: QuantConfig, op_types: tuple[str, ...]):
     from onnxruntime.quantization import matmul_nbits_quantizer as mq
     axes = (("MatMul", 0), ("Gather", 1))     # blocks along K of W [K, N]; along d of E [V, d]
@@ -199,16 +212,11 @@ def quantize_weights(proto: onnx.ModelProto, cfg: QuantConfig) -> tuple[onnx.Mod
     t0 = time.perf_counter()
     summary = QuantSummary(asdict(cfg), head=cfg.head_dtype, weight_bytes_before=initializer_bytes(proto))
     tie = find_tie(proto)               # on the float graph: the quantizer rewrites both tables
-    quiet = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)       # it logs one INFO line per weight
-    try:
+    with quiet_quantizer():
         out = _run_quantizer(proto, cfg, summary)
         ctx = load_graph(out)
         results = [p.run(ctx) for p in _passes(cfg, tie)]
         out = save_graph(ctx, out)
-    finally:
-        quiet.setLevel(level)
     _record_passes(summary, results, cfg)
     ops = [n.op_type for n in out.graph.node]
     summary.matmuls_quantized = ops.count("MatMulNBits")
@@ -280,20 +288,32 @@ def _head_blocks(table: np.ndarray, cfg: QuantConfig) -> tuple[np.ndarray, np.nd
     Gather, so it quantizes a one-MatMul graph whose weight is E^T (the head's rounding); returns its
     blocks [V, d/block, blob] and scales. On the 1M DyT zoo model (head int8, body int4) an int8
     instead of int4 embedding lifts greedy top-1 agreement from 85.9 % to ~91 %."""
+    from onnx import numpy_helper
+    out = quantize_one_node("MatMul", table.T, QuantConfig(cfg.head_dtype, cfg.block_size, cfg.accuracy_level))
+    return numpy_helper.to_array(out[1]), numpy_helper.to_array(out[2])
+
+
+def quantize_one_node(op: str, w: np.ndarray, cfg: QuantConfig) -> dict[int, onnx.TensorProto]:
+    """ONNX Runtime's quantizer on a graph of one node alone: `op` "MatMul" (x @ w, w [K, N]) or
+    "Gather" (rows of the table w [V, d]). Returns input index of the quantized node -> its tensor."""
     from onnx import TensorProto, helper, numpy_helper
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-    v, d = table.shape
-    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"], name="rows")], "rows",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, d])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, v])],
-                          [numpy_helper.from_array(np.ascontiguousarray(table.T), "W")])
-    q = MatMulNBitsQuantizer(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]),
-                             algo_config=algo_config(QuantConfig(cfg.head_dtype, cfg.block_size, cfg.accuracy_level),
-                                                     ("MatMul",)))
-    q.process()
-    rows = {i.name: numpy_helper.to_array(i) for i in q.model.model.graph.initializer}
-    node = q.model.model.graph.node[0]
-    return rows[node.input[1]], rows[node.input[2]]
+    if op == "Gather":
+        node = helper.make_node("Gather", ["W", "ids"], ["y"], name="one")
+        x = helper.make_tensor_value_info("ids", TensorProto.INT64, [1])
+    else:
+        node = helper.make_node("MatMul", ["x", "W"], ["y"], name="one")
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, w.shape[0]])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, w.shape[1]])
+    g = helper.make_graph([node], "one", [x], [y], [numpy_helper.from_array(np.ascontiguousarray(w), "W")])
+    with quiet_quantizer():
+        q = MatMulNBitsQuantizer(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]),
+                                 algo_config=algo_config(cfg, (op,)))
+        q.process()
+    model = q.model.model
+    qnode = next(n for n in model.graph.node if n.op_type in ("MatMulNBits", "GatherBlockQuantized"))
+    inits = {i.name: i for i in model.graph.initializer}
+    return {i: inits[name] for i, name in enumerate(qnode.input) if name in inits}
 
 
 # --- drift against the fp32 graph --------------------------------------------------------------

@@ -27,7 +27,6 @@ or the embedding / LM head, plus the quantizer's copies of one matrix.
 from __future__ import annotations
 
 import copy
-import logging
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -38,7 +37,7 @@ import torch
 from onnx import helper, numpy_helper
 
 from core.errors import UserError
-from models.decoder import TORCH_DTYPES, Decoder, DecoderConfig
+from models.decoder import TORCH_DTYPES, Decoder, DecoderConfig, rope_inv_freq
 from models.fold import fold_block_norms, fold_final_norm, fold_norms
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -57,8 +56,7 @@ class StreamError(UserError):
 def proxy_widths(cfg: DecoderConfig, block: int, k: int) -> dict[str, int]:
     """Small widths with the same remainders modulo `block` as the real ones (so every
     divisibility test a pass or the quantizer makes comes out the same), all different."""
-    real = {"d_model": cfg.d_model, "hidden": cfg.hidden, "vocab_size": cfg.vocab_size}
-    return {name: block * (k + j) + real[name] % block for j, name in enumerate(WIDTHS)}
+    return {name: block * (k + j) + getattr(cfg, name) % block for j, name in enumerate(WIDTHS)}
 
 
 def proxy_model(skeleton: Decoder, widths: dict[str, int], seed: int) -> Decoder:
@@ -183,10 +181,6 @@ class _Index:
         return None
 
 
-def _widths_map(a: Proxy, b: Proxy, real: dict[str, int]) -> dict[tuple[int, int], int]:
-    return {(a.widths[n], b.widths[n]): real[n] for n in WIDTHS}
-
-
 def _substitute_ints(name: str, x: np.ndarray, y: np.ndarray, widths: dict[tuple[int, int], int]) -> np.ndarray:
     """An integer constant that holds widths: proxy A's widths where proxy B has its own -> real."""
     if x.shape != y.shape:
@@ -256,8 +250,7 @@ def plan_graph(source, dtype: str = "fp32", fuse: bool = True, attention: str = 
     skeleton = source.skeleton
     a = build_proxy(skeleton, PROXY_DTYPE[dtype], fuse, attention, quantize, PROXY_SEEDS[0], k=2)
     b = build_proxy(skeleton, PROXY_DTYPE[dtype], fuse, attention, quantize, PROXY_SEEDS[1], k=5)
-    real = {"d_model": skeleton.cfg.d_model, "hidden": skeleton.cfg.hidden, "vocab_size": skeleton.cfg.vocab_size}
-    widths = _widths_map(a, b, real)
+    widths = {(a.widths[n], b.widths[n]): getattr(skeleton.cfg, n) for n in WIDTHS}     # proxy A's, B's -> real
     ops_a, ops_b = [n.op_type for n in a.graph.graph.node], [n.op_type for n in b.graph.graph.node]
     if ops_a != ops_b:
         raise StreamError("streamed build: the graph's ops depend on the model's widths; build without --stream")
@@ -336,10 +329,6 @@ def _group(name: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def _params_of(recipe) -> list[str]:
-    return recipe.params if isinstance(recipe, Rows) else []
-
-
 def _rows_value(recipe: Rows, tensors: dict[str, torch.Tensor], np_dtype) -> np.ndarray:
     parts = [tensors[n].detach().to(torch.float32).numpy() for n in recipe.params]
     x = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
@@ -368,41 +357,12 @@ def _rtn_matmul_blocks(w: np.ndarray, bits: int, block: int) -> dict[int, onnx.T
 def quantize_one(x: np.ndarray, q: Quantized, qcfg) -> dict[int, onnx.TensorProto]:
     """ONNX Runtime's quantizer on one matrix alone: input index -> the tensor it writes, as it
     would for that matrix inside the whole graph (the quantizer treats each weight on its own)."""
-    from onnx import TensorProto
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-    from export.quantize import QuantConfig, algo_config
+    from export.quantize import QuantConfig, quantize_one_node
     bits_cfg = QuantConfig("int8" if q.bits == 8 else "int4", qcfg.block_size, qcfg.accuracy_level,
                            qcfg.algo if q.bits == 4 else "rtn")
     if q.op != "Gather" and bits_cfg.algo == "rtn":
         return _rtn_matmul_blocks(np.ascontiguousarray(x.T if q.op == "MatMulT" else x), q.bits, qcfg.block_size)
-    if q.op == "Gather":
-        v, d = x.shape
-        node = helper.make_node("Gather", ["W", "ids"], ["y"], name="one")
-        ins = [helper.make_tensor_value_info("ids", TensorProto.INT64, [1])]
-        outs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, d])]
-        op_types = ("Gather",)
-    else:
-        w = x.T if q.op == "MatMulT" else x
-        x = np.ascontiguousarray(w)
-        k, n = x.shape
-        node = helper.make_node("MatMul", ["x", "W"], ["y"], name="one")
-        ins = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])]
-        outs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])]
-        op_types = ("MatMul",)
-    g = helper.make_graph([node], "one", ins, outs, [numpy_helper.from_array(x, "W")])
-    quiet = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
-        quantizer = MatMulNBitsQuantizer(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]),
-                                         algo_config=algo_config(bits_cfg, op_types))
-        quantizer.process()
-    finally:
-        quiet.setLevel(level)
-    model = quantizer.model.model
-    qnode = next(nd for nd in model.graph.node if nd.op_type in ("MatMulNBits", "GatherBlockQuantized"))
-    inits = {i.name: i for i in model.graph.initializer}
-    return {i: inits[name] for i, name in enumerate(qnode.input) if name in inits}
+    return quantize_one_node("Gather" if q.op == "Gather" else "MatMul", x.T if q.op == "MatMulT" else x, bits_cfg)
 
 
 def load_top(source, fuse: bool) -> Decoder:
@@ -412,7 +372,6 @@ def load_top(source, fuse: bool) -> Decoder:
     top.blocks = torch.nn.ModuleList()
     top = source.fill(top, "")
     if source.cfg.pos_embedding == "rope":
-        from models.decoder import rope_inv_freq
         top.rotary.inv_freq = rope_inv_freq(source.cfg)
     if fuse:
         fold_final_norm(top, keep_tied=True)
@@ -440,17 +399,16 @@ def write_graph(plan: GraphPlan, source, path, log=print) -> int:
     inits = {i.name: i for i in plan.proto.graph.initializer}
     by_group: dict[int, list[str]] = defaultdict(list)
     for name, recipe in plan.recipes.items():
-        params = _params_of(plan.float_recipes[recipe.source] if isinstance(recipe, Quantized) else recipe)
-        groups = {_group(p) for p in params} or {-1}
+        read = plan.float_recipes[recipe.source] if isinstance(recipe, Quantized) else recipe
+        groups = {_group(p) for p in (read.params if isinstance(read, Rows) else [])} or {-1}
         if len(groups) > 1:
             raise StreamError(f"streamed build: initializer {name} mixes parameters of several blocks; "
                               "build without --stream")
         by_group[groups.pop()].append(name)
+    order = sorted(by_group, key=lambda g: (g < 0, g))
     # always beside the graph: weights kept inline would all be held until the graph is saved
     # (GPT-2 medium's 1.6 GB peaked at 8 GB that way)
-    external = True
-    order = sorted(by_group, key=lambda g: (g < 0, g))
-    with StreamedWeights(path, external) as out:
+    with StreamedWeights(path, external=True) as out:
         for k, group in enumerate(order):
             tensors = _load_group(source, group, plan.fuse)
             quantized_cache: dict[tuple[str, str, int], dict[int, np.ndarray]] = {}

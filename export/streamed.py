@@ -16,7 +16,7 @@ reference holds one block, then is gone before ONNX Runtime loads the graph.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from core.inputs import check_memory, human_bytes
@@ -79,7 +79,7 @@ def in_memory_peak(cfg) -> int:
 
 def cheaper_option(cfg, dtype: str, quantize) -> str:
     """What would fit: the first of int4, int8, fp16 whose estimate is lower and fits."""
-    from core.inputs import available_memory
+    from core.inputs import available_memory      # looked up when called: tests replace it
     from export.quantize import QuantConfig
     avail = available_memory() or 0
     for label, d, q in (("--quantize int4", "fp32", QuantConfig("int4")), ("--quantize int8", "fp32", QuantConfig("int8")),
@@ -128,6 +128,7 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
                                  real_tokens, summary, worst, write_model_files, write_report)
     from export.target import target_of
     from export.verify import ATOL, SCALE_TOL
+    from models.checkpoint import TOKENIZER
     from models.weights import open_weights
     checkpoint, out = Path(checkpoint), Path(out)
     check_output_dir(out, BUILD, inputs=[checkpoint])
@@ -152,7 +153,7 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
     stages.done("open", t0, f": {cfg.approx_param_count():,} params, {cfg.n_layer} layers; estimated peak "
                 f"{estimate.line()}")
     name = quantize.file_name() if quantize is not None else ("model.fused.onnx" if fuse else "model.onnx")
-    tokenizer = _tokenizer(source)
+    tokenizer = source.where / TOKENIZER if (source.where / TOKENIZER).is_file() else None
     tokens = real_tokens(tokenizer, cfg.vocab_size)
     with output_dir(out, BUILD, inputs=[checkpoint]) as tmp:
         plan = _plan_and_write(stages, report, source, tmp / name, dtype, fuse, attention, quantize, key)
@@ -201,7 +202,6 @@ def _record_graph(report, plan, source, fuse: bool, key: str) -> None:
         report.folded = [Fold("models.fold", n, "affine part folded into the next linear(s) while streaming")
                          for n in source.cfg.norm_names() if n not in kept]
     if plan.quantize is not None:
-        from dataclasses import asdict
         ops = report.op_counts[kind]
         report.quantized = {"file": plan.quantize.file_name(), "config": asdict(plan.quantize),
                             "matmuls_quantized": ops.get("MatMulNBits", 0), "matmuls_left": ops.get("MatMul", 0),
@@ -265,12 +265,10 @@ def _verify(report, path: Path, iface, sessions, runs_ref, runs_deq, quantize, k
         runs.append(run_onnx(sess, iface, steps, trim=used_slots(steps)))
         log(f"      [{k + 1}/{len(sessions)}] {label}: {len(steps)} steps run")
     del sess
-    if quantize is None or runs_deq is None:
-        results = compare_sessions([(label, ref, got) for (label, _), ref, got in zip(sessions, runs_ref, runs)],
-                                   key, f"{path.name} vs torch")
-    else:
-        results = compare_sessions([(label, ref, got) for (label, _), ref, got in zip(sessions, runs_deq, runs)],
-                                   DEQUANTIZED, f"{path.name} vs torch with its dequantized weights")
+    exact = quantize is not None and runs_deq is not None       # against its own dequantized weights
+    refs, tolerance, what = (runs_deq, DEQUANTIZED, " with its dequantized weights") if exact else (runs_ref, key, "")
+    results = compare_sessions([(label, ref, got) for (label, _), ref, got in zip(sessions, refs, runs)],
+                               tolerance, f"{path.name} vs torch{what}")
     report.max_abs_diff["graph_vs_torch"] = {c.what: c.max_abs_diff for c in results}
     if quantize is None:
         return
@@ -287,8 +285,3 @@ def _verify(report, path: Path, iface, sessions, runs_ref, runs_deq, quantize, k
             raise VerificationError(f"{path.name} vs torch", [line])
         report.notes.append(line)       # the graph is exact (checked above); its quality is the model's and the dtype's
         log(f"      note: {line}")
-
-
-def _tokenizer(source) -> Path | None:
-    from models.checkpoint import TOKENIZER
-    return source.where / TOKENIZER if (source.where / TOKENIZER).is_file() else None

@@ -31,7 +31,7 @@ import onnxruntime as ort
 
 from core.contract import (CACHE_KINDS, LOGITS, DecodeContract, cache_name, check_external_data_file, contract_of, load_onnx,
                            np_dtype, present_name)
-from core.errors import ArgumentParser, UserError, float_in, run_cli
+from core.errors import ArgumentParser, UserError, first_line, float_in, run_cli
 from export.conventions import Step, detect, interface_mismatches, run_onnx, session_steps  # noqa: F401
 
 # Per-dtype absolute tolerances. fp32: the fold only reorders a per-channel
@@ -214,11 +214,9 @@ def verify_pair(a, b, atol: float | None = None, seeds=(0, 1), tokens=None, refe
     With `reference` (a third graph, e.g. the unfused export), A and B are each
     compared against it as well. Every graph runs with ORT optimizations off.
     """
-    protos = [p if isinstance(p, onnx.ModelProto) else onnx.load(str(p)) for p in (a, b)]
-    labels = ["first graph", "second graph"]
-    if reference is not None:
-        protos.append(reference if isinstance(reference, onnx.ModelProto) else onnx.load(str(reference)))
-        labels.append("reference")
+    graphs = [(a, "first graph"), (b, "second graph")] + ([(reference, "reference")] if reference is not None else [])
+    protos = [p if isinstance(p, onnx.ModelProto) else onnx.load(str(p)) for p, _ in graphs]
+    labels = [label for _, label in graphs]
     conv = [detect(p, label) for p, label in zip(protos, labels)]
     bad = []
     for c, label in zip(conv[1:], labels[1:]):
@@ -251,13 +249,11 @@ def verify_pair(a, b, atol: float | None = None, seeds=(0, 1), tokens=None, refe
 
 def _run_all(conv, proto, label: str, sessions) -> list[list[dict]]:
     """Every session's outputs of one graph; ONNX Runtime refusing the graph or its inputs is one line."""
+    state = ort.capi.onnxruntime_pybind11_state
     try:
         sess = ort_session(proto)
         return [conv.run(sess, plan) for _, plan in sessions]
-    except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidArgument,
-            ort.capi.onnxruntime_pybind11_state.RuntimeException, ort.capi.onnxruntime_pybind11_state.InvalidGraph,
-            ort.capi.onnxruntime_pybind11_state.NotImplemented) as e:
-        from core.errors import first_line
+    except (state.Fail, state.InvalidArgument, state.RuntimeException, state.InvalidGraph, state.NotImplemented) as e:
         raise UserError(f"{label}: ONNX Runtime could not run it as {conv.describe()} (prefill + one-token steps, "
                         f"batch 2): {first_line(e)}; check that it runs on the CPU provider with these inputs") from None
 
@@ -317,7 +313,6 @@ def run(argv: list[str]) -> int:
         except UserError:
             raise
         except Exception as e:  # tokenizers raises a bare Exception
-            from core.errors import first_line
             raise UserError(f"{tok_path}: expected a readable tokenizer.json, found an error ({first_line(e)}); "
                             "pass the model's tokenizer.json") from None
     pa, pb = load_onnx(args.a), load_onnx(args.b)

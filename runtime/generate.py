@@ -2,8 +2,8 @@
 
     prefill          prompts of different lengths, RIGHT-padded to T = max length, all at
                      position 0; the next-token logits of prompt b are at index len_b - 1
-    decode_one_token tokens [B] at position[b] = len_b + step -> logits [B, V]
-    decode_n_tokens  the loop: sample, stop tokens, per-step timing
+    decode_n_tokens  the loop: each step writes tokens [B] at position[b] = len_b + step -> logits
+                     [B, V]; sample, stop tokens, per-step timing
     generate         capacity check, reset, prefill, decode_n_tokens
 
 Why right padding works without an attention-mask input: the graph lets query t of
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runtime.sampling import SamplingConfig, sample
-from core.errors import run_cli
+from core.errors import ArgumentParser, float_in, nonnegative_int, positive_int, run_cli, seed_int
 from runtime.session import CapacityError, DecoderSession, RuntimeUsageError, RuntimeUserError
 
 
@@ -47,7 +47,7 @@ class GenerationResult:
     tokens: list[list[int]]        # new tokens per prompt, a stop token included, nothing after it
     prompt_lengths: list[int]
     ttft_s: float                  # prefill + first token selection
-    step_s: list[float]            # each decode step (decode_one_token + sampling + the loop's bookkeeping)
+    step_s: list[float]            # each decode step (the session's step + sampling + the loop's bookkeeping)
     total_s: float
     engine_s: list[float] = field(default_factory=list)   # of each decode step, the session's engine call
     logits: list[np.ndarray] = field(default_factory=list)   # [B, V] per new token, with keep_logits
@@ -99,11 +99,6 @@ def prefill(session: DecoderSession, prompts: list[list[int]]) -> tuple[np.ndarr
     ids, lengths = pad_right(prompts)
     logits = session.prefill(ids, np.zeros(len(prompts), np.int64))                          # [B, T, V]
     return logits[np.arange(len(prompts)), lengths - 1], lengths
-
-
-def decode_one_token(session: DecoderSession, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
-    """Write tokens [B] at position [B]; logits [B, V] for the token after each."""
-    return session.decode_step(tokens, position)
 
 
 # Not core.decode's driver: its decode step is checked, wrapped in a feeds dict and sliced each call, and greedy
@@ -182,12 +177,12 @@ def generate(session: DecoderSession, prompts: list[list[int]], config: Generati
 
 # --- CLI ----------------------------------------------------------------------------------
 
+EOS = "<|endoftext|>"
 MAX_PROMPTS = 256                  # --batch-file: prompts per batch (one batch holds every cache at once)
 MAX_BATCH_FILE_BYTES = 1 << 20     # --batch-file: 1 MiB of text
 
 
 def _parser():
-    from core.errors import ArgumentParser, float_in, int_in, nonnegative_int, positive_int, seed_int
     from runtime.backends import BACKENDS
     p = ArgumentParser(prog="python -m runtime.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="build directory or .onnx file (ort, trt); checkpoint directory (torch)")
@@ -219,13 +214,16 @@ def _load_tokenizer(backend: str, model: str, vocab_size: int):
     return load_tokenizer(model, vocab_size)
 
 
+def default_stop_tokens(tok, ignore_eos: bool) -> tuple[int, ...]:
+    """The default stop tokens (also the Triton generate model's): <|endoftext|> when the tokenizer has it."""
+    eos = None if ignore_eos else tok.token_to_id(EOS)
+    return () if eos is None else (eos,)
+
+
 def parse_stop_tokens(tok, stops: list[str] | None, ignore_eos: bool, vocab_size: int) -> tuple[int, ...]:
-    """--stop values (token text or id:N) as ids; default: <|endoftext|> when the tokenizer has it."""
-    if ignore_eos:
-        return ()
-    if stops is None:
-        eos = tok.token_to_id("<|endoftext|>")
-        return () if eos is None else (eos,)
+    """--stop values (token text or id:N) as ids; default: default_stop_tokens."""
+    if ignore_eos or stops is None:
+        return default_stop_tokens(tok, ignore_eos)
     ids = []
     for s in stops:
         if s.startswith("id:"):

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from core.contract import INPUT_IDS, LOGITS, POSITION, ContractError, check_external_data_file, present_name
+from core.contract import (INPUT_IDS, LOGITS, POSITION, ContractError, check_external_data_file, contract_of,
+                           present_name)
 from runtime.model_files import ORT_ONLY_MARK, resolve_onnx, spec_from_ort_session
 from runtime.session import DecoderSession, DeviceError, MissingExtraError, ModelFileError, RuntimeUserError
 
@@ -154,14 +155,11 @@ class OrtSession(DecoderSession):
         self._pos = np.zeros(batch, np.int64)                                                  # [B]
         self._logits = np.zeros((batch, 1, spec.vocab_size), self._logits_dtype)               # [B, 1, V]
         self._logits_row = self._logits[:, 0]            # [B, V] view, returned by every CPU decode step
-        if dev == "cpu":
-            self._ids_ov = ort.OrtValue.ortvalue_from_numpy(self._ids)
-            self._pos_ov = ort.OrtValue.ortvalue_from_numpy(self._pos)
-            self._logits_ov = ort.OrtValue.ortvalue_from_numpy(self._logits)
-        else:
-            self._ids_ov = ort.OrtValue.ortvalue_from_shape_and_type(self._ids.shape, np.int64, dev, 0)
-            self._pos_ov = ort.OrtValue.ortvalue_from_shape_and_type(self._pos.shape, np.int64, dev, 0)
-            self._logits_ov = ort.OrtValue.ortvalue_from_shape_and_type(self._logits.shape, self._logits_dtype, dev, 0)
+
+        def bound(a: np.ndarray):         # CPU: an OrtValue wrapping the array, no copy; CUDA: device memory like it
+            return (ort.OrtValue.ortvalue_from_numpy(a) if dev == "cpu"
+                    else ort.OrtValue.ortvalue_from_shape_and_type(a.shape, a.dtype, dev, 0))
+        self._ids_ov, self._pos_ov, self._logits_ov = bound(self._ids), bound(self._pos), bound(self._logits)
         self._buffers = {**{n: (v, spec.np_dtype) for n, v in self.caches.items()},     # what row bindings address
                          INPUT_IDS: (self._ids_ov, np.int64), POSITION: (self._pos_ov, np.int64),
                          LOGITS: (self._logits_ov, self._logits_dtype)}
@@ -180,12 +178,6 @@ class OrtSession(DecoderSession):
         t0 = time.perf_counter()
         self.session.run_with_iobinding(binding, self._run_options)
         self._last_inference_s = time.perf_counter() - t0
-
-    def _bind_decode(self) -> None:
-        self.binding.bind_ortvalue_input(INPUT_IDS, self._ids_ov)
-        self.binding.bind_ortvalue_input(POSITION, self._pos_ov)
-        self.binding.bind_ortvalue_output(LOGITS, self._logits_ov)
-        self._decode_bound = True
 
     def _run_prefill(self, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
         logits = self._prefill_with(self.binding, input_ids, position)
@@ -209,8 +201,11 @@ class OrtSession(DecoderSession):
         return out.numpy()
 
     def _run_decode(self, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
-        if not self._decode_bound:
-            self._bind_decode()
+        if not self._decode_bound:         # the decode buffers, bound until a prefill rebinds the inputs
+            self.binding.bind_ortvalue_input(INPUT_IDS, self._ids_ov)
+            self.binding.bind_ortvalue_input(POSITION, self._pos_ov)
+            self.binding.bind_ortvalue_output(LOGITS, self._logits_ov)
+            self._decode_bound = True
         return self._decode_with(self.binding, 0, len(tokens), tokens, position)
 
     def _decode_with(self, binding, start: int, stop: int, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
@@ -269,7 +264,6 @@ class OrtSession(DecoderSession):
 
 def _is_bf16(path) -> bool:
     """Whether the graph's caches and logits are bf16 (core.contract reads the graph, not its weights)."""
-    from core.contract import ContractError, contract_of
     try:
         return contract_of(path).dtype == "bf16"
     except ContractError:

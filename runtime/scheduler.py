@@ -49,7 +49,7 @@ import collections
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 import numpy as np
@@ -86,9 +86,6 @@ class Sequence:
     error: str | None = None                                           # for ERROR and CANCELLED: why
     slot: int | None = None
     position: int = 0                                                  # where the next decode writes its token
-    submitted_s: float = 0.0
-    first_token_s: float | None = None
-    finished_s: float | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
@@ -218,7 +215,6 @@ class BatchScheduler:
                                  f"running and {len(self._waiting)} queued (the most this scheduler holds: "
                                  f"{self.slots} running + {self.max_queued} queued); retry later, or add model "
                                  "instances or servers")
-            seq.submitted_s = time.perf_counter()
             self._waiting.append(seq)
             self._stats.submitted += 1
             self._stats.peak_waiting = max(self._stats.peak_waiting, len(self._waiting))
@@ -232,9 +228,7 @@ class BatchScheduler:
 
     def stats(self) -> SchedulerStats:
         with self._lock:
-            s = SchedulerStats(**{k: v for k, v in vars(self._stats).items()})
-            s.finished = dict(self._stats.finished)
-            return s
+            return replace(self._stats, finished=dict(self._stats.finished))
 
     def start(self) -> "BatchScheduler":
         """Run the step loop in a daemon thread until close()."""
@@ -318,7 +312,6 @@ class BatchScheduler:
         self._stats.prefills += 1
         self._stats.prefill_tokens += len(seq.prompt)
         self._stats.prefill_s += time.perf_counter() - t0
-        seq.first_token_s = time.perf_counter()
         self._deliver(seq, token)
 
     def _decode(self) -> None:
@@ -384,7 +377,6 @@ class BatchScheduler:
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
-        seq.finished_s = time.perf_counter()
         with self._lock:
             if seq.slot is not None and self._running[seq.slot] is seq:
                 self._running[seq.slot] = None

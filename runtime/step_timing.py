@@ -16,12 +16,12 @@ from __future__ import annotations
 from core.errors import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
-import sys
 import time
 
 import numpy as np
 
 from core.decode import DecodeDriver
+from core.errors import ArgumentParser, int_in, positive_int, run_cli
 from runtime.session import DecoderSession, RuntimeUserError
 
 
@@ -56,15 +56,11 @@ def time_decode_steps(session: DecoderSession, batch: int = 1, prompt_len: int =
 
 
 def summarize(times: dict[str, np.ndarray]) -> str:
-    parts = []
-    for k, v in times.items():
-        p50, lo, hi = np.percentile(v, 50) * 1e6, v.min() * 1e6, v.max() * 1e6
-        parts.append(f"{k} p50 {p50:.1f} us (min {lo:.1f}, max {hi:.1f})")
-    return "; ".join(parts)
+    return "; ".join(f"{k} p50 {np.percentile(v, 50) * 1e6:.1f} us (min {v.min() * 1e6:.1f}, max {v.max() * 1e6:.1f})"
+                     for k, v in times.items())
 
 
 def run(argv: list[str]) -> int:
-    from core.errors import ArgumentParser, int_in, positive_int
     p = ArgumentParser(prog="python -m runtime.step_timing", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", action="append", required=True, help="repeat to time several models interleaved")
     p.add_argument("--backend", default="ort")
@@ -89,7 +85,6 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from core.errors import run_cli
     return run_cli(run, argv)
 
 

@@ -21,7 +21,7 @@ import torch
 
 from core.contract import DecodeContract
 from models.decoder import TORCH_DTYPES
-from runtime.session import DecoderSession, DeviceError
+from runtime.session import DecoderSession, DeviceError, ModelFileError
 
 
 class TorchSession(DecoderSession):
@@ -45,7 +45,6 @@ class TorchSession(DecoderSession):
             model = self.source
         else:
             from models.checkpoint import CheckpointError, load_checkpoint
-            from runtime.session import ModelFileError
             try:
                 model = load_checkpoint(self.source)
             except CheckpointError as e:
@@ -83,17 +82,11 @@ class TorchSession(DecoderSession):
         with torch.cuda.graph(self._graph):
             self._static_logits, _ = self._forward(self._ids, self._pos, self.cache)          # [B, 1, V]
 
-    @torch.inference_mode()
     def _run_prefill(self, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
-        ids = torch.from_numpy(input_ids).to(self.device)
-        pos = torch.from_numpy(position).to(self.device)
-        t0 = time.perf_counter()
-        logits, _ = self.model(ids, pos, self.cache)           # eager: prefill shapes vary
-        out = logits.float().cpu().numpy()                     # the copy out waits for the device
-        self._last_inference_s = time.perf_counter() - t0
-        return out
+        return self._run_prefill_rows(0, input_ids, position)
 
-    # steps on rows [start, stop) of the batch: the model on views of those cache rows (eager)
+    # steps on rows [start, stop) of the batch (the whole batch: start 0): the model on views of those
+    # cache rows, eager (prefill shapes vary)
     row_steps = True
 
     @torch.inference_mode()
@@ -103,7 +96,7 @@ class TorchSession(DecoderSession):
         ids, pos = torch.from_numpy(input_ids).to(self.device), torch.from_numpy(position).to(self.device)
         t0 = time.perf_counter()
         logits, _ = self.model(ids, pos, rows)
-        out = logits.float().cpu().numpy()
+        out = logits.float().cpu().numpy()                     # the copy out waits for the device
         self._last_inference_s = time.perf_counter() - t0
         return out
 

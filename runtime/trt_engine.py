@@ -44,7 +44,7 @@ import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from core.contract import INPUT_IDS, LOGITS, POSITION, DecodeContract, present_name
+from core.contract import INPUT_IDS, POSITION, DecodeContract, io_names, present_name
 from core.outputs import replace_file_in
 from runtime.session import ModelFileError, RuntimeUserError
 
@@ -87,13 +87,8 @@ def profile_shapes(spec: DecodeContract, options: BuildOptions) -> list[ProfileS
 
     def profile(seq: tuple[int, int, int]) -> ProfileShapes:
         batch = (1, o.opt_batch, o.max_batch)
-        shapes: ProfileShapes = {
-            INPUT_IDS: tuple((b, s) for b, s in zip(batch, seq)),
-            POSITION: tuple((b,) for b in batch),
-        }
-        for name in spec.cache_names():
-            shapes[name] = tuple(spec.cache_shape(b) for b in batch)
-        return shapes
+        return {INPUT_IDS: tuple(zip(batch, seq)), POSITION: tuple((b,) for b in batch),
+                **{name: tuple(spec.cache_shape(b) for b in batch) for name in spec.cache_names()}}
     return [profile((1, 1, 1)), profile((1, o.opt_prompt, o.max_prompt))]
 
 
@@ -106,10 +101,8 @@ class EngineIO:
 
 
 def io_mapping(spec: DecodeContract) -> EngineIO:
-    caches = spec.cache_names()
-    return EngineIO(inputs=(INPUT_IDS, POSITION, *caches),
-                    outputs=(LOGITS, *(present_name(n) for n in caches)),
-                    aliases={present_name(n): n for n in caches})
+    inputs, outputs = io_names(spec.n_layer)
+    return EngineIO(tuple(inputs), tuple(outputs), aliases={present_name(n): n for n in spec.cache_names()})
 
 
 def check_engine_io(engine_names: dict[str, str], spec: DecodeContract, where) -> None:

@@ -33,7 +33,7 @@ import numpy as np
 
 from core.contract import INPUT_IDS, LOGITS, POSITION
 from runtime.model_files import refuse_ort_only, resolve_onnx, spec_from_onnx_file
-from runtime.session import CapacityError, DecoderSession, DeviceError
+from runtime.session import CapacityError, DecoderSession, DeviceError, ModelFileError
 from runtime.trt_engine import (DECODE_PROFILE, PREFILL_PROFILE, BuildOptions, EngineFromFile, EngineFromOnnx,
                                 check_aliases, check_engine_io, io_mapping)
 
@@ -82,13 +82,10 @@ class TrtSession(DecoderSession):
             self._runtime.engine_host_code_allowed = True
         self.engine = self._runtime.deserialize_cuda_engine(data)
         if self.engine is None:
-            from runtime.session import ModelFileError
             raise ModelFileError(f"{self.loader.path}: expected an engine this TensorRT can load, found one it rejects; "
                                  "delete it to rebuild")
-        names = {}
-        for i in range(self.engine.num_io_tensors):
-            name = self.engine.get_tensor_name(i)
-            names[name] = "input" if self.engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT else "output"
+        names = {n: "input" if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT else "output"
+                 for n in map(self.engine.get_tensor_name, range(self.engine.num_io_tensors))}
         check_engine_io(names, self.spec, self.loader.path)
         check_aliases(self.engine, self.spec, self.loader.path)
         if self.engine_file:       # the limits it was built with, from its prefill profile's max shape

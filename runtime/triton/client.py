@@ -20,6 +20,7 @@ connections up to its exit timeout.
 from __future__ import annotations
 
 import http.client
+import importlib
 import json
 import queue
 import time
@@ -46,11 +47,7 @@ def _module(protocol: str):
     if protocol not in PROTOCOLS:
         raise ClientError(f"--protocol {protocol!r}: expected one of {', '.join(PROTOCOLS)}")
     try:
-        if protocol == "http":
-            import tritonclient.http as m
-        else:
-            import tritonclient.grpc as m
-        return m
+        return importlib.import_module(f"tritonclient.{protocol}")
     except ImportError:
         raise MissingExtraError("runtime.triton client", "triton", f"tritonclient.{protocol}") from None
 
@@ -64,12 +61,7 @@ def build_inputs(m, prompt: str, max_new_tokens: int | None = None, temperature:
     values = [("prompt", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES")]
     values += [(name, np.array([given[name]], dtype=np_dt), dt) for name, dt, np_dt in SAMPLING_INPUTS
                if given[name] is not None]
-    inputs = []
-    for name, array, dt in values:
-        t = m.InferInput(name, list(array.shape), dt)
-        t.set_data_from_numpy(array)
-        inputs.append(t)
-    return inputs
+    return [m.InferInput(name, list(array.shape), dt).set_data_from_numpy(array) for name, array, dt in values]
 
 
 def check_url(url: str) -> str:

@@ -35,18 +35,17 @@ from __future__ import annotations
 import json
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from runtime.generate import GenerationConfig
+from runtime.generate import GenerationConfig, default_stop_tokens
 from runtime.sampling import SamplingConfig
-from runtime.scheduler import CANCELLED, ERROR, ServerBusy
+from runtime.scheduler import CANCELLED, ERROR, BatchScheduler, ServerBusy
 from runtime.session import RuntimeUserError
 
-EOS = "<|endoftext|>"
 DEFAULT_SLOTS, DEFAULT_MAX_QUEUED = 8, 32
 METRICS_PERIOD_S = 0.1
 # Prometheus metrics of each instance: (name, kind, description, labels, value from (running, waiting, stats))
@@ -79,14 +78,6 @@ class Request:
     stream: bool = False
 
 
-def stop_tokens(tokenizer, ignore_eos: bool) -> tuple[int, ...]:
-    """runtime.generate's default: <|endoftext|> when the tokenizer has it."""
-    if ignore_eos:
-        return ()
-    eos = tokenizer.token_to_id(EOS)
-    return () if eos is None else (eos,)
-
-
 def generation_config(tokenizer, req: Request) -> GenerationConfig:
     sampling = SamplingConfig(req.temperature, req.top_k, req.top_p)
     try:
@@ -94,7 +85,7 @@ def generation_config(tokenizer, req: Request) -> GenerationConfig:
     except ValueError as e:
         raise RuntimeUserError(f"sampling: {e}; fix the request") from None
     return GenerationConfig(max_new_tokens=req.max_new_tokens, sampling=sampling, seed=req.seed,
-                            stop_tokens=stop_tokens(tokenizer, req.ignore_eos))
+                            stop_tokens=default_stop_tokens(tokenizer, req.ignore_eos))
 
 
 class TextStream:
@@ -181,7 +172,6 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         import triton_python_backend_utils as pb_utils
         from runtime.model_files import load_tokenizer
-        from runtime.scheduler import BatchScheduler
         self.pb = pb_utils
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
@@ -242,14 +232,10 @@ class TritonPythonModel:
             prompt = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
         except UnicodeDecodeError:
             raise RuntimeUserError("input prompt: expected UTF-8 text, found undecodable bytes") from None
-        return Request(prompt=prompt,
-                       max_new_tokens=int(self._scalar(request, "max_new_tokens", self.default_max_new_tokens)),
-                       temperature=float(self._scalar(request, "temperature", 0.0)),
-                       top_k=int(self._scalar(request, "top_k", 0)),
-                       top_p=float(self._scalar(request, "top_p", 1.0)),
-                       seed=int(self._scalar(request, "seed", 0)),
-                       ignore_eos=bool(self._scalar(request, "ignore_eos", False)),
-                       stream=bool(self._scalar(request, "stream", False)))
+        defaults = {f.name: f.default for f in fields(Request) if f.name != "prompt"}
+        defaults["max_new_tokens"] = self.default_max_new_tokens
+        # each optional input, or its default, as the type of that default (int, float, bool)
+        return Request(prompt, **{n: type(d)(self._scalar(request, n, d)) for n, d in defaults.items()})
 
     def _sender(self, request) -> Callable:
         pb = self.pb

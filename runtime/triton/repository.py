@@ -37,11 +37,11 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.contract import (CACHE_PREFIX, INPUT_IDS, LOGITS, POSITION, ContractError, cache_names, load_onnx,
-                           onnx_io as _proto_io, present_name, read_contract)
+from core.contract import (CACHE_PREFIX, INPUT_IDS, LOGITS, POSITION, ContractError, cache_names, external_files,
+                           load_onnx, onnx_io as _proto_io, present_name, read_contract)
 from core.outputs import TRITON_REPOSITORY, output_dir
 from runtime.model_files import ORT_ONLY_GRAPH, is_ort_only, resolve_onnx
-from runtime.session import ModelFileError, RuntimeUserError
+from runtime.session import MissingExtraError, ModelFileError, RuntimeUserError
 from runtime.trt_engine import DECODE_PROFILE, PREFILL_PROFILE, engine_info_path, read_engine_info
 
 DECODER_ONNX, DECODER_TRT, GENERATE = "decoder_onnx", "decoder_trt", "generate"
@@ -82,12 +82,17 @@ class OnnxIO:
         return sum(1 for n in self.inputs if n.startswith(CACHE_PREFIX))
 
 
-def onnx_io(path: str | Path) -> OnnxIO:
-    """Graph inputs and outputs (weights not loaded)."""
+def _graph_of(path: str | Path):
+    """The graph without its weights (external ones stay in their file); a broken file is one RepositoryError."""
     try:
-        return _io_of(load_onnx(path, load_weights=False))
+        return load_onnx(path, load_weights=False)
     except ContractError as e:
         raise RepositoryError(str(e)) from None
+
+
+def onnx_io(path: str | Path) -> OnnxIO:
+    """Graph inputs and outputs (weights not loaded)."""
+    return _io_of(_graph_of(path))
 
 
 def _io_of(proto) -> OnnxIO:
@@ -123,16 +128,11 @@ def add_control_inputs(src: Path, dst: Path) -> OnnxIO:
     reaches the model for a ready sequence.
     """
     from onnx import TensorProto, helper
-    try:
-        proto = load_onnx(src, load_weights=False)     # external weights stay in their file: linked, not read
-    except ContractError as e:
-        raise RepositoryError(str(e)) from None
+    proto = _graph_of(src)         # external weights: linked below, not read
     batch = proto.graph.input[0].type.tensor_type.shape.dim[0]
-    for name in CONTROLS:
-        if any(i.name == name for i in proto.graph.input):
-            continue
-        vi = helper.make_tensor_value_info(name, TensorProto.BOOL, [batch.dim_param or None, 1])
-        proto.graph.input.append(vi)
+    inputs = {i.name for i in proto.graph.input}
+    for name in (c for c in CONTROLS if c not in inputs):
+        proto.graph.input.append(helper.make_tensor_value_info(name, TensorProto.BOOL, [batch.dim_param or None, 1]))
     from core.onnx_writer import save_onnx
     save_onnx(proto, dst)
     _link_external_data(proto, src, dst)
@@ -202,15 +202,9 @@ def generate_config(name: str, instances: int, max_new_tokens: int = DEFAULT_MAX
     """config.pbtxt of the Python-backend generation model: one request = one prompt, decoupled
     (responses streamed by the model's batch scheduler; slots and max_queued size its pool; backend,
     one of GENERATE_BACKENDS, is what it decodes with: KIND_GPU instances unless ort-cpu)."""
-    inputs = ",\n".join([
-        _tensor("prompt", "TYPE_STRING", [1]),
-        _tensor("max_new_tokens", "TYPE_INT32", [1], optional=True),
-        _tensor("temperature", "TYPE_FP32", [1], optional=True),
-        _tensor("top_k", "TYPE_INT32", [1], optional=True),
-        _tensor("top_p", "TYPE_FP32", [1], optional=True),
-        _tensor("seed", "TYPE_INT64", [1], optional=True),
-        _tensor("ignore_eos", "TYPE_BOOL", [1], optional=True),
-        _tensor("stream", "TYPE_BOOL", [1], optional=True)])
+    from runtime.triton.client import SAMPLING_INPUTS      # the optional inputs, as the client sends them
+    inputs = ",\n".join([_tensor("prompt", "TYPE_STRING", [1])]
+                         + [_tensor(name, f"TYPE_{dt}", [1], optional=True) for name, dt, _ in SAMPLING_INPUTS])
     outputs = ",\n".join([_tensor("text", "TYPE_STRING", [1]), _tensor("tokens", "TYPE_INT64", [-1])])
     params = {"max_new_tokens": str(max_new_tokens), "intra_op_threads": str(intra_op_threads),
               "slots": str(slots), "max_queued": str(max_queued), "decode_backend": backend,
@@ -260,7 +254,6 @@ def parse_config(text: str, where="config.pbtxt"):
         from google.protobuf import text_format
         from tritonclient.grpc import model_config_pb2
     except ImportError:
-        from runtime.session import MissingExtraError
         raise MissingExtraError("runtime.triton check", "triton", "tritonclient.grpc") from None
     try:
         return text_format.Parse(text, model_config_pb2.ModelConfig())
@@ -282,10 +275,8 @@ def verify_config(config, io: OnnxIO) -> list[str]:
     if config.max_batch_size < 1:
         errors.append(f"max_batch_size is {config.max_batch_size}; expected >= 1 (the ONNX has a batch axis)")
     seq = config.sequence_batching
-    expected_in: dict[str, tuple[str, tuple]] = {}
-    for t in config.input:
-        shape = tuple(t.reshape.shape) if t.HasField("reshape") else tuple(t.dims)
-        expected_in[t.name] = (dtype(t.data_type), shape)
+    expected_in = {t.name: (dtype(t.data_type), tuple(t.reshape.shape) if t.HasField("reshape") else tuple(t.dims))
+                   for t in config.input}
     for c in seq.control_input:
         if len(c.control) != 1:
             errors.append(f"control input {c.name}: expected one control, found {len(c.control)}")
@@ -368,7 +359,6 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 def _link_external_data(proto, src: Path, dst: Path) -> None:
     """The external-data files `src`'s graph names, linked beside `dst` under the same names (a
     streamed build keeps its weights in `<graph>.data`: neither read nor copied when linkable)."""
-    from core.contract import external_files
     for location in external_files(proto):
         if not (dst.parent / location).exists():
             _link_or_copy(src.parent / location, dst.parent / location)
@@ -377,10 +367,7 @@ def _link_external_data(proto, src: Path, dst: Path) -> None:
 def _link_graph(src: Path, dst: Path) -> None:
     """A graph file and its external data, linked (or copied) to `dst`."""
     _link_or_copy(src, dst)
-    try:
-        _link_external_data(load_onnx(src, load_weights=False), src, dst)
-    except ContractError as e:
-        raise RepositoryError(str(e)) from None
+    _link_external_data(_graph_of(src), src, dst)
 
 
 def choose_generate_backend(requested: str, engine: Path | None, kind: str, ort_only: bool = False) -> str:

@@ -130,19 +130,13 @@ class TritonServer:
         self.workspace: Path | None = None
         self._log = None
 
-    @property
-    def http_url(self) -> str:
-        return f"{'127.0.0.1' if self.host == '0.0.0.0' else self.host}:{self.http_port}"
+    def _url(self, port: int | None) -> str | None:
+        """HOST:PORT a client reaches the server at (a server on every address: this machine's loopback)."""
+        return None if port is None else f"{'127.0.0.1' if self.host == '0.0.0.0' else self.host}:{port}"
 
-    @property
-    def grpc_url(self) -> str:
-        return f"{'127.0.0.1' if self.host == '0.0.0.0' else self.host}:{self.grpc_port}"
-
-    @property
-    def metrics_url(self) -> str | None:
-        if self.metrics_port is None:
-            return None
-        return f"{'127.0.0.1' if self.host == '0.0.0.0' else self.host}:{self.metrics_port}"
+    http_url = property(lambda self: self._url(self.http_port))
+    grpc_url = property(lambda self: self._url(self.grpc_port))
+    metrics_url = property(lambda self: self._url(self.metrics_port))
 
     def metrics(self) -> dict[str, float]:
         """The server's Prometheus metrics: 'name{labels}' -> value (needs metrics_port)."""
@@ -150,12 +144,8 @@ class TritonServer:
             raise ServerError("tritonserver: expected metrics, found them off; start it with metrics_port")
         with urllib.request.urlopen(f"http://{self.metrics_url}/metrics", timeout=5) as r:
             text = r.read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
+        samples = (line.rpartition(" ") for line in text.splitlines() if line and not line.startswith("#"))
+        return {name: float(value) for name, _, value in samples}
 
     def pids(self) -> list[int]:
         """The server and every process it started (the Python backend stubs), for RSS readings."""

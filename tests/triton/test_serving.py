@@ -88,7 +88,7 @@ def solo(triton_build):
     from runtime.model_files import load_tokenizer
     from runtime.ort_session import OrtSession
     from runtime.sampling import SamplingConfig
-    from runtime.triton.python_model import stop_tokens
+    from runtime.generate import default_stop_tokens as stop_tokens
     tok = load_tokenizer(triton_build)
     session = OrtSession(triton_build, intra_op_threads=1).activate()
 
