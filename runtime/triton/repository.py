@@ -2,7 +2,8 @@
 
     REPO/
       decoder_onnx/config.pbtxt     platform onnxruntime_onnx: one decode step, KV cache as
-      decoder_onnx/1/model.onnx     sequence_batching implicit state; the build's fused graph
+      decoder_onnx/1/model.onnx     sequence_batching implicit state; the build's fused graph (a
+                                    --quantize build's quantized one: what ONNX Runtime runs of it)
                                     plus two unused control inputs START, READY (bool [batch, 1])
       decoder_trt/config.pbtxt      platform tensorrt_plan (only where an engine was built):
       decoder_trt/1/model.plan      the same contract; no controls (the engine has no such inputs);
@@ -11,7 +12,8 @@
       generate/1/model.py           whole, by runtime/scheduler.py over a decode session of the
                                     backend its parameters name (GENERATE_BACKENDS; decoder_trt's
                                     engine for trt)
-      generate/1/model.fused.onnx   (or model.onnx where the build has no fused graph)
+      generate/1/model.fused.onnx   (model.int4/int8.onnx in a --quantize build; model.onnx where the
+                                    build has no fused graph); TensorRT's engine comes from the fused one
       generate/1/tokenizer.json
 
 The decoder configs map the ONNX decode-step contract onto Triton (max_batch_size > 0,
@@ -465,7 +467,8 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
         raise RepositoryError(f"{build}: expected a build directory from python -m export.build, found "
                               f"{'a file' if build.exists() else 'nothing'}; build one first")
     try:
-        onnx_path = resolve_onnx(build)     # fused, unfused, or a streamed build's quantized graph
+        onnx_path = resolve_onnx(build)     # fused, unfused, or a streamed build's quantized graph: TensorRT's
+        ort_path = resolve_onnx(build, quantized_first=True)    # ONNX Runtime's: a --quantize build's quantized graph
     except ModelFileError as e:
         raise RepositoryError(str(e)) from None
     if not (build / TOKENIZER).is_file():
@@ -481,24 +484,26 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
                               f"decodes with trt); pass --slots {built_batch} or rebuild the engine with a larger max_batch")
     io = onnx_io(onnx_path)
     _check_contract(onnx_path, io)
+    if ort_path != onnx_path:
+        _check_contract(ort_path, onnx_io(ort_path))
 
     with output_dir(repo, TRITON_REPOSITORY, inputs=[build] + ([engine] if engine else [])) as tmp:
         d = tmp / DECODER_ONNX / "1"
         d.mkdir(parents=True)
-        ort_io = add_control_inputs(onnx_path, d / "model.onnx")
+        ort_io = add_control_inputs(ort_path, d / "model.onnx")
         (tmp / DECODER_ONNX / "config.pbtxt").write_text(
             decoder_config(DECODER_ONNX, "onnxruntime_onnx", ort_io, max_batch_size, instances, kind))
         if engine is not None:
             _write_decoder_trt(tmp, engine, engine_build, onnx_path, io, max_batch_size, instances)
         d = tmp / GENERATE / "1"
         d.mkdir(parents=True)
-        _link_graph(onnx_path, d / onnx_path.name)
+        _link_graph(ort_path, d / ort_path.name)          # generate's ort backends; trt reads decoder_trt's
         _link_or_copy(build / TOKENIZER, d / TOKENIZER)
         (d / "model.py").write_text(GENERATE_MODEL_PY)
         (tmp / GENERATE / "config.pbtxt").write_text(
             generate_config(GENERATE, instances, max_new_tokens, intra_op_threads, slots, max_queued, backend))
         (tmp / "repository.json").write_text(json.dumps(
-            {"build": str(build.resolve()), "onnx": onnx_path.name, "engine": str(engine) if engine else None,
+            {"build": str(build.resolve()), "onnx": ort_path.name, "engine": str(engine) if engine else None,
              # the TensorRT version, GPU and flags that built model.plan: it loads only in that TensorRT
              # version unless built version-compatible (then start tritonserver with
              # --backend-config=tensorrt,version-compatible=true)

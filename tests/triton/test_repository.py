@@ -4,6 +4,8 @@ and writing is atomic with one-line errors. No server here (see test_server.py).
 from __future__ import annotations
 
 import copy
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -291,3 +293,24 @@ def test_a_streamed_quantized_build_is_linked_not_read(triton_build, tmp_path, m
     for x, y in zip(a.run(None, feeds), b.run(None, {**feeds, "START": np.ones((1, 1), bool),
                                                      "READY": np.ones((1, 1), bool)})):
         np.testing.assert_array_equal(x, y)
+
+
+def test_a_quantized_build_serves_its_quantized_graph_in_onnx_runtime(triton_build, tmp_path):
+    """A --quantize build holds model.fused.onnx and model.int4.onnx: the ONNX Runtime models (decoder_onnx,
+    generate's ort backends) get the int4 graph, the one the user built to run, as runtime.generate does;
+    an engine would come from the fused graph (resolve_onnx's TensorRT order)."""
+    import onnx
+    from core.onnx_writer import save_onnx
+    from export.quantize import QuantConfig, quantize_weights
+    from runtime.model_files import resolve_onnx
+    from runtime.triton import write_triton_repository
+    build = tmp_path / "build"
+    shutil.copytree(triton_build, build, ignore=shutil.ignore_patterns("*.engine*"))
+    int4, _ = quantize_weights(onnx.load(str(build / "model.fused.onnx")), QuantConfig("int4"))
+    save_onnx(int4, build / "model.int4.onnx")
+    assert resolve_onnx(build).name == "model.fused.onnx"
+    repo = write_triton_repository(build, tmp_path / "repo", intra_op_threads=1)       # configs checked too
+    assert json.loads((repo / "repository.json").read_text())["onnx"] == "model.int4.onnx"
+    assert [p.name for p in (repo / "generate/1").glob("*.onnx")] == ["model.int4.onnx"]
+    step = onnx.load(str(repo / "decoder_onnx/1/model.onnx"), load_external_data=False)
+    assert any(n.op_type == "MatMulNBits" for n in step.graph.node)
