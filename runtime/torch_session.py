@@ -50,6 +50,8 @@ class TorchSession(DecoderSession):
             except CheckpointError as e:
                 raise ModelFileError(str(e)) from None
         self.model = model.eval().to(self.device, self.dtype)
+        # the contract is what a caller receives: numpy has no bf16, so a bf16 model's logits come back as fp32
+        # (the host copy below); its caches stay bf16 on the device and are never handed out
         self.spec = DecodeContract.from_config(self.model.cfg, "fp32" if self.dtype_name == "bf16" else self.dtype_name)
         self._forward = torch.compile(self.model, dynamic=False) if self.compile else self.model
 
