@@ -27,3 +27,10 @@ def test_tracked_names_are_printable_ascii():
     assert names, "git ls-files listed nothing"
     bad = [n for n in names if not all(0x20 <= c < 0x7f for c in n)]
     assert bad == [], f"tracked paths with non-printable or non-ASCII names: {bad}; git rm them"
+
+
+def test_no_packages_or_binaries_of_other_projects_are_tracked():
+    """Wheels and archives (a pip download in the tree, a build's sdist) are not the project's files."""
+    tracked = _git("ls-files", "-z").decode().split("\0")
+    stray = [n for n in tracked if n.endswith((".whl", ".tar.gz", ".zip", ".egg"))]
+    assert not stray, f"tracked packages: {stray}; git rm them"
