@@ -97,7 +97,7 @@ CASES = [
     # A random-init HF model quantizes to int4 only in the streamed route: the in-memory build checks the
     # int4 graph against the float one (random weights at std 0.2 drift past that bound), the streamed
     # one against the graph's own dequantized weights.
-    ("zoo:internal-taper", "int4", "in-memory"),
+    # (zoo:internal-taper int4 streamed: test_genai_folder_layout_and_tokenizer; in-memory: the batch test)
     ("zoo:dyt", None, "streamed"),
     ("hf:llama", "int4", "streamed"),
     ("hf:gpt2-fakeln", None, "in-memory"),
@@ -106,6 +106,7 @@ CASES = [
     pytest.param("zoo:all-taper", None, "streamed", marks=pytest.mark.slow),
     pytest.param("zoo:all-taper", "int4", "in-memory", marks=pytest.mark.slow),
     pytest.param("zoo:internal-taper", None, "streamed", marks=pytest.mark.slow),
+    pytest.param("zoo:internal-taper", "int4", "in-memory", marks=pytest.mark.slow),
     pytest.param("zoo:dyt", "int4", "in-memory", marks=pytest.mark.slow),
     pytest.param("hf:llama", None, "in-memory", marks=pytest.mark.slow),
     pytest.param("hf:gpt2-fakeln", "int4", "streamed", marks=pytest.mark.slow),
@@ -133,7 +134,8 @@ def test_genai_greedy_equals_runtime_generate(tmp_path, name, quantize, route):
 
 def test_genai_folder_layout_and_tokenizer(tmp_path):
     """What GenAI's builder writes for a Llama (I/O names and dims, config keys), and og.Tokenizer
-    reading our tokenizer gives the ids ours gives; a streamed build's GenAI graph shares the weights file."""
+    reading our tokenizer gives the ids ours gives; a streamed build's GenAI graph shares the weights file;
+    GenAI's greedy tokens on it are runtime.generate's (the zoo's TaperNorm model, int4, streamed)."""
     og = _og()
     import onnx
     ckpt = _source("zoo:internal-taper", tmp_path)
@@ -154,7 +156,10 @@ def test_genai_folder_layout_and_tokenizer(tmp_path):
     assert (decoder["num_hidden_layers"], decoder["num_key_value_heads"], decoder["head_size"]) == (4, 4, 32)
     from models.checkpoint import load_tokenizer
     tok = og.Tokenizer(og.Model(str(out)))
-    assert [int(i) for i in tok.encode(PROMPT)] == load_tokenizer(out).encode(PROMPT).ids
+    prompt = load_tokenizer(out).encode(PROMPT).ids
+    assert [int(i) for i in tok.encode(PROMPT)] == prompt
+    ours, logits = ours_greedy(out / "model.int4.onnx", prompt, NEW_TOKENS)
+    assert compare_greedy(ours, logits, genai_greedy(out, prompt, NEW_TOKENS)) >= NEW_TOKENS // 2
 
 
 @pytest.mark.parametrize("flags,expected", [
@@ -182,11 +187,12 @@ def test_genai_batch_of_different_lengths_equals_batch_1(tmp_path):
     """A batch GenAI pads itself (prompts of 4, 9 and 10 tokens, right-padded) picks, row by row, the
     tokens each prompt gets alone (GenAI at batch 1 and runtime.generate). A padded row's past length
     is its own, not the padded length: ReduceSum(mask) - sequence_length made the position of a padded
-    row's prefill negative, and the learned positional embedding's Gather read rows from the end."""
+    row's prefill negative, and the learned positional embedding's Gather read rows from the end.
+    (int4, in-memory route: the default run's only in-memory int4 GenAI folder.)"""
     _og()
     ckpt = _source("zoo:internal-taper", tmp_path)
     out = tmp_path / "build"
-    _build(ckpt, out)
+    _build(ckpt, out, "--route", "in-memory", "--quantize", "int4")
     texts = ["Once upon a time", PROMPT, "The little dog ran to the park and saw"]
     from models.checkpoint import load_tokenizer
     prompts = [load_tokenizer(out).encode(t).ids for t in texts]
@@ -196,7 +202,7 @@ def test_genai_batch_of_different_lengths_equals_batch_1(tmp_path):
     for prompt, text, row in zip(prompts, texts, batch):
         alone = genai_batch_greedy(out, [text], NEW_TOKENS)[0]      # up to eos (GenAI stops there)
         k = len(alone)
-        ours, logits = ours_greedy(out / "model.fused.onnx", prompt, NEW_TOKENS)
+        ours, logits = ours_greedy(out / "model.int4.onnx", prompt, NEW_TOKENS)
         assert k >= 4 and compare_greedy(ours[:k], logits[:k], alone) >= k // 2, (ours, alone)
         assert compare_greedy(ours[:k], logits[:k], row[:k]) >= k // 2, (prompt, row, alone)
         if row[:k] == alone:         # then past its eos only eos / pad
