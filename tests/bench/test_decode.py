@@ -95,6 +95,7 @@ def test_read_bandwidth_reports_every_kernel_and_the_best():
     bw = read_bandwidth(gib=0.01, repeats=2, threads=2)
     assert set(bw) == {"max_1thread", "max_2threads", "gemv_blas", "best"}
     assert bw["best"] == max(v for k, v in bw.items() if k != "best") > 0
+    assert set(read_bandwidth(gib=0.01, repeats=1, threads=1)) == {"max_1thread", "gemv_blas", "best"}   # once
 
 
 def test_genai_peer_is_skipped_with_a_reason_when_not_installed(monkeypatch):
