@@ -208,7 +208,10 @@ def test_a_backend_that_cannot_load_fails_in_one_line(backend, triton_build, tmp
 @pytest.fixture(scope="module")
 def gpu_build(tmp_path_factory):
     """A build of a tiny random model (export_onnx: no tritonclient or graphsurgeon needed), in its own folder:
-    a TensorRT engine is built beside its graph."""
+    a TensorRT engine is built beside its graph. Skipped before the build where there is no GPU."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)")
     from tests.helpers import random_model, write_checkpoint
     from tests.runtime.conftest import make_build
     root = tmp_path_factory.mktemp("gpu_generate")
