@@ -46,11 +46,12 @@ import numpy as np
 
 from bench import stats
 from bench.shapes import DTYPES, folder_config, folder_matches, human, resolve_shape, tensor_specs, write_random_folder
+from core.build_files import FUSED, QUANTIZED, UNFUSED
 from core.errors import ArgumentParser, UsageError, UserError, float_in, int_in, positive_int, run_cli
 from core.outputs import (FIGURE, REPORT_JSON, SCALE_FOLDER, check_output_file, output_dir, output_file,
                           png_signature_metadata, write_json)
 
-GRAPHS = ("model.int4.onnx", "model.int8.onnx", "model.fused.onnx", "model.onnx")    # decoded: the first found
+GRAPHS = (*QUANTIZED, FUSED, UNFUSED)    # decoded: the first found (ONNX Runtime's order, runtime/model_files.py)
 PEERS = ("genai",)
 GENAI = "genai-int4"
 OPTION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*$")

@@ -9,6 +9,7 @@
                     greedy generation, top-1 agreement (export.verify, the quantize check, bench's runners,
                     runtime.step_timing all call it)
     core.inputs     boundary checks: text files, memory estimates
+    core.build_files  a build folder's file names (graphs, tokenizer, report), for writers and readers
 
 Layers, bottom to top (tests/test_layers.py enforces them): core; models, graph_passes;
 train, export; runtime; bench. Nothing here imports torch or a package above.

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from core.build_files import FUSED, REPORT, UNFUSED
 from core.errors import UsageError, UserError
 from core.onnx_writer import save_onnx
 from core.outputs import BUILD, check_output_dir, output_dir, sign_onnx
@@ -41,7 +42,6 @@ from export.target import Target, target_of
 NORM_OPS = ("RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization")
 REAL_TEXT = ("Once upon a time there was a little girl named Lily. She loved to play in the garden "
              "with her red ball, and one day she saw a big dog under the tall tree.")
-UNFUSED, FUSED, REPORT = "model.onnx", "model.fused.onnx", "report.json"
 
 
 class BuildError(UserError):

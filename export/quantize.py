@@ -40,6 +40,7 @@ from functools import partial
 import numpy as np
 import onnx
 
+from core.build_files import quantized_name
 from core.contract import INPUT_IDS, LOGITS
 from core.errors import UsageError, UserError
 from core.onnx_writer import initializer_bytes
@@ -117,7 +118,7 @@ class QuantConfig:
                                    f"found {self.dtype}; use --algo rtn for {self.dtype}")
 
     def file_name(self) -> str:
-        return f"model.{self.dtype}.onnx"
+        return quantized_name(self.dtype)
 
 
 @dataclass

@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from core.build_files import FUSED, UNFUSED
 from core.inputs import check_memory, human_bytes
 from core.outputs import BUILD, check_output_dir, output_dir
 
@@ -152,7 +153,7 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
     t0 = stages.start(f"open {checkpoint} ({source.source}): weights read block by block, memory-mapped")
     stages.done("open", t0, f": {cfg.approx_param_count():,} params, {cfg.n_layer} layers; estimated peak "
                 f"{estimate.line()}")
-    name = quantize.file_name() if quantize is not None else ("model.fused.onnx" if fuse else "model.onnx")
+    name = quantize.file_name() if quantize is not None else (FUSED if fuse else UNFUSED)
     tokenizer = source.where / TOKENIZER if (source.where / TOKENIZER).is_file() else None
     tokens = real_tokens(tokenizer, cfg.vocab_size)
     with output_dir(out, BUILD, inputs=[checkpoint]) as tmp:

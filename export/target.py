@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
+from core.build_files import QUANTIZED
 from core.errors import UsageError
 
 TARGETS = ("auto", "ort-cpu", "portable")
@@ -35,7 +36,7 @@ class Target:
         """One line for the build's output: which graph runs where, and how to get the other one."""
         other = "portable" if self.name == "ort-cpu" else "ort-cpu"
         because = f" ({self.why})" if self.why else ""
-        quantized = [g for g in graphs if g.startswith(("model.int4", "model.int8"))]
+        quantized = [g for g in graphs if g in QUANTIZED]
         runs = f"; ONNX Runtime given the folder runs {quantized[0]}" if quantized else ""   # model_files.resolve_onnx
         return (f"target   {self.name}{because}: {', '.join(graphs)} for {RUNS_ON[self.name]}{runs}; "
                 f"for {FOR[other]}: --target {other}")

@@ -29,6 +29,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from core.build_files import TOKENIZER
 from core.contract import (CACHE_KINDS, LOGITS, DecodeContract, cache_name, check_external_data_file, contract_of, load_onnx,
                            np_dtype, present_name)
 from core.errors import ArgumentParser, UserError, first_line, float_in, run_cli
@@ -307,7 +308,7 @@ def run(argv: list[str]) -> int:
         from core.inputs import check_text
         from tokenizers import Tokenizer
         tok_path = Path(args.tokenizer)
-        tok_path = tok_path / "tokenizer.json" if tok_path.is_dir() else tok_path
+        tok_path = tok_path / TOKENIZER if tok_path.is_dir() else tok_path
         try:
             tokens = Tokenizer.from_file(str(tok_path)).encode(check_text(args.text, "--text")).ids
         except UserError:

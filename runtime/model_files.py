@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from core.build_files import FUSED, QUANTIZED, TOKENIZER, UNFUSED
 from core.contract import ContractError, DecodeContract, contract_of, read_contract
 from runtime.session import ModelFileError
 
-FUSED, UNFUSED, TOKENIZER = "model.fused.onnx", "model.onnx", "tokenizer.json"
-QUANTIZED = ("model.int4.onnx", "model.int8.onnx")
 ORT_ONLY_MARK = ("tapernorm.attention", "ort-gqa")       # graph_passes/ort_attention.py's model metadata
 ORT_ONLY_GRAPH = ("ONNX Runtime's GroupQueryAttention (export.build --target ort-cpu, its default without "
                   "TensorRT: ONNX Runtime only)")

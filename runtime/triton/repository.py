@@ -39,6 +39,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.build_files import TOKENIZER
 from core.contract import (CACHE_PREFIX, INPUT_IDS, LOGITS, POSITION, ContractError, cache_names, external_files,
                            load_onnx, onnx_io as _proto_io, present_name, read_contract)
 from core.outputs import TRITON_REPOSITORY, output_dir
@@ -47,7 +48,6 @@ from runtime.session import MissingExtraError, ModelFileError, RuntimeUserError
 from runtime.trt_engine import DECODE_PROFILE, PREFILL_PROFILE, engine_info_path, read_engine_info
 
 DECODER_ONNX, DECODER_TRT, GENERATE = "decoder_onnx", "decoder_trt", "generate"
-TOKENIZER = "tokenizer.json"
 CONTROLS = {"START": "CONTROL_SEQUENCE_START", "READY": "CONTROL_SEQUENCE_READY"}
 # ONNX TensorProto element type -> Triton data type
 ONNX_TO_TRITON = {1: "TYPE_FP32", 10: "TYPE_FP16", 16: "TYPE_BF16", 6: "TYPE_INT32", 7: "TYPE_INT64", 9: "TYPE_BOOL"}
