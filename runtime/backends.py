@@ -1,4 +1,4 @@
-"""The backend registry: name -> session class, the extra it needs and what --model names.
+"""The backend registry: name -> session class, the extra it needs and the devices it takes.
 
     ort    ONNX Runtime over a build directory (model.fused.onnx, else model.onnx) or an .onnx file
     torch  the reference decoder over a checkpoint directory
@@ -24,18 +24,14 @@ class Backend:
     cls: str
     requires: str | None   # top-level package that must be importable
     extra: str | None      # tapernorm-deploy extra that installs it
-    model_kind: str        # what --model points at
     default_device: str
     devices: tuple[str, ...]   # what --device accepts ("cuda:N": cuda with a device index)
 
 
 BACKENDS: dict[str, Backend] = {
-    "ort": Backend("ort", "runtime.ort_session", "OrtSession", "onnxruntime", None,
-                   "a build directory or an .onnx file", "cpu", ("cpu", "cuda", "tensorrt")),
-    "torch": Backend("torch", "runtime.torch_session", "TorchSession", "torch", None,
-                     "a checkpoint directory", "cpu", ("cpu", "cuda", "cuda:N")),
-    "trt": Backend("trt", "runtime.trt_session", "TrtSession", "tensorrt", "tensorrt",
-                   "a build directory or an .onnx file", "cuda", ("cuda", "cuda:N")),
+    "ort": Backend("ort", "runtime.ort_session", "OrtSession", "onnxruntime", None, "cpu", ("cpu", "cuda", "tensorrt")),
+    "torch": Backend("torch", "runtime.torch_session", "TorchSession", "torch", None, "cpu", ("cpu", "cuda", "cuda:N")),
+    "trt": Backend("trt", "runtime.trt_session", "TrtSession", "tensorrt", "tensorrt", "cuda", ("cuda", "cuda:N")),
 }
 
 
