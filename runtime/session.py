@@ -77,8 +77,8 @@ class DeviceError(RuntimeUserError):
 class DecoderSession(abc.ABC):
     """One decode-step contract over a backend; see the module docstring.
 
-    Subclasses implement `_activate`, `_deactivate`, `_allocate(batch)`, `_run_prefill`
-    and `_run_decode`; the checks that need no backend live here.
+    Subclasses implement `_activate`, `_deactivate`, `_allocate(batch)`, `_run_prefill` and `_run_decode`
+    (by default the steps on rows [0, B)); the checks that need no backend live here.
     """
 
     backend: str = "?"
@@ -222,8 +222,8 @@ class DecoderSession(abc.ABC):
     @abc.abstractmethod
     def _allocate(self, batch: int) -> None: ...
 
-    @abc.abstractmethod
-    def _run_prefill(self, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray: ...
+    def _run_prefill(self, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
+        return self._run_prefill_rows(0, input_ids, position)        # the whole batch: rows [0, B)
 
-    @abc.abstractmethod
-    def _run_decode(self, tokens: np.ndarray, position: np.ndarray) -> np.ndarray: ...
+    def _run_decode(self, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
+        return self._run_decode_rows(0, tokens, position)

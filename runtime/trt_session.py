@@ -148,12 +148,6 @@ class TrtSession(DecoderSession):
         if not ctx.execute_async_v3(self.stream.cuda_stream):
             raise RuntimeError(f"{self.loader.path}: execute_async_v3 failed (see the TensorRT log)")
 
-    def _run_prefill(self, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
-        return self._run_prefill_rows(0, input_ids, position)
-
-    def _run_decode(self, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
-        return self._run_decode_rows(0, tokens, position)
-
     # --- steps on rows [start, start + b) of the batch (the whole batch: start 0, b = B) ----------
 
     row_steps = True
