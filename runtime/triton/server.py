@@ -24,6 +24,7 @@ first: the server waits for open connections up to its exit timeout.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -228,30 +229,22 @@ class TritonServer:
 
     def stop(self) -> int | None:
         """SIGINT, then wait for the server's exit timeout; kill it if it is still there."""
-        rc = None
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                rc = self.proc.wait(timeout=self.exit_timeout_s + 10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)   # the server and its backend stubs
-                rc = self.proc.wait()
-        elif self.proc is not None:
-            rc = self.proc.returncode
         if self.proc is not None:
-            self._end_stubs()
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGINT)
+                try:
+                    self.proc.wait(timeout=self.exit_timeout_s + 10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(self.proc.pid, signal.SIGKILL)   # the server and its backend stubs
+                    self.proc.wait()
+            # Kill what is left of the server's process group once the server has exited: a Python
+            # backend stub can outlive a server that stopped cleanly on SIGINT (seen here: stubs left with
+            # parent 1, holding their model, after test servers stopped). The group is the server's own
+            # (start_new_session), so nothing else is in it; its id is not reused while a member lives.
+            with contextlib.suppress(ProcessLookupError, PermissionError):    # the group is empty: no stub left
+                os.killpg(self.proc.pid, signal.SIGKILL)
         self._cleanup()
-        return rc
-
-    def _end_stubs(self) -> None:
-        """Kill what is left of the server's process group once the server has exited: a Python
-        backend stub can outlive a server that stopped cleanly on SIGINT (seen here: stubs left with
-        parent 1, holding their model, after test servers stopped). The group is the server's own
-        (start_new_session), so nothing else is in it; its id is not reused while a member lives."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass                     # the group is empty: every stub has exited
+        return None if self.proc is None else self.proc.returncode
 
     def _cleanup(self) -> None:
         if self._log is not None:
