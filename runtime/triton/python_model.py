@@ -255,14 +255,10 @@ class TritonPythonModel:
 
     def _error(self, e: Exception):
         pb = self.pb
-        if isinstance(e, ServerBusy):
-            code = getattr(pb.TritonError, "UNAVAILABLE", None)
-        elif isinstance(e, RuntimeUserError):
-            code = getattr(pb.TritonError, "INVALID_ARG", None)
-        else:
-            code = None
-        msg = str(e) if isinstance(e, RuntimeUserError) or str(e).startswith("internal error") \
-            else f"internal error: {type(e).__name__}: {e}"
+        user = isinstance(e, RuntimeUserError)             # a ServerBusy is one too
+        kind = "UNAVAILABLE" if isinstance(e, ServerBusy) else "INVALID_ARG"
+        code = getattr(pb.TritonError, kind, None) if user else None
+        msg = str(e) if user or str(e).startswith("internal error") else f"internal error: {type(e).__name__}: {e}"
         return pb.TritonError(msg, code) if code is not None else pb.TritonError(msg)
 
     def execute(self, requests):
