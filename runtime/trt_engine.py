@@ -316,9 +316,3 @@ class EngineFromFile:
         except OSError as e:
             raise ModelFileError(f"{self.path}: expected a serialized TensorRT engine, found it unreadable "
                                  f"({e.strerror}); write the repository again with its engine") from None
-
-    def report(self) -> dict:
-        return {"engine": str(self.path), "key": self.info.get("key"), "built": False,
-                "tensorrt": self.info.get("tensorrt"), "tf32": self.options().tf32,
-                "version_compatible": self.options().version_compatible,
-                "kv_cache_layers": self.info.get("kv_cache_layers")}
