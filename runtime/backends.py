@@ -9,7 +9,6 @@ tests/runtime/test_backends.py fails when a registered backend has no test modul
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,13 +39,9 @@ def require(backend: Backend) -> None:
     if backend.requires is None:
         return
     try:
-        found = importlib.util.find_spec(backend.requires) is not None
-        if found:
-            importlib.import_module(backend.requires)
-    except ImportError:
-        found = False
-    if not found:
-        raise MissingExtraError(backend.name, backend.extra or "base", backend.requires)
+        importlib.import_module(backend.requires)
+    except ImportError:         # absent (ModuleNotFoundError), or installed but failing to load
+        raise MissingExtraError(backend.name, backend.extra or "base", backend.requires) from None
 
 
 def check_device(backend: Backend, device: str) -> str:
