@@ -46,6 +46,7 @@ cache raises CapacityError at submit (runtime.generate's check_capacity).
 from __future__ import annotations
 
 import collections
+import contextlib
 import queue
 import threading
 import time
@@ -361,10 +362,8 @@ class BatchScheduler:
         if seq.done.is_set():
             return
         seq.finish = why
-        try:
+        with contextlib.suppress(Exception):    # the client is gone; nothing more to tell it
             seq._emit(None)
-        except Exception:  # noqa: BLE001 - the client is gone; nothing more to tell it
-            pass
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
