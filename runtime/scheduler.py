@@ -116,11 +116,6 @@ class Sequence:
                 return
             yield token
 
-    def result(self, timeout_s: float | None = None) -> list[int]:
-        if not self.done.wait(timeout_s):
-            raise TimeoutError(f"sequence not finished within {timeout_s} s")
-        return self.tokens
-
     def _emit(self, token: int | None) -> None:
         if self.listener is not None:
             self.listener(self, token)
