@@ -78,16 +78,6 @@ class Request:
     stream: bool = False
 
 
-def generation_config(tokenizer, req: Request) -> GenerationConfig:
-    sampling = SamplingConfig(req.temperature, req.top_k, req.top_p)
-    try:
-        sampling.validate()
-    except ValueError as e:
-        raise RuntimeUserError(f"sampling: {e}; fix the request") from None
-    return GenerationConfig(max_new_tokens=req.max_new_tokens, sampling=sampling, seed=req.seed,
-                            stop_tokens=default_stop_tokens(tokenizer, req.ignore_eos))
-
-
 class TextStream:
     """Text of a growing token list, handed out in pieces whose concatenation is the text
     runtime.generate prints (stop tokens left out). Byte-level tokens can split a UTF-8
@@ -266,7 +256,10 @@ class TritonPythonModel:
             send = self._sender(request)
             try:
                 req = self._request(request)
-                config = generation_config(self.tokenizer, req)
+                # its sampling settings are checked by submit ("sampling: ...; fix the request")
+                config = GenerationConfig(max_new_tokens=req.max_new_tokens, seed=req.seed,
+                                          sampling=SamplingConfig(req.temperature, req.top_k, req.top_p),
+                                          stop_tokens=default_stop_tokens(self.tokenizer, req.ignore_eos))
                 stream = ResponseStream(send, self.tokenizer, config.stop_tokens, req.stream)
                 self.scheduler.submit(self.tokenizer.encode(req.prompt).ids, config, listener=stream.on_event,
                                       cancelled_by=request.is_cancelled)
