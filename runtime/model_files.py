@@ -56,13 +56,6 @@ def is_ort_only(path: Path) -> bool:
     return meta.get(ORT_ONLY_MARK[0]) == ORT_ONLY_MARK[1]
 
 
-def refuse_ort_only(path: Path, runtime: str) -> None:
-    """Say before `runtime` loads anything that a GroupQueryAttention graph runs in ONNX Runtime only."""
-    if is_ort_only(path):
-        raise ModelFileError(f"{path}: expected a portable graph for {runtime}, found {ORT_ONLY_GRAPH}; "
-                             "use --backend ort, or rebuild with --target portable")
-
-
 def load_tokenizer(path: str | Path, vocab_size: int | None = None):
     """The model's tokenizer.json, in the build/checkpoint directory or beside an .onnx file; with
     vocab_size, refuse one whose ids would not index the logits."""

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from core.contract import INPUT_IDS, LOGITS, POSITION
-from runtime.model_files import refuse_ort_only, resolve_onnx, spec_from_onnx_file
+from runtime.model_files import ORT_ONLY_GRAPH, is_ort_only, resolve_onnx, spec_from_onnx_file
 from runtime.session import CapacityError, DecoderSession, DeviceError, ModelFileError
 from runtime.trt_engine import (DECODE_PROFILE, PREFILL_PROFILE, BuildOptions, EngineFromFile, EngineFromOnnx,
                                 check_aliases, check_engine_io, io_mapping)
@@ -55,7 +55,9 @@ class TrtSession(DecoderSession):
         model.plan) instead of building or reusing one beside the graph; options come from its record."""
         super().__init__()
         self.path = resolve_onnx(model)
-        refuse_ort_only(self.path, "TensorRT")
+        if is_ort_only(self.path):         # said before TensorRT loads anything
+            raise ModelFileError(f"{self.path}: expected a portable graph for TensorRT, found {ORT_ONLY_GRAPH}; "
+                                 "use --backend ort, or rebuild with --target portable")
         self.device = device
         self.engine_file = EngineFromFile(engine) if engine is not None else None
         self.options = self.engine_file.options() if self.engine_file else options
