@@ -59,8 +59,7 @@ class OrtSession(DecoderSession):
     backend = "ort"
 
     def __init__(self, model: str | Path, device: str = "cpu", intra_op_threads: int = 0,
-                 log_severity: int = ORT_WARNING, graph_optimization: str = "all",
-                 profile_prefix: str | Path | None = None):
+                 log_severity: int = ORT_WARNING, profile_prefix: str | Path | None = None):
         super().__init__()
         if device not in PROVIDERS:
             raise ValueError(f"device {device!r}; expected one of {', '.join(PROVIDERS)}")
@@ -68,7 +67,6 @@ class OrtSession(DecoderSession):
         self.device = device
         self.intra_op_threads = intra_op_threads
         self.log_severity = log_severity
-        self.graph_optimization = graph_optimization
         self.profile_prefix = profile_prefix   # ORT profiling on: trace at session.end_profiling()
         self.session = None
         self.caches: dict[str, object] = {}   # key_i / value_i -> OrtValue [B, H, S_max, D]
@@ -85,10 +83,7 @@ class OrtSession(DecoderSession):
         so = ort.SessionOptions()
         so.log_severity_level = self.log_severity
         so.intra_op_num_threads = self.intra_op_threads
-        so.graph_optimization_level = {
-            "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[self.graph_optimization]
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if self.profile_prefix is not None:
             so.enable_profiling = True
             so.profile_file_prefix = str(self.profile_prefix)
