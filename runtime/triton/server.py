@@ -115,8 +115,7 @@ def rss_bytes(pids: list[int]) -> int:
 class TritonServer:
     def __init__(self, repo: str | Path, host: str = "127.0.0.1", http_port: int | None = None,
                  grpc_port: int | None = None, metrics_port: int | None = None, models: tuple[str, ...] = SERVED_ON_CPU,
-                 exit_timeout_s: int = 5, log_verbose: int = 0, log_file: str | Path | None = None,
-                 echo_log: bool = False):
+                 exit_timeout_s: int = 5, log_verbose: int = 0, echo_log: bool = False):
         self.repo = Path(repo).resolve()
         self.host = host
         self.http_port = http_port if http_port is not None else free_port(host if host != "0.0.0.0" else "127.0.0.1")
@@ -125,7 +124,6 @@ class TritonServer:
         self.models = tuple(models)
         self.exit_timeout_s = exit_timeout_s
         self.log_verbose = log_verbose
-        self.log_file = Path(log_file) if log_file else None   # default: a file in the workspace
         self.echo_log = echo_log                                 # True: the server logs to our stderr
         self.proc: subprocess.Popen | None = None
         self.workspace: Path | None = None
@@ -186,7 +184,7 @@ class TritonServer:
             raise ServerError(f"{self.repo}: expected a model repository with generate/config.pbtxt, found none; "
                               "write one with python -m runtime.triton repo --build BUILD --out REPO")
         self.workspace = self._prepare()
-        self.log_path = self.log_file or self.workspace / "server.log"
+        self.log_path = self.workspace / "server.log"
         self._log = None if self.echo_log else open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.command(), env=server_env(), stdout=self._log,
                                      stderr=None if self.echo_log else subprocess.STDOUT,
