@@ -38,14 +38,6 @@ from runtime.trt_engine import (DECODE_PROFILE, PREFILL_PROFILE, BuildOptions, E
                                 check_aliases, check_engine_io, io_mapping)
 
 
-def trt_to_torch_dtype(trt, torch, dtype):
-    table = {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16,
-             trt.DataType.INT64: torch.int64, trt.DataType.INT32: torch.int32}
-    if hasattr(trt.DataType, "BF16"):
-        table[trt.DataType.BF16] = torch.bfloat16
-    return table[dtype]
-
-
 class TrtSession(DecoderSession):
     backend = "trt"
 
@@ -73,7 +65,7 @@ class TrtSession(DecoderSession):
             raise DeviceError("backend 'trt': expected a CUDA device, found "
                               + ("--device " + self.device if self.device != "cuda" else "none (torch.cuda.is_available() is False)")
                               + "; run on a machine with an NVIDIA GPU or use --backend ort")
-        self._trt, self._torch = trt, torch
+        self._torch = torch
         self.spec = spec_from_onnx_file(self.path)
         self.options = self.options.resolved(self.spec)
         self.loader = self.engine_file or EngineFromOnnx(self.path, self.spec, self.options, self.rebuild)
@@ -93,7 +85,11 @@ class TrtSession(DecoderSession):
         if self.engine_file:       # the limits it was built with, from its prefill profile's max shape
             max_batch, max_prompt = self.engine.get_tensor_profile_shape(INPUT_IDS, PREFILL_PROFILE)[2]
             self.options = replace(self.options, max_batch=int(max_batch), max_prompt=int(max_prompt))
-        self.dtypes = {n: trt_to_torch_dtype(trt, torch, self.engine.get_tensor_dtype(n)) for n in names}
+        to_torch = {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16,
+                    trt.DataType.INT64: torch.int64, trt.DataType.INT32: torch.int32}
+        if hasattr(trt.DataType, "BF16"):
+            to_torch[trt.DataType.BF16] = torch.bfloat16
+        self.dtypes = {n: to_torch[self.engine.get_tensor_dtype(n)] for n in names}
         self.stream = torch.cuda.Stream()
         self.contexts = []
         for profile in (DECODE_PROFILE, PREFILL_PROFILE):
