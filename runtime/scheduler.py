@@ -178,10 +178,6 @@ class BatchScheduler:
 
     # --- any thread -------------------------------------------------------------------------
 
-    @property
-    def capacity(self) -> int:
-        return self.session.spec.capacity
-
     def submit(self, prompt: list[int], config: GenerationConfig,
                listener: Callable[[Sequence, int | None], None] | None = None,
                cancelled_by: Callable[[], bool] | None = None) -> Sequence:
@@ -194,7 +190,7 @@ class BatchScheduler:
             config.sampling.validate()
         except ValueError as e:
             raise RuntimeUserError(f"sampling: {e}; fix the request") from None
-        check_capacity(self.capacity, [len(prompt)], config.max_new_tokens)
+        check_capacity(self.session.spec.capacity, [len(prompt)], config.max_new_tokens)
         seq = Sequence(list(prompt), config, listener=listener, cancelled_by=cancelled_by)
         with self._lock:
             if self._closed:
