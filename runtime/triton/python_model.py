@@ -46,7 +46,6 @@ from runtime.sampling import SamplingConfig
 from runtime.scheduler import CANCELLED, ERROR, BatchScheduler, ServerBusy
 from runtime.session import RuntimeUserError
 
-DEFAULT_SLOTS, DEFAULT_MAX_QUEUED = 8, 32
 METRICS_PERIOD_S = 0.1
 # Prometheus metrics of each instance: (name, kind, description, labels, value from (running, waiting, stats))
 METRICS = [
@@ -162,13 +161,14 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         import triton_python_backend_utils as pb_utils
         from runtime.model_files import load_tokenizer
+        from runtime.triton.repository import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_QUEUED, DEFAULT_SLOTS
         self.pb = pb_utils
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise RuntimeUserError("generate/config.pbtxt: expected model_transaction_policy { decoupled: true }, "
                                    "found it off; write the repository again with python -m runtime.triton repo")
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        self.default_max_new_tokens = int(params.get("max_new_tokens", 32))
+        self.default_max_new_tokens = int(params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
         model_dir = Path(args["model_repository"]) / args["model_version"]
         self.session, line = open_decode_session(model_dir, params)
         if hasattr(pb_utils, "Logger"):           # Triton's log (the Python backend's Logger, 23.x and later)
