@@ -65,7 +65,6 @@ class MissingExtraError(RuntimeUserError):
     """A backend needs an optional dependency (an extra of tapernorm-deploy) that is not installed."""
 
     def __init__(self, backend: str, extra: str, module: str, found: str | None = None):
-        self.backend, self.extra, self.module = backend, extra, module
         found = found or f"{module} is not importable"
         super().__init__(f"backend {backend!r} needs the {extra} extra ({found}); " + INSTALL_EXTRA.format(extra=extra))
 
