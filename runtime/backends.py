@@ -1,4 +1,4 @@
-"""The backend registry: name -> session class, the extra it needs and what --model names.
+"""The backend registry: name -> session class, the extra it needs and the devices it takes.
 
     ort    ONNX Runtime over a build directory (model.fused.onnx, else model.onnx) or an .onnx file
     torch  the reference decoder over a checkpoint directory
@@ -9,7 +9,6 @@ tests/runtime/test_backends.py fails when a registered backend has no test modul
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,18 +23,14 @@ class Backend:
     cls: str
     requires: str | None   # top-level package that must be importable
     extra: str | None      # tapernorm-deploy extra that installs it
-    model_kind: str        # what --model points at
     default_device: str
     devices: tuple[str, ...]   # what --device accepts ("cuda:N": cuda with a device index)
 
 
 BACKENDS: dict[str, Backend] = {
-    "ort": Backend("ort", "runtime.ort_session", "OrtSession", "onnxruntime", None,
-                   "a build directory or an .onnx file", "cpu", ("cpu", "cuda", "tensorrt")),
-    "torch": Backend("torch", "runtime.torch_session", "TorchSession", "torch", None,
-                     "a checkpoint directory", "cpu", ("cpu", "cuda", "cuda:N")),
-    "trt": Backend("trt", "runtime.trt_session", "TrtSession", "tensorrt", "tensorrt",
-                   "a build directory or an .onnx file", "cuda", ("cuda", "cuda:N")),
+    "ort": Backend("ort", "runtime.ort_session", "OrtSession", "onnxruntime", None, "cpu", ("cpu", "cuda", "tensorrt")),
+    "torch": Backend("torch", "runtime.torch_session", "TorchSession", "torch", None, "cpu", ("cpu", "cuda", "cuda:N")),
+    "trt": Backend("trt", "runtime.trt_session", "TrtSession", "tensorrt", "tensorrt", "cuda", ("cuda", "cuda:N")),
 }
 
 
@@ -44,13 +39,9 @@ def require(backend: Backend) -> None:
     if backend.requires is None:
         return
     try:
-        found = importlib.util.find_spec(backend.requires) is not None
-        if found:
-            importlib.import_module(backend.requires)
-    except ImportError:
-        found = False
-    if not found:
-        raise MissingExtraError(backend.name, backend.extra or "base", backend.requires)
+        importlib.import_module(backend.requires)
+    except ImportError:         # absent (ModuleNotFoundError), or installed but failing to load
+        raise MissingExtraError(backend.name, backend.extra or "base", backend.requires) from None
 
 
 def check_device(backend: Backend, device: str) -> str:

@@ -141,13 +141,9 @@ def decode_n_tokens(session: DecoderSession, first: np.ndarray, lengths: np.ndar
             done = [d or t in stop for d, t in zip(done, listed)]
             if all(done):
                 break
-    _append_until_stop(result.tokens, emitted, stop)
-
-
-def _append_until_stop(tokens: list[list[int]], emitted: list[list[int]], stop: frozenset) -> None:
-    """Append each step's tokens to each sequence, up to and including its first stop token
-    (tokens[b] already holds the first new token, which may itself be a stop token)."""
-    for b, seq in enumerate(tokens):
+    # each step's tokens appended to each sequence, up to and including its first stop token
+    # (result.tokens[b] already holds the first new token, which may itself be a stop token)
+    for b, seq in enumerate(result.tokens):
         if seq and seq[-1] in stop:
             continue
         for listed in emitted:

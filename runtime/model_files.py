@@ -56,27 +56,15 @@ def is_ort_only(path: Path) -> bool:
     return meta.get(ORT_ONLY_MARK[0]) == ORT_ONLY_MARK[1]
 
 
-def refuse_ort_only(path: Path, runtime: str) -> None:
-    """Say before `runtime` loads anything that a GroupQueryAttention graph runs in ONNX Runtime only."""
-    if is_ort_only(path):
-        raise ModelFileError(f"{path}: expected a portable graph for {runtime}, found {ORT_ONLY_GRAPH}; "
-                             "use --backend ort, or rebuild with --target portable")
-
-
-def resolve_tokenizer(path: str | Path) -> Path:
-    """tokenizer.json in the build/checkpoint directory, or beside an .onnx file."""
+def load_tokenizer(path: str | Path, vocab_size: int | None = None):
+    """The model's tokenizer.json, in the build/checkpoint directory or beside an .onnx file; with
+    vocab_size, refuse one whose ids would not index the logits."""
+    from tokenizers import Tokenizer
+    from core.errors import first_line
     path = Path(path)
     where = (path.parent if path.is_file() else path) / TOKENIZER
     if not where.is_file():
         raise ModelFileError(f"{where}: expected the model's tokenizer, found no file; copy the checkpoint's {TOKENIZER} there")
-    return where
-
-
-def load_tokenizer(path: str | Path, vocab_size: int | None = None):
-    """The model's tokenizer; with vocab_size, refuse one whose ids would not index the logits."""
-    from tokenizers import Tokenizer
-    from core.errors import first_line
-    where = resolve_tokenizer(path)
     try:
         tok = Tokenizer.from_file(str(where))
     except Exception as e:  # tokenizers raises a bare Exception on malformed files
@@ -89,18 +77,13 @@ def load_tokenizer(path: str | Path, vocab_size: int | None = None):
     return tok
 
 
-def spec_from_io(where, inputs: dict, outputs: dict) -> DecodeContract:
-    """The decode contract from a session's I/O: name -> (shape, element type); ModelFileError if it is not one."""
+def spec_from_ort_session(session, where) -> DecodeContract:
+    """The decode contract of a loaded onnxruntime.InferenceSession; ModelFileError if its I/O is not one."""
     try:
-        return read_contract(where, inputs, outputs)
+        return read_contract(where, {i.name: (i.shape, i.type) for i in session.get_inputs()},
+                             {o.name: (o.shape, o.type) for o in session.get_outputs()})
     except ContractError as e:
         raise ModelFileError(str(e)) from None
-
-
-def spec_from_ort_session(session, where) -> DecodeContract:
-    """The decode contract of a loaded onnxruntime.InferenceSession."""
-    return spec_from_io(where, {i.name: (i.shape, i.type) for i in session.get_inputs()},
-                        {o.name: (o.shape, o.type) for o in session.get_outputs()})
 
 
 def spec_from_onnx_file(path: Path) -> DecodeContract:

@@ -59,8 +59,7 @@ class OrtSession(DecoderSession):
     backend = "ort"
 
     def __init__(self, model: str | Path, device: str = "cpu", intra_op_threads: int = 0,
-                 log_severity: int = ORT_WARNING, graph_optimization: str = "all",
-                 profile_prefix: str | Path | None = None):
+                 log_severity: int = ORT_WARNING, profile_prefix: str | Path | None = None):
         super().__init__()
         if device not in PROVIDERS:
             raise ValueError(f"device {device!r}; expected one of {', '.join(PROVIDERS)}")
@@ -68,7 +67,6 @@ class OrtSession(DecoderSession):
         self.device = device
         self.intra_op_threads = intra_op_threads
         self.log_severity = log_severity
-        self.graph_optimization = graph_optimization
         self.profile_prefix = profile_prefix   # ORT profiling on: trace at session.end_profiling()
         self.session = None
         self.caches: dict[str, object] = {}   # key_i / value_i -> OrtValue [B, H, S_max, D]
@@ -85,10 +83,7 @@ class OrtSession(DecoderSession):
         so = ort.SessionOptions()
         so.log_severity_level = self.log_severity
         so.intra_op_num_threads = self.intra_op_threads
-        so.graph_optimization_level = {
-            "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[self.graph_optimization]
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if self.profile_prefix is not None:
             so.enable_profiling = True
             so.profile_file_prefix = str(self.profile_prefix)
@@ -130,22 +125,19 @@ class OrtSession(DecoderSession):
     def _deactivate(self) -> None:
         self.binding = None
         self.caches = {}
-        self._cache_arrays, self._row_bindings = {}, {}
+        self._row_bindings = {}
         self.session = None
 
     def _allocate(self, batch: int) -> None:
-        ort, dev, spec = self._ort, self._ort_device, self.spec
+        dev, spec = self._ort_device, self.spec
         self.binding = self.session.io_binding()
         self.caches = {}
-        self._cache_arrays = {}                    # CPU: the arrays the cache OrtValues wrap
         self._row_bindings = {}                    # (start, stop, decode) -> IOBinding of those rows
         zeros = np.zeros(spec.cache_shape(batch), spec.np_dtype)                              # [B, H, S_max, D]
         for name in spec.cache_names():
-            if dev == "cpu":
-                self._cache_arrays[name] = zeros.copy()
-                value = ort.OrtValue.ortvalue_from_numpy(self._cache_arrays[name])   # wraps the array, no copy
-            else:
-                value = ort.OrtValue.ortvalue_from_shape_and_type(zeros.shape, spec.np_dtype, dev, 0)
+            # CPU: wraps a zeroed array of its own (its OrtValue keeps it alive); CUDA: device memory, zeroed
+            value = self._bound(zeros.copy() if dev == "cpu" else zeros)
+            if dev != "cpu":
                 value.update_inplace(zeros)
             self.caches[name] = value
             self.binding.bind_ortvalue_input(name, value)
@@ -155,15 +147,17 @@ class OrtSession(DecoderSession):
         self._pos = np.zeros(batch, np.int64)                                                  # [B]
         self._logits = np.zeros((batch, 1, spec.vocab_size), self._logits_dtype)               # [B, 1, V]
         self._logits_row = self._logits[:, 0]            # [B, V] view, returned by every CPU decode step
-
-        def bound(a: np.ndarray):         # CPU: an OrtValue wrapping the array, no copy; CUDA: device memory like it
-            return (ort.OrtValue.ortvalue_from_numpy(a) if dev == "cpu"
-                    else ort.OrtValue.ortvalue_from_shape_and_type(a.shape, a.dtype, dev, 0))
-        self._ids_ov, self._pos_ov, self._logits_ov = bound(self._ids), bound(self._pos), bound(self._logits)
+        self._ids_ov, self._pos_ov, self._logits_ov = map(self._bound, (self._ids, self._pos, self._logits))
         self._buffers = {**{n: (v, spec.np_dtype) for n, v in self.caches.items()},     # what row bindings address
                          INPUT_IDS: (self._ids_ov, np.int64), POSITION: (self._pos_ov, np.int64),
                          LOGITS: (self._logits_ov, self._logits_dtype)}
         self._decode_bound = False
+
+    def _bound(self, a: np.ndarray):
+        """CPU: an OrtValue wrapping the array, no copy; CUDA: device memory of its shape and type."""
+        if self._ort_device == "cpu":
+            return self._ort.OrtValue.ortvalue_from_numpy(a)
+        return self._ort.OrtValue.ortvalue_from_shape_and_type(a.shape, a.dtype, self._ort_device, 0)
 
     # --- steps -------------------------------------------------------------------
 
@@ -191,14 +185,10 @@ class OrtSession(DecoderSession):
         logits = np.empty((b, t, self.spec.vocab_size), self._logits_dtype)                   # [b, T, V]
         binding.bind_ortvalue_input(INPUT_IDS, ort.OrtValue.ortvalue_from_numpy(input_ids, dev, 0))
         binding.bind_ortvalue_input(POSITION, ort.OrtValue.ortvalue_from_numpy(position, dev, 0))
-        if dev == "cpu":
-            binding.bind_ortvalue_output(LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
-            self._run(binding)
-            return logits
-        out = ort.OrtValue.ortvalue_from_shape_and_type(logits.shape, self._logits_dtype, dev, 0)
+        out = self._bound(logits)
         binding.bind_ortvalue_output(LOGITS, out)
         self._run(binding)
-        return out.numpy()
+        return logits if dev == "cpu" else out.numpy()
 
     def _run_decode(self, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
         if not self._decode_bound:         # the decode buffers, bound until a prefill rebinds the inputs

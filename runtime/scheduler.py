@@ -46,6 +46,7 @@ cache raises CapacityError at submit (runtime.generate's check_capacity).
 from __future__ import annotations
 
 import collections
+import contextlib
 import queue
 import threading
 import time
@@ -115,11 +116,6 @@ class Sequence:
                 return
             yield token
 
-    def result(self, timeout_s: float | None = None) -> list[int]:
-        if not self.done.wait(timeout_s):
-            raise TimeoutError(f"sequence not finished within {timeout_s} s")
-        return self.tokens
-
     def _emit(self, token: int | None) -> None:
         if self.listener is not None:
             self.listener(self, token)
@@ -143,17 +139,13 @@ class Sequence:
 @dataclass
 class SchedulerStats:
     """Counters since start (read them from any thread; a snapshot is `stats()`)."""
-    submitted: int = 0
     refused_busy: int = 0
     finished: dict = field(default_factory=lambda: {STOP: 0, LENGTH: 0, CANCELLED: 0, ERROR: 0})
     steps: int = 0               # decode steps
     rows_run: int = 0            # rows the decode steps computed (hi per step)
     rows_running: int = 0        # of which held a running sequence
-    prefills: int = 0
-    prefill_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0        # decode_rows calls
-    sample_s: float = 0.0        # sampling and delivery after each decode step
     peak_running: int = 0
     peak_waiting: int = 0
 
@@ -186,10 +178,6 @@ class BatchScheduler:
 
     # --- any thread -------------------------------------------------------------------------
 
-    @property
-    def capacity(self) -> int:
-        return self.session.spec.capacity
-
     def submit(self, prompt: list[int], config: GenerationConfig,
                listener: Callable[[Sequence, int | None], None] | None = None,
                cancelled_by: Callable[[], bool] | None = None) -> Sequence:
@@ -202,7 +190,7 @@ class BatchScheduler:
             config.sampling.validate()
         except ValueError as e:
             raise RuntimeUserError(f"sampling: {e}; fix the request") from None
-        check_capacity(self.capacity, [len(prompt)], config.max_new_tokens)
+        check_capacity(self.session.spec.capacity, [len(prompt)], config.max_new_tokens)
         seq = Sequence(list(prompt), config, listener=listener, cancelled_by=cancelled_by)
         with self._lock:
             if self._closed:
@@ -216,7 +204,6 @@ class BatchScheduler:
                                  f"{self.slots} running + {self.max_queued} queued); retry later, or add model "
                                  "instances or servers")
             self._waiting.append(seq)
-            self._stats.submitted += 1
             self._stats.peak_waiting = max(self._stats.peak_waiting, len(self._waiting))
             self._lock.notify()
         return seq
@@ -309,8 +296,6 @@ class BatchScheduler:
         if seq.config.keep_logits:
             seq.logits.append(logits[0].copy())
         token = int(sample(logits, seq.config.sampling, seq.rng)[0])
-        self._stats.prefills += 1
-        self._stats.prefill_tokens += len(seq.prompt)
         self._stats.prefill_s += time.perf_counter() - t0
         self._deliver(seq, token)
 
@@ -332,7 +317,7 @@ class BatchScheduler:
                 self._running[i].error = f"internal error in decode: {type(e).__name__}: {e}"
                 self._finish(self._running[i], ERROR)
             return
-        t1 = time.perf_counter()
+        self._stats.decode_s += time.perf_counter() - t0
         greedy = [i for i in rows if self._running[i].config.sampling.greedy]
         picked = dict(zip(greedy, logits[greedy].argmax(axis=-1).tolist())) if greedy else {}
         for i in rows:
@@ -345,8 +330,6 @@ class BatchScheduler:
         self._stats.steps += 1
         self._stats.rows_run += hi
         self._stats.rows_running += len(rows)
-        self._stats.decode_s += t1 - t0
-        self._stats.sample_s += time.perf_counter() - t1
 
     def _deliver(self, seq: Sequence, token: int) -> None:
         """Append a token, decide whether it ends the sequence, then hand it to the client."""
@@ -370,10 +353,8 @@ class BatchScheduler:
         if seq.done.is_set():
             return
         seq.finish = why
-        try:
+        with contextlib.suppress(Exception):    # the client is gone; nothing more to tell it
             seq._emit(None)
-        except Exception:  # noqa: BLE001 - the client is gone; nothing more to tell it
-            pass
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:

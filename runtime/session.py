@@ -65,7 +65,6 @@ class MissingExtraError(RuntimeUserError):
     """A backend needs an optional dependency (an extra of tapernorm-deploy) that is not installed."""
 
     def __init__(self, backend: str, extra: str, module: str, found: str | None = None):
-        self.backend, self.extra, self.module = backend, extra, module
         found = found or f"{module} is not importable"
         super().__init__(f"backend {backend!r} needs the {extra} extra ({found}); " + INSTALL_EXTRA.format(extra=extra))
 
@@ -77,8 +76,8 @@ class DeviceError(RuntimeUserError):
 class DecoderSession(abc.ABC):
     """One decode-step contract over a backend; see the module docstring.
 
-    Subclasses implement `_activate`, `_deactivate`, `_allocate(batch)`, `_run_prefill`
-    and `_run_decode`; the checks that need no backend live here.
+    Subclasses implement `_activate`, `_deactivate`, `_allocate(batch)`, `_run_prefill` and `_run_decode`
+    (by default the steps on rows [0, B)); the checks that need no backend live here.
     """
 
     backend: str = "?"
@@ -222,8 +221,8 @@ class DecoderSession(abc.ABC):
     @abc.abstractmethod
     def _allocate(self, batch: int) -> None: ...
 
-    @abc.abstractmethod
-    def _run_prefill(self, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray: ...
+    def _run_prefill(self, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
+        return self._run_prefill_rows(0, input_ids, position)        # the whole batch: rows [0, B)
 
-    @abc.abstractmethod
-    def _run_decode(self, tokens: np.ndarray, position: np.ndarray) -> np.ndarray: ...
+    def _run_decode(self, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
+        return self._run_decode_rows(0, tokens, position)

@@ -26,7 +26,7 @@ from runtime.session import DecoderSession, RuntimeUserError
 
 
 def time_decode_steps(session: DecoderSession, batch: int = 1, prompt_len: int = 8, steps: int = 100,
-                      warmup: int = 10, split_ort: bool = True) -> dict[str, np.ndarray]:
+                      warmup: int = 10) -> dict[str, np.ndarray]:
     """Seconds per decode step: {'step': [n]} and for ort also {'run': [n], 'outside': [n]}."""
     cap = session.spec.capacity
     steps = min(steps, cap - prompt_len - warmup)
@@ -39,7 +39,7 @@ def time_decode_steps(session: DecoderSession, batch: int = 1, prompt_len: int =
     driver.prefill(rng.integers(0, session.spec.vocab_size, (batch, prompt_len)))
     tokens = rng.integers(0, session.spec.vocab_size, batch)
     positions = [np.full(batch, prompt_len + i, np.int64) for i in range(warmup + steps)]
-    split = split_ort and session.backend == "ort"
+    split = session.backend == "ort"
     step = np.zeros(steps)
     run = np.zeros(steps)
     for i, pos in enumerate(positions):

@@ -84,9 +84,6 @@ class TorchSession(DecoderSession):
         with torch.cuda.graph(self._graph):
             self._static_logits, _ = self._forward(self._ids, self._pos, self.cache)          # [B, 1, V]
 
-    def _run_prefill(self, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
-        return self._run_prefill_rows(0, input_ids, position)
-
     # steps on rows [start, stop) of the batch (the whole batch: start 0): the model on views of those
     # cache rows, eager (prefill shapes vary)
     row_steps = True

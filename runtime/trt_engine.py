@@ -196,14 +196,6 @@ def set_flag(trt, config, name: str, on: bool) -> None:
     (config.set_flag if on else config.clear_flag)(flag)
 
 
-def count_layers(trt, network, layer_type: str) -> int | None:
-    """How many layers of trt.LayerType.<layer_type> the network has (None: this TensorRT has no such type)."""
-    kind = getattr(trt.LayerType, layer_type, None)
-    if kind is None:
-        return None
-    return sum(1 for i in range(network.num_layers) if network.get_layer(i).type == kind)
-
-
 def cuda_device_tag() -> str:
     import torch
     i = torch.cuda.current_device()
@@ -263,7 +255,9 @@ class EngineFromOnnx:
             errors = "; ".join(str(parser.get_error(i)).strip() for i in range(parser.num_errors))
             raise EngineBuildError(f"{self.onnx_path}: expected a graph the TensorRT ONNX parser accepts, found errors: "
                                    f"{errors}; run the TensorRT lint in graph_passes or use --backend ort")
-        self.kv_cache_layers = count_layers(trt, network, "KV_CACHE_UPDATE")
+        kv_update = getattr(trt.LayerType, "KV_CACHE_UPDATE", None)      # None: this TensorRT has no such layer type
+        self.kv_cache_layers = None if kv_update is None else sum(
+            1 for i in range(network.num_layers) if network.get_layer(i).type == kv_update)
         expected = len(self.spec.cache_names())
         if self.kv_cache_layers is not None and self.kv_cache_layers != expected:
             raise EngineBuildError(f"{self.onnx_path}: expected {expected} KV-cache update layers (one per cache; the "
@@ -316,9 +310,3 @@ class EngineFromFile:
         except OSError as e:
             raise ModelFileError(f"{self.path}: expected a serialized TensorRT engine, found it unreadable "
                                  f"({e.strerror}); write the repository again with its engine") from None
-
-    def report(self) -> dict:
-        return {"engine": str(self.path), "key": self.info.get("key"), "built": False,
-                "tensorrt": self.info.get("tensorrt"), "tf32": self.options().tf32,
-                "version_compatible": self.options().version_compatible,
-                "kv_cache_layers": self.info.get("kv_cache_layers")}

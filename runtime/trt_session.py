@@ -32,18 +32,10 @@ from pathlib import Path
 import numpy as np
 
 from core.contract import INPUT_IDS, LOGITS, POSITION
-from runtime.model_files import refuse_ort_only, resolve_onnx, spec_from_onnx_file
+from runtime.model_files import ORT_ONLY_GRAPH, is_ort_only, resolve_onnx, spec_from_onnx_file
 from runtime.session import CapacityError, DecoderSession, DeviceError, ModelFileError
 from runtime.trt_engine import (DECODE_PROFILE, PREFILL_PROFILE, BuildOptions, EngineFromFile, EngineFromOnnx,
                                 check_aliases, check_engine_io, io_mapping)
-
-
-def trt_to_torch_dtype(trt, torch, dtype):
-    table = {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16,
-             trt.DataType.INT64: torch.int64, trt.DataType.INT32: torch.int32}
-    if hasattr(trt.DataType, "BF16"):
-        table[trt.DataType.BF16] = torch.bfloat16
-    return table[dtype]
 
 
 class TrtSession(DecoderSession):
@@ -55,7 +47,9 @@ class TrtSession(DecoderSession):
         model.plan) instead of building or reusing one beside the graph; options come from its record."""
         super().__init__()
         self.path = resolve_onnx(model)
-        refuse_ort_only(self.path, "TensorRT")
+        if is_ort_only(self.path):         # said before TensorRT loads anything
+            raise ModelFileError(f"{self.path}: expected a portable graph for TensorRT, found {ORT_ONLY_GRAPH}; "
+                                 "use --backend ort, or rebuild with --target portable")
         self.device = device
         self.engine_file = EngineFromFile(engine) if engine is not None else None
         self.options = self.engine_file.options() if self.engine_file else options
@@ -71,7 +65,7 @@ class TrtSession(DecoderSession):
             raise DeviceError("backend 'trt': expected a CUDA device, found "
                               + ("--device " + self.device if self.device != "cuda" else "none (torch.cuda.is_available() is False)")
                               + "; run on a machine with an NVIDIA GPU or use --backend ort")
-        self._trt, self._torch = trt, torch
+        self._torch = torch
         self.spec = spec_from_onnx_file(self.path)
         self.options = self.options.resolved(self.spec)
         self.loader = self.engine_file or EngineFromOnnx(self.path, self.spec, self.options, self.rebuild)
@@ -91,7 +85,11 @@ class TrtSession(DecoderSession):
         if self.engine_file:       # the limits it was built with, from its prefill profile's max shape
             max_batch, max_prompt = self.engine.get_tensor_profile_shape(INPUT_IDS, PREFILL_PROFILE)[2]
             self.options = replace(self.options, max_batch=int(max_batch), max_prompt=int(max_prompt))
-        self.dtypes = {n: trt_to_torch_dtype(trt, torch, self.engine.get_tensor_dtype(n)) for n in names}
+        to_torch = {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16,
+                    trt.DataType.INT64: torch.int64, trt.DataType.INT32: torch.int32}
+        if hasattr(trt.DataType, "BF16"):
+            to_torch[trt.DataType.BF16] = torch.bfloat16
+        self.dtypes = {n: to_torch[self.engine.get_tensor_dtype(n)] for n in names}
         self.stream = torch.cuda.Stream()
         self.contexts = []
         for profile in (DECODE_PROFILE, PREFILL_PROFILE):
@@ -147,12 +145,6 @@ class TrtSession(DecoderSession):
     def _execute(self, ctx) -> None:
         if not ctx.execute_async_v3(self.stream.cuda_stream):
             raise RuntimeError(f"{self.loader.path}: execute_async_v3 failed (see the TensorRT log)")
-
-    def _run_prefill(self, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
-        return self._run_prefill_rows(0, input_ids, position)
-
-    def _run_decode(self, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
-        return self._run_decode_rows(0, tokens, position)
 
     # --- steps on rows [start, start + b) of the batch (the whole batch: start 0, b = B) ----------
 

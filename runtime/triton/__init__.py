@@ -13,10 +13,7 @@ from pathlib import Path
 def write_triton_repository(build: str | Path, repo: str | Path, **options) -> Path:
     """Write a Triton model repository for a finished build directory; returns its path.
 
-    options: engine, max_batch_size (8), instances (1), kind ("cpu" | "gpu"),
-    max_new_tokens (32), intra_op_threads (0), slots (8), max_queued (32),
-    generate_backend ("auto" | "trt" | "ort-cuda" | "ort-cpu"), validate (True);
-    see repository.write_repository.
+    options: the keywords of repository.write_repository (engine, max_batch_size, instances, kind, ...).
     Raises RepositoryError (a UserError: one line for the user). Imported lazily: the
     package itself stays light, so the server's Python backend loads only what it runs.
     """

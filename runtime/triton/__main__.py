@@ -122,10 +122,9 @@ def run(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "repo":
         from runtime.triton.repository import have_tritonclient, write_repository
-        repo = write_repository(args.build, args.out, engine=args.engine, max_batch_size=args.max_batch_size,
-                                instances=args.instances, kind=args.kind, max_new_tokens=args.max_new_tokens,
-                                intra_op_threads=args.intra_op_threads, slots=args.slots, max_queued=args.max_queued,
-                                generate_backend=args.generate_backend)
+        # every other option of repo is a keyword of write_repository, spelt the same
+        options = {k: v for k, v in vars(args).items() if k not in ("command", "build", "out")}
+        repo = write_repository(args.build, args.out, **options)
         models = sorted(p.parent.name for p in repo.glob("*/config.pbtxt"))
         backend = json.loads((repo / "repository.json").read_text())["generate_backend"]
         checked = "" if have_tritonclient() else " (configs not checked: install the triton extra and run check)"

@@ -19,6 +19,7 @@ connections up to its exit timeout.
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import importlib
 import json
@@ -130,10 +131,8 @@ class StreamingClient:
     def _stop(self, cancel: bool) -> None:
         if self._responses is not None:
             self._responses = None
-            try:
+            with contextlib.suppress(Exception):    # the stream is already broken; nothing to stop
                 self.client.stop_stream(cancel_requests=cancel)
-            except Exception:  # noqa: BLE001 - the stream is already broken; nothing to stop
-                pass
 
     def _start(self) -> queue.SimpleQueue:
         if self._responses is None:

@@ -46,7 +46,6 @@ from runtime.sampling import SamplingConfig
 from runtime.scheduler import CANCELLED, ERROR, BatchScheduler, ServerBusy
 from runtime.session import RuntimeUserError
 
-DEFAULT_SLOTS, DEFAULT_MAX_QUEUED = 8, 32
 METRICS_PERIOD_S = 0.1
 # Prometheus metrics of each instance: (name, kind, description, labels, value from (running, waiting, stats))
 METRICS = [
@@ -76,16 +75,6 @@ class Request:
     seed: int = 0
     ignore_eos: bool = False
     stream: bool = False
-
-
-def generation_config(tokenizer, req: Request) -> GenerationConfig:
-    sampling = SamplingConfig(req.temperature, req.top_k, req.top_p)
-    try:
-        sampling.validate()
-    except ValueError as e:
-        raise RuntimeUserError(f"sampling: {e}; fix the request") from None
-    return GenerationConfig(max_new_tokens=req.max_new_tokens, sampling=sampling, seed=req.seed,
-                            stop_tokens=default_stop_tokens(tokenizer, req.ignore_eos))
 
 
 class TextStream:
@@ -172,13 +161,14 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         import triton_python_backend_utils as pb_utils
         from runtime.model_files import load_tokenizer
+        from runtime.triton.repository import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_QUEUED, DEFAULT_SLOTS
         self.pb = pb_utils
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise RuntimeUserError("generate/config.pbtxt: expected model_transaction_policy { decoupled: true }, "
                                    "found it off; write the repository again with python -m runtime.triton repo")
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        self.default_max_new_tokens = int(params.get("max_new_tokens", 32))
+        self.default_max_new_tokens = int(params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
         model_dir = Path(args["model_repository"]) / args["model_version"]
         self.session, line = open_decode_session(model_dir, params)
         if hasattr(pb_utils, "Logger"):           # Triton's log (the Python backend's Logger, 23.x and later)
@@ -255,14 +245,10 @@ class TritonPythonModel:
 
     def _error(self, e: Exception):
         pb = self.pb
-        if isinstance(e, ServerBusy):
-            code = getattr(pb.TritonError, "UNAVAILABLE", None)
-        elif isinstance(e, RuntimeUserError):
-            code = getattr(pb.TritonError, "INVALID_ARG", None)
-        else:
-            code = None
-        msg = str(e) if isinstance(e, RuntimeUserError) or str(e).startswith("internal error") \
-            else f"internal error: {type(e).__name__}: {e}"
+        user = isinstance(e, RuntimeUserError)             # a ServerBusy is one too
+        kind = "UNAVAILABLE" if isinstance(e, ServerBusy) else "INVALID_ARG"
+        code = getattr(pb.TritonError, kind, None) if user else None
+        msg = str(e) if user or str(e).startswith("internal error") else f"internal error: {type(e).__name__}: {e}"
         return pb.TritonError(msg, code) if code is not None else pb.TritonError(msg)
 
     def execute(self, requests):
@@ -270,7 +256,10 @@ class TritonPythonModel:
             send = self._sender(request)
             try:
                 req = self._request(request)
-                config = generation_config(self.tokenizer, req)
+                # its sampling settings are checked by submit ("sampling: ...; fix the request")
+                config = GenerationConfig(max_new_tokens=req.max_new_tokens, seed=req.seed,
+                                          sampling=SamplingConfig(req.temperature, req.top_k, req.top_p),
+                                          stop_tokens=default_stop_tokens(self.tokenizer, req.ignore_eos))
                 stream = ResponseStream(send, self.tokenizer, config.stop_tokens, req.stream)
                 self.scheduler.submit(self.tokenizer.encode(req.prompt).ids, config, listener=stream.on_event,
                                       cancelled_by=request.is_cancelled)

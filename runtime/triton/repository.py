@@ -193,8 +193,7 @@ def decoder_config(name: str, platform: str, io: OnnxIO, max_batch_size: int, in
             item.append("      use_same_buffer_for_input_output: true")
         item += [f'      initial_state {{ name: "zeros" data_type: {dt} dims: {dims} zero_data: true }}', "    }"]
         items.append("\n".join(item))
-    lines += ["  state [", ",\n".join(items), "  ]"]
-    lines.append("}")
+    lines += ["  state [", ",\n".join(items), "  ]", "}"]
     return "\n".join(lines) + "\n"
 
 
@@ -216,8 +215,7 @@ def generate_config(name: str, instances: int, max_new_tokens: int = DEFAULT_MAX
              "model_transaction_policy { decoupled: true }", "input [", inputs, "]",
              "output [", outputs, "]",
              "instance_group [", f"  {{ count: {instances} kind: {kind} }}", "]"]
-    for k, v in params.items():
-        lines.append(f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}')
+    lines += [f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}' for k, v in params.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -296,10 +294,8 @@ def verify_config(config, io: OnnxIO) -> list[str]:
                 and inits[0].data_type == s.data_type):
             errors.append(f"state {s.input_name}: expected a zero initial state of the state's type and dims")
     for side, want, have in (("input", expected_in, io.inputs), ("output", expected_out, io.outputs)):
-        for name in sorted(set(want) - set(have)):
-            errors.append(f"{side} {name}: in config.pbtxt, not in the ONNX")
-        for name in sorted(set(have) - set(want)):
-            errors.append(f"{side} {name}: in the ONNX, not in config.pbtxt")
+        errors += [f"{side} {name}: in config.pbtxt, not in the ONNX" for name in sorted(set(want) - set(have))]
+        errors += [f"{side} {name}: in the ONNX, not in config.pbtxt" for name in sorted(set(have) - set(want))]
         for name in sorted(set(want) & set(have)):
             dt, dims = want[name]
             t = have[name]

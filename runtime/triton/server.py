@@ -24,6 +24,7 @@ first: the server waits for open connections up to its exit timeout.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -114,8 +115,7 @@ def rss_bytes(pids: list[int]) -> int:
 class TritonServer:
     def __init__(self, repo: str | Path, host: str = "127.0.0.1", http_port: int | None = None,
                  grpc_port: int | None = None, metrics_port: int | None = None, models: tuple[str, ...] = SERVED_ON_CPU,
-                 exit_timeout_s: int = 5, log_verbose: int = 0, log_file: str | Path | None = None,
-                 echo_log: bool = False):
+                 exit_timeout_s: int = 5, log_verbose: int = 0, echo_log: bool = False):
         self.repo = Path(repo).resolve()
         self.host = host
         self.http_port = http_port if http_port is not None else free_port(host if host != "0.0.0.0" else "127.0.0.1")
@@ -124,7 +124,6 @@ class TritonServer:
         self.models = tuple(models)
         self.exit_timeout_s = exit_timeout_s
         self.log_verbose = log_verbose
-        self.log_file = Path(log_file) if log_file else None   # default: a file in the workspace
         self.echo_log = echo_log                                 # True: the server logs to our stderr
         self.proc: subprocess.Popen | None = None
         self.workspace: Path | None = None
@@ -185,7 +184,7 @@ class TritonServer:
             raise ServerError(f"{self.repo}: expected a model repository with generate/config.pbtxt, found none; "
                               "write one with python -m runtime.triton repo --build BUILD --out REPO")
         self.workspace = self._prepare()
-        self.log_path = self.log_file or self.workspace / "server.log"
+        self.log_path = self.workspace / "server.log"
         self._log = None if self.echo_log else open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.command(), env=server_env(), stdout=self._log,
                                      stderr=None if self.echo_log else subprocess.STDOUT,
@@ -228,30 +227,22 @@ class TritonServer:
 
     def stop(self) -> int | None:
         """SIGINT, then wait for the server's exit timeout; kill it if it is still there."""
-        rc = None
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                rc = self.proc.wait(timeout=self.exit_timeout_s + 10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)   # the server and its backend stubs
-                rc = self.proc.wait()
-        elif self.proc is not None:
-            rc = self.proc.returncode
         if self.proc is not None:
-            self._end_stubs()
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGINT)
+                try:
+                    self.proc.wait(timeout=self.exit_timeout_s + 10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(self.proc.pid, signal.SIGKILL)   # the server and its backend stubs
+                    self.proc.wait()
+            # Kill what is left of the server's process group once the server has exited: a Python
+            # backend stub can outlive a server that stopped cleanly on SIGINT (seen here: stubs left with
+            # parent 1, holding their model, after test servers stopped). The group is the server's own
+            # (start_new_session), so nothing else is in it; its id is not reused while a member lives.
+            with contextlib.suppress(ProcessLookupError, PermissionError):    # the group is empty: no stub left
+                os.killpg(self.proc.pid, signal.SIGKILL)
         self._cleanup()
-        return rc
-
-    def _end_stubs(self) -> None:
-        """Kill what is left of the server's process group once the server has exited: a Python
-        backend stub can outlive a server that stopped cleanly on SIGINT (seen here: stubs left with
-        parent 1, holding their model, after test servers stopped). The group is the server's own
-        (start_new_session), so nothing else is in it; its id is not reused while a member lives."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass                     # the group is empty: every stub has exited
+        return None if self.proc is None else self.proc.returncode
 
     def _cleanup(self) -> None:
         if self._log is not None:

@@ -17,7 +17,7 @@ def test_every_backend_has_a_test_module(name):
 
 
 def test_missing_extra_names_the_extra_and_the_install_line():
-    fake = Backend("x", "runtime.nope", "Nope", "no_such_package_tapernorm", "tensorrt", "a file", "cuda", ("cuda",))
+    fake = Backend("x", "runtime.nope", "Nope", "no_such_package_tapernorm", "tensorrt", "cuda", ("cuda",))
     with pytest.raises(MissingExtraError) as e:
         require(fake)
     assert str(e.value) == ("backend 'x' needs the tensorrt extra (no_such_package_tapernorm is not importable); "
