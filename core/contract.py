@@ -62,7 +62,6 @@ def io_names(n_layer: int) -> tuple[list[str], list[str]]:
     """(input names, output names) of an n_layer decode-step graph, in graph order."""
     caches = cache_names(n_layer)
     return [INPUT_IDS, POSITION, *caches], [LOGITS, *(present_name(c) for c in caches)]
-ONNX_ELEM_OF = {v: k for k, v in _ONNX_ELEM.items()}
 REEXPORT = "re-export with python -m export.build"
 
 

@@ -36,7 +36,6 @@ import sys
 import traceback
 
 EXIT_OK, EXIT_USER, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-EXIT_CODES = (EXIT_OK, EXIT_USER, EXIT_USAGE, EXIT_INTERRUPTED)
 REPORT_BUG = "this is a bug in tapernorm-deploy; please report it with the command and the traceback above"
 # Flags that reach a C int or an INT32 wire field are capped here rather than wrapped around.
 INT32_MAX = 2**31 - 1
@@ -107,7 +106,6 @@ def float_in(lo: float | None = None, hi: float | None = None):
 positive_int = int_in(1)
 nonnegative_int = int_in(0)
 seed_int = int_in(0, 2**63 - 1)       # numpy and torch seeds: non-negative, 64-bit
-finite_float = float_in()
 
 
 # --- the runner -----------------------------------------------------------------------------
