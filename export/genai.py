@@ -233,8 +233,7 @@ def verify_genai(folder: Path, source: str, tokens: list[int] | None) -> float:
     sess = ort_session(folder / GENAI_GRAPH)
     theirs = [[{LOGITS: r[LOGITS]} for r in genai.run(sess, plan)] for _, plan in plans]
     del sess
-    results = compare_sessions([(label, r, t) for (label, _), r, t in zip(plans, ours, theirs)], "fp32",
-                               f"{GENAI_GRAPH} vs {source}", atol=GENAI_ATOL)
+    results = compare_sessions(plans, ours, theirs, "fp32", f"{GENAI_GRAPH} vs {source}", atol=GENAI_ATOL)
     return max(c.max_abs_diff["logits"] for c in results)
 
 

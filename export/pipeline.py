@@ -224,8 +224,7 @@ class Verifier:
         """session label -> output -> max abs diff; raises VerificationError on any mismatch.
         `tolerance`: the export.verify ATOL / SCALE_TOL entry (default: the graph's dtype)."""
         from export.verify import compare_sessions
-        results = compare_sessions([(label, ref, got) for (label, _), ref, got in zip(self.sessions, ref_runs, runs)],
-                                   tolerance or self.iface.dtype, what)
+        results = compare_sessions(self.sessions, ref_runs, runs, tolerance or self.iface.dtype, what)
         return {c.what: c.max_abs_diff for c in results}
 
     def check_against_export(self, report: BuildReport, unfused, unfused_runs, graph, kind: str, name: str,

@@ -268,8 +268,7 @@ def _verify(report, path: Path, iface, sessions, runs_ref, runs_deq, quantize, k
     del sess
     exact = quantize is not None and runs_deq is not None       # against its own dequantized weights
     refs, tolerance, what = (runs_deq, DEQUANTIZED, " with its dequantized weights") if exact else (runs_ref, key, "")
-    results = compare_sessions([(label, ref, got) for (label, _), ref, got in zip(sessions, refs, runs)],
-                               tolerance, f"{path.name} vs torch{what}")
+    results = compare_sessions(sessions, refs, runs, tolerance, f"{path.name} vs torch{what}")
     report.max_abs_diff["graph_vs_torch"] = {c.what: c.max_abs_diff for c in results}
     if quantize is None:
         return

@@ -239,8 +239,7 @@ def verify_pair(a, b, atol: float | None = None, seeds=(0, 1), tokens=None, refe
     for what, r, g in pairs:
         prefix = f"{what}: " if reference is not None else ""
         try:
-            results += compare_sessions([(prefix + label, ref, got) for (label, _), ref, got
-                                         in zip(sessions, outs[r], outs[g])], dtype, what, atol)
+            results += compare_sessions(sessions, outs[r], outs[g], dtype, what, atol, prefix)
         except VerificationError as e:
             problems += e.mismatches
     if problems:
@@ -271,10 +270,12 @@ def tolerance_key(*protos, float_dtype: str | None = None) -> str:
     return float_dtype if float_dtype is not None else read_interface(protos[0]).dtype
 
 
-def compare_sessions(runs, dtype: str, what: str, atol: float | None = None) -> list[Comparison]:
-    """compare() over several sessions [(label, ref, got)]; ONE VerificationError lists the mismatches of all."""
+def compare_sessions(sessions, refs, runs, dtype: str, what: str, atol: float | None = None,
+                     prefix: str = "") -> list[Comparison]:
+    """compare() of each labelled session [(label, steps)]'s reference and run, labels after `prefix`;
+    ONE VerificationError lists the mismatches of all."""
     results, problems = [], []
-    for label, ref, got in runs:
+    for label, ref, got in ((prefix + label, ref, got) for (label, _), ref, got in zip(sessions, refs, runs)):
         try:
             results.append(compare(ref, got, dtype, label, atol))
         except VerificationError as e:
