@@ -256,11 +256,9 @@ def check_genai(genai: bool, fuse: bool, dtype: str, attention: str) -> None:
     if not genai:
         return
     from core.errors import UsageError
-    if not fuse:
-        raise UsageError("--genai: expected --fuse too (GenAI gets the folded graph); add --fuse")
-    if dtype != "fp32":
-        raise UsageError(f"--genai: expected --dtype fp32 (GenAI's CPU GroupQueryAttention is fp32; --quantize int4 "
-                         f"for smaller weights), found --dtype {dtype}; drop --dtype")
+    from export.pipeline import require_fused_fp32
+    require_fused_fp32("--genai", fuse, dtype, "GenAI gets the folded graph",
+                       "GenAI's CPU GroupQueryAttention is fp32; --quantize int4 for smaller weights")
     if attention != "gqa":
         raise UsageError(f"--genai: expected --attention gqa (GenAI shares one cache buffer between past and present, "
                          f"which GroupQueryAttention writes in place), found --attention {attention}; drop --attention")

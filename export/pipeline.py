@@ -572,29 +572,28 @@ def check_options(quantize, genai: bool, fuse: bool, dtype: str, attention: str)
     check_attention(attention, fuse, dtype)
 
 
+def require_fused_fp32(option: str, fuse: bool, dtype: str, why_fuse: str, why_fp32: str,
+                       fix: str = "drop --dtype") -> None:
+    """An option that works on the folded fp32 graph: refuse it (UsageError) without --fuse or at another dtype."""
+    if not fuse:
+        raise UsageError(f"{option}: expected --fuse too ({why_fuse}); add --fuse")
+    if dtype != "fp32":
+        raise UsageError(f"{option}: expected --dtype fp32 ({why_fp32}), found --dtype {dtype}; {fix}")
+
+
 def check_attention(attention: str, fuse: bool, dtype: str) -> None:
     """--attention gqa rewrites the folded fp32 graph for ONNX Runtime's CPU kernel: refuse other combinations."""
-    if attention != "gqa":
-        return
-    if not fuse:
-        raise UsageError("--attention gqa: expected --fuse too (the GroupQueryAttention rewrite runs after the fold); "
-                         "add --fuse")
-    if dtype != "fp32":
-        raise UsageError(f"--attention gqa: expected --dtype fp32 (ONNX Runtime's CPU GroupQueryAttention is fp32 "
-                         f"only), found --dtype {dtype}; drop --dtype or use --attention fused")
+    if attention == "gqa":
+        require_fused_fp32("--attention gqa", fuse, dtype, "the GroupQueryAttention rewrite runs after the fold",
+                           "ONNX Runtime's CPU GroupQueryAttention is fp32 only", "drop --dtype or use --attention fused")
 
 
 def check_quantize(quantize, fuse: bool, dtype: str) -> None:
     """--quantize quantizes the folded fp32 graph: refuse other combinations before any work."""
-    if quantize is None:
-        return
-    if not fuse:
-        raise UsageError(f"--quantize {quantize.dtype}: expected --fuse too (the folded graph is what gets quantized); "
-                         "add --fuse")
-    if dtype != "fp32":
-        raise UsageError(f"--quantize {quantize.dtype}: expected --dtype fp32 (weights are quantized from fp32), "
-                         f"found --dtype {dtype}; drop --dtype")
-    quantize.validate()
+    if quantize is not None:
+        require_fused_fp32(f"--quantize {quantize.dtype}", fuse, dtype, "the folded graph is what gets quantized",
+                           "weights are quantized from fp32")
+        quantize.validate()
 
 
 def by_pass(names) -> str:
