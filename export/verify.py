@@ -93,9 +93,7 @@ class VerificationError(UserError):
         return f"export verification failed ({self.what}):\n" + "\n".join(f"- {m}" for m in self.mismatches)
 
 
-def read_interface(model: onnx.ModelProto, where: str = "graph") -> DecodeContract:
-    """The decode-step contract of one graph, read from its I/O (core.contract)."""
-    return contract_of(model, where)
+read_interface = contract_of     # the decode-step contract of one graph (a ModelProto: where "graph"), from its I/O
 
 
 def ort_session(path_or_proto, optimize: bool = False) -> ort.InferenceSession:
