@@ -319,13 +319,6 @@ def verify_quantized(verifier: "Verifier", loaded: Loaded, fused, quantized, cfg
         report.notes.append(f"{line} (random weights: reported, not enforced)")
 
 
-def _norm_layers(proto) -> list[str]:
-    """Layer names of the normalization ops left in a graph."""
-    from graph_passes.base import PassContext
-    ctx = PassContext(proto)
-    return [ctx.layer_name(n) for n in ctx.graph.nodes if n.op in NORM_OPS]
-
-
 def _leftover_taper(proto) -> list[str]:
     """TaperNorm nodes still in a fused graph (by torch provenance)."""
     from graph_passes.base import PassContext
@@ -335,9 +328,11 @@ def _leftover_taper(proto) -> list[str]:
 
 
 def _graph_stats(report: BuildReport, kind: str, proto) -> None:
-    from graph_passes.base import op_counts
+    """The graph's op counts and the layers of the normalization ops left in it."""
+    from graph_passes.base import PassContext, op_counts
     report.op_counts[kind] = op_counts(proto)
-    report.norm_layers[kind] = _norm_layers(proto)
+    ctx = PassContext(proto)
+    report.norm_layers[kind] = [ctx.layer_name(n) for n in ctx.graph.nodes if n.op in NORM_OPS]
 
 
 def worst(per_session: dict, name: str | None = None) -> float:
