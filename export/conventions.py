@@ -73,13 +73,10 @@ def run_onnx(sess, iface: DecodeContract, steps: list[Step], trim: int | None = 
     return run_steps(graph_step(sess), iface, steps, trim)
 
 
-def interface_mismatches(a: DecodeContract, b: DecodeContract) -> list[str]:
-    return _spec_mismatches(a.inputs, a.outputs, b.inputs, b.outputs)
-
-
-def _spec_mismatches(ins_a, outs_a, ins_b, outs_b) -> list[str]:
+def interface_mismatches(a, b) -> list[str]:
+    """How the inputs / outputs (TensorSpecs) of a and b differ: DecodeContracts or HuggingFaceStyles."""
     out = []
-    for kind, xa, xb in (("input", ins_a, ins_b), ("output", outs_a, outs_b)):
+    for kind, xa, xb in (("input", a.inputs, b.inputs), ("output", a.outputs, b.outputs)):
         if [x.name for x in xa] != [x.name for x in xb]:
             out.append(f"{kind} names differ: {[x.name for x in xa]} vs {[x.name for x in xb]}")
             continue
@@ -143,7 +140,7 @@ class HuggingFaceStyle:
         return f"logits-only ({self.dtype})"
 
     def mismatches(self, other) -> list[str]:
-        return _spec_mismatches(self.inputs, self.outputs, other.inputs, other.outputs)
+        return interface_mismatches(self, other)
 
     def sessions(self, seeds=(0, 1), tokens=None, batch: int = 2, prompt: int = 5, decode: int = 3):
         total = prompt + decode
