@@ -187,9 +187,7 @@ def compare(ref: list[dict], got: list[dict], dtype: str, what: str, atol: float
                 problems.append(f"{name}: shape {list(np.shape(g[name]))}, expected {list(np.shape(r[name]))} (step {s})")
             else:
                 names.append(name)
-        for name in g:
-            if name not in r:
-                problems.append(f"{name}: unexpected extra output (step {s})")
+        problems += [f"{name}: unexpected extra output (step {s})" for name in g if name not in r]
         for name, diff in _polygraphy_diffs(r, g, names, atol).items():
             cmp.max_abs_diff[name] = max(cmp.max_abs_diff.get(name, 0.0), diff)
             finite = np.abs(np.asarray(r[name], np.float64))
