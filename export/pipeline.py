@@ -458,8 +458,7 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
                                            checkpoint, loaded.tokenizer, loaded.tokens)
 
         t0 = stages.start(f"write {out}")
-        write_model_files(tmp, checkpoint, loaded.source, loaded.model, loaded.tokenizer)
-        write_report(report, tmp, t_start)
+        write_report(report, tmp, t_start, checkpoint, loaded.source, loaded.model, loaded.tokenizer)
     stages.done("write", t0)
     summary(report, log)
     return report
@@ -523,8 +522,10 @@ def _quantize_stages(stages: Stages, report: BuildReport, verifier: Verifier, lo
                 f"{d['top1_agreement']:.1%} over {d['top1_positions']} tokens")
 
 
-def write_model_files(folder: Path, checkpoint: Path, source: str, model, tokenizer: Path | None) -> None:
-    """Both routes' config.json (the checkpoint's own; a converted model's, what was built) and tokenizer.json."""
+def write_report(report: BuildReport, folder: Path, t_start: float, checkpoint: Path, source: str, model,
+                 tokenizer: Path | None) -> None:
+    """Both routes' last step: config.json (the checkpoint's own; a converted model's, what was built) and
+    tokenizer.json, then versions, the total time, the file list and report.json itself."""
     from models.checkpoint import CONFIG, TOKENIZER, checkpoint_config
     if source == "checkpoint":
         shutil.copyfile(checkpoint / CONFIG, folder / CONFIG)
@@ -532,10 +533,6 @@ def write_model_files(folder: Path, checkpoint: Path, source: str, model, tokeni
         (folder / CONFIG).write_text(json.dumps(checkpoint_config(model, tokenizer is not None), indent=2) + "\n")
     if tokenizer is not None:
         shutil.copyfile(tokenizer, folder / TOKENIZER)
-
-
-def write_report(report: BuildReport, folder: Path, t_start: float) -> None:
-    """Both routes' last step: versions, the total time, the file list, then report.json itself."""
     report.versions = versions()
     report.timings_s["total"] = round(time.perf_counter() - t_start, 3)
     report.files = sorted(p.name for p in folder.iterdir()) + [REPORT]

@@ -126,7 +126,7 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
     also the ONNX Runtime GenAI folder's files, over the same weights file (export/genai.py).
     `target_why`: why export.build --target auto chose the attention, for the report (export/target.py)."""
     from export.pipeline import (BuildReport, ModelSummary, Stages, check_gate, check_options, genai_files,
-                                 real_tokens, summary, worst, write_model_files, write_report)
+                                 real_tokens, summary, worst, write_report)
     from export.target import target_of
     from export.verify import ATOL, SCALE_TOL
     from models.checkpoint import TOKENIZER
@@ -168,8 +168,7 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
             checked.unlink()                # our own temporary graph (the weights are the build's)
         if genai:
             report.genai = genai_files(stages, tmp, name, cfg, checkpoint, tokenizer, tokens)
-        write_model_files(tmp, source.where, source.source, source.skeleton, tokenizer)
-        write_report(report, tmp, t_start)
+        write_report(report, tmp, t_start, source.where, source.source, source.skeleton, tokenizer)
     summary(report, log)
     return report
 
