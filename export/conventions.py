@@ -123,7 +123,8 @@ class HuggingFaceStyle:
     def __init__(self, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...], vocab_size: int):
         self.inputs, self.outputs, self.vocab_size = inputs, outputs, vocab_size
         names = {t.name for t in inputs}
-        self.past = sorted((t for t in inputs if PAST.match(t.name)), key=lambda t: _layer_kv(PAST, t.name))
+        self.past = sorted((t for t in inputs if PAST.match(t.name)),      # by layer, then key / value
+                           key=lambda t: (int(PAST.match(t.name)[1]), PAST.match(t.name)[2]))
         self.present = [t for t in outputs if PRESENT.match(t.name)]
         self.merged = "use_cache_branch" in names
         self.feeds_mask = "attention_mask" in names
@@ -183,11 +184,6 @@ class HuggingFaceStyle:
             past = {t.name: outs[t.name.replace("past_key_values.", "present.")] for t in self.past}
             start = end
         return results
-
-
-def _layer_kv(pattern, name: str) -> tuple[int, str]:
-    m = pattern.match(name)
-    return int(m.group(1)), m.group(2)
 
 
 def _hf_style(where, ins: tuple[TensorSpec, ...], outs: tuple[TensorSpec, ...], vocab_size: int | None):
