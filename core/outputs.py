@@ -342,14 +342,6 @@ def write_marker(directory: Path, kind: OutputKind, extra: dict | None = None) -
     os.chmod(p, file_mode())
 
 
-def new_temp_dir(out: Path) -> Path:
-    """A unique, empty temporary sibling of `out`, mode as the umask gives."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    os.chmod(tmp, dir_mode())
-    return tmp
-
-
 def _fix_modes(root: Path) -> None:
     """Files created through mkstemp/mkdtemp-like APIs come out 0600/0700: give them the umask's modes."""
     fm, dm = file_mode(), dir_mode()
@@ -373,7 +365,9 @@ def output_dir(out: str | os.PathLike, kind: OutputKind, inputs=(), marker: dict
     """
     out = Path(out)
     check_output_dir(out, kind, inputs)
-    tmp = new_temp_dir(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))      # unique, empty
+    os.chmod(tmp, dir_mode())
     try:
         yield tmp
         write_marker(tmp, kind, marker)
