@@ -164,13 +164,11 @@ class HuggingFaceStyle:
         return feeds
 
     def run(self, sess, plan: TokenPlan) -> list[dict[str, np.ndarray]]:
-        out_names = [o.name for o in sess.get_outputs()]
+        step = graph_step(sess)                 # every output, by name
         ids, prompt = plan.ids, plan.prompt
-        results = []
         if not self.past:                       # no cache input: recompute the growing prefix
-            for end in range(prompt, ids.shape[1] + 1):
-                results.append(dict(zip(out_names, sess.run(out_names, self._feeds(ids[:, :end], 0)))))
-            return results
+            return [step(self._feeds(ids[:, :end], 0)) for end in range(prompt, ids.shape[1] + 1)]
+        results = []
         batch = ids.shape[0]
         past = {t.name: np.zeros((batch, t.shape[1], 0, t.shape[3]),                # [B, H, 0, D]: empty for the prefill
                                  np_dtype(t.dtype) if t.dtype in CACHE_DTYPES else np.float32) for t in self.past}
@@ -179,7 +177,7 @@ class HuggingFaceStyle:
             feeds = {**self._feeds(ids[:, start:end], start), **past}
             if self.merged:
                 feeds["use_cache_branch"] = np.array([start > 0])
-            outs = dict(zip(out_names, sess.run(out_names, feeds)))
+            outs = step(feeds)
             results.append(outs)
             past = {t.name: outs[t.name.replace("past_key_values.", "present.")] for t in self.past}
             start = end
