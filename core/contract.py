@@ -199,11 +199,8 @@ def read_contract(where, inputs: dict, outputs: dict) -> DecodeContract:
 def onnx_io(proto) -> tuple[dict, dict]:
     """({name: (dims, elem_type)} for inputs, same for outputs) of a ModelProto."""
     def io(values):
-        out = {}
-        for v in values:
-            t = v.type.tensor_type
-            out[v.name] = ([d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim], t.elem_type)
-        return out
+        return {v.name: ([d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim],
+                         v.type.tensor_type.elem_type) for v in values}
     return io(proto.graph.input), io(proto.graph.output)
 
 
