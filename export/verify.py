@@ -128,11 +128,9 @@ def run_torch(model, iface: DecodeContract, steps: list[Step]) -> list[dict[str,
     with torch.no_grad():
         for step in steps:
             logits, cache = model(torch.from_numpy(step.input_ids), torch.from_numpy(step.position), cache)
-            outs = {LOGITS: logits.float().numpy().astype(np_dtype(iface.dtype))}
-            for i, kv in enumerate(cache):
-                for kind, c in zip(CACHE_KINDS, kv):
-                    outs[present_name(cache_name(i, kind))] = c.numpy().copy()
-            results.append(outs)
+            results.append({LOGITS: logits.float().numpy().astype(np_dtype(iface.dtype)),
+                            **{present_name(cache_name(i, kind)): c.numpy().copy()
+                               for i, kv in enumerate(cache) for kind, c in zip(CACHE_KINDS, kv)}})
     return results
 
 
