@@ -77,13 +77,13 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}; see --help")
 
 
-def _number(kind, lo, hi, what: str, allow_inf: bool = False):
+def _number(kind, lo, hi, what: str):
     def parse(text: str):
         try:
             value = kind(text)
         except (TypeError, ValueError):
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if kind is float and (math.isnan(value) or (math.isinf(value) and not allow_inf)):
+        if kind is float and not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
         if (lo is not None and value < lo) or (hi is not None and value > hi):
             bounds = f"in [{lo}, {hi}]" if lo is not None and hi is not None else (f">= {lo}" if lo is not None else f"<= {hi}")
