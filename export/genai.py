@@ -31,7 +31,7 @@ import json
 import shutil
 from pathlib import Path
 
-from core.errors import UserError
+from core.errors import UsageError, UserError
 
 GENAI_GRAPH, GENAI_CONFIG = "model.genai.onnx", "genai_config.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -255,7 +255,6 @@ def check_genai(genai: bool, fuse: bool, dtype: str, attention: str) -> None:
     """--genai writes the folded fp32 GroupQueryAttention graph: refuse other combinations before any work."""
     if not genai:
         return
-    from core.errors import UsageError
     from export.pipeline import require_fused_fp32
     require_fused_fp32("--genai", fuse, dtype, "GenAI gets the folded graph",
                        "GenAI's CPU GroupQueryAttention is fp32; --quantize int4 for smaller weights")
