@@ -119,8 +119,7 @@ def top1(ref_runs, runs) -> tuple[float, int]:
 
 
 def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=print, quantize=None,
-                   attention: str = "plain", max_seq_len: int | None = None, source=None, genai: bool = False,
-                   target_why: str = ""):
+                   attention: str = "plain", source=None, genai: bool = False, target_why: str = ""):
     """The streamed build; returns the BuildReport (also OUT/report.json). `source`: the checkpoint's
     weights already opened (models.weights.open_weights), e.g. by the CLI's route choice. `genai`:
     also the ONNX Runtime GenAI folder's files, over the same weights file (export/genai.py).
@@ -135,7 +134,7 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
     check_output_dir(out, BUILD, inputs=[checkpoint])
     check_options(quantize, genai, fuse, dtype, attention)
     t_start = time.perf_counter()
-    source = source or open_weights(checkpoint, max_seq_len)
+    source = source or open_weights(checkpoint)
     cfg = source.cfg
     check_gate(source.skeleton, fuse)
     estimate = streamed_memory(cfg, dtype, quantize)
