@@ -574,7 +574,8 @@ def check_attention(attention: str, fuse: bool, dtype: str) -> None:
     """--attention gqa rewrites the folded fp32 graph for ONNX Runtime's CPU kernel: refuse other combinations."""
     if attention == "gqa":
         require_fused_fp32("--attention gqa", fuse, dtype, "the GroupQueryAttention rewrite runs after the fold",
-                           "ONNX Runtime's CPU GroupQueryAttention is fp32 only", "drop --dtype or use --attention fused")
+                           "ONNX Runtime's CPU GroupQueryAttention is fp32 only",
+                           "drop --dtype or use --attention fused")
 
 
 def check_quantize(quantize, fuse: bool, dtype: str) -> None:
