@@ -62,7 +62,6 @@ def io_names(n_layer: int) -> tuple[list[str], list[str]]:
     """(input names, output names) of an n_layer decode-step graph, in graph order."""
     caches = cache_names(n_layer)
     return [INPUT_IDS, POSITION, *caches], [LOGITS, *(present_name(c) for c in caches)]
-ONNX_ELEM_OF = {v: k for k, v in _ONNX_ELEM.items()}
 REEXPORT = "re-export with python -m export.build"
 
 
@@ -200,11 +199,8 @@ def read_contract(where, inputs: dict, outputs: dict) -> DecodeContract:
 def onnx_io(proto) -> tuple[dict, dict]:
     """({name: (dims, elem_type)} for inputs, same for outputs) of a ModelProto."""
     def io(values):
-        out = {}
-        for v in values:
-            t = v.type.tensor_type
-            out[v.name] = ([d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim], t.elem_type)
-        return out
+        return {v.name: ([d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim],
+                         v.type.tensor_type.elem_type) for v in values}
     return io(proto.graph.input), io(proto.graph.output)
 
 

@@ -36,7 +36,6 @@ import sys
 import traceback
 
 EXIT_OK, EXIT_USER, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-EXIT_CODES = (EXIT_OK, EXIT_USER, EXIT_USAGE, EXIT_INTERRUPTED)
 REPORT_BUG = "this is a bug in tapernorm-deploy; please report it with the command and the traceback above"
 # Flags that reach a C int or an INT32 wire field are capped here rather than wrapped around.
 INT32_MAX = 2**31 - 1
@@ -78,13 +77,13 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}; see --help")
 
 
-def _number(kind, lo, hi, what: str, allow_inf: bool = False):
+def _number(kind, lo, hi, what: str):
     def parse(text: str):
         try:
             value = kind(text)
         except (TypeError, ValueError):
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if kind is float and (math.isnan(value) or (math.isinf(value) and not allow_inf)):
+        if kind is float and not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
         if (lo is not None and value < lo) or (hi is not None and value > hi):
             bounds = f"in [{lo}, {hi}]" if lo is not None and hi is not None else (f">= {lo}" if lo is not None else f"<= {hi}")
@@ -107,7 +106,6 @@ def float_in(lo: float | None = None, hi: float | None = None):
 positive_int = int_in(1)
 nonnegative_int = int_in(0)
 seed_int = int_in(0, 2**63 - 1)       # numpy and torch seeds: non-negative, 64-bit
-finite_float = float_in()
 
 
 # --- the runner -----------------------------------------------------------------------------

@@ -37,7 +37,6 @@ def human_bytes(n: float) -> str:
         if abs(n) < 1024 or unit == "PiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} PiB"
 
 
 def check_memory(nbytes: int, what: str, fix: str, share: float = MEMORY_SHARE, needs: str | None = None) -> None:

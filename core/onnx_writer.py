@@ -3,7 +3,7 @@
     save_onnx(proto, path)                          # a graph in memory (graph passes, small builds)
                                                     # (read without its external data: those keep their file,
                                                     #  e.g. a second graph over another's weights, GenAI's I/O)
-    with StreamedWeights(path, external=True) as w: # a graph whose weights arrive one at a time
+    with StreamedWeights(path) as w:                # a graph whose weights arrive one at a time
         w.put(initializer_proto, array)              # written now, to path + ".data"; then freed
     ...
     w.save(proto)
@@ -74,17 +74,16 @@ def save_onnx(proto, path: str | os.PathLike) -> None:
 
 
 class StreamedWeights:
-    """Initializers written one at a time: to `<path>.data` (external) or into the graph (inline)."""
+    """Initializers written one at a time to `<path>.data` (below INLINE_BELOW bytes: into the graph)."""
 
-    def __init__(self, path: str | os.PathLike, external: bool):
-        self.path, self.external = Path(path), external
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
         self.location = data_file_name(path)
         self.bytes = 0
         self._file = None
 
     def __enter__(self) -> "StreamedWeights":
-        if self.external:
-            self._file = open(self.path.parent / self.location, "wb")
+        self._file = open(self.path.parent / self.location, "wb")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -108,7 +107,7 @@ class StreamedWeights:
         del tensor.external_data[:]
         n = len(raw) if isinstance(raw, bytes) else raw.nbytes
         self.bytes += n
-        if not self.external or n < INLINE_BELOW:
+        if n < INLINE_BELOW:
             tensor.raw_data = bytes(raw)
             tensor.data_location = onnx.TensorProto.DEFAULT
             return

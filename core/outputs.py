@@ -127,8 +127,8 @@ def marker_kind(path: Path) -> str | None:
     return None if m is None else m.get("kind")
 
 
-def _related(out: Path, inputs, what: str, option: str) -> str | None:
-    """Why `out` may not be written given the command's inputs (`<why>; <fix>`), or None.
+def _check_related(out: Path, inputs, what: str, option: str) -> None:
+    """Refuse (UserError `<out>: <why>; <fix>`) an `out` the command's inputs rule out.
 
     Besides the input itself and a folder holding it, a path inside an input folder is refused:
     writing there changes what the command reads (models.convert HF --out HF/ckpt), and a later
@@ -140,13 +140,12 @@ def _related(out: Path, inputs, what: str, option: str) -> str | None:
         i = Path(inp).resolve()
         replaces = f"and writing {what} there would replace it; choose another {option}"
         if o == i:
-            return f"it is the command's own input {inp}, {replaces}"
+            raise UserError(f"{out}: it is the command's own input {inp}, {replaces}")
         if o in i.parents:
-            return f"it holds the command's own input {inp}, {replaces}"
+            raise UserError(f"{out}: it holds the command's own input {inp}, {replaces}")
         if i in o.parents:
-            return (f"it is inside the command's input {inp}, and writing {what} there would change that input; "
-                    f"choose another {option} outside {inp}")
-    return None
+            raise UserError(f"{out}: it is inside the command's input {inp}, and writing {what} there would change "
+                            f"that input; choose another {option} outside {inp}")
 
 
 def check_output_dir(out: str | os.PathLike, kind: OutputKind, inputs=(), option: str = "--out") -> None:
@@ -154,9 +153,7 @@ def check_output_dir(out: str | os.PathLike, kind: OutputKind, inputs=(), option
     docstring. `option` names the command-line option the fix points at."""
     out = Path(out)
     fix = f"choose another {option}"
-    why = _related(out, inputs, kind.what, option)
-    if why:
-        raise UserError(f"{out}: {why}")
+    _check_related(out, inputs, kind.what, option)
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         found = "a symbolic link" if out.is_symlink() else "a file"
         raise UserError(f"{out}: expected {kind.what} or a new path, found {found}; {fix} (it is not ours to replace)")
@@ -221,9 +218,7 @@ def check_output_file(out: str | os.PathLike, kind: OutputKind, inputs=()) -> No
     """Refuse (UserError) an output file the command may not create or replace."""
     out = Path(out)
     fix = "choose another output path"
-    why = _related(out, inputs, kind.what, "output path")
-    if why:
-        raise UserError(f"{out}: {why}")
+    _check_related(out, inputs, kind.what, "output path")
     if out.is_dir():
         raise UserError(f"{out}: expected a file path for {kind.what}, found a directory; {fix} (e.g. {out / 'out'}"
                         f"{'.onnx' if kind is FUSED_ONNX else ''})")
@@ -347,14 +342,6 @@ def write_marker(directory: Path, kind: OutputKind, extra: dict | None = None) -
     os.chmod(p, file_mode())
 
 
-def new_temp_dir(out: Path) -> Path:
-    """A unique, empty temporary sibling of `out`, mode as the umask gives."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    os.chmod(tmp, dir_mode())
-    return tmp
-
-
 def _fix_modes(root: Path) -> None:
     """Files created through mkstemp/mkdtemp-like APIs come out 0600/0700: give them the umask's modes."""
     fm, dm = file_mode(), dir_mode()
@@ -378,7 +365,9 @@ def output_dir(out: str | os.PathLike, kind: OutputKind, inputs=(), marker: dict
     """
     out = Path(out)
     check_output_dir(out, kind, inputs)
-    tmp = new_temp_dir(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))      # unique, empty
+    os.chmod(tmp, dir_mode())
     try:
         yield tmp
         write_marker(tmp, kind, marker)

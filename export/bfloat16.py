@@ -39,12 +39,6 @@ def convert_tensor(t: onnx.TensorProto, dst: int) -> onnx.TensorProto:
     return out
 
 
-def _retype_value_infos(graph: onnx.GraphProto, src: int, dst: int) -> None:
-    for v in [*graph.input, *graph.output, *graph.value_info]:
-        if v.type.tensor_type.elem_type == src:
-            v.type.tensor_type.elem_type = dst
-
-
 def _retype_nodes(graph: onnx.GraphProto, src: int, dst: int) -> None:
     """Cast targets and tensor-valued attributes (Constant, ConstantOfShape), subgraphs included."""
     for node in graph.node:
@@ -60,7 +54,9 @@ def _retype_nodes(graph: onnx.GraphProto, src: int, dst: int) -> None:
 def retype_graph(graph: onnx.GraphProto, src: int, dst: int, initializers: bool) -> None:
     """Every `src` element type in `graph` -> `dst`. Initializers: retyped in place (with their
     values when they hold data inline) when `initializers`, else left to the caller."""
-    _retype_value_infos(graph, src, dst)
+    for v in [*graph.input, *graph.output, *graph.value_info]:
+        if v.type.tensor_type.elem_type == src:
+            v.type.tensor_type.elem_type = dst
     _retype_nodes(graph, src, dst)
     if initializers:
         for init in graph.initializer:

@@ -73,13 +73,10 @@ def run_onnx(sess, iface: DecodeContract, steps: list[Step], trim: int | None = 
     return run_steps(graph_step(sess), iface, steps, trim)
 
 
-def interface_mismatches(a: DecodeContract, b: DecodeContract) -> list[str]:
-    return _spec_mismatches(a.inputs, a.outputs, b.inputs, b.outputs)
-
-
-def _spec_mismatches(ins_a, outs_a, ins_b, outs_b) -> list[str]:
+def interface_mismatches(a, b) -> list[str]:
+    """How the inputs / outputs (TensorSpecs) of a and b differ: DecodeContracts or HuggingFaceStyles."""
     out = []
-    for kind, xa, xb in (("input", ins_a, ins_b), ("output", outs_a, outs_b)):
+    for kind, xa, xb in (("input", a.inputs, b.inputs), ("output", a.outputs, b.outputs)):
         if [x.name for x in xa] != [x.name for x in xb]:
             out.append(f"{kind} names differ: {[x.name for x in xa]} vs {[x.name for x in xb]}")
             continue
@@ -126,7 +123,8 @@ class HuggingFaceStyle:
     def __init__(self, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...], vocab_size: int):
         self.inputs, self.outputs, self.vocab_size = inputs, outputs, vocab_size
         names = {t.name for t in inputs}
-        self.past = sorted((t for t in inputs if PAST.match(t.name)), key=lambda t: _layer_kv(PAST, t.name))
+        self.past = sorted((t for t in inputs if PAST.match(t.name)),      # by layer, then key / value
+                           key=lambda t: (int(PAST.match(t.name)[1]), PAST.match(t.name)[2]))
         self.present = [t for t in outputs if PRESENT.match(t.name)]
         self.merged = "use_cache_branch" in names
         self.feeds_mask = "attention_mask" in names
@@ -143,7 +141,7 @@ class HuggingFaceStyle:
         return f"logits-only ({self.dtype})"
 
     def mismatches(self, other) -> list[str]:
-        return _spec_mismatches(self.inputs, self.outputs, other.inputs, other.outputs)
+        return interface_mismatches(self, other)
 
     def sessions(self, seeds=(0, 1), tokens=None, batch: int = 2, prompt: int = 5, decode: int = 3):
         total = prompt + decode
@@ -166,13 +164,11 @@ class HuggingFaceStyle:
         return feeds
 
     def run(self, sess, plan: TokenPlan) -> list[dict[str, np.ndarray]]:
-        out_names = [o.name for o in sess.get_outputs()]
+        step = graph_step(sess)                 # every output, by name
         ids, prompt = plan.ids, plan.prompt
-        results = []
         if not self.past:                       # no cache input: recompute the growing prefix
-            for end in range(prompt, ids.shape[1] + 1):
-                results.append(dict(zip(out_names, sess.run(out_names, self._feeds(ids[:, :end], 0)))))
-            return results
+            return [step(self._feeds(ids[:, :end], 0)) for end in range(prompt, ids.shape[1] + 1)]
+        results = []
         batch = ids.shape[0]
         past = {t.name: np.zeros((batch, t.shape[1], 0, t.shape[3]),                # [B, H, 0, D]: empty for the prefill
                                  np_dtype(t.dtype) if t.dtype in CACHE_DTYPES else np.float32) for t in self.past}
@@ -181,16 +177,11 @@ class HuggingFaceStyle:
             feeds = {**self._feeds(ids[:, start:end], start), **past}
             if self.merged:
                 feeds["use_cache_branch"] = np.array([start > 0])
-            outs = dict(zip(out_names, sess.run(out_names, feeds)))
+            outs = step(feeds)
             results.append(outs)
             past = {t.name: outs[t.name.replace("past_key_values.", "present.")] for t in self.past}
             start = end
         return results
-
-
-def _layer_kv(pattern, name: str) -> tuple[int, str]:
-    m = pattern.match(name)
-    return int(m.group(1)), m.group(2)
 
 
 def _hf_style(where, ins: tuple[TensorSpec, ...], outs: tuple[TensorSpec, ...], vocab_size: int | None):

@@ -31,7 +31,7 @@ import json
 import shutil
 from pathlib import Path
 
-from core.errors import UserError
+from core.errors import UsageError, UserError
 
 GENAI_GRAPH, GENAI_CONFIG = "model.genai.onnx", "genai_config.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -233,8 +233,7 @@ def verify_genai(folder: Path, source: str, tokens: list[int] | None) -> float:
     sess = ort_session(folder / GENAI_GRAPH)
     theirs = [[{LOGITS: r[LOGITS]} for r in genai.run(sess, plan)] for _, plan in plans]
     del sess
-    results = compare_sessions([(label, r, t) for (label, _), r, t in zip(plans, ours, theirs)], "fp32",
-                               f"{GENAI_GRAPH} vs {source}", atol=GENAI_ATOL)
+    results = compare_sessions(plans, ours, theirs, "fp32", f"{GENAI_GRAPH} vs {source}", atol=GENAI_ATOL)
     return max(c.max_abs_diff["logits"] for c in results)
 
 
@@ -256,12 +255,9 @@ def check_genai(genai: bool, fuse: bool, dtype: str, attention: str) -> None:
     """--genai writes the folded fp32 GroupQueryAttention graph: refuse other combinations before any work."""
     if not genai:
         return
-    from core.errors import UsageError
-    if not fuse:
-        raise UsageError("--genai: expected --fuse too (GenAI gets the folded graph); add --fuse")
-    if dtype != "fp32":
-        raise UsageError(f"--genai: expected --dtype fp32 (GenAI's CPU GroupQueryAttention is fp32; --quantize int4 "
-                         f"for smaller weights), found --dtype {dtype}; drop --dtype")
+    from export.pipeline import require_fused_fp32
+    require_fused_fp32("--genai", fuse, dtype, "GenAI gets the folded graph",
+                       "GenAI's CPU GroupQueryAttention is fp32; --quantize int4 for smaller weights")
     if attention != "gqa":
         raise UsageError(f"--genai: expected --attention gqa (GenAI shares one cache buffer between past and present, "
                          f"which GroupQueryAttention writes in place), found --attention {attention}; drop --attention")

@@ -136,7 +136,7 @@ EXPORTER_LOGGERS = {"torch.onnx._internal.exporter._registration": logging.ERROR
                     "onnx_ir": logging.WARNING}
 
 
-def export_onnx(model: Decoder, path: str | Path | None, dtype: str = "fp32", verbose: bool = False,
+def export_onnx(model: Decoder, path: str | Path | None, dtype: str = "fp32",
                 attention: str = "plain") -> onnx.ModelProto:
     """Export `model` (not modified) to `path` (None: not saved) and return the ONNX model. attention: "plain"
     (the portable form) or "fused" (one ONNX Attention op per layer, models/attention.py)."""
@@ -156,20 +156,18 @@ def export_onnx(model: Decoder, path: str | Path | None, dtype: str = "fp32", ve
                       "cache": tuple(({0: batch}, {0: batch}) for _ in range(model.cfg.n_layer))}
     in_names, out_names = io_names(model.cfg.n_layer)
     # the exporter prints its own progress lines, and its optimizer logs INFO lines wherever the root
-    # logger is at INFO (ONNX Runtime's quantizer, GenAI's builder set it on import); keep them unless asked
-    quiet = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())
-    if not verbose:
-        for name, level in EXPORTER_LOGGERS.items():
-            logging.getLogger(name).setLevel(level)
+    # logger is at INFO (ONNX Runtime's quantizer, GenAI's builder set it on import); keep them out
+    for name, level in EXPORTER_LOGGERS.items():
+        logging.getLogger(name).setLevel(level)
     fused = fused_attention_export() if attention == "fused" else contextlib.nullcontext()
-    with warnings.catch_warnings(), quiet, fused:
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), fused:
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             _DecodeStep(model), inputs, dynamo=True, opset_version=OPSET,
             dynamic_shapes=dynamic_shapes, input_names=in_names, output_names=out_names,
             custom_translation_table={torch.ops.tapernorm.cache_write.default: cache_write_onnx,
                                       torch.ops.tapernorm.attention.default: attention_onnx},
-            verbose=verbose)
+            verbose=False)
     proto = program.model_proto
     explicit_squeeze_axes(proto)
     _drop_unused_outputs(proto, "Attention")

@@ -214,33 +214,37 @@ class Verifier:
         # same_start: batched prefills at slot 0, what a GroupQueryAttention graph takes (--attention gqa)
         self.sessions = verification_sessions(self.iface, loaded.tokens, seeds, same_start)
         self.torch = [run_torch(loaded.reference, self.iface, steps) for _, steps in self.sessions]
+        self.runs: dict[str, list] = {}            # graph kind -> its runs (runs_of)
 
     def run(self, proto) -> list:
         from export.verify import ort_session, run_onnx
         sess = ort_session(proto)
         return [run_onnx(sess, self.iface, steps) for _, steps in self.sessions]
 
+    def runs_of(self, kind: str, proto) -> list:
+        """run(proto) once per graph kind (unfused, fused, unfused_ort), kept for the stages after it."""
+        if kind not in self.runs:
+            self.runs[kind] = self.run(proto)
+        return self.runs[kind]
+
     def compare(self, ref_runs, runs, what: str, tolerance: str | None = None) -> dict:
         """session label -> output -> max abs diff; raises VerificationError on any mismatch.
         `tolerance`: the export.verify ATOL / SCALE_TOL entry (default: the graph's dtype)."""
         from export.verify import compare_sessions
-        results = compare_sessions([(label, ref, got) for (label, _), ref, got in zip(self.sessions, ref_runs, runs)],
-                                   tolerance or self.iface.dtype, what)
+        results = compare_sessions(self.sessions, ref_runs, runs, tolerance or self.iface.dtype, what)
         return {c.what: c.max_abs_diff for c in results}
 
-    def check_against_export(self, report: BuildReport, unfused, unfused_runs, graph, kind: str, name: str,
-                             run=None) -> list:
+    def check_against_export(self, report: BuildReport, unfused, graph, kind: str, name: str) -> None:
         """`graph` (a `kind` graph, `name` in messages) against torch and against the export `unfused`, interfaces
-        first, into report.max_abs_diff[<kind>_vs_torch / <kind>_vs_unfused]; returns its runs (by `run`, default
-        self.run)."""
+        first, into report.max_abs_diff[<kind>_vs_torch / <kind>_vs_unfused]; the runs of both kept (runs_of)."""
         from export.verify import VerificationError, interface_mismatches, read_interface
+        unfused_runs = self.runs_of("unfused", unfused)
         bad = interface_mismatches(read_interface(unfused), read_interface(graph))
         if bad:
             raise VerificationError(f"{name} vs model.onnx interfaces", bad)
-        runs = (run or self.run)(graph)
+        runs = self.runs_of(kind, graph)
         report.max_abs_diff[f"{kind}_vs_torch"] = self.compare(self.torch, runs, f"{name} vs torch")
         report.max_abs_diff[f"{kind}_vs_unfused"] = self.compare(unfused_runs, runs, f"{name} vs model.onnx")
-        return runs
 
 
 def fuse_stage(proto, report: BuildReport, attention: str = "plain", fold: bool = True):
@@ -287,7 +291,7 @@ def quantized_drift(float_runs, runs, agree: float, n: int, prompt: str) -> dict
             "top1_agreement": agree, "top1_positions": n, "top1_prompt": prompt}
 
 
-def verify_quantized(verifier: "Verifier", loaded: Loaded, fused, fused_runs, quantized, cfg, report: BuildReport,
+def verify_quantized(verifier: "Verifier", loaded: Loaded, fused, quantized, cfg, report: BuildReport,
                      trained: bool = True) -> None:
     """The quantized graph against the fp32 fused graph: every output within the dtype's
     tolerance (export.verify), logits drift, and top-1 agreement over a greedy run on real text;
@@ -296,6 +300,7 @@ def verify_quantized(verifier: "Verifier", loaded: Loaded, fused, fused_runs, qu
     (random-init int4 agrees on ~20 % of tokens whatever the graph; the tolerance still holds)."""
     from export.quantize import GREEDY_TOKENS, MIN_TOP1, fit_prompt, top1_agreement
     from export.verify import ATOL, SCALE_TOL, VerificationError, ort_session
+    fused_runs = verifier.runs_of("fused", fused)
     runs = verifier.run(quantized)
     key = f"{cfg.dtype}_vs_fused"
     report.max_abs_diff[key] = verifier.compare(fused_runs, runs, f"{cfg.file_name()} vs {FUSED}", cfg.dtype)
@@ -314,13 +319,6 @@ def verify_quantized(verifier: "Verifier", loaded: Loaded, fused, fused_runs, qu
         report.notes.append(f"{line} (random weights: reported, not enforced)")
 
 
-def _norm_layers(proto) -> list[str]:
-    """Layer names of the normalization ops left in a graph."""
-    from graph_passes.base import PassContext
-    ctx = PassContext(proto)
-    return [ctx.layer_name(n) for n in ctx.graph.nodes if n.op in NORM_OPS]
-
-
 def _leftover_taper(proto) -> list[str]:
     """TaperNorm nodes still in a fused graph (by torch provenance)."""
     from graph_passes.base import PassContext
@@ -330,9 +328,11 @@ def _leftover_taper(proto) -> list[str]:
 
 
 def _graph_stats(report: BuildReport, kind: str, proto) -> None:
-    from graph_passes.base import op_counts
+    """The graph's op counts and the layers of the normalization ops left in it."""
+    from graph_passes.base import PassContext, op_counts
     report.op_counts[kind] = op_counts(proto)
-    report.norm_layers[kind] = _norm_layers(proto)
+    ctx = PassContext(proto)
+    report.norm_layers[kind] = [ctx.layer_name(n) for n in ctx.graph.nodes if n.op in NORM_OPS]
 
 
 def worst(per_session: dict, name: str | None = None) -> float:
@@ -371,7 +371,6 @@ class ModelStages:
         self.loaded = Loaded(model, model, real_tokens(tokenizer, model.cfg.vocab_size), tokenizer)
         self.attention, self.verify, self.trained = attention, verify, trained
         self._verifier: Verifier | None = None
-        self._runs: dict[str, list] = {}            # kind -> the verifier's runs of that graph
 
     def export(self) -> StageGraph:
         """model.onnx's stage (with attention "gqa" the portable Attention op, as build()), verified against torch."""
@@ -380,7 +379,7 @@ class ModelStages:
         _graph_stats(report, "unfused", proto)
         if self.verify:
             v = self._verifier_for(proto)
-            report.max_abs_diff["unfused_vs_torch"] = v.compare(v.torch, self._run("unfused", proto), "model.onnx vs torch")
+            report.max_abs_diff["unfused_vs_torch"] = v.compare(v.torch, v.runs_of("unfused", proto), "model.onnx vs torch")
         return StageGraph(proto, "unfused", report)
 
     def fuse(self, unfused, fold: bool = True) -> StageGraph:
@@ -390,8 +389,7 @@ class ModelStages:
         proto = fuse_stage(unfused, report, self.attention, fold)
         _graph_stats(report, kind, proto)
         if self.verify:
-            self._verifier_for(unfused).check_against_export(report, unfused, self._run("unfused", unfused), proto,
-                                                             kind, f"{kind} graph", lambda p: self._run(kind, p))
+            self._verifier_for(unfused).check_against_export(report, unfused, proto, kind, f"{kind} graph")
         return StageGraph(proto, kind, report)
 
     def quantize(self, fused, cfg, path: Path) -> StageGraph:
@@ -400,8 +398,7 @@ class ModelStages:
         report = self._report()
         proto = quantize_stage(fused, cfg, path, report)
         if self.verify:
-            verify_quantized(self._verifier_for(fused), self.loaded, fused, self._run("fused", fused), proto, cfg, report,
-                             self.trained)
+            verify_quantized(self._verifier_for(fused), self.loaded, fused, proto, cfg, report, self.trained)
         return StageGraph(proto, cfg.dtype, report)
 
     def _report(self) -> BuildReport:
@@ -415,11 +412,6 @@ class ModelStages:
             # same_start: batched prefills at slot 0, what a GroupQueryAttention graph takes
             self._verifier = Verifier(self.loaded, proto, same_start=self.attention == "gqa")
         return self._verifier
-
-    def _run(self, kind: str, proto) -> list:
-        if kind not in self._runs:
-            self._runs[kind] = self._verifier_for(proto).run(proto)
-        return self._runs[kind]
 
 
 # --- the driver ----------------------------------------------------------------------------------
@@ -451,23 +443,22 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
 
         t0 = stages.start("verify model.onnx vs torch (prefill + 3 decode steps, random and real tokens)")
         verifier = Verifier(loaded, proto, same_start=attention == "gqa")
-        unfused_runs = verifier.run(proto)
-        report.max_abs_diff["unfused_vs_torch"] = verifier.compare(verifier.torch, unfused_runs, "model.onnx vs torch")
+        report.max_abs_diff["unfused_vs_torch"] = verifier.compare(verifier.torch, verifier.runs_of("unfused", proto),
+                                                                   "model.onnx vs torch")
         report.eps_approximation = eps_stage(loaded, verifier)
         stages.done("verify_unfused", t0, f": max |d logits| {worst(report.max_abs_diff['unfused_vs_torch'], 'logits'):.3g}"
                     + (f"\n      eps approximation: {report.eps_approximation['summary']}" if report.eps_approximation else ""))
 
         if fuse:
-            fused, fused_runs = _fuse_stages(stages, report, verifier, proto, unfused_runs, tmp / FUSED, attention)
+            fused = _fuse_stages(stages, report, verifier, proto, tmp / FUSED, attention)
             if quantize is not None:
-                _quantize_stages(stages, report, verifier, loaded, fused, fused_runs, quantize, tmp)
+                _quantize_stages(stages, report, verifier, loaded, fused, quantize, tmp)
             if genai:
                 report.genai = genai_files(stages, tmp, quantize.file_name() if quantize else FUSED, loaded.model.cfg,
                                            checkpoint, loaded.tokenizer, loaded.tokens)
 
         t0 = stages.start(f"write {out}")
-        write_model_files(tmp, checkpoint, loaded.source, loaded.model, loaded.tokenizer)
-        write_report(report, tmp, t_start)
+        write_report(report, tmp, t_start, checkpoint, loaded.source, loaded.model, loaded.tokenizer)
     stages.done("write", t0)
     summary(report, log)
     return report
@@ -494,10 +485,9 @@ def _load_stage(stages: Stages, report: BuildReport, checkpoint: Path, fuse: boo
     return loaded
 
 
-def _fuse_stages(stages: Stages, report: BuildReport, verifier: Verifier, proto, unfused_runs, path: Path,
-                 attention: str):
+def _fuse_stages(stages: Stages, report: BuildReport, verifier: Verifier, proto, path: Path, attention: str):
     """fuse_stage, written to `path`, then verified against torch and model.onnx (interfaces first);
-    returns the fused graph and its runs."""
+    returns the fused graph."""
     from graph_passes import passes_for
     t0 = stages.start(f"fuse: {', '.join(passes_for(attention))}")
     fused = fuse_stage(proto, report, attention)
@@ -507,13 +497,13 @@ def _fuse_stages(stages: Stages, report: BuildReport, verifier: Verifier, proto,
                 f"{len(fused.graph.node)}")
 
     t0 = stages.start("verify model.fused.onnx vs torch and vs model.onnx")
-    fused_runs = verifier.check_against_export(report, proto, unfused_runs, fused, "fused", FUSED)
+    verifier.check_against_export(report, proto, fused, "fused", FUSED)
     stages.done("verify_fused", t0, f": max |d logits| vs torch "
                 f"{worst(report.max_abs_diff['fused_vs_torch'], 'logits'):.3g}")
-    return fused, fused_runs
+    return fused
 
 
-def _quantize_stages(stages: Stages, report: BuildReport, verifier: Verifier, loaded: Loaded, fused, fused_runs, q,
+def _quantize_stages(stages: Stages, report: BuildReport, verifier: Verifier, loaded: Loaded, fused, q,
                      folder: Path) -> None:
     """quantize_stage into `folder`, then verify_quantized against the fused graph."""
     t0 = stages.start(f"quantize {q.dtype} weights ({q.algo}, block {q.block_size}, accuracy level "
@@ -526,14 +516,16 @@ def _quantize_stages(stages: Stages, report: BuildReport, verifier: Verifier, lo
                 f"{report.quantized['tied_table'].split(':')[0]}; rewrote "
                 f"{by_pass(x['pass'] for x in report.quantized['rewritten']) or 'nothing'}")
     t0 = stages.start(f"verify {q.file_name()} vs {FUSED} (tolerance per dtype; top-1 over greedy tokens)")
-    verify_quantized(verifier, loaded, fused, fused_runs, quantized, q, report)
+    verify_quantized(verifier, loaded, fused, quantized, q, report)
     d = report.quantized["drift"]
     stages.done("verify_quantized", t0, f": max |d logits| {d['logits_max_abs_diff']:.3g}, top-1 "
                 f"{d['top1_agreement']:.1%} over {d['top1_positions']} tokens")
 
 
-def write_model_files(folder: Path, checkpoint: Path, source: str, model, tokenizer: Path | None) -> None:
-    """Both routes' config.json (the checkpoint's own; a converted model's, what was built) and tokenizer.json."""
+def write_report(report: BuildReport, folder: Path, t_start: float, checkpoint: Path, source: str, model,
+                 tokenizer: Path | None) -> None:
+    """Both routes' last step: config.json (the checkpoint's own; a converted model's, what was built) and
+    tokenizer.json, then versions, the total time, the file list and report.json itself."""
     from models.checkpoint import CONFIG, TOKENIZER, checkpoint_config
     if source == "checkpoint":
         shutil.copyfile(checkpoint / CONFIG, folder / CONFIG)
@@ -541,10 +533,6 @@ def write_model_files(folder: Path, checkpoint: Path, source: str, model, tokeni
         (folder / CONFIG).write_text(json.dumps(checkpoint_config(model, tokenizer is not None), indent=2) + "\n")
     if tokenizer is not None:
         shutil.copyfile(tokenizer, folder / TOKENIZER)
-
-
-def write_report(report: BuildReport, folder: Path, t_start: float) -> None:
-    """Both routes' last step: versions, the total time, the file list, then report.json itself."""
     report.versions = versions()
     report.timings_s["total"] = round(time.perf_counter() - t_start, 3)
     report.files = sorted(p.name for p in folder.iterdir()) + [REPORT]
@@ -573,29 +561,29 @@ def check_options(quantize, genai: bool, fuse: bool, dtype: str, attention: str)
     check_attention(attention, fuse, dtype)
 
 
+def require_fused_fp32(option: str, fuse: bool, dtype: str, why_fuse: str, why_fp32: str,
+                       fix: str = "drop --dtype") -> None:
+    """An option that works on the folded fp32 graph: refuse it (UsageError) without --fuse or at another dtype."""
+    if not fuse:
+        raise UsageError(f"{option}: expected --fuse too ({why_fuse}); add --fuse")
+    if dtype != "fp32":
+        raise UsageError(f"{option}: expected --dtype fp32 ({why_fp32}), found --dtype {dtype}; {fix}")
+
+
 def check_attention(attention: str, fuse: bool, dtype: str) -> None:
     """--attention gqa rewrites the folded fp32 graph for ONNX Runtime's CPU kernel: refuse other combinations."""
-    if attention != "gqa":
-        return
-    if not fuse:
-        raise UsageError("--attention gqa: expected --fuse too (the GroupQueryAttention rewrite runs after the fold); "
-                         "add --fuse")
-    if dtype != "fp32":
-        raise UsageError(f"--attention gqa: expected --dtype fp32 (ONNX Runtime's CPU GroupQueryAttention is fp32 "
-                         f"only), found --dtype {dtype}; drop --dtype or use --attention fused")
+    if attention == "gqa":
+        require_fused_fp32("--attention gqa", fuse, dtype, "the GroupQueryAttention rewrite runs after the fold",
+                           "ONNX Runtime's CPU GroupQueryAttention is fp32 only",
+                           "drop --dtype or use --attention fused")
 
 
 def check_quantize(quantize, fuse: bool, dtype: str) -> None:
     """--quantize quantizes the folded fp32 graph: refuse other combinations before any work."""
-    if quantize is None:
-        return
-    if not fuse:
-        raise UsageError(f"--quantize {quantize.dtype}: expected --fuse too (the folded graph is what gets quantized); "
-                         "add --fuse")
-    if dtype != "fp32":
-        raise UsageError(f"--quantize {quantize.dtype}: expected --dtype fp32 (weights are quantized from fp32), "
-                         f"found --dtype {dtype}; drop --dtype")
-    quantize.validate()
+    if quantize is not None:
+        require_fused_fp32(f"--quantize {quantize.dtype}", fuse, dtype, "the folded graph is what gets quantized",
+                           "weights are quantized from fp32")
+        quantize.validate()
 
 
 def by_pass(names) -> str:

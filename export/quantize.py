@@ -146,11 +146,6 @@ def quantized_config(proto: onnx.ModelProto) -> QuantConfig | None:
     return None
 
 
-def _other_gathers(proto: onnx.ModelProto) -> list[str]:
-    """Gather nodes that are not the token embedding (which reads input_ids): the position table."""
-    return [n.name for n in proto.graph.node if n.op_type == "Gather" and INPUT_IDS not in n.input]
-
-
 def head_name(proto: onnx.ModelProto) -> str:
     """Node name of the LM head (graph_passes.quantized.head_matmul), or a one-line error."""
     from graph_passes.quantized import head_matmul
@@ -247,9 +242,11 @@ def _run_quantizer(proto: onnx.ModelProto, cfg: QuantConfig, summary: QuantSumma
     own_head = cfg.head_dtype != cfg.dtype         # the head in other bits: left out of the first pass
     head = head_name(proto) if own_head else None
     int8 = _int8_layer_matmuls(proto, cfg.int8_layers) if cfg.int8_layers else []
+    # Gathers that are not the token embedding (which reads input_ids): the position table
+    positions = [n.name for n in proto.graph.node if n.op_type == "Gather" and INPUT_IDS not in n.input]
     model = onnx.ModelProto()
     model.CopyFrom(proto)
-    q = MatMulNBitsQuantizer(model, nodes_to_exclude=_other_gathers(proto) + ([head] if own_head else []) + int8,
+    q = MatMulNBitsQuantizer(model, nodes_to_exclude=positions + ([head] if own_head else []) + int8,
                              algo_config=algo_config(cfg, _quantizer_ops(cfg)))
     q.process()
     if (own_head and cfg.head_dtype == "int8") or int8:

@@ -408,7 +408,7 @@ def write_graph(plan: GraphPlan, source, path, log=print) -> int:
     order = sorted(by_group, key=lambda g: (g < 0, g))
     # always beside the graph: weights kept inline would all be held until the graph is saved
     # (GPT-2 medium's 1.6 GB peaked at 8 GB that way)
-    with StreamedWeights(path, external=True) as out:
+    with StreamedWeights(path) as out:
         for k, group in enumerate(order):
             tensors = _load_group(source, group, plan.fuse)
             quantized_cache: dict[tuple[str, str, int], dict[int, np.ndarray]] = {}

@@ -119,14 +119,13 @@ def top1(ref_runs, runs) -> tuple[float, int]:
 
 
 def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=print, quantize=None,
-                   attention: str = "plain", max_seq_len: int | None = None, source=None, genai: bool = False,
-                   target_why: str = ""):
+                   attention: str = "plain", source=None, genai: bool = False, target_why: str = ""):
     """The streamed build; returns the BuildReport (also OUT/report.json). `source`: the checkpoint's
     weights already opened (models.weights.open_weights), e.g. by the CLI's route choice. `genai`:
     also the ONNX Runtime GenAI folder's files, over the same weights file (export/genai.py).
     `target_why`: why export.build --target auto chose the attention, for the report (export/target.py)."""
     from export.pipeline import (BuildReport, ModelSummary, Stages, check_gate, check_options, genai_files,
-                                 real_tokens, summary, worst, write_model_files, write_report)
+                                 real_tokens, summary, worst, write_report)
     from export.target import target_of
     from export.verify import ATOL, SCALE_TOL
     from models.checkpoint import TOKENIZER
@@ -135,7 +134,7 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
     check_output_dir(out, BUILD, inputs=[checkpoint])
     check_options(quantize, genai, fuse, dtype, attention)
     t_start = time.perf_counter()
-    source = source or open_weights(checkpoint, max_seq_len)
+    source = source or open_weights(checkpoint)
     cfg = source.cfg
     check_gate(source.skeleton, fuse)
     estimate = streamed_memory(cfg, dtype, quantize)
@@ -168,8 +167,7 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
             checked.unlink()                # our own temporary graph (the weights are the build's)
         if genai:
             report.genai = genai_files(stages, tmp, name, cfg, checkpoint, tokenizer, tokens)
-        write_model_files(tmp, source.where, source.source, source.skeleton, tokenizer)
-        write_report(report, tmp, t_start)
+        write_report(report, tmp, t_start, source.where, source.source, source.skeleton, tokenizer)
     summary(report, log)
     return report
 
@@ -268,8 +266,7 @@ def _verify(report, path: Path, iface, sessions, runs_ref, runs_deq, quantize, k
     del sess
     exact = quantize is not None and runs_deq is not None       # against its own dequantized weights
     refs, tolerance, what = (runs_deq, DEQUANTIZED, " with its dequantized weights") if exact else (runs_ref, key, "")
-    results = compare_sessions([(label, ref, got) for (label, _), ref, got in zip(sessions, refs, runs)],
-                               tolerance, f"{path.name} vs torch{what}")
+    results = compare_sessions(sessions, refs, runs, tolerance, f"{path.name} vs torch{what}")
     report.max_abs_diff["graph_vs_torch"] = {c.what: c.max_abs_diff for c in results}
     if quantize is None:
         return

@@ -93,9 +93,7 @@ class VerificationError(UserError):
         return f"export verification failed ({self.what}):\n" + "\n".join(f"- {m}" for m in self.mismatches)
 
 
-def read_interface(model: onnx.ModelProto, where: str = "graph") -> DecodeContract:
-    """The decode-step contract of one graph, read from its I/O (core.contract)."""
-    return contract_of(model, where)
+read_interface = contract_of     # the decode-step contract of one graph (a ModelProto: where "graph"), from its I/O
 
 
 def ort_session(path_or_proto, optimize: bool = False) -> ort.InferenceSession:
@@ -130,11 +128,9 @@ def run_torch(model, iface: DecodeContract, steps: list[Step]) -> list[dict[str,
     with torch.no_grad():
         for step in steps:
             logits, cache = model(torch.from_numpy(step.input_ids), torch.from_numpy(step.position), cache)
-            outs = {LOGITS: logits.float().numpy().astype(np_dtype(iface.dtype))}
-            for i, kv in enumerate(cache):
-                for kind, c in zip(CACHE_KINDS, kv):
-                    outs[present_name(cache_name(i, kind))] = c.numpy().copy()
-            results.append(outs)
+            results.append({LOGITS: logits.float().numpy().astype(np_dtype(iface.dtype)),
+                            **{present_name(cache_name(i, kind)): c.numpy().copy()
+                               for i, kv in enumerate(cache) for kind, c in zip(CACHE_KINDS, kv)}})
     return results
 
 
@@ -189,9 +185,7 @@ def compare(ref: list[dict], got: list[dict], dtype: str, what: str, atol: float
                 problems.append(f"{name}: shape {list(np.shape(g[name]))}, expected {list(np.shape(r[name]))} (step {s})")
             else:
                 names.append(name)
-        for name in g:
-            if name not in r:
-                problems.append(f"{name}: unexpected extra output (step {s})")
+        problems += [f"{name}: unexpected extra output (step {s})" for name in g if name not in r]
         for name, diff in _polygraphy_diffs(r, g, names, atol).items():
             cmp.max_abs_diff[name] = max(cmp.max_abs_diff.get(name, 0.0), diff)
             finite = np.abs(np.asarray(r[name], np.float64))
@@ -239,8 +233,7 @@ def verify_pair(a, b, atol: float | None = None, seeds=(0, 1), tokens=None, refe
     for what, r, g in pairs:
         prefix = f"{what}: " if reference is not None else ""
         try:
-            results += compare_sessions([(prefix + label, ref, got) for (label, _), ref, got
-                                         in zip(sessions, outs[r], outs[g])], dtype, what, atol)
+            results += compare_sessions(sessions, outs[r], outs[g], dtype, what, atol, prefix)
         except VerificationError as e:
             problems += e.mismatches
     if problems:
@@ -271,10 +264,12 @@ def tolerance_key(*protos, float_dtype: str | None = None) -> str:
     return float_dtype if float_dtype is not None else read_interface(protos[0]).dtype
 
 
-def compare_sessions(runs, dtype: str, what: str, atol: float | None = None) -> list[Comparison]:
-    """compare() over several sessions [(label, ref, got)]; ONE VerificationError lists the mismatches of all."""
+def compare_sessions(sessions, refs, runs, dtype: str, what: str, atol: float | None = None,
+                     prefix: str = "") -> list[Comparison]:
+    """compare() of each labelled session [(label, steps)]'s reference and run, labels after `prefix`;
+    ONE VerificationError lists the mismatches of all."""
     results, problems = [], []
-    for label, ref, got in runs:
+    for label, ref, got in ((prefix + label, ref, got) for (label, _), ref, got in zip(sessions, refs, runs)):
         try:
             results.append(compare(ref, got, dtype, label, atol))
         except VerificationError as e:
