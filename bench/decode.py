@@ -22,6 +22,7 @@ from __future__ import annotations
 from core.errors import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
+import functools
 import json
 import os
 import shlex
@@ -128,12 +129,11 @@ def onnx_runners(spec: WorkerSpec) -> list:
     for name in names:
         info = spec.onnx[name]
         if spec.backend == "ort":
-            make = make_ort_session(info.path, "cpu", s.threads)
+            make = make_ort_session(info.path, s.threads)
         else:
             from runtime.backends import open_session
             make = lambda pd, p=info.path: open_session("trt", p)  # noqa: E731
-        out.append(SessionRunner(name, make, info.weight_bytes, info.norm_nodes))
-        out[-1].source = info.source
+        out.append(SessionRunner(name, make, info.weight_bytes, info.source, info.norm_nodes))
     return out
 
 
@@ -141,14 +141,12 @@ def torch_runners(spec: WorkerSpec) -> list:
     """Our runners on torch eager: each variant's model (bench.variants.torch_variant)."""
     from runtime.torch_session import TorchSession
     device = "cuda" if spec.backend == "torch-cuda" else "cpu"
-    bases, out = {}, []
-    for name in spec.settings.variants:
-        v = VARIANTS[name]
-        if v.kind not in bases:
-            bases[v.kind] = base_model(spec.size, v.kind, spec.settings.capacity, spec.settings.seed)
-        m = torch_variant(v, bases[v.kind][0])
-        out.append(SessionRunner(name, lambda pd, m=m: TorchSession(m, device=device), weight_bytes_torch(m)))
-        out[-1].source = bases[v.kind][1]
+    s, out = spec.settings, []
+    base = functools.cache(lambda kind: base_model(spec.size, kind, s.capacity, s.seed))    # once per kind
+    for name in s.variants:
+        model, source = base(VARIANTS[name].kind)
+        m = torch_variant(VARIANTS[name], model)
+        out.append(SessionRunner(name, lambda pd, m=m: TorchSession(m, device=device), weight_bytes_torch(m), source))
     return out
 
 

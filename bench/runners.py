@@ -75,8 +75,8 @@ class SessionRunner(Runner):
     """runtime.generate over a DecoderSession; `make(profile_dir)` returns an inactive session
     (with ONNX Runtime profiling switched on when profile_dir is given)."""
 
-    def __init__(self, name: str, make, weight_bytes: int, norm_nodes: dict | None = None):
-        self.name, self.make, self.weight_bytes = name, make, weight_bytes
+    def __init__(self, name: str, make, weight_bytes: int, source: str, norm_nodes: dict | None = None):
+        self.name, self.make, self.weight_bytes, self.source = name, make, weight_bytes, source
         self.norm_nodes = norm_nodes or {}
         self.session = None
 
@@ -113,14 +113,14 @@ class SessionRunner(Runner):
             self.session.deactivate()
 
 
-def make_ort_session(path: str, device: str, threads: int):
-    """Factory for SessionRunner: an OrtSession, with ONNX Runtime profiling on (its trace under
+def make_ort_session(path: str, threads: int):
+    """Factory for SessionRunner: an OrtSession on the CPU, with ONNX Runtime profiling on (its trace under
     profile_dir, by OrtSession's profile_prefix) when profile_dir is given."""
     from runtime.ort_session import OrtSession
 
     def make(profile_dir):
         prefix = None if profile_dir is None else Path(profile_dir) / "ort"
-        return OrtSession(path, device=device, intra_op_threads=threads, profile_prefix=prefix)
+        return OrtSession(path, device="cpu", intra_op_threads=threads, profile_prefix=prefix)
     return make
 
 

@@ -360,7 +360,6 @@ class BuildOptions:
     size: str
     capacity: int
     cache: Path
-    seed: int = 0
     dtypes: tuple[str, ...] = ("fp32",)     # the fused variants' weight dtypes (export.quantize, rtn)
     attention: str = "plain"                # plain | fused | gqa (export.build --attention)
     verify: bool = True
@@ -474,15 +473,13 @@ def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed:
     "gqa" (ONNX Runtime's GroupQueryAttention, export.build --attention gqa). verify=False: no
     graph is checked against torch (GraphInfo.verified None), and the caller says so."""
     cache.mkdir(parents=True, exist_ok=True)
-    options = BuildOptions(size, capacity, Path(cache), seed, tuple(dtypes), attention, verify)
-    bases: dict[str, tuple[Decoder, str]] = {}
+    options = BuildOptions(size, capacity, Path(cache), tuple(dtypes), attention, verify)
+    base = functools.cache(lambda kind: base_model(size, kind, capacity, seed))       # once per kind
     graphs: dict[tuple, ModelGraphs] = {}
     out: dict[str, GraphInfo] = {}
     for name in variants:
         v = VARIANTS[name]
-        if v.kind not in bases:
-            bases[v.kind] = base_model(size, v.kind, capacity, seed)
-        model, source = bases[v.kind]
+        model, source = base(v.kind)
         if v.model_key not in graphs:
             tokenizer = ZOO / v.kind / "tokenizer.json" if source.startswith("zoo:") else None
             graphs[v.model_key] = ModelGraphs(options, transformed(v, model), source,
