@@ -22,6 +22,7 @@ from __future__ import annotations
 from core.errors import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
+import contextlib
 import functools
 import json
 import os
@@ -283,17 +284,15 @@ def build_all(sizes, names, cap, cache: Path, seed: int, jobs: int, dtypes=("fp3
     groups = [(size, g, cap, str(cache), seed, list(dtypes), attention, verify)
               for size in sizes for g in by_model.values()]
     out: dict[str, dict] = {s: {} for s in sizes}
-    if jobs <= 1:
-        for size, infos in map(_build_task, groups):
+    # a pool's exit terminates the workers, also on Ctrl-C; one job: no pool, in this process
+    with mp.get_context("spawn").Pool(jobs) if jobs > 1 else contextlib.nullcontext() as pool:
+        for size, infos in (pool.imap_unordered if pool else map)(_build_task, groups):
             out[size].update(infos)
-        return out
-    with mp.get_context("spawn").Pool(jobs) as pool:     # exiting terminates the workers, also on Ctrl-C
-        for size, infos in pool.imap_unordered(_build_task, groups):
-            out[size].update(infos)
-        # done: let the workers exit on their own, so what they hold (the verification's libraries
-        # create semaphores) is released; terminate() would leave them to the resource tracker
-        pool.close()
-        pool.join()
+        if pool:
+            # done: let the workers exit on their own, so what they hold (the verification's libraries
+            # create semaphores) is released; terminate() would leave them to the resource tracker
+            pool.close()
+            pool.join()
     return out
 
 
