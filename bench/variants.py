@@ -417,7 +417,9 @@ class ModelGraphs:
         graph = self.export
         if v.fuse or self.options.attention == "gqa":       # gqa: the unfused graphs get ORT's attention too
             graph = self.stages.fuse(self.export.proto, fold=v.fuse)
-        write_graph(self.options.cache, path.name, graph.proto)
+        from core.onnx_writer import save_onnx
+        with replaced_file_in(self.options.cache, path.name) as tmp:      # signed, replaced atomically
+            save_onnx(sign_onnx(graph.proto), tmp)
         info = self.info(graph, path, export_s, time.perf_counter() - t0)
         write_meta(self.options.cache, path, info)
         self.log(f"  built {self.options.size} {v.name} ({self.source.split(' ')[0]}): {info.nodes} nodes in "
@@ -450,13 +452,6 @@ class ModelGraphs:
                          len(graph.proto.graph.node), norm_nodes(graph.proto), graph.report.op_counts[graph.kind],
                          round(export_s, 2), round(build_s, 2), build_fingerprint(),
                          verification(graph, self.options.verify))
-
-
-def write_graph(cache: Path, name: str, proto) -> None:
-    """A graph into the cache: core.onnx_writer, signed, replaced atomically (core.outputs)."""
-    from core.onnx_writer import save_onnx
-    with replaced_file_in(cache, name) as tmp:
-        save_onnx(sign_onnx(proto), tmp)
 
 
 def write_meta(cache: Path, path: Path, info: GraphInfo) -> None:
