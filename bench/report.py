@@ -125,74 +125,66 @@ def acceptance(cells: list[dict], results: dict) -> list[dict]:
     return out + genai_acceptance(cells, results)
 
 
-def _verdict(criterion: str, figures: list[str], oks: list[bool]) -> dict:
-    return {"criterion": criterion, "figures": figures, "met": all(oks) if oks else None}
+def _verdict(criterion: str, judged: list[tuple[str, bool | None]]) -> dict:
+    """judged: (figure, ok) pairs; ok None for a figure shown but not judged."""
+    oks = [ok for _, ok in judged if ok is not None]
+    return {"criterion": criterion, "figures": [f for f, _ in judged], "met": all(oks) if oks else None}
 
 
 def hf_acceptance(cells: list[dict], key: str) -> dict:
     """ort runtime (the rmsnorm-strong graph) over HF generate at the target's sizes."""
     t = TARGETS[key]
-    figs, oks = [], []
-    for c in cells:
-        if c.get("backend") != "ort" or c["size"] not in t.sizes:
-            continue
-        for name in (BASELINE, FUSED):
-            r = c["runners"].get(name, {}).get("ratio_over_peer", {}).get("hf-generate")
-            if r:
-                figs.append(f"{c['size']} b{c['batch']} {SHORT[name]}: {r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]")
-                if name == BASELINE:
-                    oks.append(r["median"] >= t.threshold)
-    return _verdict(f"ort runtime (rmsnorm-strong graph) >= {t.threshold}x HF generate at {t.label}", figs, oks)
+    judged = [(f"{c['size']} b{c['batch']} {SHORT[name]}: {r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]",
+               r["median"] >= t.threshold if name == BASELINE else None)
+              for c in cells if c.get("backend") == "ort" and c["size"] in t.sizes for name in (BASELINE, FUSED)
+              if (r := c["runners"].get(name, {}).get("ratio_over_peer", {}).get("hf-generate"))]
+    return _verdict(f"ort runtime (rmsnorm-strong graph) >= {t.threshold}x HF generate at {t.label}", judged)
 
 
 def bandwidth_acceptance(cells: list[dict], results: dict) -> dict:
     t = TARGETS["bandwidth_share"]
-    figs, oks = [], []
     bwb = results["read_bandwidth_Bps"]["best"]
-    for c in [c for size in t.sizes for c in _cells(cells, size=size, backend="ort")]:
-        for name in (BASELINE, FUSED):
-            m = c["runners"].get(name)
-            if m:
-                figs.append(f"b{c['batch']} {SHORT[name]}: {m['achieved_Bps'] / 1e9:.2f} GB/s = "
-                            f"{100 * m['bandwidth_share']:.0f}% of {bwb / 1e9:.2f} GB/s (best kernel); "
-                            f"{_pct(m.get('bandwidth_share_same_threads', float('nan')))} of the read bandwidth "
-                            f"at the same thread count ({results['settings']['threads']})")
-                if c["batch"] == 1 and name == BASELINE:
-                    oks.append(m["bandwidth_share"] >= t.threshold)
+    judged = [(f"b{c['batch']} {SHORT[name]}: {m['achieved_Bps'] / 1e9:.2f} GB/s = "
+               f"{100 * m['bandwidth_share']:.0f}% of {bwb / 1e9:.2f} GB/s (best kernel); "
+               f"{_pct(m.get('bandwidth_share_same_threads', float('nan')))} of the read bandwidth "
+               f"at the same thread count ({results['settings']['threads']})",
+               m["bandwidth_share"] >= t.threshold if c["batch"] == 1 and name == BASELINE else None)
+              for size in t.sizes for c in _cells(cells, size=size, backend="ort") for name in (BASELINE, FUSED)
+              if (m := c["runners"].get(name))]
     return _verdict(f"{t.label} fp32 (ort, batch 1, rmsnorm-strong): achieved weight bandwidth >= "
-                    f"{100 * t.threshold:.0f}% of measured read bandwidth (the best kernel, any thread count)", figs, oks)
+                    f"{100 * t.threshold:.0f}% of measured read bandwidth (the best kernel, any thread count)", judged)
 
 
 def limit_acceptance(cells: list[dict]) -> dict:
     """Fused internal-taper vs its profiled limit, never slower beyond noise."""
     t = TARGETS["fused_share_of_limit"]
-    figs, oks = [], []
+    judged = []
     for c in cells:
         m = c.get("runners", {}).get(FUSED)
         if not m or "share_of_limit" not in m:
             continue
         r = m["ratio_vs_strong"]
-        figs.append(f"{c['size']} {c['backend']} b{c['batch']}: {r['median']:.3f}x [{r['min']:.3f}-{r['max']:.3f}] "
-                    f"vs limit {m['limit_vs_strong']:.3f}x = {_pct(m['ratio_over_limit'])} of the limit "
-                    f"({_pct(m['share_of_limit'])} of the possible gain), noise band {100 * c['noise_band']:.1f}%"
-                    f"{'; SLOWER beyond noise' if m['slower_beyond_noise'] else ''}")
-        oks.append(m["ratio_over_limit"] >= t.threshold and not m["slower_beyond_noise"])
+        judged.append((f"{c['size']} {c['backend']} b{c['batch']}: {r['median']:.3f}x [{r['min']:.3f}-{r['max']:.3f}] "
+                       f"vs limit {m['limit_vs_strong']:.3f}x = {_pct(m['ratio_over_limit'])} of the limit "
+                       f"({_pct(m['share_of_limit'])} of the possible gain), noise band {100 * c['noise_band']:.1f}%"
+                       f"{'; SLOWER beyond noise' if m['slower_beyond_noise'] else ''}",
+                       m["ratio_over_limit"] >= t.threshold and not m["slower_beyond_noise"]))
     return _verdict(f"internal-taper fused reaches >= {100 * t.threshold:.0f}% of its profiled limit over "
-                    f"rmsnorm-strong (ratio >= {t.threshold} x limit) and is never slower beyond the noise band", figs, oks)
+                    f"rmsnorm-strong (ratio >= {t.threshold} x limit) and is never slower beyond the noise band",
+                    judged)
 
 
 def torch_acceptance(cells: list[dict]) -> dict:
     t = TARGETS["torch_fused_over_strong"]
-    figs, oks = [], []
+    judged = []
     for c in [c for size in t.sizes for c in _cells(cells, size=size, backend="torch")]:
         m = c["runners"].get(FUSED)
         if m:
-            r = m["ratio_vs_strong"]
-            figs.append(f"b{c['batch']}: {r['median']:.3f}x [{r['min']:.3f}-{r['max']:.3f}] over rmsnorm-strong"
-                        + (f"; {m['tokens_per_s']['median'] / c['runners']['rmsnorm-plain']['tokens_per_s']['median']:.3f}x "
-                           "over rmsnorm-plain (medians)" if "rmsnorm-plain" in c["runners"] else ""))
-            oks.append(r["median"] >= t.threshold)
-    return _verdict(f"torch eager internal-taper fused >= {t.threshold}x rmsnorm-strong at {t.label}", figs, oks)
+            r, plain = m["ratio_vs_strong"], c["runners"].get("rmsnorm-plain")
+            judged.append((f"b{c['batch']}: {r['median']:.3f}x [{r['min']:.3f}-{r['max']:.3f}] over rmsnorm-strong"
+                           + (f"; {m['tokens_per_s']['median'] / plain['tokens_per_s']['median']:.3f}x over "
+                              "rmsnorm-plain (medians)" if plain else ""), r["median"] >= t.threshold))
+    return _verdict(f"torch eager internal-taper fused >= {t.threshold}x rmsnorm-strong at {t.label}", judged)
 
 
 def _ratio_line(c, name, peer) -> tuple[str, float] | None:
@@ -223,15 +215,9 @@ def genai_acceptance(cells: list[dict], results: dict) -> list[dict]:
 def _over_peers(cells: list[dict], t, pairs: list[tuple[str, str]], criterion: str) -> dict:
     """Ours over peers in the ort batch-1 cells at the target's sizes: a figure per (runner, peer)
     pair measured, judged on internal-taper fused (of any dtype)."""
-    figs, oks = [], []
-    for c in [c for c in _cells(cells, backend="ort", batch=1) if c["size"] in t.sizes]:
-        for name, peer in pairs:
-            got = _ratio_line(c, name, peer)
-            if got:
-                figs.append(got[0])
-                if split_name(name)[0] == FUSED:
-                    oks.append(got[1] >= t.threshold)
-    return _verdict(criterion, figs, oks)
+    return _verdict(criterion, [(got[0], got[1] >= t.threshold if split_name(name)[0] == FUSED else None)
+                                for c in _cells(cells, backend="ort", batch=1) if c["size"] in t.sizes
+                                for name, peer in pairs if (got := _ratio_line(c, name, peer))])
 
 
 def _pct(x: float) -> str:
