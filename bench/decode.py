@@ -304,7 +304,7 @@ def build_models(s: Settings, cache: Path, jobs: int) -> Builds:
                     if need_onnx else {size: {} for size in s.sizes}, {size: {} for size in s.sizes})
     if "genai" in s.peers:
         builds.genai, why_not = build_genai_all(s.sizes, s.dtypes, s.capacity, cache, s.seed, s.verify)
-        s.skipped.update(why_not)
+        s.skipped_backends.update(why_not)
     builds.seconds = time.perf_counter() - t0
     print(f"  builds ready in {builds.seconds:.0f} s", flush=True)
     return builds
@@ -376,13 +376,13 @@ def _batches(value, default) -> list[int]:
 @dataclass
 class Settings:
     """One run's settings: the command line's, with the defaults filled in and what this machine
-    cannot run taken out (`skipped`: what -> why). to_json() is results.json's "settings"."""
+    cannot run taken out (`skipped_backends`: what -> why). to_json() is results.json's "settings":
+    the fields in this order, but bandwidth_gib."""
     sizes: list[str]
     variants: list[str]
     backends: list[str]
-    skipped: dict[str, str]
+    skipped_backends: dict[str, str]
     peers: list[str]
-    dtypes: list[str]
     batches: list[int]
     prompt: int
     new_tokens: int
@@ -392,17 +392,14 @@ class Settings:
     profile_steps: int
     quick: bool
     seed: int
+    dtype: str              # the activations': fp32
+    dtypes: list[str]
     attention: str
     verify: bool
     bandwidth_gib: float
 
     def to_json(self) -> dict:
-        return {"sizes": self.sizes, "variants": self.variants, "backends": self.backends,
-                "skipped_backends": self.skipped, "peers": self.peers, "batches": self.batches,
-                "prompt": self.prompt, "new_tokens": self.new_tokens, "rounds": self.rounds, "threads": self.threads,
-                "capacity": self.capacity, "profile_steps": self.profile_steps, "quick": self.quick,
-                "seed": self.seed, "dtype": "fp32", "dtypes": self.dtypes, "attention": self.attention,
-                "verify": self.verify}
+        return {k: v for k, v in asdict(self).items() if k != "bandwidth_gib"}
 
     def cell_peers(self, backend: str) -> list[str]:
         return [p for p in self.peers if (p == "hf-generate" and backend != "torch") or
@@ -440,11 +437,11 @@ def settings_from(args) -> Settings:
     if cap < args.prompt + new_tokens:
         raise UsageError(f"--capacity {cap}: expected at least --prompt + --new-tokens = {args.prompt + new_tokens}; "
                          "raise it or drop it")
-    return Settings(sizes=sizes, variants=names, backends=backends, skipped=skipped, peers=peers,
-                    dtypes=_csv(args.dtypes, ["fp32"], DTYPES, "dtype"),
+    return Settings(sizes=sizes, variants=names, backends=backends, skipped_backends=skipped, peers=peers,
                     batches=_batches(args.batches, ["1"] if q else ["1", "8"]), prompt=args.prompt,
                     new_tokens=new_tokens, rounds=args.rounds or 3, threads=args.threads, capacity=cap,
-                    profile_steps=args.profile_steps, quick=q, seed=args.seed,
+                    profile_steps=args.profile_steps, quick=q, seed=args.seed, dtype="fp32",
+                    dtypes=_csv(args.dtypes, ["fp32"], DTYPES, "dtype"),
                     attention=args.attention or default_attention(backends, sizes),
                     verify=args.verify, bandwidth_gib=args.bandwidth_gib)
 
@@ -569,7 +566,7 @@ def run(argv) -> int:
     r = Run(s, command, out)
     print(f"bench.decode: sizes {s.sizes}, backends {s.backends}, batches {s.batches}, prompt {s.prompt}, "
           f"{s.new_tokens} new tokens, {s.rounds} rounds, {s.threads} threads, {s.attention} attention; "
-          f"skipped {s.skipped or 'none'}", flush=True)
+          f"skipped {s.skipped_backends or 'none'}", flush=True)
     if not s.verify:
         print("  verification OFF (--no-verify): no graph is checked against torch, nor a quantized one against its "
               "fp32 graph; results.json says settings.verify false", flush=True)
