@@ -173,10 +173,6 @@ def decode_speed(model: str, decode_tokens: int, prompt_tokens: int, threads: in
             "tpot_ms_p50": stats.median(steps) * 1e3}
 
 
-def graph_of(build: Path) -> Path | None:
-    return next((build / g for g in GRAPHS if (build / g).is_file()), None)
-
-
 # --- run ------------------------------------------------------------------------------------------
 
 def parse_options(text: str) -> dict[str, list[str]]:
@@ -243,7 +239,7 @@ def measure_option(name: str, argv: list[str], folder: Path, out: Path, args, ge
     else:
         row = measured([sys.executable, "-m", "export.build", "--checkpoint", str(folder), "--out", str(out), *argv],
                        args.cap_bytes)
-        graph = graph_of(out) if row["rc"] == 0 else None
+        graph = next((out / g for g in GRAPHS if (out / g).is_file()), None) if row["rc"] == 0 else None
     del row["stdout"]
     row["output_bytes"] = folder_bytes(out) if row["rc"] == 0 and out.is_dir() else 0
     if row["rc"] == 0 and graph is None:
