@@ -353,10 +353,6 @@ def versions() -> dict:
     return out
 
 
-def threads_default() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def machine_info(gpu: bool = True) -> dict:
     """The machine a bench runs on (its results' "machine"); gpu=False leaves the CUDA device out
     and torch unimported (bench.serve, bench.scale)."""
@@ -366,7 +362,7 @@ def machine_info(gpu: bool = True) -> dict:
     except OSError:
         cpuinfo = []
     info = {"cpu": next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?"),
-            "cores": threads_default(),
+            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
     if gpu:
         info["gpu"] = None
