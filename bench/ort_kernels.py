@@ -29,13 +29,6 @@ BLOCK = 32
 MS = "com.microsoft"
 
 
-def _session(model, threads: int):
-    import onnxruntime as ort
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-
-
 def _timed(run, rounds: int, budget_s: float = 0.1) -> list[float]:
     """Seconds per call, one figure per round (each the mean over ~budget_s of calls)."""
     for _ in range(3):
@@ -52,10 +45,15 @@ def _timed(run, rounds: int, budget_s: float = 0.1) -> list[float]:
     return out
 
 
-def _bound(sess, inputs: dict, outputs: dict, shared: dict | None = None):
-    """A run closure over an IO binding: numpy inputs and outputs bound once; `shared` names
-    one OrtValue bound as input and output (a cache updated in place)."""
+def _bound(graph, threads: int, inputs: dict, outputs: dict, shared: dict | None = None):
+    """A run closure over a CPU session of the one-op `graph` and an IO binding: numpy inputs and
+    outputs bound once; `shared` names one OrtValue bound as input and output (a cache updated in place)."""
     import onnxruntime as ort
+    from onnx import helper
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     b = sess.io_binding()
     for name, arr in inputs.items():
         b.bind_cpu_input(name, arr)
@@ -81,10 +79,8 @@ def matmul_nbits(k: int, n: int, level: int, threads: int, rounds: int) -> dict:
     graph = helper.make_graph([node], "mnb", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, n])],
                               [numpy_helper.from_array(blob, "B"), numpy_helper.from_array(scales, "S")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)])
-    run = _bound(_session(model, threads), {"x": rng.random((1, 1, k), dtype=np.float32)},
-                 {"y": np.empty((1, 1, n), np.float32)})
-    secs = _timed(run, rounds)
+    secs = _timed(_bound(graph, threads, {"x": rng.random((1, 1, k), dtype=np.float32)},
+                         {"y": np.empty((1, 1, n), np.float32)}), rounds)
     return {"op": "MatMulNBits", "K": k, "N": n, "accuracy_level": level, "us": [s * 1e6 for s in secs],
             "weight_MB": (blob.nbytes + scales.nbytes) / 1e6}
 
@@ -111,14 +107,12 @@ def gqa(heads: int, head_size: int, capacity: int, cached: int, scale: float | N
         [helper.make_tensor_value_info("y", f, [1, 1, heads * head_size]),
          helper.make_tensor_value_info("present_k", f, cache), helper.make_tensor_value_info("present_v", f, cache)],
         [numpy_helper.from_array(np.cos(angles), "cos"), numpy_helper.from_array(np.sin(angles), "sin")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)])
-    run = _bound(_session(model, threads),
-                 {"qkv": rng.random((1, 1, 3 * heads * head_size), dtype=np.float32),
-                  "seqlens_k": np.array([cached - 1], np.int32), "total": np.array(cached, np.int32)},
-                 {"y": np.empty((1, 1, heads * head_size), np.float32)},
-                 {("k", "present_k"): rng.random(cache, dtype=np.float32),
-                  ("v", "present_v"): rng.random(cache, dtype=np.float32)})
-    secs = _timed(run, rounds)
+    secs = _timed(_bound(graph, threads,
+                         {"qkv": rng.random((1, 1, 3 * heads * head_size), dtype=np.float32),
+                          "seqlens_k": np.array([cached - 1], np.int32), "total": np.array(cached, np.int32)},
+                         {"y": np.empty((1, 1, heads * head_size), np.float32)},
+                         {("k", "present_k"): rng.random(cache, dtype=np.float32),
+                          ("v", "present_v"): rng.random(cache, dtype=np.float32)}), rounds)
     return {"op": "GroupQueryAttention", "heads": heads, "head_size": head_size, "cached": cached,
             "scale": "default" if scale is None else scale, "us": [s * 1e6 for s in secs]}
 
