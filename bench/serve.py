@@ -147,10 +147,8 @@ def settled_scheduler_counters(metrics_url: str | None) -> dict[str, float]:
     return now
 
 
-def scheduler_counters(metrics_url: str | None) -> dict[str, float]:
+def scheduler_counters(metrics_url: str) -> dict[str, float]:
     """The generate model's counters summed over instances (runtime/triton/python_model.py METRICS)."""
-    if metrics_url is None:
-        return {}
     import urllib.request
     with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10) as r:
         text = r.read().decode()
