@@ -84,10 +84,9 @@ BASELINE = "rmsnorm-strong"
 # which norms of rmsnorm-strong a variant removes (for the profiled limit 1 / (1 - f))
 REMOVES = {"internal-taper-unfused": "blocks", "internal-taper-fused": "blocks", "all-taper-fused": "all"}
 
-def capacity_for(prompt: int, new_tokens: int, multiple: int = 32) -> int:
-    """KV-cache capacity: prompt + new tokens rounded up, so attention is not inflated."""
-    need = prompt + new_tokens
-    return -(-need // multiple) * multiple
+def capacity_for(prompt: int, new_tokens: int) -> int:
+    """KV-cache capacity: prompt + new tokens rounded up to a multiple of 32, so attention is not inflated."""
+    return -(-(prompt + new_tokens) // 32) * 32
 
 
 def config_for(size: str, kind: str, capacity: int) -> DecoderConfig:
