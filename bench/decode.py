@@ -273,17 +273,16 @@ def build_genai_all(sizes, dtypes, cap, cache: Path, seed: int, verify: bool = T
     return out, skipped
 
 
-def build_all(sizes, names, cap, cache: Path, seed: int, jobs: int, dtypes=("fp32",), attention="plain",
-              verify: bool = True) -> dict[str, dict[str, GraphInfo]]:
-    """ONNX for every (size, variant), `jobs` export processes at a time; grouped by model
+def build_all(s: Settings, cache: Path, jobs: int) -> dict[str, dict[str, GraphInfo]]:
+    """ONNX for every (size, variant) of the run, `jobs` export processes at a time; grouped by model
     (Variant.model_key) so internal-taper's unfused and fused graphs share one export."""
     import multiprocessing as mp
     by_model: dict[tuple, list[str]] = {}
-    for n in names:
+    for n in s.variants:
         by_model.setdefault(VARIANTS[n].model_key, []).append(n)
-    groups = [(size, g, cap, str(cache), seed, list(dtypes), attention, verify)
-              for size in sizes for g in by_model.values()]
-    out: dict[str, dict] = {s: {} for s in sizes}
+    groups = [(size, g, s.capacity, str(cache), s.seed, list(s.dtypes), s.attention, s.verify)
+              for size in s.sizes for g in by_model.values()]
+    out: dict[str, dict] = {size: {} for size in s.sizes}
     # a pool's exit terminates the workers, also on Ctrl-C; one job: no pool, in this process
     with mp.get_context("spawn").Pool(jobs) if jobs > 1 else contextlib.nullcontext() as pool:
         for size, infos in (pool.imap_unordered if pool else map)(_build_task, groups):
@@ -300,8 +299,8 @@ def build_models(s: Settings, cache: Path, jobs: int) -> Builds:
     """Every graph the cells need (ONNX only for an ONNX backend; the GenAI peers when asked)."""
     t0 = time.perf_counter()
     need_onnx = any(b in ONNX_BACKENDS for b in s.backends)
-    builds = Builds(build_all(s.sizes, s.variants, s.capacity, cache, s.seed, jobs, s.dtypes, s.attention, s.verify)
-                    if need_onnx else {size: {} for size in s.sizes}, {size: {} for size in s.sizes})
+    builds = Builds(build_all(s, cache, jobs) if need_onnx else {size: {} for size in s.sizes},
+                    {size: {} for size in s.sizes})
     if "genai" in s.peers:
         builds.genai, why_not = build_genai_all(s.sizes, s.dtypes, s.capacity, cache, s.seed, s.verify)
         s.skipped_backends.update(why_not)
