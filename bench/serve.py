@@ -379,14 +379,9 @@ class ServeRun:
             lv["peak_rss_bytes"] = self.peak.get(c) or None
             lv["scheduler"] = self.counters.get(c) or None
             summaries.append(lv)
-        ratios = {}
-        if 1 in done:
-            base = [round_tokens_per_s(r) for r in self.raw[1]]
-            for c in done:
-                if c != 1:
-                    mine = [round_tokens_per_s(r) for r in self.raw[c]]
-                    n = min(len(base), len(mine))
-                    ratios[c] = stats.ratio_summary(mine[:n], base[:n]).as_dict()
+        tps = {c: [round_tokens_per_s(r) for r in self.raw[c]] for c in done}
+        n = {c: min(len(tps[c]), len(tps[1])) for c in done if c != 1 and 1 in done}     # the rounds both ran
+        ratios = {c: stats.ratio_summary(tps[c][:k], tps[1][:k]).as_dict() for c, k in n.items()}
         return {"format": 1, "started": self.started, "command": self.command, "machine": self.machine,
                 "server_pid": self.pid, "settings": self.settings, "levels": summaries, "ratios": ratios,
                 # per request: sent (s after the round's start), TTFT and last token (s after sent), tokens, error
