@@ -212,10 +212,9 @@ def summarize_level(raw: list[dict], concurrency: int) -> dict:
     tokens = ok = 0
     wall = 0.0
     for r in raw:
-        round_tokens = 0
         for rec in r["records"]:
             a = rec["arrivals"]
-            round_tokens += len(a)
+            tokens += len(a)
             if rec["error"]:
                 errors[rec["error"]] += 1
                 continue
@@ -224,7 +223,6 @@ def summarize_level(raw: list[dict], concurrency: int) -> dict:
                 ttft.append(a[0] - rec["sent"])
                 itl += [y - x for x, y in zip(a, a[1:])]
         wall += r["end"] - r["start"]
-        tokens += round_tokens
         per_round.append(round_tokens_per_s(r))
 
     def pct(xs):
@@ -278,9 +276,7 @@ def markdown(results: dict) -> str:
             lines.append(f"| {lv['concurrency']} | {steps:.0f} | {_f(c.get('rows_running', 0) / steps if steps else None, 2)} "
                          f"| {_f(c.get('rows_run', 0) / steps if steps else None, 2)} | "
                          f"{_f(100 * c.get('prefill_seconds', 0) / busy if busy else None, 1)}% |")
-    errors = Counter()
-    for lv in results["levels"]:
-        errors.update(lv["errors"])
+    errors = sum((Counter(lv["errors"]) for lv in results["levels"]), Counter())
     if errors:
         lines += ["", "Errors:"] + [f"- {n} x {msg}" for msg, n in errors.most_common()]
     return "\n".join(lines) + "\n"
