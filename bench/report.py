@@ -45,8 +45,7 @@ def short(name: str) -> str:
 def same_thread_bandwidth(bw: dict, threads: int) -> float:
     """The read bandwidth measured with the thread count the runtimes used (np.max kernels)."""
     keys = {f"max_{threads}threads"} | ({"max_1thread"} if threads == 1 else set())
-    vals = [v for k, v in bw.items() if k.removeprefix("end_") in keys]
-    return max(vals) if vals else float("nan")
+    return max((v for k, v in bw.items() if k.removeprefix("end_") in keys), default=float("nan"))
 
 
 def _runner_metrics(raw: dict, batch: int, new_tokens: int, weight_bytes: int, bw: float, bw_same: float) -> dict:
