@@ -294,11 +294,11 @@ def plot(results: dict, out: Path) -> Path:
     hi = [lv["tokens_per_s_rounds"]["max"] - lv["tokens_per_s"] for lv in levels]
     left.errorbar(cs, tps, yerr=[lo, hi], marker="o", capsize=3)
     left.set(xscale="log", xlabel="concurrent clients", ylabel="aggregate tokens/s", title="throughput (min-max of rounds)")
-    left.set_xticks(cs, [str(c) for c in cs])
     right.plot(cs, [lv["itl"]["p99_ms"] for lv in levels], marker="o", label="inter-token p99")
     right.plot(cs, [lv["ttft"]["p99_ms"] for lv in levels], marker="s", label="TTFT p99")
     right.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="ms", title="p99 latency")
-    right.set_xticks(cs, [str(c) for c in cs])
+    for ax in (left, right):
+        ax.set_xticks(cs, [str(c) for c in cs])
     right.legend()
     fig.suptitle(f"bench.serve {results['started']}, {results['settings']['max_new_tokens']} new tokens per request",
                  fontsize=9)
