@@ -121,7 +121,7 @@ def acceptance(cells: list[dict], results: dict) -> list[dict]:
     met (True/False/None = not run)}."""
     out = [hf_acceptance(cells, key) for key in ("ort_over_hf_small", "ort_over_hf_124m")]
     out += [bandwidth_acceptance(cells, results), limit_acceptance(cells), torch_acceptance(cells)]
-    return out + genai_acceptance(cells, results)
+    return out + genai_acceptance(cells)
 
 
 def _verdict(criterion: str, judged: list[tuple[str, bool | None]]) -> dict:
@@ -197,7 +197,7 @@ def _ratio_line(c, name, peer) -> tuple[str, float] | None:
             f"[{r['min']:.2f}-{r['max']:.2f}]{extra}", r["median"])
 
 
-def genai_acceptance(cells: list[dict], results: dict) -> list[dict]:
+def genai_acceptance(cells: list[dict]) -> list[dict]:
     """The GenAI targets (TARGETS' GENAI_ISSUE rows), judged on internal-taper fused (the folded
     deployment), batch 1: int4 and fp32 over GenAI of the same dtype; fp32 over the plain ORT
     loop and GenAI fp32 at the small sizes."""
