@@ -86,9 +86,8 @@ class SessionRunner(Runner):
     def generate(self, prompts, n):
         from runtime.generate import GenerationConfig, generate
         r = generate(self.session, [list(p) for p in prompts], GenerationConfig(max_new_tokens=n))
-        if self.session.backend != "ort":
-            return Timing(r.ttft_s, r.step_s, r.total_s)
-        return Timing(r.ttft_s, r.step_s, r.total_s, run_s=float(sum(r.engine_s)))   # the session's own engine timing
+        ort = self.session.backend == "ort"           # run_s: ONNX Runtime sessions time their own engine calls
+        return Timing(r.ttft_s, r.step_s, r.total_s, run_s=float(sum(r.engine_s)) if ort else None)
 
     def profile(self, prompts, steps):
         """Norm share of the decode step: torch's on this session; ONNX Runtime's on a second session
