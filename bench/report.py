@@ -246,9 +246,7 @@ def headline_table(summary: dict, results: dict) -> str:
         b = c["runners"][BASELINE]
         peers = b.get("ratio_over_peer", {})
         row = [c["size"], c["backend"], str(c["batch"]), _f(b["tokens_per_s"]["median"], 0)]
-        for n in names:
-            m = c["runners"].get(n)
-            row.append(_spread(m["ratio_vs_strong"]) if m else "-")
+        row += [_spread(c["runners"][n]["ratio_vs_strong"]) if n in c["runners"] else "-" for n in names]
         row.append(f"{_f(c['limits']['blocks'], 3)} / {_f(c['limits']['all'], 3)}")
         row += [_f(peers[p]["median"]) + "×" if p in peers else "-" for p in ("hf-generate", "ort-plain")]
         rows.append("| " + " | ".join(row) + " |")
