@@ -290,11 +290,8 @@ def table(shape: dict) -> str:
         lines.append(f"| {name} | {s['rounds'] - s['failed']} / {s['rounds']} | {f(s['wall_s'], 1)} | "
                      f"{f(s['peak_rss_gb'], 0)} | {f(s['output_gb'], 0)} | {f(s['decode_tokens_per_s'], 1)} | "
                      f"{f(s['decode_peak_rss_gb'], 0)} |")
-    for name, o in shape["options"].items():
-        for r in o["runs"]:
-            err = r.get("error") or r.get("decode", {}).get("error") or r.get("decode", {}).get("skipped")
-            if err:
-                lines.append(f"  {name} round {r['round']}: {err}")
+    lines += [f"  {name} round {r['round']}: {err}" for name, o in shape["options"].items() for r in o["runs"]
+              if (err := r.get("error") or r.get("decode", {}).get("error") or r.get("decode", {}).get("skipped"))]
     lines += [f"  peer {k}: {v}" for k, v in shape["peers"].items() if isinstance(v, str)]
     return "\n".join(lines)
 
