@@ -215,9 +215,8 @@ def torch_norm_share(session, prompts, steps) -> dict:
             rf.__exit__(None, None, None)
 
     for name, m in model.named_modules():
-        if isinstance(m, NORM_CLASSES) or name.endswith(("ln_1", "ln_2", "ln_f")):
-            if isinstance(m, torch.nn.Identity):
-                continue
+        is_norm = isinstance(m, NORM_CLASSES) or name.endswith(("ln_1", "ln_2", "ln_f"))
+        if is_norm and not isinstance(m, torch.nn.Identity):        # a folded-away norm runs nothing
             handles += [m.register_forward_pre_hook(pre("bench.norm." + ("final" if name.endswith("ln_f") else "block"))),
                         m.register_forward_hook(post)]
     def step(feeds):               # the session's step, marked for the profiler (the session is not patched)
