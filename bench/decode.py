@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import timeit
 from argparse import SUPPRESS
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -66,13 +67,8 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5, threads: int = 1) -> dict
     x = np.ones(1024, np.float32)
     parts = np.array_split(a, threads)
 
-    def best_of(fn):
-        best = 0.0
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            best = max(best, a.nbytes / (time.perf_counter() - t0))
-        return best
+    def best_of(fn) -> float:
+        return a.nbytes / min(timeit.repeat(fn, number=1, repeat=repeats))     # perf_counter, best call
     out = {"max_1thread": best_of(a.max)}
     if threads > 1:                  # (one thread: the same measurement as max_1thread)
         with ThreadPoolExecutor(threads) as pool:
