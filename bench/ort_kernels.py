@@ -20,7 +20,7 @@ from __future__ import annotations
 from core.errors import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
-import time
+import timeit
 from pathlib import Path
 
 import numpy as np
@@ -33,16 +33,8 @@ def _timed(run, rounds: int, budget_s: float = 0.1) -> list[float]:
     """Seconds per call, one figure per round (each the mean over ~budget_s of calls)."""
     for _ in range(3):
         run()
-    t0 = time.perf_counter()
-    run()
-    calls = max(3, int(budget_s / max(time.perf_counter() - t0, 1e-6)))
-    out = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            run()
-        out.append((time.perf_counter() - t0) / calls)
-    return out
+    calls = max(3, int(budget_s / max(timeit.timeit(run, number=1), 1e-6)))
+    return [t / calls for t in timeit.repeat(run, number=calls, repeat=rounds)]
 
 
 def _bound(graph, threads: int, inputs: dict, outputs: dict, shared: dict | None = None):
