@@ -178,9 +178,7 @@ def decode_speed(model: str, decode_tokens: int, prompt_tokens: int, threads: in
 def parse_options(text: str) -> dict[str, list[str]]:
     """'name=--fuse --quantize int4;fp32=--fuse' -> {name: build args}."""
     options = {}
-    for item in (s.strip() for s in text.split(";")):
-        if not item:
-            continue
+    for item in [s.strip() for s in text.split(";") if s.strip()]:
         name, eq, args = item.partition("=")
         name = name.strip()
         if not eq or not OPTION_NAME.match(name) or name in options or name == GENAI:
