@@ -148,8 +148,8 @@ def run(argv: list[str]) -> int:
     sizes = _csv(a.sizes, SIZES, "sizes")
     dtypes = _csv(a.dtypes, ("fp32", "fp16", "bf16"), "dtypes")
     batches = _batches(a.batches)
+    from core.outputs import REPORT_JSON, check_output_file, write_json
     if a.json:
-        from core.outputs import REPORT_JSON, check_output_file
         check_output_file(a.json, REPORT_JSON)
     import torch
     if not torch.cuda.is_available():
@@ -157,7 +157,6 @@ def run(argv: list[str]) -> int:
                         "run it on a GPU machine (bash bench/gpu_check.sh) or use python -m bench.decode on a CPU")
     results = run_benchmark(sizes, dtypes, batches, a.prompt, a.steps, a.warmup, a.rounds, a.seed)
     if a.json:
-        from core.outputs import write_json
         write_json(a.json, results)
     return 0
 
