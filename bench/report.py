@@ -240,9 +240,7 @@ def headline_table(summary: dict, results: dict) -> str:
     head = (["size", "backend", "batch", "strong tok/s"] + [SHORT[n] + " ×" for n in names]
             + ["limit (blocks / all)", "ours/HF", "ours/ORT plain"])
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for c in summary["cells"]:
-        if "error" in c or BASELINE not in c["runners"]:
-            continue
+    for c in [c for c in _cells(summary["cells"]) if BASELINE in c["runners"]]:
         b = c["runners"][BASELINE]
         peers = b.get("ratio_over_peer", {})
         row = [c["size"], c["backend"], str(c["batch"]), _f(b["tokens_per_s"]["median"], 0)]
@@ -288,9 +286,7 @@ def dtype_tables(summary: dict, results: dict) -> str:
     rate vs the read bandwidth, and ours over GenAI of the same dtype / over the plain loop."""
     bw = results["read_bandwidth_Bps"]["best"]
     parts = []
-    for c in summary["cells"]:
-        if "error" in c or c["backend"] != "ort":
-            continue
+    for c in _cells(summary["cells"], backend="ort"):
         head = ["runner", "tok/s median [min–max]", "TTFT ms", "TPOT p50 / p99 ms", "loop us/token median [min–max]",
                 "MB/token", f"GB/s (% of {bw / 1e9:.1f})", "/ GenAI same dtype", "/ ORT plain"]
         rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
