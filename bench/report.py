@@ -363,16 +363,17 @@ def markdown(results: dict, summary: dict) -> str:
 
 # --- plots ------------------------------------------------------------------------------------------------
 
-def _series(cells: list, panel: tuple, sizes: list, name: str, key: str, x_of) -> tuple[list, list, list, list]:
+def _series(cells: list, panel: tuple, sizes: list, name: str, key: str, j: int, width: float) -> tuple:
     """Runner `name`'s `key` summary ({median, min, max}) per size in one (backend, batch) panel, where
-    measured: (x positions, medians, median - min, max - median), what errorbar / bar take."""
+    measured, as the j-th series of bars `width` wide: (x positions, medians, median - min, max - median),
+    what errorbar / bar take."""
     xs, ys, lo, hi = [], [], [], []
     for i, size in enumerate(sizes):
         m = next((c["runners"].get(name) for c in cells if (c["backend"], c["batch"], c["size"]) == (*panel, size)),
                  None)
         if m and key in m:
             s = m[key]
-            xs.append(x_of(i))
+            xs.append(i - 0.4 + width * (j + 0.5))
             ys.append(s["median"])
             lo.append(s["median"] - s["min"])
             hi.append(s["max"] - s["median"])
@@ -402,15 +403,15 @@ def plots(results: dict, summary: dict, out: Path) -> list[Path]:
         flat = list(axes.flat)
         for ax in flat[len(panels):]:
             ax.axis("off")
-        return fig, [flat[:len(panels)]]
+        return fig, flat[:len(panels)]
 
     def finish(fig, axes, ylabel: str, legend_at: str, title: str, name: str) -> None:
         """Each panel's axes named, the figure titled and written; its path added to `written`."""
-        for ax, (backend, batch) in zip(axes[0], panels):
+        for ax, (backend, batch) in zip(axes, panels):
             ax.set_xticks(range(len(sizes)), sizes)
             ax.set_title(f"{backend}, batch {batch}")
             ax.set_ylabel(ylabel)
-        _legend(axes[0], legend_at)
+        _legend(axes, legend_at)
         fig.suptitle(f"{title} — {stamp}", fontsize=9)
         fig.tight_layout()
         written.append(_save_figure(fig, out, name))
@@ -418,10 +419,9 @@ def plots(results: dict, summary: dict, out: Path) -> list[Path]:
 
     fig, axes = grid()
     width = 0.8 / len(runners)
-    for ax, (backend, batch) in zip(axes[0], panels):
+    for ax, panel in zip(axes, panels):
         for j, name in enumerate(runners):
-            xs, ys, lo, hi = _series(cells, (backend, batch), sizes, name, "tokens_per_s",
-                                     lambda i: i - 0.4 + width * (j + 0.5))
+            xs, ys, lo, hi = _series(cells, panel, sizes, name, "tokens_per_s", j, width)
             if xs:
                 ax.bar(xs, ys, width, yerr=[lo, hi], label=short(name), capsize=2,
                        hatch="//" if name in PEER_NAMES or name.startswith("genai-") else None)
@@ -432,15 +432,14 @@ def plots(results: dict, summary: dict, out: Path) -> list[Path]:
     fig, axes = grid()
     variants = [n for n in results["settings"]["variants"] if n != BASELINE]
     width = 0.8 / max(1, len(variants))
-    for ax, (backend, batch) in zip(axes[0], panels):
+    for ax, panel in zip(axes, panels):
         ax.axhline(1.0, color="k", lw=0.8)
         for j, name in enumerate(variants):
-            xs, ys, lo, hi = _series(cells, (backend, batch), sizes, name, "ratio_vs_strong",
-                                     lambda i: i - 0.4 + width * (j + 0.5))
+            xs, ys, lo, hi = _series(cells, panel, sizes, name, "ratio_vs_strong", j, width)
             if xs:
                 ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", label=SHORT[name], capsize=3)
         for i, size in enumerate(sizes):
-            c = next((c for c in cells if (c["backend"], c["batch"], c["size"]) == (backend, batch, size)), None)
+            c = next((c for c in cells if (c["backend"], c["batch"], c["size"]) == (*panel, size)), None)
             if c and "limits" in c:
                 for key, style in (("blocks", "--"), ("all", ":")):
                     lim = c["limits"][key]
