@@ -208,9 +208,8 @@ def round_tokens_per_s(level: dict) -> float:
 
 def summarize_level(raw: list[dict], concurrency: int) -> dict:
     """Figures of one level from its rounds' raw timings."""
-    ttft, itl, per_round, errors = [], [], [], Counter()
+    ttft, itl, errors = [], [], Counter()
     tokens = ok = 0
-    wall = 0.0
     for r in raw:
         for rec in r["records"]:
             a = rec["arrivals"]
@@ -222,15 +221,14 @@ def summarize_level(raw: list[dict], concurrency: int) -> dict:
             if a:
                 ttft.append(a[0] - rec["sent"])
                 itl += [y - x for x, y in zip(a, a[1:])]
-        wall += r["end"] - r["start"]
-        per_round.append(round_tokens_per_s(r))
+    wall = sum((r["end"] - r["start"] for r in raw), 0.0)
 
     def pct(xs):
         return {f"p{q}_ms": stats.percentile(xs, q) * 1e3 for q in (50, 90, 99)}
     return {"concurrency": concurrency, "rounds": len(raw), "requests": sum(len(r["records"]) for r in raw),
             "completed": ok, "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall if wall > 0 else float("nan"),
-            "tokens_per_s_rounds": stats.Spread.of(per_round).as_dict(),
+            "tokens_per_s_rounds": stats.Spread.of(map(round_tokens_per_s, raw)).as_dict(),
             "requests_per_s": ok / wall if wall > 0 else float("nan"),
             "ttft": pct(ttft), "itl": pct(itl), "errors": dict(errors)}
 
