@@ -22,6 +22,8 @@ from __future__ import annotations
 from core.errors import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
+import contextlib
+import functools
 import json
 import os
 import shlex
@@ -29,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import timeit
 from argparse import SUPPRESS
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -64,13 +67,8 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5, threads: int = 1) -> dict
     x = np.ones(1024, np.float32)
     parts = np.array_split(a, threads)
 
-    def best_of(fn):
-        best = 0.0
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            best = max(best, a.nbytes / (time.perf_counter() - t0))
-        return best
+    def best_of(fn) -> float:
+        return a.nbytes / min(timeit.repeat(fn, number=1, repeat=repeats))     # perf_counter, best call
     out = {"max_1thread": best_of(a.max)}
     if threads > 1:                  # (one thread: the same measurement as max_1thread)
         with ThreadPoolExecutor(threads) as pool:
@@ -128,12 +126,11 @@ def onnx_runners(spec: WorkerSpec) -> list:
     for name in names:
         info = spec.onnx[name]
         if spec.backend == "ort":
-            make = make_ort_session(info.path, "cpu", s.threads)
+            make = make_ort_session(info.path, s.threads)
         else:
             from runtime.backends import open_session
             make = lambda pd, p=info.path: open_session("trt", p)  # noqa: E731
-        out.append(SessionRunner(name, make, info.weight_bytes, info.norm_nodes))
-        out[-1].source = info.source
+        out.append(SessionRunner(name, make, info.weight_bytes, info.source, info.norm_nodes))
     return out
 
 
@@ -141,14 +138,12 @@ def torch_runners(spec: WorkerSpec) -> list:
     """Our runners on torch eager: each variant's model (bench.variants.torch_variant)."""
     from runtime.torch_session import TorchSession
     device = "cuda" if spec.backend == "torch-cuda" else "cpu"
-    bases, out = {}, []
-    for name in spec.settings.variants:
-        v = VARIANTS[name]
-        if v.kind not in bases:
-            bases[v.kind] = base_model(spec.size, v.kind, spec.settings.capacity, spec.settings.seed)
-        m = torch_variant(v, bases[v.kind][0])
-        out.append(SessionRunner(name, lambda pd, m=m: TorchSession(m, device=device), weight_bytes_torch(m)))
-        out[-1].source = bases[v.kind][1]
+    s, out = spec.settings, []
+    base = functools.cache(lambda kind: base_model(spec.size, kind, s.capacity, s.seed))    # once per kind
+    for name in s.variants:
+        model, source = base(VARIANTS[name].kind)
+        m = torch_variant(VARIANTS[name], model)
+        out.append(SessionRunner(name, lambda pd, m=m: TorchSession(m, device=device), weight_bytes_torch(m), source))
     return out
 
 
@@ -274,28 +269,25 @@ def build_genai_all(sizes, dtypes, cap, cache: Path, seed: int, verify: bool = T
     return out, skipped
 
 
-def build_all(sizes, names, cap, cache: Path, seed: int, jobs: int, dtypes=("fp32",), attention="plain",
-              verify: bool = True) -> dict[str, dict[str, GraphInfo]]:
-    """ONNX for every (size, variant), `jobs` export processes at a time; grouped by model
+def build_all(s: Settings, cache: Path, jobs: int) -> dict[str, dict[str, GraphInfo]]:
+    """ONNX for every (size, variant) of the run, `jobs` export processes at a time; grouped by model
     (Variant.model_key) so internal-taper's unfused and fused graphs share one export."""
     import multiprocessing as mp
     by_model: dict[tuple, list[str]] = {}
-    for n in names:
+    for n in s.variants:
         by_model.setdefault(VARIANTS[n].model_key, []).append(n)
-    groups = [(size, g, cap, str(cache), seed, list(dtypes), attention, verify)
-              for size in sizes for g in by_model.values()]
-    out: dict[str, dict] = {s: {} for s in sizes}
-    if jobs <= 1:
-        for size, infos in map(_build_task, groups):
+    groups = [(size, g, s.capacity, str(cache), s.seed, list(s.dtypes), s.attention, s.verify)
+              for size in s.sizes for g in by_model.values()]
+    out: dict[str, dict] = {size: {} for size in s.sizes}
+    # a pool's exit terminates the workers, also on Ctrl-C; one job: no pool, in this process
+    with mp.get_context("spawn").Pool(jobs) if jobs > 1 else contextlib.nullcontext() as pool:
+        for size, infos in (pool.imap_unordered if pool else map)(_build_task, groups):
             out[size].update(infos)
-        return out
-    with mp.get_context("spawn").Pool(jobs) as pool:     # exiting terminates the workers, also on Ctrl-C
-        for size, infos in pool.imap_unordered(_build_task, groups):
-            out[size].update(infos)
-        # done: let the workers exit on their own, so what they hold (the verification's libraries
-        # create semaphores) is released; terminate() would leave them to the resource tracker
-        pool.close()
-        pool.join()
+        if pool:
+            # done: let the workers exit on their own, so what they hold (the verification's libraries
+            # create semaphores) is released; terminate() would leave them to the resource tracker
+            pool.close()
+            pool.join()
     return out
 
 
@@ -303,11 +295,11 @@ def build_models(s: Settings, cache: Path, jobs: int) -> Builds:
     """Every graph the cells need (ONNX only for an ONNX backend; the GenAI peers when asked)."""
     t0 = time.perf_counter()
     need_onnx = any(b in ONNX_BACKENDS for b in s.backends)
-    builds = Builds(build_all(s.sizes, s.variants, s.capacity, cache, s.seed, jobs, s.dtypes, s.attention, s.verify)
-                    if need_onnx else {size: {} for size in s.sizes}, {size: {} for size in s.sizes})
+    builds = Builds(build_all(s, cache, jobs) if need_onnx else {size: {} for size in s.sizes},
+                    {size: {} for size in s.sizes})
     if "genai" in s.peers:
         builds.genai, why_not = build_genai_all(s.sizes, s.dtypes, s.capacity, cache, s.seed, s.verify)
-        s.skipped.update(why_not)
+        s.skipped_backends.update(why_not)
     builds.seconds = time.perf_counter() - t0
     print(f"  builds ready in {builds.seconds:.0f} s", flush=True)
     return builds
@@ -379,13 +371,13 @@ def _batches(value, default) -> list[int]:
 @dataclass
 class Settings:
     """One run's settings: the command line's, with the defaults filled in and what this machine
-    cannot run taken out (`skipped`: what -> why). to_json() is results.json's "settings"."""
+    cannot run taken out (`skipped_backends`: what -> why). to_json() is results.json's "settings":
+    the fields in this order, but bandwidth_gib."""
     sizes: list[str]
     variants: list[str]
     backends: list[str]
-    skipped: dict[str, str]
+    skipped_backends: dict[str, str]
     peers: list[str]
-    dtypes: list[str]
     batches: list[int]
     prompt: int
     new_tokens: int
@@ -395,17 +387,14 @@ class Settings:
     profile_steps: int
     quick: bool
     seed: int
+    dtype: str              # the activations': fp32
+    dtypes: list[str]
     attention: str
     verify: bool
     bandwidth_gib: float
 
     def to_json(self) -> dict:
-        return {"sizes": self.sizes, "variants": self.variants, "backends": self.backends,
-                "skipped_backends": self.skipped, "peers": self.peers, "batches": self.batches,
-                "prompt": self.prompt, "new_tokens": self.new_tokens, "rounds": self.rounds, "threads": self.threads,
-                "capacity": self.capacity, "profile_steps": self.profile_steps, "quick": self.quick,
-                "seed": self.seed, "dtype": "fp32", "dtypes": self.dtypes, "attention": self.attention,
-                "verify": self.verify}
+        return {k: v for k, v in asdict(self).items() if k != "bandwidth_gib"}
 
     def cell_peers(self, backend: str) -> list[str]:
         return [p for p in self.peers if (p == "hf-generate" and backend != "torch") or
@@ -443,11 +432,11 @@ def settings_from(args) -> Settings:
     if cap < args.prompt + new_tokens:
         raise UsageError(f"--capacity {cap}: expected at least --prompt + --new-tokens = {args.prompt + new_tokens}; "
                          "raise it or drop it")
-    return Settings(sizes=sizes, variants=names, backends=backends, skipped=skipped, peers=peers,
-                    dtypes=_csv(args.dtypes, ["fp32"], DTYPES, "dtype"),
+    return Settings(sizes=sizes, variants=names, backends=backends, skipped_backends=skipped, peers=peers,
                     batches=_batches(args.batches, ["1"] if q else ["1", "8"]), prompt=args.prompt,
                     new_tokens=new_tokens, rounds=args.rounds or 3, threads=args.threads, capacity=cap,
-                    profile_steps=args.profile_steps, quick=q, seed=args.seed,
+                    profile_steps=args.profile_steps, quick=q, seed=args.seed, dtype="fp32",
+                    dtypes=_csv(args.dtypes, ["fp32"], DTYPES, "dtype"),
                     attention=args.attention or default_attention(backends, sizes),
                     verify=args.verify, bandwidth_gib=args.bandwidth_gib)
 
@@ -572,7 +561,7 @@ def run(argv) -> int:
     r = Run(s, command, out)
     print(f"bench.decode: sizes {s.sizes}, backends {s.backends}, batches {s.batches}, prompt {s.prompt}, "
           f"{s.new_tokens} new tokens, {s.rounds} rounds, {s.threads} threads, {s.attention} attention; "
-          f"skipped {s.skipped or 'none'}", flush=True)
+          f"skipped {s.skipped_backends or 'none'}", flush=True)
     if not s.verify:
         print("  verification OFF (--no-verify): no graph is checked against torch, nor a quantized one against its "
               "fp32 graph; results.json says settings.verify false", flush=True)

@@ -160,11 +160,10 @@ class GenAIRunner(Runner):
         while not gen.is_done():
             gen.generate_next_token()                # picks a token, runs the model on it
             stamps.append(time.perf_counter())
-        total = stamps[-1] - t0
         got = len(gen.get_sequence(0)) - len(prompt)
         if got != n:
             raise RuntimeError(f"GenAI generated {got} tokens, expected {n}")
-        return Timing(stamps[0] - t0, list(np.diff(stamps)), total)
+        return Timing(stamps[0] - t0, list(np.diff(stamps)), stamps[-1] - t0)
 
     def close(self):
         self.model = None

@@ -25,6 +25,7 @@ from core.errors import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import copy
+import functools
 import time
 
 import numpy as np
@@ -79,13 +80,9 @@ def run_benchmark(sizes, dtypes, batches, prompt: int, steps: int, warmup: int, 
                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cells": []}
     names = (BASELINE, *FUSED)
     for size in sizes:
-        bases, models, sources = {}, {}, {}
-        for name in names:
-            kind = VARIANTS[name].kind
-            if kind not in bases:
-                bases[kind] = base_model(size, kind, capacity, seed)
-            models[name] = torch_variant(VARIANTS[name], bases[kind][0])
-            sources[name] = bases[kind][1]
+        base = functools.cache(lambda kind, size=size: base_model(size, kind, capacity, seed))    # once per kind
+        models = {n: torch_variant(VARIANTS[n], base(VARIANTS[n].kind)[0]) for n in names}
+        sources = {n: base(VARIANTS[n].kind)[1] for n in names}
         weight_bytes = {n: weight_bytes_torch(m) for n, m in models.items()}        # fp32, before any cast
         for dtype in dtypes:
             # TorchSession moves and casts the module in place; each dtype starts from the fp32 weights
@@ -151,8 +148,8 @@ def run(argv: list[str]) -> int:
     sizes = _csv(a.sizes, SIZES, "sizes")
     dtypes = _csv(a.dtypes, ("fp32", "fp16", "bf16"), "dtypes")
     batches = _batches(a.batches)
+    from core.outputs import REPORT_JSON, check_output_file, write_json
     if a.json:
-        from core.outputs import REPORT_JSON, check_output_file
         check_output_file(a.json, REPORT_JSON)
     import torch
     if not torch.cuda.is_available():
@@ -160,7 +157,6 @@ def run(argv: list[str]) -> int:
                         "run it on a GPU machine (bash bench/gpu_check.sh) or use python -m bench.decode on a CPU")
     results = run_benchmark(sizes, dtypes, batches, a.prompt, a.steps, a.warmup, a.rounds, a.seed)
     if a.json:
-        from core.outputs import write_json
         write_json(a.json, results)
     return 0
 

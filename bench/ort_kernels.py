@@ -20,7 +20,7 @@ from __future__ import annotations
 from core.errors import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
-import time
+import timeit
 from pathlib import Path
 
 import numpy as np
@@ -29,33 +29,23 @@ BLOCK = 32
 MS = "com.microsoft"
 
 
-def _session(model, threads: int):
-    import onnxruntime as ort
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-
-
 def _timed(run, rounds: int, budget_s: float = 0.1) -> list[float]:
     """Seconds per call, one figure per round (each the mean over ~budget_s of calls)."""
     for _ in range(3):
         run()
-    t0 = time.perf_counter()
-    run()
-    calls = max(3, int(budget_s / max(time.perf_counter() - t0, 1e-6)))
-    out = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            run()
-        out.append((time.perf_counter() - t0) / calls)
-    return out
+    calls = max(3, int(budget_s / max(timeit.timeit(run, number=1), 1e-6)))
+    return [t / calls for t in timeit.repeat(run, number=calls, repeat=rounds)]
 
 
-def _bound(sess, inputs: dict, outputs: dict, shared: dict | None = None):
-    """A run closure over an IO binding: numpy inputs and outputs bound once; `shared` names
-    one OrtValue bound as input and output (a cache updated in place)."""
+def _bound(graph, threads: int, inputs: dict, outputs: dict, shared: dict | None = None):
+    """A run closure over a CPU session of the one-op `graph` and an IO binding: numpy inputs and
+    outputs bound once; `shared` names one OrtValue bound as input and output (a cache updated in place)."""
     import onnxruntime as ort
+    from onnx import helper
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     b = sess.io_binding()
     for name, arr in inputs.items():
         b.bind_cpu_input(name, arr)
@@ -81,10 +71,8 @@ def matmul_nbits(k: int, n: int, level: int, threads: int, rounds: int) -> dict:
     graph = helper.make_graph([node], "mnb", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, n])],
                               [numpy_helper.from_array(blob, "B"), numpy_helper.from_array(scales, "S")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)])
-    run = _bound(_session(model, threads), {"x": rng.random((1, 1, k), dtype=np.float32)},
-                 {"y": np.empty((1, 1, n), np.float32)})
-    secs = _timed(run, rounds)
+    secs = _timed(_bound(graph, threads, {"x": rng.random((1, 1, k), dtype=np.float32)},
+                         {"y": np.empty((1, 1, n), np.float32)}), rounds)
     return {"op": "MatMulNBits", "K": k, "N": n, "accuracy_level": level, "us": [s * 1e6 for s in secs],
             "weight_MB": (blob.nbytes + scales.nbytes) / 1e6}
 
@@ -111,14 +99,12 @@ def gqa(heads: int, head_size: int, capacity: int, cached: int, scale: float | N
         [helper.make_tensor_value_info("y", f, [1, 1, heads * head_size]),
          helper.make_tensor_value_info("present_k", f, cache), helper.make_tensor_value_info("present_v", f, cache)],
         [numpy_helper.from_array(np.cos(angles), "cos"), numpy_helper.from_array(np.sin(angles), "sin")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)])
-    run = _bound(_session(model, threads),
-                 {"qkv": rng.random((1, 1, 3 * heads * head_size), dtype=np.float32),
-                  "seqlens_k": np.array([cached - 1], np.int32), "total": np.array(cached, np.int32)},
-                 {"y": np.empty((1, 1, heads * head_size), np.float32)},
-                 {("k", "present_k"): rng.random(cache, dtype=np.float32),
-                  ("v", "present_v"): rng.random(cache, dtype=np.float32)})
-    secs = _timed(run, rounds)
+    secs = _timed(_bound(graph, threads,
+                         {"qkv": rng.random((1, 1, 3 * heads * head_size), dtype=np.float32),
+                          "seqlens_k": np.array([cached - 1], np.int32), "total": np.array(cached, np.int32)},
+                         {"y": np.empty((1, 1, heads * head_size), np.float32)},
+                         {("k", "present_k"): rng.random(cache, dtype=np.float32),
+                          ("v", "present_v"): rng.random(cache, dtype=np.float32)}), rounds)
     return {"op": "GroupQueryAttention", "heads": heads, "head_size": head_size, "cached": cached,
             "scale": "default" if scale is None else scale, "us": [s * 1e6 for s in secs]}
 

@@ -40,7 +40,7 @@ def val_sequences(tokenizer, capacity: int, stories: int) -> list[list[int]]:
     return [ids[:capacity] for ids in (tokenizer.encode(s).ids for s in val) if len(ids) >= 2]
 
 
-def val_metrics(sess, iface, seqs, ref_argmax=None) -> tuple[float, list[np.ndarray]]:
+def val_metrics(sess, iface, seqs) -> tuple[float, list[np.ndarray]]:
     """(mean next-token cross-entropy over every position, argmax per sequence)."""
     from core.decode import graph_step, prefill_logits
     nll, n, argmax, step = 0.0, 0, [], graph_step(sess)

@@ -45,8 +45,7 @@ def short(name: str) -> str:
 def same_thread_bandwidth(bw: dict, threads: int) -> float:
     """The read bandwidth measured with the thread count the runtimes used (np.max kernels)."""
     keys = {f"max_{threads}threads"} | ({"max_1thread"} if threads == 1 else set())
-    vals = [v for k, v in bw.items() if k.removeprefix("end_") in keys]
-    return max(vals) if vals else float("nan")
+    return max((v for k, v in bw.items() if k.removeprefix("end_") in keys), default=float("nan"))
 
 
 def _runner_metrics(raw: dict, batch: int, new_tokens: int, weight_bytes: int, bw: float, bw_same: float) -> dict:
@@ -122,77 +121,69 @@ def acceptance(cells: list[dict], results: dict) -> list[dict]:
     met (True/False/None = not run)}."""
     out = [hf_acceptance(cells, key) for key in ("ort_over_hf_small", "ort_over_hf_124m")]
     out += [bandwidth_acceptance(cells, results), limit_acceptance(cells), torch_acceptance(cells)]
-    return out + genai_acceptance(cells, results)
+    return out + genai_acceptance(cells)
 
 
-def _verdict(criterion: str, figures: list[str], oks: list[bool]) -> dict:
-    return {"criterion": criterion, "figures": figures, "met": all(oks) if oks else None}
+def _verdict(criterion: str, judged: list[tuple[str, bool | None]]) -> dict:
+    """judged: (figure, ok) pairs; ok None for a figure shown but not judged."""
+    oks = [ok for _, ok in judged if ok is not None]
+    return {"criterion": criterion, "figures": [f for f, _ in judged], "met": all(oks) if oks else None}
 
 
 def hf_acceptance(cells: list[dict], key: str) -> dict:
     """ort runtime (the rmsnorm-strong graph) over HF generate at the target's sizes."""
     t = TARGETS[key]
-    figs, oks = [], []
-    for c in cells:
-        if c.get("backend") != "ort" or c["size"] not in t.sizes:
-            continue
-        for name in (BASELINE, FUSED):
-            r = c["runners"].get(name, {}).get("ratio_over_peer", {}).get("hf-generate")
-            if r:
-                figs.append(f"{c['size']} b{c['batch']} {SHORT[name]}: {r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]")
-                if name == BASELINE:
-                    oks.append(r["median"] >= t.threshold)
-    return _verdict(f"ort runtime (rmsnorm-strong graph) >= {t.threshold}x HF generate at {t.label}", figs, oks)
+    judged = [(f"{c['size']} b{c['batch']} {SHORT[name]}: {r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]",
+               r["median"] >= t.threshold if name == BASELINE else None)
+              for c in cells if c.get("backend") == "ort" and c["size"] in t.sizes for name in (BASELINE, FUSED)
+              if (r := c["runners"].get(name, {}).get("ratio_over_peer", {}).get("hf-generate"))]
+    return _verdict(f"ort runtime (rmsnorm-strong graph) >= {t.threshold}x HF generate at {t.label}", judged)
 
 
 def bandwidth_acceptance(cells: list[dict], results: dict) -> dict:
     t = TARGETS["bandwidth_share"]
-    figs, oks = [], []
     bwb = results["read_bandwidth_Bps"]["best"]
-    for c in [c for size in t.sizes for c in _cells(cells, size=size, backend="ort")]:
-        for name in (BASELINE, FUSED):
-            m = c["runners"].get(name)
-            if m:
-                figs.append(f"b{c['batch']} {SHORT[name]}: {m['achieved_Bps'] / 1e9:.2f} GB/s = "
-                            f"{100 * m['bandwidth_share']:.0f}% of {bwb / 1e9:.2f} GB/s (best kernel); "
-                            f"{_pct(m.get('bandwidth_share_same_threads', float('nan')))} of the read bandwidth "
-                            f"at the same thread count ({results['settings']['threads']})")
-                if c["batch"] == 1 and name == BASELINE:
-                    oks.append(m["bandwidth_share"] >= t.threshold)
+    judged = [(f"b{c['batch']} {SHORT[name]}: {m['achieved_Bps'] / 1e9:.2f} GB/s = "
+               f"{100 * m['bandwidth_share']:.0f}% of {bwb / 1e9:.2f} GB/s (best kernel); "
+               f"{_pct(m.get('bandwidth_share_same_threads', float('nan')))} of the read bandwidth "
+               f"at the same thread count ({results['settings']['threads']})",
+               m["bandwidth_share"] >= t.threshold if c["batch"] == 1 and name == BASELINE else None)
+              for size in t.sizes for c in _cells(cells, size=size, backend="ort") for name in (BASELINE, FUSED)
+              if (m := c["runners"].get(name))]
     return _verdict(f"{t.label} fp32 (ort, batch 1, rmsnorm-strong): achieved weight bandwidth >= "
-                    f"{100 * t.threshold:.0f}% of measured read bandwidth (the best kernel, any thread count)", figs, oks)
+                    f"{100 * t.threshold:.0f}% of measured read bandwidth (the best kernel, any thread count)", judged)
 
 
 def limit_acceptance(cells: list[dict]) -> dict:
     """Fused internal-taper vs its profiled limit, never slower beyond noise."""
     t = TARGETS["fused_share_of_limit"]
-    figs, oks = [], []
+    judged = []
     for c in cells:
         m = c.get("runners", {}).get(FUSED)
         if not m or "share_of_limit" not in m:
             continue
         r = m["ratio_vs_strong"]
-        figs.append(f"{c['size']} {c['backend']} b{c['batch']}: {r['median']:.3f}x [{r['min']:.3f}-{r['max']:.3f}] "
-                    f"vs limit {m['limit_vs_strong']:.3f}x = {_pct(m['ratio_over_limit'])} of the limit "
-                    f"({_pct(m['share_of_limit'])} of the possible gain), noise band {100 * c['noise_band']:.1f}%"
-                    f"{'; SLOWER beyond noise' if m['slower_beyond_noise'] else ''}")
-        oks.append(m["ratio_over_limit"] >= t.threshold and not m["slower_beyond_noise"])
+        judged.append((f"{c['size']} {c['backend']} b{c['batch']}: {r['median']:.3f}x [{r['min']:.3f}-{r['max']:.3f}] "
+                       f"vs limit {m['limit_vs_strong']:.3f}x = {_pct(m['ratio_over_limit'])} of the limit "
+                       f"({_pct(m['share_of_limit'])} of the possible gain), noise band {100 * c['noise_band']:.1f}%"
+                       f"{'; SLOWER beyond noise' if m['slower_beyond_noise'] else ''}",
+                       m["ratio_over_limit"] >= t.threshold and not m["slower_beyond_noise"]))
     return _verdict(f"internal-taper fused reaches >= {100 * t.threshold:.0f}% of its profiled limit over "
-                    f"rmsnorm-strong (ratio >= {t.threshold} x limit) and is never slower beyond the noise band", figs, oks)
+                    f"rmsnorm-strong (ratio >= {t.threshold} x limit) and is never slower beyond the noise band",
+                    judged)
 
 
 def torch_acceptance(cells: list[dict]) -> dict:
     t = TARGETS["torch_fused_over_strong"]
-    figs, oks = [], []
+    judged = []
     for c in [c for size in t.sizes for c in _cells(cells, size=size, backend="torch")]:
         m = c["runners"].get(FUSED)
         if m:
-            r = m["ratio_vs_strong"]
-            figs.append(f"b{c['batch']}: {r['median']:.3f}x [{r['min']:.3f}-{r['max']:.3f}] over rmsnorm-strong"
-                        + (f"; {m['tokens_per_s']['median'] / c['runners']['rmsnorm-plain']['tokens_per_s']['median']:.3f}x "
-                           "over rmsnorm-plain (medians)" if "rmsnorm-plain" in c["runners"] else ""))
-            oks.append(r["median"] >= t.threshold)
-    return _verdict(f"torch eager internal-taper fused >= {t.threshold}x rmsnorm-strong at {t.label}", figs, oks)
+            r, plain = m["ratio_vs_strong"], c["runners"].get("rmsnorm-plain")
+            judged.append((f"b{c['batch']}: {r['median']:.3f}x [{r['min']:.3f}-{r['max']:.3f}] over rmsnorm-strong"
+                           + (f"; {m['tokens_per_s']['median'] / plain['tokens_per_s']['median']:.3f}x over "
+                              "rmsnorm-plain (medians)" if plain else ""), r["median"] >= t.threshold))
+    return _verdict(f"torch eager internal-taper fused >= {t.threshold}x rmsnorm-strong at {t.label}", judged)
 
 
 def _ratio_line(c, name, peer) -> tuple[str, float] | None:
@@ -206,7 +197,7 @@ def _ratio_line(c, name, peer) -> tuple[str, float] | None:
             f"[{r['min']:.2f}-{r['max']:.2f}]{extra}", r["median"])
 
 
-def genai_acceptance(cells: list[dict], results: dict) -> list[dict]:
+def genai_acceptance(cells: list[dict]) -> list[dict]:
     """The GenAI targets (TARGETS' GENAI_ISSUE rows), judged on internal-taper fused (the folded
     deployment), batch 1: int4 and fp32 over GenAI of the same dtype; fp32 over the plain ORT
     loop and GenAI fp32 at the small sizes."""
@@ -223,15 +214,9 @@ def genai_acceptance(cells: list[dict], results: dict) -> list[dict]:
 def _over_peers(cells: list[dict], t, pairs: list[tuple[str, str]], criterion: str) -> dict:
     """Ours over peers in the ort batch-1 cells at the target's sizes: a figure per (runner, peer)
     pair measured, judged on internal-taper fused (of any dtype)."""
-    figs, oks = [], []
-    for c in [c for c in _cells(cells, backend="ort", batch=1) if c["size"] in t.sizes]:
-        for name, peer in pairs:
-            got = _ratio_line(c, name, peer)
-            if got:
-                figs.append(got[0])
-                if split_name(name)[0] == FUSED:
-                    oks.append(got[1] >= t.threshold)
-    return _verdict(criterion, figs, oks)
+    return _verdict(criterion, [(got[0], got[1] >= t.threshold if split_name(name)[0] == FUSED else None)
+                                for c in _cells(cells, backend="ort", batch=1) if c["size"] in t.sizes
+                                for name, peer in pairs if (got := _ratio_line(c, name, peer))])
 
 
 def _pct(x: float) -> str:
@@ -255,15 +240,11 @@ def headline_table(summary: dict, results: dict) -> str:
     head = (["size", "backend", "batch", "strong tok/s"] + [SHORT[n] + " ×" for n in names]
             + ["limit (blocks / all)", "ours/HF", "ours/ORT plain"])
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for c in summary["cells"]:
-        if "error" in c or BASELINE not in c["runners"]:
-            continue
+    for c in [c for c in _cells(summary["cells"]) if BASELINE in c["runners"]]:
         b = c["runners"][BASELINE]
         peers = b.get("ratio_over_peer", {})
         row = [c["size"], c["backend"], str(c["batch"]), _f(b["tokens_per_s"]["median"], 0)]
-        for n in names:
-            m = c["runners"].get(n)
-            row.append(_spread(m["ratio_vs_strong"]) if m else "-")
+        row += [_spread(c["runners"][n]["ratio_vs_strong"]) if n in c["runners"] else "-" for n in names]
         row.append(f"{_f(c['limits']['blocks'], 3)} / {_f(c['limits']['all'], 3)}")
         row += [_f(peers[p]["median"]) + "×" if p in peers else "-" for p in ("hf-generate", "ort-plain")]
         rows.append("| " + " | ".join(row) + " |")
@@ -305,9 +286,7 @@ def dtype_tables(summary: dict, results: dict) -> str:
     rate vs the read bandwidth, and ours over GenAI of the same dtype / over the plain loop."""
     bw = results["read_bandwidth_Bps"]["best"]
     parts = []
-    for c in summary["cells"]:
-        if "error" in c or c["backend"] != "ort":
-            continue
+    for c in _cells(summary["cells"], backend="ort"):
         head = ["runner", "tok/s median [min–max]", "TTFT ms", "TPOT p50 / p99 ms", "loop us/token median [min–max]",
                 "MB/token", f"GB/s (% of {bw / 1e9:.1f})", "/ GenAI same dtype", "/ ORT plain"]
         rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -384,16 +363,17 @@ def markdown(results: dict, summary: dict) -> str:
 
 # --- plots ------------------------------------------------------------------------------------------------
 
-def _series(cells: list, panel: tuple, sizes: list, name: str, key: str, x_of) -> tuple[list, list, list, list]:
+def _series(cells: list, panel: tuple, sizes: list, name: str, key: str, j: int, width: float) -> tuple:
     """Runner `name`'s `key` summary ({median, min, max}) per size in one (backend, batch) panel, where
-    measured: (x positions, medians, median - min, max - median), what errorbar / bar take."""
+    measured, as the j-th series of bars `width` wide: (x positions, medians, median - min, max - median),
+    what errorbar / bar take."""
     xs, ys, lo, hi = [], [], [], []
     for i, size in enumerate(sizes):
         m = next((c["runners"].get(name) for c in cells if (c["backend"], c["batch"], c["size"]) == (*panel, size)),
                  None)
         if m and key in m:
             s = m[key]
-            xs.append(x_of(i))
+            xs.append(i - 0.4 + width * (j + 0.5))
             ys.append(s["median"])
             lo.append(s["median"] - s["min"])
             hi.append(s["max"] - s["median"])
@@ -423,15 +403,15 @@ def plots(results: dict, summary: dict, out: Path) -> list[Path]:
         flat = list(axes.flat)
         for ax in flat[len(panels):]:
             ax.axis("off")
-        return fig, [flat[:len(panels)]]
+        return fig, flat[:len(panels)]
 
     def finish(fig, axes, ylabel: str, legend_at: str, title: str, name: str) -> None:
         """Each panel's axes named, the figure titled and written; its path added to `written`."""
-        for ax, (backend, batch) in zip(axes[0], panels):
+        for ax, (backend, batch) in zip(axes, panels):
             ax.set_xticks(range(len(sizes)), sizes)
             ax.set_title(f"{backend}, batch {batch}")
             ax.set_ylabel(ylabel)
-        _legend(axes[0], legend_at)
+        _legend(axes, legend_at)
         fig.suptitle(f"{title} — {stamp}", fontsize=9)
         fig.tight_layout()
         written.append(_save_figure(fig, out, name))
@@ -439,10 +419,9 @@ def plots(results: dict, summary: dict, out: Path) -> list[Path]:
 
     fig, axes = grid()
     width = 0.8 / len(runners)
-    for ax, (backend, batch) in zip(axes[0], panels):
+    for ax, panel in zip(axes, panels):
         for j, name in enumerate(runners):
-            xs, ys, lo, hi = _series(cells, (backend, batch), sizes, name, "tokens_per_s",
-                                     lambda i: i - 0.4 + width * (j + 0.5))
+            xs, ys, lo, hi = _series(cells, panel, sizes, name, "tokens_per_s", j, width)
             if xs:
                 ax.bar(xs, ys, width, yerr=[lo, hi], label=short(name), capsize=2,
                        hatch="//" if name in PEER_NAMES or name.startswith("genai-") else None)
@@ -453,15 +432,14 @@ def plots(results: dict, summary: dict, out: Path) -> list[Path]:
     fig, axes = grid()
     variants = [n for n in results["settings"]["variants"] if n != BASELINE]
     width = 0.8 / max(1, len(variants))
-    for ax, (backend, batch) in zip(axes[0], panels):
+    for ax, panel in zip(axes, panels):
         ax.axhline(1.0, color="k", lw=0.8)
         for j, name in enumerate(variants):
-            xs, ys, lo, hi = _series(cells, (backend, batch), sizes, name, "ratio_vs_strong",
-                                     lambda i: i - 0.4 + width * (j + 0.5))
+            xs, ys, lo, hi = _series(cells, panel, sizes, name, "ratio_vs_strong", j, width)
             if xs:
                 ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", label=SHORT[name], capsize=3)
         for i, size in enumerate(sizes):
-            c = next((c for c in cells if (c["backend"], c["batch"], c["size"]) == (backend, batch, size)), None)
+            c = next((c for c in cells if (c["backend"], c["batch"], c["size"]) == (*panel, size)), None)
             if c and "limits" in c:
                 for key, style in (("blocks", "--"), ("all", ":")):
                     lim = c["limits"][key]

@@ -75,8 +75,8 @@ class SessionRunner(Runner):
     """runtime.generate over a DecoderSession; `make(profile_dir)` returns an inactive session
     (with ONNX Runtime profiling switched on when profile_dir is given)."""
 
-    def __init__(self, name: str, make, weight_bytes: int, norm_nodes: dict | None = None):
-        self.name, self.make, self.weight_bytes = name, make, weight_bytes
+    def __init__(self, name: str, make, weight_bytes: int, source: str, norm_nodes: dict | None = None):
+        self.name, self.make, self.weight_bytes, self.source = name, make, weight_bytes, source
         self.norm_nodes = norm_nodes or {}
         self.session = None
 
@@ -86,9 +86,8 @@ class SessionRunner(Runner):
     def generate(self, prompts, n):
         from runtime.generate import GenerationConfig, generate
         r = generate(self.session, [list(p) for p in prompts], GenerationConfig(max_new_tokens=n))
-        if self.session.backend != "ort":
-            return Timing(r.ttft_s, r.step_s, r.total_s)
-        return Timing(r.ttft_s, r.step_s, r.total_s, run_s=float(sum(r.engine_s)))   # the session's own engine timing
+        ort = self.session.backend == "ort"           # run_s: ONNX Runtime sessions time their own engine calls
+        return Timing(r.ttft_s, r.step_s, r.total_s, run_s=float(sum(r.engine_s)) if ort else None)
 
     def profile(self, prompts, steps):
         """Norm share of the decode step: torch's on this session; ONNX Runtime's on a second session
@@ -113,14 +112,14 @@ class SessionRunner(Runner):
             self.session.deactivate()
 
 
-def make_ort_session(path: str, device: str, threads: int):
-    """Factory for SessionRunner: an OrtSession, with ONNX Runtime profiling on (its trace under
+def make_ort_session(path: str, threads: int):
+    """Factory for SessionRunner: an OrtSession on the CPU, with ONNX Runtime profiling on (its trace under
     profile_dir, by OrtSession's profile_prefix) when profile_dir is given."""
     from runtime.ort_session import OrtSession
 
     def make(profile_dir):
         prefix = None if profile_dir is None else Path(profile_dir) / "ort"
-        return OrtSession(path, device=device, intra_op_threads=threads, profile_prefix=prefix)
+        return OrtSession(path, device="cpu", intra_op_threads=threads, profile_prefix=prefix)
     return make
 
 
@@ -216,9 +215,8 @@ def torch_norm_share(session, prompts, steps) -> dict:
             rf.__exit__(None, None, None)
 
     for name, m in model.named_modules():
-        if isinstance(m, NORM_CLASSES) or name.endswith(("ln_1", "ln_2", "ln_f")):
-            if isinstance(m, torch.nn.Identity):
-                continue
+        is_norm = isinstance(m, NORM_CLASSES) or name.endswith(("ln_1", "ln_2", "ln_f"))
+        if is_norm and not isinstance(m, torch.nn.Identity):        # a folded-away norm runs nothing
             handles += [m.register_forward_pre_hook(pre("bench.norm." + ("final" if name.endswith("ln_f") else "block"))),
                         m.register_forward_hook(post)]
     def step(feeds):               # the session's step, marked for the profiler (the session is not patched)
@@ -353,10 +351,6 @@ def versions() -> dict:
     return out
 
 
-def threads_default() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def machine_info(gpu: bool = True) -> dict:
     """The machine a bench runs on (its results' "machine"); gpu=False leaves the CUDA device out
     and torch unimported (bench.serve, bench.scale)."""
@@ -366,7 +360,7 @@ def machine_info(gpu: bool = True) -> dict:
     except OSError:
         cpuinfo = []
     info = {"cpu": next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?"),
-            "cores": threads_default(),
+            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
     if gpu:
         info["gpu"] = None

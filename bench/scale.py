@@ -173,18 +173,12 @@ def decode_speed(model: str, decode_tokens: int, prompt_tokens: int, threads: in
             "tpot_ms_p50": stats.median(steps) * 1e3}
 
 
-def graph_of(build: Path) -> Path | None:
-    return next((build / g for g in GRAPHS if (build / g).is_file()), None)
-
-
 # --- run ------------------------------------------------------------------------------------------
 
 def parse_options(text: str) -> dict[str, list[str]]:
     """'name=--fuse --quantize int4;fp32=--fuse' -> {name: build args}."""
     options = {}
-    for item in (s.strip() for s in text.split(";")):
-        if not item:
-            continue
+    for item in [s.strip() for s in text.split(";") if s.strip()]:
         name, eq, args = item.partition("=")
         name = name.strip()
         if not eq or not OPTION_NAME.match(name) or name in options or name == GENAI:
@@ -243,7 +237,7 @@ def measure_option(name: str, argv: list[str], folder: Path, out: Path, args, ge
     else:
         row = measured([sys.executable, "-m", "export.build", "--checkpoint", str(folder), "--out", str(out), *argv],
                        args.cap_bytes)
-        graph = graph_of(out) if row["rc"] == 0 else None
+        graph = next((out / g for g in GRAPHS if (out / g).is_file()), None) if row["rc"] == 0 else None
     del row["stdout"]
     row["output_bytes"] = folder_bytes(out) if row["rc"] == 0 and out.is_dir() else 0
     if row["rc"] == 0 and graph is None:
@@ -294,11 +288,8 @@ def table(shape: dict) -> str:
         lines.append(f"| {name} | {s['rounds'] - s['failed']} / {s['rounds']} | {f(s['wall_s'], 1)} | "
                      f"{f(s['peak_rss_gb'], 0)} | {f(s['output_gb'], 0)} | {f(s['decode_tokens_per_s'], 1)} | "
                      f"{f(s['decode_peak_rss_gb'], 0)} |")
-    for name, o in shape["options"].items():
-        for r in o["runs"]:
-            err = r.get("error") or r.get("decode", {}).get("error") or r.get("decode", {}).get("skipped")
-            if err:
-                lines.append(f"  {name} round {r['round']}: {err}")
+    lines += [f"  {name} round {r['round']}: {err}" for name, o in shape["options"].items() for r in o["runs"]
+              if (err := r.get("error") or r.get("decode", {}).get("error") or r.get("decode", {}).get("skipped"))]
     lines += [f"  peer {k}: {v}" for k, v in shape["peers"].items() if isinstance(v, str)]
     return "\n".join(lines)
 

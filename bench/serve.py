@@ -147,10 +147,8 @@ def settled_scheduler_counters(metrics_url: str | None) -> dict[str, float]:
     return now
 
 
-def scheduler_counters(metrics_url: str | None) -> dict[str, float]:
+def scheduler_counters(metrics_url: str) -> dict[str, float]:
     """The generate model's counters summed over instances (runtime/triton/python_model.py METRICS)."""
-    if metrics_url is None:
-        return {}
     import urllib.request
     with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10) as r:
         text = r.read().decode()
@@ -210,14 +208,12 @@ def round_tokens_per_s(level: dict) -> float:
 
 def summarize_level(raw: list[dict], concurrency: int) -> dict:
     """Figures of one level from its rounds' raw timings."""
-    ttft, itl, per_round, errors = [], [], [], Counter()
+    ttft, itl, errors = [], [], Counter()
     tokens = ok = 0
-    wall = 0.0
     for r in raw:
-        round_tokens = 0
         for rec in r["records"]:
             a = rec["arrivals"]
-            round_tokens += len(a)
+            tokens += len(a)
             if rec["error"]:
                 errors[rec["error"]] += 1
                 continue
@@ -225,16 +221,14 @@ def summarize_level(raw: list[dict], concurrency: int) -> dict:
             if a:
                 ttft.append(a[0] - rec["sent"])
                 itl += [y - x for x, y in zip(a, a[1:])]
-        wall += r["end"] - r["start"]
-        tokens += round_tokens
-        per_round.append(round_tokens_per_s(r))
+    wall = sum((r["end"] - r["start"] for r in raw), 0.0)
 
     def pct(xs):
         return {f"p{q}_ms": stats.percentile(xs, q) * 1e3 for q in (50, 90, 99)}
     return {"concurrency": concurrency, "rounds": len(raw), "requests": sum(len(r["records"]) for r in raw),
             "completed": ok, "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall if wall > 0 else float("nan"),
-            "tokens_per_s_rounds": stats.Spread.of(per_round).as_dict(),
+            "tokens_per_s_rounds": stats.Spread.of(map(round_tokens_per_s, raw)).as_dict(),
             "requests_per_s": ok / wall if wall > 0 else float("nan"),
             "ttft": pct(ttft), "itl": pct(itl), "errors": dict(errors)}
 
@@ -280,9 +274,7 @@ def markdown(results: dict) -> str:
             lines.append(f"| {lv['concurrency']} | {steps:.0f} | {_f(c.get('rows_running', 0) / steps if steps else None, 2)} "
                          f"| {_f(c.get('rows_run', 0) / steps if steps else None, 2)} | "
                          f"{_f(100 * c.get('prefill_seconds', 0) / busy if busy else None, 1)}% |")
-    errors = Counter()
-    for lv in results["levels"]:
-        errors.update(lv["errors"])
+    errors = sum((Counter(lv["errors"]) for lv in results["levels"]), Counter())
     if errors:
         lines += ["", "Errors:"] + [f"- {n} x {msg}" for msg, n in errors.most_common()]
     return "\n".join(lines) + "\n"
@@ -300,11 +292,11 @@ def plot(results: dict, out: Path) -> Path:
     hi = [lv["tokens_per_s_rounds"]["max"] - lv["tokens_per_s"] for lv in levels]
     left.errorbar(cs, tps, yerr=[lo, hi], marker="o", capsize=3)
     left.set(xscale="log", xlabel="concurrent clients", ylabel="aggregate tokens/s", title="throughput (min-max of rounds)")
-    left.set_xticks(cs, [str(c) for c in cs])
     right.plot(cs, [lv["itl"]["p99_ms"] for lv in levels], marker="o", label="inter-token p99")
     right.plot(cs, [lv["ttft"]["p99_ms"] for lv in levels], marker="s", label="TTFT p99")
     right.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="ms", title="p99 latency")
-    right.set_xticks(cs, [str(c) for c in cs])
+    for ax in (left, right):
+        ax.set_xticks(cs, [str(c) for c in cs])
     right.legend()
     fig.suptitle(f"bench.serve {results['started']}, {results['settings']['max_new_tokens']} new tokens per request",
                  fontsize=9)
@@ -381,14 +373,9 @@ class ServeRun:
             lv["peak_rss_bytes"] = self.peak.get(c) or None
             lv["scheduler"] = self.counters.get(c) or None
             summaries.append(lv)
-        ratios = {}
-        if 1 in done:
-            base = [round_tokens_per_s(r) for r in self.raw[1]]
-            for c in done:
-                if c != 1:
-                    mine = [round_tokens_per_s(r) for r in self.raw[c]]
-                    n = min(len(base), len(mine))
-                    ratios[c] = stats.ratio_summary(mine[:n], base[:n]).as_dict()
+        tps = {c: [round_tokens_per_s(r) for r in self.raw[c]] for c in done}
+        n = {c: min(len(tps[c]), len(tps[1])) for c in done if c != 1 and 1 in done}     # the rounds both ran
+        ratios = {c: stats.ratio_summary(tps[c][:k], tps[1][:k]).as_dict() for c, k in n.items()}
         return {"format": 1, "started": self.started, "command": self.command, "machine": self.machine,
                 "server_pid": self.pid, "settings": self.settings, "levels": summaries, "ratios": ratios,
                 # per request: sent (s after the round's start), TTFT and last token (s after sent), tokens, error

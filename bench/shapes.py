@@ -52,10 +52,6 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}      # --dty
 STD = 0.02
 
 
-def layer_key(config: dict) -> str:
-    return "n_layer" if config["model_type"] == "gpt2" else "num_hidden_layers"
-
-
 def resolve_shape(shape: str | dict) -> tuple[str, dict]:
     """(name, config) of a SHAPES name, a path to a config .json file, or a config dict."""
     if isinstance(shape, dict):
@@ -84,7 +80,7 @@ def folder_config(config: dict, dtype: str = "bf16", layers: int | None = None) 
     out = {k: v for k, v in config.items() if k != "_name_or_path"}
     out["torch_dtype"] = DTYPES[dtype]
     if layers is not None:
-        out[layer_key(out)] = layers
+        out["n_layer" if out["model_type"] == "gpt2" else "num_hidden_layers"] = layers
     return out
 
 

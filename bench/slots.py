@@ -24,6 +24,7 @@ import os
 import shlex
 import sys
 import time
+import timeit
 
 import numpy as np
 
@@ -67,9 +68,7 @@ def measure(model: str, slots: int, prompt: int, threads: int, rounds: int) -> d
     times: dict[str, list[float]] = {k: [] for k in variants}
     for r in range(rounds):
         for name in stats.round_order(list(variants), r):
-            t0 = time.perf_counter()
-            variants[name]()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(timeit.timeit(variants[name], number=1))
     alone.deactivate()
     pool.deactivate()
     return {"ms": {k: {q: v * 1e3 for q, v in stats.Spread.of(t).as_dict().items()} for k, t in times.items()},

@@ -84,10 +84,9 @@ BASELINE = "rmsnorm-strong"
 # which norms of rmsnorm-strong a variant removes (for the profiled limit 1 / (1 - f))
 REMOVES = {"internal-taper-unfused": "blocks", "internal-taper-fused": "blocks", "all-taper-fused": "all"}
 
-def capacity_for(prompt: int, new_tokens: int, multiple: int = 32) -> int:
-    """KV-cache capacity: prompt + new tokens rounded up, so attention is not inflated."""
-    need = prompt + new_tokens
-    return -(-need // multiple) * multiple
+def capacity_for(prompt: int, new_tokens: int) -> int:
+    """KV-cache capacity: prompt + new tokens rounded up to a multiple of 32, so attention is not inflated."""
+    return -(-(prompt + new_tokens) // 32) * 32
 
 
 def config_for(size: str, kind: str, capacity: int) -> DecoderConfig:
@@ -360,7 +359,6 @@ class BuildOptions:
     size: str
     capacity: int
     cache: Path
-    seed: int = 0
     dtypes: tuple[str, ...] = ("fp32",)     # the fused variants' weight dtypes (export.quantize, rtn)
     attention: str = "plain"                # plain | fused | gqa (export.build --attention)
     verify: bool = True
@@ -418,7 +416,9 @@ class ModelGraphs:
         graph = self.export
         if v.fuse or self.options.attention == "gqa":       # gqa: the unfused graphs get ORT's attention too
             graph = self.stages.fuse(self.export.proto, fold=v.fuse)
-        write_graph(self.options.cache, path.name, graph.proto)
+        from core.onnx_writer import save_onnx
+        with replaced_file_in(self.options.cache, path.name) as tmp:      # signed, replaced atomically
+            save_onnx(sign_onnx(graph.proto), tmp)
         info = self.info(graph, path, export_s, time.perf_counter() - t0)
         write_meta(self.options.cache, path, info)
         self.log(f"  built {self.options.size} {v.name} ({self.source.split(' ')[0]}): {info.nodes} nodes in "
@@ -453,13 +453,6 @@ class ModelGraphs:
                          verification(graph, self.options.verify))
 
 
-def write_graph(cache: Path, name: str, proto) -> None:
-    """A graph into the cache: core.onnx_writer, signed, replaced atomically (core.outputs)."""
-    from core.onnx_writer import save_onnx
-    with replaced_file_in(cache, name) as tmp:
-        save_onnx(sign_onnx(proto), tmp)
-
-
 def write_meta(cache: Path, path: Path, info: GraphInfo) -> None:
     """A cache entry's meta file, written after its graph (an entry is served only when both are there)."""
     replace_file_in(cache, path.with_suffix(".json").name, json.dumps(info.to_json(), indent=1))
@@ -474,15 +467,13 @@ def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed:
     "gqa" (ONNX Runtime's GroupQueryAttention, export.build --attention gqa). verify=False: no
     graph is checked against torch (GraphInfo.verified None), and the caller says so."""
     cache.mkdir(parents=True, exist_ok=True)
-    options = BuildOptions(size, capacity, Path(cache), seed, tuple(dtypes), attention, verify)
-    bases: dict[str, tuple[Decoder, str]] = {}
+    options = BuildOptions(size, capacity, Path(cache), tuple(dtypes), attention, verify)
+    base = functools.cache(lambda kind: base_model(size, kind, capacity, seed))       # once per kind
     graphs: dict[tuple, ModelGraphs] = {}
     out: dict[str, GraphInfo] = {}
     for name in variants:
         v = VARIANTS[name]
-        if v.kind not in bases:
-            bases[v.kind] = base_model(size, v.kind, capacity, seed)
-        model, source = bases[v.kind]
+        model, source = base(v.kind)
         if v.model_key not in graphs:
             tokenizer = ZOO / v.kind / "tokenizer.json" if source.startswith("zoo:") else None
             graphs[v.model_key] = ModelGraphs(options, transformed(v, model), source,
