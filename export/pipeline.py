@@ -363,8 +363,9 @@ class ModelStages:
     """build()'s stages over a model already in memory, one graph at a time, for a caller that
     keeps its own files (bench's build cache): export, fuse, quantize, each verified as build()
     verifies it (the torch reference, the dtype's tolerance, a quantized graph's top-1 floor:
-    a note for random weights, trained=False) unless verify=False. The torch reference runs once, on first use, on build()'s sessions
-    (random tokens, and REAL_TEXT when a tokenizer is given); each graph's runs are kept."""
+    a note for random weights, trained=False) unless verify=False. The torch reference runs
+    once, on first use, on build()'s sessions (random tokens, and REAL_TEXT when a tokenizer
+    is given); each graph's runs are kept."""
 
     def __init__(self, model, tokenizer: Path | None = None, attention: str = "plain", verify: bool = True,
                  trained: bool = True):
@@ -379,7 +380,8 @@ class ModelStages:
         _graph_stats(report, "unfused", proto)
         if self.verify:
             v = self._verifier_for(proto)
-            report.max_abs_diff["unfused_vs_torch"] = v.compare(v.torch, v.runs_of("unfused", proto), "model.onnx vs torch")
+            report.max_abs_diff["unfused_vs_torch"] = v.compare(v.torch, v.runs_of("unfused", proto),
+                                                                "model.onnx vs torch")
         return StageGraph(proto, "unfused", report)
 
     def fuse(self, unfused, fold: bool = True) -> StageGraph:

@@ -87,7 +87,8 @@ class VerificationError(UserError):
 
     def __init__(self, what: str, mismatches: list[str]):
         self.what, self.mismatches = what, mismatches
-        super().__init__(f"export verification failed ({what}): {len(mismatches)} mismatch(es)", details=mismatches)
+        # no details: str() below already lists the mismatches, and the CLI would print them twice
+        super().__init__(f"export verification failed ({what}): {len(mismatches)} mismatch(es)")
 
     def __str__(self) -> str:
         return f"export verification failed ({self.what}):\n" + "\n".join(f"- {m}" for m in self.mismatches)

@@ -70,3 +70,13 @@ def test_cli_interface_mismatch_and_missing_file(tmp_path):
     r = _cli(tmp_path / "nope.onnx", tmp_path / "nope2.onnx")
     assert r.returncode == 1 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
     assert "no such file" in r.stderr
+
+
+def test_a_failed_verification_lists_each_mismatch_once_on_the_command_line(capsys):
+    from core.errors import run_cli
+
+    def fails(argv):
+        raise VerificationError("model.onnx vs torch", ["logits: max abs diff 1 > atol 0.0001", "present_key_0: nan"])
+    assert run_cli(fails, []) != 0
+    assert capsys.readouterr().err.splitlines() == ["error: export verification failed (model.onnx vs torch):",
+                                                    "- logits: max abs diff 1 > atol 0.0001", "- present_key_0: nan"]
