@@ -456,8 +456,9 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
     validate: parse every config into ModelConfig and check it against the ONNX (skipped
     where tritonclient, from the triton extra, is not installed).
     """
-    # 71 lines with the docstring: the repository's steps in the order a reader checks them (choices refused first, then
-    # each model's folder inside one atomic output directory); its parts are the helpers above it
+    # 71 lines with the docstring: the repository's steps in the order a reader checks them (choices
+    # refused first, then each model's folder inside one atomic output directory); its parts are the
+    # helpers above it
     build, repo = Path(build), Path(repo)
     if not build.is_dir():
         raise RepositoryError(f"{build}: expected a build directory from python -m export.build, found "
