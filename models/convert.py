@@ -53,7 +53,7 @@ from typing import Callable
 import torch
 
 from core.errors import first_line
-from models.checkpoint import CONFIG, TOKENIZER, CheckpointError, check_tokenizer_fits
+from models.checkpoint import CONFIG, TOKENIZER, CheckpointError, all_finite, check_tokenizer_fits
 from models.decoder import Decoder, DecoderConfig
 
 SUPPORTED = ("gpt2", "llama", "mistral", "qwen2")
@@ -640,7 +640,7 @@ def convert(path: str | os.PathLike, max_seq_len: int | None = None) -> Converte
     if cfg.tie_embeddings:
         model.lm_head.weight = model.wte.weight
     for name, t in model.state_dict().items():
-        if not torch.isfinite(t).all():
+        if not all_finite(t):
             raise ConvertError(f"{path}: tensor for {name!r} contains NaN or Inf; the weights are corrupt")
     notes = _folder_notes(path, raw, cfg, f.notes)
     tok = path / TOKENIZER if (path / TOKENIZER).is_file() else None

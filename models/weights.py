@@ -24,7 +24,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from models.checkpoint import (CONFIG, WEIGHTS, CheckpointError, apply_taper_state, read_checkpoint_config)
+from models.checkpoint import (CONFIG, WEIGHTS, CheckpointError, all_finite, apply_taper_state,
+                               read_checkpoint_config)
 from models.decoder import Block, Decoder, DecoderConfig
 
 
@@ -80,7 +81,7 @@ class WeightSource:
             raise CheckpointError(f"{place.file}: tensor {place.name!r} has dtype {str(raw.dtype).replace('torch.', '')}; "
                                   "expected floating-point weights")
         t = place.fn(raw.to(torch.float32)).contiguous()
-        if not torch.isfinite(t).all():
+        if not all_finite(t):
             raise CheckpointError(f"{place.file}: tensor {place.name!r} contains NaN or Inf; the weights are corrupt")
         return t
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.checkpoint import CheckpointError, load_checkpoint, main
+from models.checkpoint import CheckpointError, all_finite, load_checkpoint, main
 from tests.helpers import random_model, write_checkpoint
 
 
@@ -177,3 +177,19 @@ def test_a_hugging_face_folder_gets_the_convert_hint(tmp_path):
     with pytest.raises(CheckpointError, match=r"a Hugging Face model folder \(model_type 'llama'\), not a checkpoint; "
                                               r"convert it with python -m models.convert"):
         load_checkpoint(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("values, dtype, finite", [
+    ([1.0, -2.0, 3.0], torch.float32, True),
+    ([], torch.float32, True),
+    ([1.0, float("nan")], torch.float32, False),
+    ([1.0, float("inf")], torch.float32, False),
+    ([float("-inf"), 2.0], torch.bfloat16, False),
+    ([float("inf"), float("-inf")], torch.float32, False),      # the sum is NaN
+    ([3e38, 3e38], torch.float32, True),                        # finite, the sum overflows: checked element-wise
+    ([6e4, 6e4], torch.float16, True),
+    ([6e4, float("nan")], torch.float16, False),
+])
+def test_all_finite_is_exactly_isfinite_all(values, dtype, finite):
+    t = torch.tensor(values, dtype=dtype)
+    assert all_finite(t) is finite is bool(torch.isfinite(t).all())
