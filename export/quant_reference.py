@@ -42,7 +42,8 @@ def dequantize(x: np.ndarray, op: str, bits: int, qcfg) -> np.ndarray:
     if op == "Gather":
         data = numpy_helper.to_array(out[0]).astype(np.float32)                  # [V, d]
         scales = numpy_helper.to_array(out[2]).astype(np.float32)                # [V, d / block]
-        return data * np.repeat(scales, qcfg.block_size, axis=1)[:, :data.shape[1]]
+        data *= np.repeat(scales, qcfg.block_size, axis=1)[:, :data.shape[1]]    # in place: a real table is GBs
+        return data
     blocks = numpy_helper.to_array(out[1])                                        # [N, K/block, blob] uint8
     n, k_blocks, _ = blocks.shape
     if bits == 4:      # two values a byte, the low nibble first
@@ -50,7 +51,9 @@ def dequantize(x: np.ndarray, op: str, bits: int, qcfg) -> np.ndarray:
     else:
         q = blocks
     scales = numpy_helper.to_array(out[2]).astype(np.float32).reshape(n, k_blocks)
-    w = (q.astype(np.float32) - (1 << (bits - 1))) * scales[:, :, None]         # [N, K/block, block]
+    w = q.astype(np.float32)                                                      # [N, K/block, block]
+    w -= 1 << (bits - 1)                                  # in place, as (q - 2^(bits-1)) * scale: no more copies
+    w *= scales[:, :, None]
     k = x.shape[1] if op == "MatMulT" else x.shape[0]
     return w.reshape(n, -1)[:, :k]                                                # [N, K]
 
@@ -75,8 +78,8 @@ class QuantizedParts(ModelParts):
         op, bits = self.specs.get(name, (None, 0))
         if op is None:
             return w
-        x = w.detach().float().numpy()
-        x = np.ascontiguousarray(x.T) if op == "MatMul" else x
+        x = w.detach().float()
+        x = (x.t().contiguous() if op == "MatMul" else x).numpy()     # torch's transposing copy: faster than numpy's
         return torch.from_numpy(np.ascontiguousarray(dequantize(x, op, bits, self.plan.quantize)))
 
     def block(self, i: int) -> torch.nn.Module:
