@@ -49,9 +49,11 @@ def cache_write_onnx(cache, update, pos):
     return op.TensorScatter(cache, update, pos, axis=-2)
 
 
-def attention_onnx(q, k, v, mask):
-    """models/attention.py's op: softmax(q k^T / sqrt(D) where mask) v, ONNX's default scale."""
-    return op.Attention(q, k, v, mask)[0]      # Y; the optional present / qk outputs are dropped below
+def attention_onnx(q, k, v, mask, scale: float = 0.0, softcap: float = 0.0):
+    """models/attention.py's op: softmax(cap(q k^T * scale) where mask) v; scale 0 is ONNX's default
+    1 / sqrt(D) and softcap 0 none, so those stay unwritten (the graph of a model without them is unchanged)."""
+    attrs = {name: value for name, value in (("scale", scale), ("softcap", softcap)) if value}
+    return op.Attention(q, k, v, mask, **attrs)[0]      # Y; the optional present / qk outputs are dropped below
 
 
 class _DecodeStep(torch.nn.Module):

@@ -37,7 +37,7 @@ import torch
 from onnx import helper, numpy_helper
 
 from core.errors import UserError
-from models.decoder import TORCH_DTYPES, Decoder, DecoderConfig, rope_inv_freq
+from models.decoder import TORCH_DTYPES, Decoder, DecoderConfig
 from models.fold import fold_block_norms, fold_final_norm, fold_norms
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -377,8 +377,8 @@ def load_top(source, fuse: bool) -> Decoder:
     top = copy.deepcopy(source.skeleton)
     top.blocks = torch.nn.ModuleList()
     top = source.fill(top, "")
-    if source.cfg.pos_embedding == "rope":
-        top.rotary.inv_freq = rope_inv_freq(source.cfg)
+    for rotary in top.rotaries().values():       # non-persistent buffers: to_empty left them unset
+        rotary.reset_parameters()
     if fuse:
         fold_final_norm(top, keep_tied=True)
     return top

@@ -631,9 +631,8 @@ def convert(path: str | os.PathLike, max_seq_len: int | None = None) -> Converte
     with torch.device("meta"):
         model = Decoder(cfg)
     model = model.to_empty(device="cpu")
-    if cfg.pos_embedding == "rope":     # a non-persistent buffer: recomputed, not loaded
-        from models.decoder import rope_inv_freq
-        model.rotary.inv_freq.copy_(rope_inv_freq(cfg))
+    for rotary in model.rotaries().values():     # non-persistent buffers: recomputed, not loaded
+        rotary.reset_parameters()
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
     assert not missing and not unexpected, (missing, unexpected)   # expected_params covers the model exactly

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from core.contract import CACHE_KINDS, cache_name, present_name
-from models.decoder import RotaryEmbedding
+from models.decoder import embed_tokens, finish_logits, rotary_embeddings, step_inputs
 
 
 def used_slots(steps) -> int:
@@ -64,18 +64,15 @@ def layerwise_run(source, sessions, dtype: torch.dtype = torch.float32, parts: M
     layout = cfg.cache_layout()
     ids = [[torch.from_numpy(s.input_ids) for s in steps] for steps in sessions]
     pos = [[torch.from_numpy(s.position) for s in steps] for steps in sessions]
-    masks = [[skel.positions_and_mask(i, p) for i, p in zip(ii, pp)] for ii, pp in zip(ids, pos)]
+    rotaries = rotary_embeddings(cfg)       # built here: the skeleton's buffers may be on the meta device
+    inputs = [[step_inputs(cfg, rotaries, i, p) for i, p in zip(ii, pp)] for ii, pp in zip(ids, pos)]
     table = parts.embedding()                                                # [V, d]
-    xs = [[F.embedding(i, table).to(dtype) for i in ii] for ii in ids]           # [B, T, d] per step
+    xs = [[embed_tokens(cfg, F.embedding(i, table).to(dtype)) for i in ii] for ii in ids]   # [B, T, d] per step
     del table
-    rope = None
     if cfg.pos_embedding == "learned":
         wpe = parts.positions().to(dtype)
-        xs = [[x + wpe[pid] for x, (pid, _) in zip(xx, mm)] for xx, mm in zip(xs, masks)]
+        xs = [[x + wpe[inp.pos_ids] for x, inp in zip(xx, ii)] for xx, ii in zip(xs, inputs)]
         del wpe
-    else:
-        rotary = RotaryEmbedding(cfg)
-        rope = [[rotary(pid) for pid, _ in mm] for mm in masks]
     outs = [[{} for _ in steps] for steps in sessions]
     for i in range(cfg.n_layer):
         block = parts.block(i).to(dtype)
@@ -84,8 +81,8 @@ def layerwise_run(source, sessions, dtype: torch.dtype = torch.float32, parts: M
             cache = (torch.zeros(layout.shape(batch), dtype=dtype),              # this layer's key, value [B, H_kv, S, D]
                      torch.zeros(layout.shape(batch), dtype=dtype))
             for t, step in enumerate(steps):
-                xs[s][t], cache = block(xs[s][t], masks[s][t][1], cache, pos[s][t],
-                                        None if rope is None else rope[s][t])
+                mask, rope = inputs[s][t].layer(i)
+                xs[s][t], cache = block(xs[s][t], mask, cache, pos[s][t], rope)
             used = used_slots(steps)
             for kind, c in zip(CACHE_KINDS, cache):
                 outs[s][-1][present_name(cache_name(i, kind))] = c[:, :, :used].float().numpy().copy()
@@ -97,5 +94,5 @@ def layerwise_run(source, sessions, dtype: torch.dtype = torch.float32, parts: M
     for s, xx in enumerate(xs):
         for t, x in enumerate(xx):
             logits = F.linear(ln_f(x), head, None if bias is None else bias.to(dtype))
-            outs[s][t]["logits"] = logits.float().numpy()
+            outs[s][t]["logits"] = finish_logits(cfg, logits).float().numpy()
     return outs

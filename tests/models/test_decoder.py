@@ -105,13 +105,13 @@ def test_grouped_query_attention_equals_repeated_kv_heads():
 def test_partial_rotary_matches_transformers_on_the_rotated_dims():
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
-    from models.decoder import DecoderConfig, RotaryEmbedding, apply_rope
+    from models.decoder import DecoderConfig, apply_rope, rotary_embeddings
     cfg = DecoderConfig(d_model=64, n_head=4, pos_embedding="rope", rotary_dim=6, rope_theta=500.0)
     hf_cfg = transformers.LlamaConfig(hidden_size=24, num_attention_heads=4, head_dim=6,
                                       rope_parameters={"rope_type": "default", "rope_theta": 500.0})
     pos = torch.arange(7)[None].expand(2, 7)
     x = torch.randn(2, 4, 7, 16)                                          # [B, H, T, D]
-    ours = apply_rope(x, *RotaryEmbedding(cfg)(pos))
+    ours = apply_rope(x, *rotary_embeddings(cfg)["global"](pos))
     cos, sin = LlamaRotaryEmbedding(hf_cfg)(x, pos)
     theirs, _ = apply_rotary_pos_emb(x[..., :6], x[..., :6], cos, sin)
     torch.testing.assert_close(ours[..., :6], theirs, atol=1e-6, rtol=0)
