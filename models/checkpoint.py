@@ -1,7 +1,7 @@
 """Checkpoint format: a directory with config.json, model.safetensors and (usually) tokenizer.json.
 
 config.json is flat: every DecoderConfig field, plus at top level
-    "format": 2,
+    "format": 3,
     "norm": "rmsnorm" | "layernorm" | "taper" | "dyt",
     "taper_scope": "internal" | "all" | null,
     "gate": float in [0, 1] (null when not taper),
@@ -10,8 +10,9 @@ config.json is flat: every DecoderConfig field, plus at top level
                      the model loads, exports and builds, generation needs a tokenizer).
 Format 1 (before the Hugging Face families) had no rope / grouped-query / bias /
 MLP-width / activation / per-norm eps fields and always a tokenizer: it is read
-by filling those with what format 1 meant (`_upgrade_v1`), so the zoo and every
-older checkpoint keep loading. A tied LM head is stored once (as wte.weight).
+by filling those with what format 1 meant (`_upgrade`), so the zoo and every
+older checkpoint keep loading. Format 2 (before the 2026 families) had no norm-layout / QK-norm /
+scale / soft-cap / sliding-window / NoPE fields: read the same way, with what format 2 meant. A tied LM head is stored once (as wte.weight).
 Loading validates everything and raises CheckpointError with one line naming the
 file and field.
 
@@ -38,14 +39,18 @@ from core.outputs import CHECKPOINT, OutputKind, output_dir
 from models.decoder import Decoder, DecoderConfig
 from models.disabled_norm import DISABLED_NORM_EPS  # noqa: F401  (re-exported: export and graph_passes' test read it here)
 
-FORMAT_VERSION = 2
-READS_FORMATS = (1, 2)
+FORMAT_VERSION = 3
+READS_FORMATS = (1, 2, 3)
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
 NEEDS = f"a checkpoint directory needs {CONFIG}, {WEIGHTS} and {TOKENIZER}"
 # what format 1 meant by the fields format 2 added (and DecoderConfig's defaults may not always say)
 FORMAT_1_MEANT = dict(n_kv_head=None, head_size=None, pos_embedding="learned", rope_theta=10000.0, rotary_dim=None,
                       rope_scaling=None, qkv_bias=True, out_bias=True, mlp_bias=True, mlp_hidden=None,
                       activation=None, layer_eps={}, has_tokenizer=True)
+# what format 2 meant by the fields format 3 added (the 2026 families: models/decoder.py)
+FORMAT_2_MEANT = dict(norm_layout="pre", qk_norm=None, embed_scale=1.0, attn_scale=None, attn_softcap=None,
+                      final_softcap=None, residual_scale=1.0, logits_divisor=1.0, sliding_window=None,
+                      sliding_layers=[], local_rope_theta=None, nope_layers=[])
 
 
 class CheckpointError(UserError):
@@ -77,13 +82,16 @@ def _read_config(path: Path) -> dict:
     return raw
 
 
-def _upgrade_v1(where: Path, raw: dict) -> dict:
-    """A format-1 config as format 2: the added fields set to what format 1 meant."""
-    added = sorted(k for k in FORMAT_1_MEANT if k in raw)
+def _upgrade(where: Path, raw: dict) -> dict:
+    """A format-1 or format-2 config as the current format: the fields added since set to what its format meant."""
+    fmt = raw["format"]
+    meant = {**(FORMAT_1_MEANT if fmt == 1 else {}), **FORMAT_2_MEANT}
+    added = sorted(k for k in meant if k in raw)
     if added:
-        raise CheckpointError(f"{where}: format 1 with format-2 field(s) {', '.join(added)}; "
-                              "expected one or the other: set 'format' to 2, or drop those fields")
-    return {**raw, **FORMAT_1_MEANT, "format": FORMAT_VERSION}
+        later = "format-2 or -3" if fmt == 1 else "format-3"
+        raise CheckpointError(f"{where}: format {fmt} with {later} field(s) {', '.join(added)}; "
+                              f"expected one or the other: set 'format' to {FORMAT_VERSION}, or drop those fields")
+    return {**raw, **meant, "format": FORMAT_VERSION}
 
 
 def _validate_config(path: Path, raw: dict, memory: bool = True) -> DecoderConfig:
@@ -96,8 +104,8 @@ def _validate_config(path: Path, raw: dict, memory: bool = True) -> DecoderConfi
     if isinstance(fmt, bool) or fmt not in READS_FORMATS:
         raise CheckpointError(f"{where}: field 'format' is {fmt!r}; expected one of {', '.join(map(str, READS_FORMATS))} "
                               "(a checkpoint of python -m train or python -m models.convert)")
-    if fmt == 1:
-        raw.update(_upgrade_v1(where, raw))
+    if fmt != FORMAT_VERSION:
+        raw.update(_upgrade(where, raw))
     if not isinstance(raw.get("has_tokenizer"), bool):
         raise CheckpointError(f"{where}: field 'has_tokenizer' is {raw.get('has_tokenizer')!r}; expected true or false")
     try:

@@ -54,9 +54,11 @@ import torch
 
 from core.errors import first_line
 from models.checkpoint import CONFIG, TOKENIZER, CheckpointError, all_finite, check_tokenizer_fits
-from models.decoder import Decoder, DecoderConfig
+from models.decoder import MAX_LAYERS, Decoder, DecoderConfig
+from models.rope import ROPE_NEEDS, YARN_OPTIONAL
 
-SUPPORTED = ("gpt2", "llama", "mistral", "qwen2")
+SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "smollm3",
+             "granite")
 DEFAULT_CAPACITY = 2048   # KV-cache capacity when --max-seq-len is not given (and the model allows more)
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 TORCH_BIN, TORCH_BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -79,8 +81,64 @@ HF_DEFAULTS: dict[str, dict] = {
     "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
                   num_attention_heads=32, num_key_value_heads=32, hidden_act="silu", max_position_embeddings=32768,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0, use_sliding_window=False,
-                  sliding_window=4096),
+                  sliding_window=4096, max_window_layers=28),
+    "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, head_dim=128, hidden_act="silu",
+                  max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
+                  attention_bias=False, use_sliding_window=False, sliding_window=4096, max_window_layers=28),
+    "gemma": dict(vocab_size=256000, hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=16, head_dim=256, hidden_act="gelu_pytorch_tanh",
+                  max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=10000.0,
+                  attention_bias=False),
+    "gemma2": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                   max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=10000.0,
+                   attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096,
+                   final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
+    "gemma3_text": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                        hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072, rms_norm_eps=1e-6,
+                        tie_word_embeddings=True, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                        attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096,
+                        final_logit_softcapping=None, attn_logit_softcapping=None, use_bidirectional_attention=False),
+    "phi3": dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=None, hidden_act="silu", max_position_embeddings=4096,
+                 original_max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                 rope_theta=10000.0, sliding_window=None),
+    "olmo2": dict(vocab_size=50304, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=10000.0, attention_bias=False),
+    "smollm3": dict(vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                    num_attention_heads=16, num_key_value_heads=4, hidden_act="silu", max_position_embeddings=32768,
+                    rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=2_000_000.0, use_sliding_window=False,
+                    sliding_window=None, no_rope_layer_interval=4, attention_bias=False, mlp_bias=False),
+    "granite": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048,
+                    rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0, attention_bias=False,
+                    mlp_bias=False, embedding_multiplier=1.0, logits_scaling=1.0, residual_multiplier=1.0,
+                    attention_multiplier=1.0),
 }
+
+
+@dataclass(frozen=True)
+class Family:
+    """How a Llama-like model type differs from Llama: its norms, its weights' layout, its activation key."""
+    norm_layout: str = "pre"     # pre | sandwich | post (DecoderConfig.norm_layout)
+    qk_norm: str | None = None   # None | head | proj (DecoderConfig.qk_norm)
+    gain_plus_one: bool = False  # RMSNorm gains stored as w and applied as 1 + w (Gemma): we store 1 + w
+    fused: bool = False          # qkv_proj and gate_up_proj, split here (Phi-3)
+    act_key: str = "hidden_act"
+    scaled_embedding: bool = False   # embeddings times sqrt(hidden_size) (Gemma)
+    partial_rope: bool = False   # transformers honours partial_rotary_factor with default rope (Phi-3 only)
+
+
+FAMILIES = {"llama": Family(), "mistral": Family(), "qwen2": Family(), "qwen3": Family(qk_norm="head"),
+            "gemma": Family(gain_plus_one=True, scaled_embedding=True),
+            "gemma2": Family("sandwich", gain_plus_one=True, act_key="hidden_activation", scaled_embedding=True),
+            "gemma3_text": Family("sandwich", "head", gain_plus_one=True, act_key="hidden_activation",
+                                  scaled_embedding=True),
+            "phi3": Family(fused=True, partial_rope=True), "olmo2": Family("post", "proj"), "smollm3": Family(),
+            "granite": Family()}
 # HF activation names -> the decoder's (gelu_pytorch_tanh is gelu_new, computed the same way)
 HF_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu": "gelu", "relu": "relu",
                   "silu": "silu", "swish": "silu"}
@@ -149,6 +207,13 @@ class _Fields:
             self.refuse(key, v, "a positive integer")
         return v
 
+    def layers(self, key: str) -> int:
+        """A layer count, bounded before anything is listed per layer (a corrupt 2**40 is one line, not an OOM)."""
+        v = self.int(key)
+        if v > MAX_LAYERS:
+            self.refuse(key, v, f"at most {MAX_LAYERS:,} layers")
+        return v
+
     def number(self, key: str, *value) -> float:
         """A positive number: the config key's, or the value given (read from under it, MISSING if absent)."""
         v = value[0] if value else self.get(key)
@@ -175,13 +240,19 @@ def _capacity(f: _Fields, key: str, max_seq_len: int | None) -> int:
     return min(f.int(key), max_seq_len or DEFAULT_CAPACITY)
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 def _rope_settings(f: _Fields) -> tuple[str, dict]:
     """The rope settings as the installed transformers reads them, and the key they came from.
 
     PreTrainedConfig.convert_rope_params_to_dict / standardize_rope_params (transformers 5): a
     non-empty rope_scaling replaces rope_parameters whole (its rope_theta too); rope_theta and
     partial_rotary_factor at the top level fill what the dict leaves out; rope_type defaults to
-    the legacy 'type', then 'default'; llama3's original length defaults to max_position_embeddings.
+    the legacy 'type', then 'default'; a scaled rope's original length is the top-level
+    original_max_position_embeddings (Phi-3 keeps it there) or max_position_embeddings. Per layer
+    type (nested dicts): Gemma 3's own reading (_gemma3_rope); refused elsewhere (those families' rotary
+    embeddings read one set).
     """
     scaling, params = f.raw.get("rope_scaling"), f.raw.get("rope_parameters")
     key, chosen = ("rope_scaling", scaling) if scaling else ("rope_parameters", params)
@@ -193,38 +264,113 @@ def _rope_settings(f: _Fields) -> tuple[str, dict]:
     if scaling and params and params != scaling:
         f.notes.append(f"{f.where} has both rope_scaling and rope_parameters: rope_scaling is used and "
                        "rope_parameters ignored, as transformers does (keep one of them)")
+    return key, _standardized(f, chosen, f.get("rope_theta"))
+
+
+def _standardized(f: _Fields, chosen: dict, theta) -> dict:
     p = dict(chosen)
-    p.setdefault("rope_theta", f.get("rope_theta"))
+    p.setdefault("rope_theta", theta)
     if f.raw.get("partial_rotary_factor") is not None:
         p.setdefault("partial_rotary_factor", f.raw["partial_rotary_factor"])
     p.setdefault("rope_type", p.get("type", "default"))
-    if p["rope_type"] == "llama3":
-        p.setdefault("original_max_position_embeddings", f.get("max_position_embeddings"))
-    return key, p
+    if f.kind == "phi3" and p["rope_type"] in ("su", "yarn"):      # Phi3Config's legacy names of longrope
+        p["rope_type"] = "longrope"
+    if p["rope_type"] in ("llama3", "yarn", "longrope"):
+        if f.raw.get("original_max_position_embeddings") is not None:
+            p["original_max_position_embeddings"] = f.raw["original_max_position_embeddings"]
+        else:
+            p.setdefault("original_max_position_embeddings", f.get("max_position_embeddings"))
+    if p["rope_type"] in ("yarn", "longrope") and p.get("factor") is None:   # transformers' own default factor
+        p["factor"] = f.get("max_position_embeddings") / p["original_max_position_embeddings"]
+    return p
 
 
-def _rope(f: _Fields) -> dict:
-    """rope_theta and rope_scaling of the decoder; refuses what it cannot compute."""
-    key, params = _rope_settings(f)
+def _gemma3_rope(f: _Fields) -> tuple[str, dict, dict]:
+    """Gemma3TextConfig.convert_rope_params_to_dict: the global layers' settings (rope_parameters
+    full_attention, a flat rope_scaling updating it, rope_theta) and the sliding layers' (rope_parameters
+    sliding_attention, rope_local_base_freq)."""
+    scaling, params = f.raw.get("rope_scaling"), f.raw.get("rope_parameters")
+    key = "rope_parameters"
+    if params is not None and not (isinstance(params, dict) and all(v is None or isinstance(v, dict)
+                                                                    for v in params.values())):
+        f.refuse(key, params, "an object of one settings object per layer type")
+    params = {t: dict((params or {}).get(t) or {}) for t in LAYER_TYPES}
+    if scaling:
+        if not isinstance(scaling, dict):
+            f.refuse("rope_scaling", scaling, "an object")
+        params["full_attention"].update(scaling)
+    full = _standardized(f, params["full_attention"], f.get("rope_theta"))
+    local = _standardized(f, params["sliding_attention"], f.get("rope_local_base_freq"))
+    return key, full, local
+
+
+def _rope_fields(f: _Fields, key: str, params: dict) -> tuple[float, dict | None]:
+    """rope_theta and rope_scaling of one rope; refuses what the decoder cannot compute."""
     kind = params["rope_type"]
     theta = f.number("rope_theta", params["rope_theta"])
-    needs = {"default": (), "linear": ("factor",),
-             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-    if not isinstance(kind, str) or kind not in needs:
-        f.unsupported(f"rope type {kind!r} (supported: {', '.join(needs)}) from {key}")
-    for k in needs[kind]:
-        f.number(f"{key}.{k}", params.get(k, MISSING))
-    # transformers' llama, mistral and qwen2 rotate the whole head: their default rope ignores
-    # partial_rotary_factor, and a scaled rope with it fails there (cos/sin narrower than the head)
+    if not isinstance(kind, str) or kind not in ROPE_NEEDS:
+        f.unsupported(f"rope type {kind!r} (supported: {', '.join(ROPE_NEEDS)}) from {key}")
+    for k in ROPE_NEEDS[kind]:
+        if k.endswith("_factor") and kind == "longrope":
+            v = params.get(k, MISSING)
+            if not (isinstance(v, list) and v and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                      and x > 0 for x in v)):
+                f.refuse(f"{key}.{k}", v, "a list of positive numbers")
+        else:
+            f.number(f"{key}.{k}", params.get(k, MISSING))
+    if kind == "default":
+        return theta, None
+    keep = ROPE_NEEDS[kind] + (("factor", "attention_factor") if kind == "longrope" else ()) + \
+        (YARN_OPTIONAL if kind == "yarn" else ())
+    return theta, {"rope_type": kind, **{k: params[k] for k in keep if params.get(k) is not None}}
+
+
+def _rope(f: _Fields, head_dim: int, sliding: bool, capacity: int) -> dict:
+    """The decoder's rope fields (theta, scaling, rotary_dim, the sliding layers' base)."""
+    family = FAMILIES[f.kind]
+    local = None
+    if f.kind == "gemma3_text":
+        key, params, local = _gemma3_rope(f)
+    else:
+        key, params = _rope_settings(f)
+    theta, scaling = _rope_fields(f, key, params)
     partial = params.get("partial_rotary_factor", 1.0)
-    if partial != 1.0 and kind != "default":
-        f.unsupported(f"partial_rotary_factor {partial!r} with rope type {kind!r} from {key} "
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+        f.refuse("partial_rotary_factor", partial, "a number in (0, 1]")
+    rotary_dim = None
+    if family.partial_rope:         # Phi-3 rotates the first int(head_dim * factor) dims, whatever the rope type
+        rotary_dim = int(head_dim * partial)
+        if rotary_dim % 2 or rotary_dim == 0:
+            f.refuse("partial_rotary_factor", partial, f"a factor giving an even, non-zero part of head_dim {head_dim}")
+        rotary_dim = None if rotary_dim == head_dim else rotary_dim
+    elif partial != 1.0 and scaling is not None:
+        # transformers' llama-like families rotate the whole head: their default rope ignores
+        # partial_rotary_factor, and a scaled rope with it fails there (cos/sin narrower than the head)
+        f.unsupported(f"partial_rotary_factor {partial!r} with rope type {scaling['rope_type']!r} from {key} "
                       "(transformers cannot run it either)")
-    if partial != 1.0:
+    elif partial != 1.0:
         f.notes.append(f"{f.where}: partial_rotary_factor {partial!r} is ignored, as transformers' {f.kind} "
                        "ignores it (its rotary embedding covers the whole head)")
-    scaling = None if kind == "default" else {"rope_type": kind, **{k: params[k] for k in needs[kind]}}
-    return dict(pos_embedding="rope", rope_theta=theta, rope_scaling=scaling)
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        half = (rotary_dim or head_dim) // 2
+        for k in ("short_factor", "long_factor"):
+            if len(scaling[k]) != half:
+                f.refuse(f"{key}.{k}", f"{len(scaling[k])} numbers", f"{half} (half the rotated dims)")
+    if scaling is not None and scaling["rope_type"] == "longrope" and \
+            capacity > scaling["original_max_position_embeddings"]:
+        f.notes.append(f"{f.where}: longrope switches to its long factors past position "
+                       f"{scaling['original_max_position_embeddings']}; transformers' generate then recomputes the "
+                       "whole cache once, this runtime's KV cache keeps the keys written before (tokens after "
+                       "that position may differ from transformers'; --max-seq-len "
+                       f"{scaling['original_max_position_embeddings']} avoids the switch)")
+    out = dict(pos_embedding="rope", rope_theta=theta, rope_scaling=scaling, rotary_dim=rotary_dim)
+    if local is not None and sliding:
+        local_theta, local_scaling = _rope_fields(f, "rope_parameters.sliding_attention", local)
+        if local_scaling is not None:
+            f.unsupported(f"rope type {local_scaling['rope_type']!r} on the sliding layers")
+        if local_theta != theta or scaling is not None:
+            out["local_rope_theta"] = local_theta
+    return out
 
 
 def gpt2_config(f: _Fields, max_seq_len: int | None) -> DecoderConfig:
@@ -245,8 +391,80 @@ def gpt2_config(f: _Fields, max_seq_len: int | None) -> DecoderConfig:
                          pos_embedding="learned", qkv_bias=True, out_bias=True, mlp_bias=True)
 
 
+def _biases(f: _Fields) -> dict:
+    if f.kind == "qwen2":
+        return dict(qkv_bias=True, out_bias=False, mlp_bias=False)
+    if f.kind in ("mistral", "phi3"):
+        return dict(qkv_bias=False, out_bias=False, mlp_bias=False)
+    attn = bool(f.get("attention_bias"))
+    return dict(qkv_bias=attn, out_bias=attn, mlp_bias=bool(f.get("mlp_bias")) if f.kind in ("llama", "granite",
+                                                                                           "smollm3") else False)
+
+
+def _layer_types(f: _Fields, n_layer: int, nope: list[int]) -> list[str]:
+    """Each layer's attention kind, as the family's config class derives it when config.json has no layer_types."""
+    raw = f.raw.get("layer_types")
+    if raw is not None:
+        if not (isinstance(raw, list) and len(raw) == n_layer and all(t in LAYER_TYPES for t in raw)):
+            f.refuse("layer_types", raw, f"a list of {n_layer} of {', '.join(LAYER_TYPES)}")
+        return list(raw)
+    window = f.get("sliding_window")
+    if f.kind in ("qwen2", "qwen3"):
+        on = bool(f.get("use_sliding_window")) and window is not None
+        sliding = [on and i >= f.int("max_window_layers") for i in range(n_layer)]
+    elif f.kind == "gemma2":
+        sliding = [bool((i + 1) % 2) for i in range(n_layer)]
+    elif f.kind == "gemma3_text":
+        pattern = f.int("sliding_window_pattern") if "sliding_window_pattern" in f.raw else 6
+        sliding = [bool((i + 1) % pattern) for i in range(n_layer)]
+    elif f.kind == "smollm3":
+        sliding = [bool(f.get("use_sliding_window")) and window is not None and i in nope for i in range(n_layer)]
+    elif f.kind in ("mistral", "phi3"):
+        sliding = [window is not None] * n_layer
+    else:
+        sliding = [False] * n_layer
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
+def _nope_layers(f: _Fields, n_layer: int) -> list[int]:
+    """SmolLM3's layers without rope: no_rope_layers[i] == 0 (every no_rope_layer_interval-th by default)."""
+    if f.kind != "smollm3":
+        return []
+    flags = f.raw.get("no_rope_layers")
+    if flags is None:
+        every = f.int("no_rope_layer_interval")
+        flags = [int((i + 1) % every != 0) for i in range(n_layer)]
+    if not (isinstance(flags, list) and len(flags) == n_layer and all(v in (0, 1) for v in flags)):
+        f.refuse("no_rope_layers", flags, f"a list of {n_layer} flags 0 or 1")
+    return [i for i, v in enumerate(flags) if not v]
+
+
+def _scales(f: _Fields, d: int) -> dict:
+    """Gemma's and Granite's constant factors (DecoderConfig's embed_scale, attn_scale, ...)."""
+    out = {}
+    if FAMILIES[f.kind].scaled_embedding:
+        out["embed_scale"] = d ** 0.5
+    if f.kind in ("gemma2", "gemma3_text"):
+        out["attn_scale"] = f.number("query_pre_attn_scalar") ** -0.5
+        if f.get("final_logit_softcapping") is not None:
+            out["final_softcap"] = f.number("final_logit_softcapping")
+        if f.kind == "gemma2" and f.get("attn_logit_softcapping") is not None:
+            out["attn_softcap"] = f.number("attn_logit_softcapping")
+        elif f.get("attn_logit_softcapping") is not None:
+            f.notes.append(f"{f.where}: attn_logit_softcapping is ignored, as transformers' gemma3_text ignores it "
+                           "(its attention does not soft-cap)")
+        if f.get("use_bidirectional_attention"):
+            f.unsupported("use_bidirectional_attention (an embedding model, not a decoder)")
+    if f.kind == "granite":
+        out.update(embed_scale=f.number("embedding_multiplier"), attn_scale=f.number("attention_multiplier"),
+                   residual_scale=f.number("residual_multiplier"), logits_divisor=f.number("logits_scaling"))
+    return out
+
+
 def llama_config(f: _Fields, max_seq_len: int | None) -> DecoderConfig:
-    d, heads = f.int("hidden_size"), f.int("num_attention_heads")
+    """Every family but GPT-2: Llama's layout with what FAMILIES and the family's fields add."""
+    family = FAMILIES[f.kind]
+    d, heads, n_layer = f.int("hidden_size"), f.int("num_attention_heads"), f.layers("num_hidden_layers")
     kv = f.int("num_key_value_heads", allow_none=True) or heads
     head_dim = f.int("head_dim", allow_none=True) or d // heads
     if f.get("head_dim") is None and d % heads:
@@ -255,20 +473,22 @@ def llama_config(f: _Fields, max_seq_len: int | None) -> DecoderConfig:
         f.refuse("num_key_value_heads", kv, f"a divisor of num_attention_heads ({heads})")
     eps = f.number("rms_norm_eps")
     capacity = _capacity(f, "max_position_embeddings", max_seq_len)
-    window = f.int("sliding_window", allow_none=True) if f.kind == "mistral" or f.get("use_sliding_window") else None
-    if window is not None and window < capacity:
-        raise ConvertError(f"{f.where}: sliding_window {window} is shorter than the KV-cache capacity {capacity}, and "
-                           f"sliding-window attention is not supported; pass --max-seq-len {window} or less")
-    bias = {"llama": dict(qkv_bias=bool(f.get("attention_bias")), out_bias=bool(f.get("attention_bias")),
-                          mlp_bias=bool(f.get("mlp_bias"))),
-            "qwen2": dict(qkv_bias=True, out_bias=False, mlp_bias=False),
-            "mistral": dict(qkv_bias=False, out_bias=False, mlp_bias=False)}[f.kind]
-    return DecoderConfig(vocab_size=f.int("vocab_size"), d_model=d, n_layer=f.int("num_hidden_layers"), n_head=heads,
+    nope = _nope_layers(f, n_layer)
+    sliding = [i for i, t in enumerate(_layer_types(f, n_layer, nope)) if t == "sliding_attention"]
+    window = f.int("sliding_window") if sliding else None
+    if window is not None and window >= capacity:     # the window covers the whole cache: plain causal attention
+        sliding, window = [], None
+    # GemmaConfig: the legacy hidden_act "gelu" of the releases means the tanh approximation
+    legacy_gelu = f.kind == "gemma" and f.get(family.act_key) == "gelu"
+    activation = "gelu_new" if legacy_gelu else f.activation(family.act_key)
+    return DecoderConfig(vocab_size=f.int("vocab_size"), d_model=d, n_layer=n_layer, n_head=heads,
                          n_kv_head=None if kv == heads else kv, head_size=None if head_dim * heads == d else head_dim,
                          max_seq_len=capacity, mlp="swiglu", norm="rmsnorm",
                          tie_embeddings=bool(f.get("tie_word_embeddings")), eps=eps,
-                         mlp_hidden=f.int("intermediate_size"), activation=f.activation("hidden_act"),
-                         **_rope(f), **bias)
+                         mlp_hidden=f.int("intermediate_size"), activation=activation,
+                         norm_layout=family.norm_layout, qk_norm=family.qk_norm, sliding_window=window,
+                         sliding_layers=sliding, nope_layers=nope,
+                         **_rope(f, head_dim, bool(sliding), capacity), **_biases(f), **_scales(f, d))
 
 
 def hf_decoder_config(f: _Fields, max_seq_len: int | None = None) -> DecoderConfig:
@@ -326,22 +546,54 @@ def gpt2_params(cfg: DecoderConfig, n_positions: int) -> list[Param]:
     return ps
 
 
-def llama_params(cfg: DecoderConfig) -> list[Param]:
-    """Llama, Mistral and Qwen2 use nn.Linear ([out, in]) with the decoder's own projection names."""
+# HF norm names -> ours, by norm layout: the same HF name means another norm in another layout
+# (Llama's post_attention_layernorm is the pre-MLP norm, Gemma 2's the norm of the attention's output)
+NORM_NAMES = {"pre": {"input_layernorm": "ln_1", "post_attention_layernorm": "ln_2"},
+              "sandwich": {"input_layernorm": "ln_1", "post_attention_layernorm": "post_attn_norm",
+                           "pre_feedforward_layernorm": "ln_2", "post_feedforward_layernorm": "post_mlp_norm"},
+              "post": {"post_attention_layernorm": "post_attn_norm", "post_feedforward_layernorm": "post_mlp_norm"}}
+
+
+def _plus_one(t):
+    return 1.0 + t      # Gemma's RMSNorm multiplies by (1 + w) in fp32: we store that effective gain
+
+
+def _rows(start: int, stop: int):
+    return lambda t: t[start:stop]
+
+
+def llama_params(cfg: DecoderConfig, kind: str) -> list[Param]:
+    """The llama-like families use nn.Linear ([out, in]) with the decoder's own projection names; Phi-3's
+    fused qkv_proj / gate_up_proj are split by rows, Gemma's norm gains become 1 + w."""
+    family = FAMILIES[kind]
     d, hidden, q, kv = cfg.d_model, cfg.hidden, cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    gain = _plus_one if family.gain_plus_one else _same
     ps = [Param("embed_tokens.weight", (cfg.vocab_size, d), [("wte.weight", _same)]),
-          Param("norm.weight", (d,), [("ln_f.weight", _same)])]
+          Param("norm.weight", (d,), [("ln_f.weight", gain)])]
     for i in range(cfg.n_layer):
         h, b = f"layers.{i}.", f"blocks.{i}."
-        ps += [Param(f"{h}input_layernorm.weight", (d,), [(f"{b}ln_1.weight", _same)]),
-               Param(f"{h}post_attention_layernorm.weight", (d,), [(f"{b}ln_2.weight", _same)])]
-        projections = [("self_attn.q_proj", "attn.q_proj", (q, d), cfg.qkv_bias),
-                       ("self_attn.k_proj", "attn.k_proj", (kv, d), cfg.qkv_bias),
-                       ("self_attn.v_proj", "attn.v_proj", (kv, d), cfg.qkv_bias),
-                       ("self_attn.o_proj", "attn.out_proj", (d, q), cfg.out_bias),
-                       ("mlp.gate_proj", "mlp.gate_proj", (hidden, d), cfg.mlp_bias),
-                       ("mlp.up_proj", "mlp.up_proj", (hidden, d), cfg.mlp_bias),
-                       ("mlp.down_proj", "mlp.down_proj", (d, hidden), cfg.mlp_bias)]
+        norms = [(theirs, ours) for theirs, ours in NORM_NAMES[cfg.norm_layout].items()]
+        if cfg.qk_norm:
+            norms += [("self_attn.q_norm", "attn.q_norm"), ("self_attn.k_norm", "attn.k_norm")]
+        ps += [Param(f"{h}{theirs}.weight", (cfg.norm_width(ours),), [(f"{b}{ours}.weight", gain)])
+               for theirs, ours in norms]
+        if family.fused:
+            ps += [Param(f"{h}self_attn.qkv_proj.weight", (q + 2 * kv, d),
+                         [(f"{b}attn.q_proj.weight", _rows(0, q)), (f"{b}attn.k_proj.weight", _rows(q, q + kv)),
+                          (f"{b}attn.v_proj.weight", _rows(q + kv, q + 2 * kv))]),
+                   Param(f"{h}mlp.gate_up_proj.weight", (2 * hidden, d),     # chunk(2): the gate first
+                         [(f"{b}mlp.gate_proj.weight", _rows(0, hidden)),
+                          (f"{b}mlp.up_proj.weight", _rows(hidden, 2 * hidden))])]
+            projections = [("self_attn.o_proj", "attn.out_proj", (d, q), cfg.out_bias),
+                           ("mlp.down_proj", "mlp.down_proj", (d, hidden), cfg.mlp_bias)]
+        else:
+            projections = [("self_attn.q_proj", "attn.q_proj", (q, d), cfg.qkv_bias),
+                           ("self_attn.k_proj", "attn.k_proj", (kv, d), cfg.qkv_bias),
+                           ("self_attn.v_proj", "attn.v_proj", (kv, d), cfg.qkv_bias),
+                           ("self_attn.o_proj", "attn.out_proj", (d, q), cfg.out_bias),
+                           ("mlp.gate_proj", "mlp.gate_proj", (hidden, d), cfg.mlp_bias),
+                           ("mlp.up_proj", "mlp.up_proj", (hidden, d), cfg.mlp_bias),
+                           ("mlp.down_proj", "mlp.down_proj", (d, hidden), cfg.mlp_bias)]
         for theirs, ours, shape, bias in projections:
             ps.append(Param(f"{h}{theirs}.weight", shape, [(f"{b}{ours}.weight", _same)]))
             if bias:
@@ -350,8 +602,8 @@ def llama_params(cfg: DecoderConfig) -> list[Param]:
 
 
 HEAD = "lm_head.weight"
-# the embedding's name tells the two layouts apart (llama, mistral and qwen2 share theirs)
-EMBEDDINGS = {"gpt2": ("wte.weight", "gpt2"), "llama": ("embed_tokens.weight", "llama, mistral or qwen2")}
+# the embedding's name tells the two layouts apart (every family but gpt2 shares Llama's)
+EMBEDDINGS = {"gpt2": ("wte.weight", "gpt2"), "llama": ("embed_tokens.weight", "llama-like")}
 
 
 def expected_params(f: _Fields, cfg: DecoderConfig, head_stored: bool) -> tuple[list[Param], tuple[str, ...]]:
@@ -359,7 +611,7 @@ def expected_params(f: _Fields, cfg: DecoderConfig, head_stored: bool) -> tuple[
 
     A tied config's stored head is read too: transformers ties only a head equal to the embedding.
     """
-    params = gpt2_params(cfg, f.int("n_positions")) if f.kind == "gpt2" else llama_params(cfg)
+    params = gpt2_params(cfg, f.int("n_positions")) if f.kind == "gpt2" else llama_params(cfg, f.kind)
     if not cfg.tie_embeddings or head_stored:
         params.append(Param(HEAD, (cfg.vocab_size, cfg.d_model), [("lm_head.weight", _same)], prefixed=False))
     return params, (("transformer.", "") if f.kind == "gpt2" else ("model.", ""))

@@ -41,7 +41,8 @@ def random_model(seed: int = 0, gate: float | None = None, randomize_norms: bool
     if randomize_norms:
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if "ln_" in name:
+                module = name.rsplit(".", 2)[-2] if name.count(".") else ""
+                if "ln_" in name or module.endswith("_norm"):     # ln_1, ln_2, ln_f, q_norm, post_attn_norm, ...
                     p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "weight" in name else 0.0))
                     if name.endswith("alpha"):
                         p.fill_(0.7)

@@ -35,13 +35,57 @@ FAMILIES = {
                                         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
                                                              low_freq_factor=1.0, high_freq_factor=4.0,
                                                              original_max_position_embeddings=16))),
+    # the 2026 families (issue 34), each with what its real checkpoints use
+    "qwen3": ("qwen3", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True)),
+    "qwen3-yarn-sliding": ("qwen3", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         max_position_embeddings=64, use_sliding_window=True, sliding_window=7,
+                                         max_window_layers=1,
+                                         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                              original_max_position_embeddings=16))),
+    "gemma": ("gemma", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=1, head_dim=16, max_position_embeddings=64)),
+    "gemma2": ("gemma2", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=7,
+                              query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=8.0)),
+    "gemma3": ("gemma3_text", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=7,
+                                   query_pre_attn_scalar=24, final_logit_softcapping=20.0,
+                                   layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                   rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10.0),
+                                                    "full_attention": dict(rope_type="linear", factor=4.0,
+                                                                           rope_theta=1000.0)})),
+    "phi3": ("phi3", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=64, original_max_position_embeddings=64,
+                          partial_rotary_factor=0.5, pad_token_id=0)),
+    # longrope beyond its pretraining length (16): the long factors from position 16 on, as transformers switches
+    "phi3-longrope": ("phi3", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                                   original_max_position_embeddings=16,
+                                   rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                                        partial_rotary_factor=0.75,
+                                                        short_factor=[1.0, 1.3, 1.7], long_factor=[2.0, 3.1, 5.3]))),
+    "olmo2": ("olmo2", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)),
+    "smollm3": ("smollm3", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                                num_key_value_heads=2, max_position_embeddings=64, no_rope_layer_interval=2,
+                                pad_token_id=0)),
+    "granite": ("granite", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, max_position_embeddings=64, embedding_multiplier=2.0,
+                                attention_multiplier=0.3, residual_multiplier=0.5, logits_scaling=4.0)),
 }
 
 
 def transformers_classes(model_type: str):
     transformers = pytest.importorskip("transformers")
     names = {"gpt2": ("GPT2Config", "GPT2LMHeadModel"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
-             "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}[model_type]
+             "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+             "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+             "phi3": ("Phi3Config", "Phi3ForCausalLM"), "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+             "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+             "granite": ("GraniteConfig", "GraniteForCausalLM")}[model_type]
     return getattr(transformers, names[0]), getattr(transformers, names[1])
 
 

@@ -59,7 +59,7 @@ def test_build_converts_in_memory_and_fused_matches_torch(built, name):
         worst = max(v for per in report["max_abs_diff"][key].values() for v in per.values())
         assert worst <= report["atol"] == 1e-4, (key, worst)
     config = json.loads((out / "config.json").read_text())
-    assert config["format"] == 2 and config["has_tokenizer"] == (name in WITH_TOKENIZER)
+    assert config["format"] == 3 and config["has_tokenizer"] == (name in WITH_TOKENIZER)
     assert (out / "tokenizer.json").is_file() == (name in WITH_TOKENIZER)
     if name in WITH_TOKENIZER:   # with a tokenizer the build also verified on real text
         assert any("real tokens" in k for k in report["max_abs_diff"]["fused_vs_torch"])

@@ -119,8 +119,8 @@ def test_failed_save_leaves_previous_checkpoint_intact(ckpt, monkeypatch):
 ZOO = __import__("pathlib").Path(__file__).resolve().parents[2] / "models" / "zoo"
 
 
-def test_format_1_checkpoints_keep_loading_and_resave_as_format_2(tmp_path):
-    """The bundled zoo is format 1: it loads as what format 1 meant, and a re-save is an equal format-2 model."""
+def test_format_1_checkpoints_keep_loading_and_resave_as_format_3(tmp_path):
+    """The bundled zoo is format 1: it loads as what format 1 meant, and a re-save is an equal format-3 model."""
     raw = json.loads((ZOO / "internal-taper" / "config.json").read_text())
     assert raw["format"] == 1 and "pos_embedding" not in raw
     model = load_checkpoint(ZOO / "internal-taper")
@@ -129,7 +129,7 @@ def test_format_1_checkpoints_keep_loading_and_resave_as_format_2(tmp_path):
         ("learned", cfg.n_head, True, True, True, 4 * cfg.d_model, "gelu_new")
     from models.checkpoint import save_checkpoint
     save_checkpoint(model, tmp_path / "v2", ZOO / "internal-taper" / "tokenizer.json")
-    assert json.loads((tmp_path / "v2" / "config.json").read_text())["format"] == 2
+    assert json.loads((tmp_path / "v2" / "config.json").read_text())["format"] == 3
     again = load_checkpoint(tmp_path / "v2")
     ids = torch.randint(0, cfg.vocab_size, (2, 9))
     with torch.no_grad():
@@ -149,6 +149,35 @@ def test_format_2_round_trip_of_the_hf_family_fields(tmp_path):
         assert torch.equal(model(ids), loaded(ids))
 
 
+def test_format_3_round_trip_of_the_2026_family_fields(tmp_path):
+    """Every format-3 field saved and loaded back, the model's output unchanged (sliding layers with their own
+    rope base, QK-norms, sandwich norms, scales and soft-caps, NoPE layers)."""
+    model = random_model(norm="rmsnorm", mlp="swiglu", pos_embedding="rope", n_layer=3, norm_layout="sandwich",
+                         qk_norm="head", embed_scale=3.0, attn_scale=0.2, attn_softcap=4.0, final_softcap=6.0,
+                         residual_scale=0.7, logits_divisor=1.5, sliding_window=3, sliding_layers=[0, 2],
+                         local_rope_theta=50.0, nope_layers=[1],
+                         rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32})
+    assert not torch.equal(model.blocks[0].attn.q_norm.weight, torch.ones(8))   # random_model moved the gains
+    write_checkpoint(tmp_path / "ck", model)
+    loaded = load_checkpoint(tmp_path / "ck")
+    assert loaded.cfg == model.cfg
+    ids = torch.randint(0, 320, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model(ids), loaded(ids))
+
+
+def test_format_2_checkpoints_load_as_what_format_2_meant(tmp_path):
+    from models.checkpoint import FORMAT_2_MEANT
+    model = random_model(norm="rmsnorm", pos_embedding="rope")
+    write_checkpoint(tmp_path / "ck", model)
+    raw = json.loads((tmp_path / "ck" / "config.json").read_text())
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(
+        {**{k: v for k, v in raw.items() if k not in FORMAT_2_MEANT}, "format": 2}))
+    ids = torch.randint(0, 320, (2, 6))
+    with torch.no_grad():
+        assert torch.equal(model(ids), load_checkpoint(tmp_path / "ck")(ids))
+
+
 def test_tokenizer_less_checkpoint_loads_and_says_so(tmp_path, capsys):
     from models.checkpoint import load_tokenizer, save_checkpoint
     save_checkpoint(random_model(), tmp_path / "ck", None)
@@ -160,10 +189,11 @@ def test_tokenizer_less_checkpoint_loads_and_says_so(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("changes, pattern", [
-    (dict(format=1), r"format 1 with format-2 field\(s\) .*pos_embedding"),
-    (dict(format=3), r"field 'format' is 3; expected one of 1, 2"),
+    (dict(format=1), r"format 1 with format-2 or -3 field\(s\) .*pos_embedding"),
+    (dict(format=4), r"field 'format' is 4; expected one of 1, 2, 3"),
     (dict(format=True), r"field 'format' is True"),
-    (dict(format=2, has_tokenizer="yes"), r"field 'has_tokenizer' is 'yes'; expected true or false"),
+    (dict(format=2), r"format 2 with format-3 field\(s\) attn_scale, attn_softcap, embed_scale"),
+    (dict(format=3, has_tokenizer="yes"), r"field 'has_tokenizer' is 'yes'; expected true or false"),
 ])
 def test_format_fields_are_checked(ckpt, changes, pattern):
     edit_config(ckpt, **changes)

@@ -120,10 +120,13 @@ def test_rope_settings_read_as_transformers_reads_them(fx, tmp_path, case):
 
 
 ROPE_REFUSED = {
-    "yarn": (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
-             ("rope type 'yarn' (supported: default, linear, llama3) from rope_scaling",)),
+    "dynamic": (dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}),
+                ("rope type 'dynamic' (supported: default, linear, llama3, yarn, longrope) from rope_scaling",)),
     "unknown type": (dict(rope_scaling={"rope_type": "foo", "factor": 4.0}),
-                     ("rope type 'foo' (supported: default, linear, llama3) from rope_scaling",)),
+                     ("rope type 'foo' (supported: default, linear, llama3, yarn, longrope) from rope_scaling",)),
+    "longrope factors of the wrong length": (dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0],
+                                                                "long_factor": [2.0]}),
+                                             ("'rope_scaling.short_factor' is '1 numbers'",)),
     "linear without a factor": (dict(rope_scaling={"rope_type": "linear"}), ("'rope_scaling.factor' is missing",)),
     "negative factor": (dict(rope_scaling={"rope_type": "linear", "factor": -2.0}),
                         ("'rope_scaling.factor' is -2.0", "a positive number")),
@@ -143,12 +146,12 @@ def test_rope_settings_the_decoder_cannot_express_are_refused(fx, tmp_path, caps
     _assert_one_line(_copy(fx, tmp_path, **changes), tmp_path, capsys, *needles)
 
 
-def test_export_build_refuses_yarn_rope_scaling_too(fx, tmp_path, capsys):
+def test_export_build_refuses_dynamic_rope_scaling_too(fx, tmp_path, capsys):
     from export.build import main as build_main
-    path = _copy(fx, tmp_path, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    path = _copy(fx, tmp_path, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
     assert build_main(["--checkpoint", str(path), "--out", str(tmp_path / "build")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and "rope type 'yarn'" in err, err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "rope type 'dynamic'" in err, err
     assert not (tmp_path / "build").exists()
 
 
