@@ -92,19 +92,30 @@ def short_label(ctx: PassContext, node: gs.Node) -> str:
     return name.rsplit(".", 1)[-1] if name != node.name else name
 
 
+def linear_weight(node: gs.Node) -> np.ndarray | None:
+    """The effective weight [in, out] a MatMul (constant, or Transpose of a constant) or Gemm holds now,
+    or None. Rewrites read it again rather than what their match saw: two folds may rewrite one
+    matrix (a pre-norm into W_q's rows, a QK-norm into its columns)."""
+    if node.op == "Gemm":
+        b = const_value(node.inputs[1])
+        return None if b is None else (b.T if node.attrs.get("transB", 0) else b)
+    w_in = node.inputs[1]
+    w = const_value(w_in)
+    if w is None:
+        src = producer(w_in)
+        perm = None if src is None else src.attrs.get("perm")
+        if src is not None and src.op == "Transpose" and (perm is None or list(perm) == [1, 0]):
+            w = const_value(src.inputs[0])
+            w = None if w is None or w.ndim != 2 else w.T
+    return w
+
+
 def match_linear(ctx: PassContext, y: gs.Tensor, node: gs.Node) -> LinearUse | Skip:
     """`node` as a linear layer consuming y as its data input, or Skip(why not)."""
     if node.op == "MatMul":
         if len(node.inputs) != 2 or node.inputs[0] is not y or node.inputs[1] is y:
             return Skip(f"{node.name} uses it as a MatMul weight, not as the data input")
-        w_in = node.inputs[1]
-        w = const_value(w_in)
-        if w is None:
-            src = producer(w_in)
-            perm = None if src is None else src.attrs.get("perm")
-            if src is not None and src.op == "Transpose" and (perm is None or list(perm) == [1, 0]):
-                w = const_value(src.inputs[0])
-                w = None if w is None or w.ndim != 2 else w.T
+        w = linear_weight(node)
         if w is None or w.ndim != 2 or w.dtype.kind != "f":
             return Skip(f"{node.name} is a MatMul without a constant 2-D weight")
         return LinearUse(node, w, short_label(ctx, node))
@@ -300,7 +311,7 @@ def fold_affine(ctx: PassContext, x: gs.Tensor, consumers: Consumers, affine: Ch
 
 
 def _fold_weight(ctx: PassContext, use: LinearUse, affine: ChannelAffine) -> None:
-    node, w = use.node, use.weight
+    node, w = use.node, linear_weight(use.node)
     rows = w.shape[0]
     w64 = w.astype(np.float64)
     s = np.ones(rows) if affine.scale is None else np.broadcast_to(affine.scale.astype(np.float64), (rows,))

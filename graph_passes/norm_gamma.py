@@ -36,6 +36,19 @@ def _optional(node: gs.Node, i: int | None) -> gs.Tensor | None:
     return node.inputs[i] if i is not None and len(node.inputs) > i and node.inputs[i].name else None
 
 
+def _why_it_stays(ctx: PassContext, node: gs.Node, out: gs.Tensor, skip: Skip) -> Skip:
+    """The reason a live norm no matrix follows keeps its gamma, in the words of the 2026 families' norms."""
+    leaf = ctx.layer_name(node).rsplit(".", 1)[-1]
+    if leaf in ("q_norm", "k_norm"):
+        return Skip(f"{node.op} of a QK-norm: the rotary embedding and attention follow, no matrix, and a live "
+                    "norm's gamma cannot move past rope (it rotates pairs of dims): gamma stays in the op "
+                    "(a TaperNorm at g = 0 folds into W_q / W_k)")
+    if any(c.op == "Add" for c in out.outputs):
+        return Skip(f"{node.op} output joins the residual stream (a post-sublayer norm), no matrix follows: gamma "
+                    "stays in the op (a TaperNorm at g = 0 folds into W_o / W_down)")
+    return skip
+
+
 @dataclass
 class GammaFold(AffineFold):
     """AffineFold of a norm op's own gamma/beta; the op stays with gamma = 1, no beta."""
@@ -79,7 +92,7 @@ class FoldNormGamma(GraphPass):
             return None  # nothing to fold
         consumers = trace_consumers(ctx, out, gamma.shape[0])
         if isinstance(consumers, Skip):
-            return consumers
+            return _why_it_stays(ctx, node, out, consumers)
         # A tied LM head keeps its gamma: the norm op stays either way and applies gamma for free,
         # and an untouched head is still the embedding's table, which export.quantize then stores once.
         tied = next((u.label for u in consumers.linears if tied_embedding(ctx, u)), None)

@@ -1,9 +1,13 @@
 """taper_scale: fold a g = 0 TaperNorm (a per-channel scale, and a shift for the affine variant).
 
 At g = 0 a TaperNorm is h -> h * (c * gamma_tilde) [+ beta_tilde] (models/norms.py),
-exported as one Mul by a constant vector (and one Add). It folds into every
-linear layer it feeds: Q, K, V (or fused QKV), MLP up (and gate), and, with
-All-Taper, the LM head (cloned first when it is tied to the embedding).
+exported as one Mul by a constant vector (and one Add). A pre-norm folds into every
+linear layer it feeds (graph_passes/linear_fold.py): Q, K, V (or fused QKV), MLP up
+(and gate), and, with All-Taper, the LM head (cloned first when it is tied to the
+embedding). A norm that no matrix follows folds into the matrix before it instead
+(graph_passes/output_fold.py): a QK-norm (per head, before the rotary embedding) into
+the output columns of W_q / W_k of every head, a post-sublayer norm (Gemma 2/3, OLMo 2)
+into those of W_o / W_down.
 
 Which Muls are TaperNorms: nodes whose torch provenance (node metadata
 pkg.torch.onnx.class_hierarchy) names models.norms.TaperNorm. Per-channel Muls
@@ -17,6 +21,7 @@ import onnx_graphsurgeon as gs
 
 from graph_passes.base import GraphPass, PassContext, PassError, Skip
 from graph_passes.linear_fold import AffineFold, ChannelAffine, fold_affine, match_scale_shift, trace_consumers
+from graph_passes.output_fold import OutputFold, fold_into_producer, trace_producer
 
 TAPER_CLASS = "TaperNorm"
 
@@ -60,6 +65,12 @@ class FoldTaperScale(GraphPass):
     #           (provenance: TaperNorm)         └──▶ ... every consumer a MatMul/Gemm, constant W [d, out]; Shape/Size
     #   ==>
     #     h ──▶ MatMul(diag(s) W) ▶ Add(b + beta W)     (new constants; Mul and Add removed)
+    #
+    # or, when no linear layer follows (a QK-norm, a post-sublayer norm):
+    #
+    #     x ──▶ MatMul(W) [▶ Add(b)] [▶ Reshape [.., H, D]] ──▶ Mul(h, s) ──▶ [Add(·, beta)] ──▶ (rope, residual add)
+    #   ==>
+    #     x ──▶ MatMul(W diag(S)) ▶ Add(b S + B) [▶ Reshape] ──▶ ...   (S, B: s, beta repeated over the H heads)
 
     def prepare(self, ctx: PassContext) -> None:
         info = detect_taper(ctx)
@@ -69,7 +80,7 @@ class FoldTaperScale(GraphPass):
             raise PassError(f"{names}: TaperNorm gate {gate}; folding needs gate 0 "
                             "(finish the taper, or build without --fuse)")
 
-    def match(self, ctx: PassContext, node: gs.Node) -> AffineFold | Skip | None:
+    def match(self, ctx: PassContext, node: gs.Node) -> AffineFold | OutputFold | Skip | None:
         if not is_taper_node(ctx, node):
             return None
         label = ctx.layer_name(node)
@@ -78,10 +89,17 @@ class FoldTaperScale(GraphPass):
             return m
         if m.add is not None and ctx.layer_name(m.add) != label:     # an Add of another module: not its shift
             m.shift, m.y, m.add = None, node.outputs[0], None
+        affine = ChannelAffine(m.scale, m.shift)
         consumers = trace_consumers(ctx, m.y, len(m.scale))
-        if isinstance(consumers, Skip):
-            return consumers
-        return AffineFold(label, m.x, ChannelAffine(m.scale, m.shift), consumers)
+        if not isinstance(consumers, Skip):
+            return AffineFold(label, m.x, affine, consumers)
+        made = trace_producer(ctx, m.x, len(m.scale))
+        if isinstance(made, Skip):
+            return Skip(f"{consumers.why}, nor into the matrix before it: {made.why}")
+        return OutputFold(label, node, m.y, m.x, affine, made)
 
-    def rewrite(self, ctx: PassContext, match: AffineFold) -> None:
-        fold_affine(ctx, match.x, match.consumers, match.affine)
+    def rewrite(self, ctx: PassContext, match: AffineFold | OutputFold) -> None:
+        if isinstance(match, OutputFold):
+            fold_into_producer(ctx, match)
+        else:
+            fold_affine(ctx, match.x, match.consumers, match.affine)

@@ -6,6 +6,10 @@ and beta_tilde, DyT's gamma / beta) live in the linears they feed.
 
 what stays of each norm is its scale-free core: x / rms(x) (ScalelessRMSNorm), the plain
 LayerNorm (ScalelessLayerNorm), tanh(alpha x) (DyTCore), nothing for TaperNorm at g = 0.
+A norm that no matrix follows (a QK-norm before the rotary embedding, a post-sublayer norm before
+the residual add) folds only as a TaperNorm at g = 0, into the output rows of the matrix before it
+(W' = diag(S) W, b' = S b + B, S and B repeated over the heads); a live one stays whole, as the
+graph passes leave it (graph_passes/output_fold.py).
 This is the same algebra graph_passes applies to the exported ONNX graph (FlashNorm for the
 RMSNorm gamma); here it gives the eager torch model the fold (bench.decode's torch variants).
 A tied head is untied (cloned) when the final norm folds into it: the embedding must stay
@@ -118,12 +122,43 @@ def _fold(parent: nn.Module, attr: str, linears: list[nn.Linear]) -> None:
 
 
 @torch.no_grad()
+def _fold_output(parent: nn.Module, attr: str, linear: nn.Linear) -> None:
+    """A g = 0 TaperNorm after `linear` (norm(linear(x)) == linear'(x)) into its output rows, in place;
+    any other norm stays."""
+    norm = getattr(parent, attr)
+    if not isinstance(norm, TaperNorm):
+        return
+    split = _split_norm(norm)
+    reps = linear.out_features // split.scale.shape[0]              # the heads of a per-head QK-norm
+    scale = split.scale.detach().repeat(reps)                       # [out]
+    linear.weight.mul_(scale[:, None])
+    shift = None if split.shift is None else split.shift.detach().repeat(reps)
+    if linear.bias is not None:
+        linear.bias.mul_(scale)
+        if shift is not None:
+            linear.bias.add_(shift)
+    elif shift is not None:
+        linear.bias = nn.Parameter(shift.clone())
+    setattr(parent, attr, nn.Identity())
+
+
+@torch.no_grad()
 def fold_block_norms(block: nn.Module) -> None:
-    """Fold one block's two norms into its q/k/v and MLP input projections, in place (the
-    streamed build folds block by block: export/stream.py)."""
+    """Fold one block's norms, in place (the streamed build folds block by block: export/stream.py): the
+    pre-norms into the q/k/v and MLP input projections, the g = 0 TaperNorms no matrix follows (QK-norms,
+    post-sublayer norms) into the matrices before them."""
     mlp_in = [block.mlp.up_proj] + ([block.mlp.gate_proj] if hasattr(block.mlp, "gate_proj") else [])
-    _fold(block, "ln_1", [block.attn.q_proj, block.attn.k_proj, block.attn.v_proj])
-    _fold(block, "ln_2", mlp_in)
+    if block.ln_1 is not None:
+        _fold(block, "ln_1", [block.attn.q_proj, block.attn.k_proj, block.attn.v_proj])
+    if block.ln_2 is not None:
+        _fold(block, "ln_2", mlp_in)
+    if block.attn.qk_norm:
+        _fold_output(block.attn, "q_norm", block.attn.q_proj)
+        _fold_output(block.attn, "k_norm", block.attn.k_proj)
+    if block.post_attn_norm is not None:
+        _fold_output(block, "post_attn_norm", block.attn.out_proj)
+    if block.post_mlp_norm is not None:
+        _fold_output(block, "post_mlp_norm", block.mlp.down_proj)
 
 
 def keeps_tied_final_norm(model: Decoder) -> bool:

@@ -1,5 +1,6 @@
 """taper_scale: numerical before/after (ORT optimizations off) and must-not-rewrite cases."""
 import numpy as np
+import onnx
 import pytest
 from onnx import helper
 
@@ -143,3 +144,87 @@ def test_gate_above_zero_is_refused_with_layers_named():
 def test_detect_reads_layers_and_gate():
     info = detect_taper(load_graph(scale_to_linears(shift=rng_vec(5, loc=0.0))))
     assert info["layers"] == {"blocks.0.ln_1": ["Mul", "Add"]} and info["gate"] == 0.0 and info["foldable"]
+
+
+# --- a norm no matrix follows: folded into the matrix before it (graph_passes/output_fold.py) -----------
+
+H, HD = 2, 4     # heads and head width of the per-head case (H * HD = D)
+
+
+def scale_after_linear(per_head=True, bias=True, shift=None, packed=None, layer="blocks.0.attn.q_norm",
+                       extra_reader=False) -> onnx.ModelProto:
+    """x ─▶ MatMul(W) [▶ Add(b)] [▶ Slice / Split of a packed Q|K|V] [▶ Reshape [2, 3, H, HD]] ─▶ Mul(s) [▶ Add(t)]
+    ─▶ Relu ─▶ y: a QK-norm (per head) or a post-sublayer norm (per_head False) at g = 0 before a non-linear op.
+    packed: "slice" or "split": W computes [Q | K] (2 D columns), the scaled tensor is the K part."""
+    cols = 2 * D if packed else D
+    nodes, inits = [helper.make_node("MatMul", ["x", "W"], ["z0"], name="proj")], [init("W", rng_mat(3, (D, cols)))]
+    z = "z0"
+    if bias:
+        nodes.append(helper.make_node("Add", ["z0", "b"], ["z1"], name="proj_bias"))
+        inits.append(init("b", rng_vec(4, cols, 0.0)))
+        z = "z1"
+    if packed == "slice":
+        nodes += [helper.make_node("Slice", [z, "s0", "s1", "ax"], ["q"], name="take_q"),
+                  helper.make_node("Slice", [z, "s1", "s2", "ax"], ["k"], name="take_k"),
+                  helper.make_node("Relu", ["q"], ["yq"], name="use_q")]
+        inits += [init("s0", np.array([0], np.int64)), init("s1", np.array([D], np.int64)),
+                  init("s2", np.array([2 * D], np.int64)), init("ax", np.array([-1], np.int64))]
+        z = "k"
+    elif packed == "split":
+        nodes += [helper.make_node("Split", [z, "sizes"], ["q", "k"], name="split_qk", axis=-1),
+                  helper.make_node("Relu", ["q"], ["yq"], name="use_q")]
+        inits.append(init("sizes", np.array([D, D], np.int64)))
+        z = "k"
+    if per_head:
+        nodes.append(helper.make_node("Reshape", [z, "heads"], ["zh"], name="split_heads"))
+        inits.append(init("heads", np.array([2, 3, H, HD], np.int64)))
+        z = "zh"
+    nodes.append(helper.make_node("Mul", [z, "s"], ["h"], name="norm_mul"))
+    inits.append(init("s", rng_vec(5, HD if per_head else D)))
+    meta = {"norm_mul": taper_meta(layer)}
+    out = "h"
+    if shift is not None:
+        nodes.append(helper.make_node("Add", ["h", "t"], ["h2"], name="norm_add"))
+        inits.append(init("t", shift))
+        meta["norm_add"] = taper_meta(layer, op="add")
+        out = "h2"
+    nodes.append(helper.make_node("Relu", [out], ["y"], name="after"))
+    outputs = ["y"] + (["yq"] if packed else [])
+    if extra_reader:
+        nodes.append(helper.make_node("Relu", ["z0"], ["z_other"], name="other_reader"))
+        outputs.append("z_other")
+    return model(nodes, inits, outputs=tuple(outputs), meta={"tapernorm.gate": "0.0"}, node_meta=meta)
+
+
+@pytest.mark.parametrize("kw", [
+    {}, {"bias": False}, {"shift": rng_vec(6, HD, loc=0.0)}, {"bias": False, "shift": rng_vec(6, HD, loc=0.0)},
+    {"per_head": False, "layer": "blocks.0.post_attn_norm"}, {"packed": "slice"}, {"packed": "split"},
+    {"packed": "slice", "bias": False, "shift": rng_vec(6, HD, loc=0.0)},
+], ids=["per-head", "no-bias", "affine", "no-bias-affine", "post-norm", "packed-slice", "packed-split",
+        "packed-affine"])
+def test_a_norm_no_matrix_follows_folds_into_the_matrix_before_it(kw):
+    m = scale_after_linear(**kw)
+    fused, (res,) = run_passes(m, PASS)
+    assert len(res.rewrites) == 1 and res.rewrites[0][1].endswith("-> output of proj"), res.rewrites
+    assert "Mul" not in ops(fused) and ops(fused).count("Add") <= 1     # the matrix's bias only
+    assert_same(m, fused)
+
+
+@pytest.mark.parametrize("kw, why", [
+    ({"extra_reader": True, "bias": False}, "read by 2 nodes"),           # another node reads the unscaled output
+])
+def test_no_rewrite_into_a_matrix_whose_output_something_else_reads(kw, why):
+    _unchanged(scale_after_linear(**kw), why)
+
+
+def test_no_rewrite_through_a_transpose_of_the_heads():
+    """[2, 3, H, HD] transposed to [2, 3, HD, H], then a scale of H channels: it scales what were the head
+    indices, which no column scale of the matrix expresses as the pass reads it."""
+    m = scale_after_linear()
+    mul = next(n for n in m.graph.node if n.name == "norm_mul")
+    mul.input[0] = "zt"
+    m.graph.node.insert(list(m.graph.node).index(mul), helper.make_node("Transpose", ["zh"], ["zt"], name="swap",
+                                                                        perm=[0, 1, 3, 2]))
+    s = next(i for i in m.graph.initializer if i.name == "s")
+    s.CopyFrom(init("s", rng_vec(5, H)))
+    _unchanged(m, "zt is computed by Transpose, not a linear layer")

@@ -41,3 +41,27 @@ def test_taper_above_gate_zero_is_refused():
     model = random_model(seed=0, norm="taper", taper_scope="internal", gate=0.5)
     with pytest.raises(ValueError, match="gate 0.5"):
         fold_norms(model)
+
+
+# the 2026 families' norm layouts: QK-norms (per head, per projection), sandwich and post norms
+FAMILY_LAYOUTS = {"qwen3": dict(qk_norm="head", n_kv_head=2), "gemma3": dict(norm_layout="sandwich", qk_norm="head"),
+                  "olmo2": dict(norm_layout="post", qk_norm="proj", n_kv_head=2)}
+
+
+@pytest.mark.parametrize("layout", list(FAMILY_LAYOUTS))
+@pytest.mark.parametrize("kind", [dict(norm="rmsnorm"), dict(norm="taper", taper_scope="all"),
+                                  dict(norm="taper", taper_scope="all", taper_affine=True)], ids=["rms", "taper", "affine"])
+def test_fold_of_the_families_norms_keeps_logits(layout, kind):
+    gate = 0.0 if kind["norm"] == "taper" else None
+    model = random_model(seed=5, gate=gate, pos_embedding="rope", mlp="swiglu", **FAMILY_LAYOUTS[layout], **kind)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 7))
+    with torch.no_grad():
+        ref = model(ids)
+        folded = fold_norms(model)
+        got = folded(ids)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    left = [n for n, m in folded.named_modules() if type(m).__name__ in ("TaperNorm", "RMSNorm")]
+    # tapered: nothing is left; live: the QK-norms and post norms stay whole (nothing follows them to fold into)
+    expected = [] if kind["norm"] == "taper" else [n for n in model.cfg.norm_names()
+                                                   if n.endswith(("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"))]
+    assert left == expected
