@@ -96,4 +96,8 @@ def ort_cpu_blocker(cfg, fuse: bool, dtype: str) -> str | None:
             return f"head size {head} with rope (GroupQueryAttention rotates multiples of 16)"
         if cfg.rotary_dim not in (None, head):
             return f"partial rotary ({cfg.rotary_dim} of {head} dims; GroupQueryAttention rotates the whole head)"
+        scaling = cfg.rope_scaling or {}
+        if scaling.get("rope_type") == "longrope" and cfg.max_seq_len > scaling["original_max_position_embeddings"]:
+            return (f"longrope past position {scaling['original_max_position_embeddings']} (two frequency sets; "
+                    "GroupQueryAttention's cos / sin tables hold one)")
     return None

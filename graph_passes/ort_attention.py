@@ -27,8 +27,15 @@ Limits, from ORT's kernel (contrib_ops/cpu/bert/group_query_attention_helper.h):
     our runtimes prefill at slot 0, and DecoderSession refuses the other case up front;
   * head size a multiple of 8; fp32 on the CPU (fp16 needs a GPU provider);
   * the mask is not an input: the pass only matches the causal-by-position mask that
-    export.onnx_export writes (a LessOrEqual of slots against positions), and a build
-    verifies the rewritten graph against the graph before, on the same inputs.
+    export.onnx_export writes (a LessOrEqual of slots against positions), alone or with a
+    sliding layer's window (And slot > position - W: GQA's local_window_size = W, the keys
+    p - W < j <= p, as transformers' sliding_window), and a build verifies the rewritten graph
+    against the graph before, on the same inputs.
+What the 2026 families add (issue 34): a live per-head QK-norm (Qwen3, Gemma 3) stays as its op on
+q and k, merged back to [B, S, H * D] for GQA (Q/K/V then stay three MatMuls); the attention
+soft-cap (Gemma 2) is GQA's softcap; yarn's attention factor scales the cos / sin tables; a NoPE
+layer (SmolLM3) gets none; Gemma 3's local and global layers get one table pair each. longrope past
+its switch (a Where between two frequency sets) and partial rotary are not matched.
 ORT-only: TensorRT's parser has no com.microsoft ops, so builds for TensorRT keep the
 portable graph (graph_passes.trt_lint flags this op).
 """
@@ -59,12 +66,18 @@ class GqaMatch(Match):
     packed: tuple | None                       # (x, [W], [b or None]) when q, k, v are MatMul(x, W) [+ b] of one x
     inv_freq: np.ndarray | None                # rotary embedding's inverse frequencies [D / 2], None without rope
     capacity: int                              # cache slots: rows of the cos / sin tables
+    rope_scale: float = 1.0                    # yarn / longrope's attention factor on cos and sin
+    softcap: float = 0.0                       # tanh soft-cap of the logits (Gemma 2); 0: none
+    window: int = 0                            # sliding window (keys p - window < j <= p); 0: the whole cache
+    normed: tuple = (None, None)               # the live per-head QK-norm ops on q, k ([B, S, H, D]), kept
 
     @property
     def detail(self) -> str:
         qkv = "Q/K/V packed into one MatMul" if self.packed else "Q/K/V kept apart"
         rope = ", rotary embedding inside" if self.inv_freq is not None else ""
-        return f"Attention + 2 TensorScatter -> GroupQueryAttention ({self.heads} heads, {self.kv_heads} kv), {qkv}{rope}"
+        window = f", window {self.window}" if self.window else ""
+        return (f"Attention + 2 TensorScatter -> GroupQueryAttention ({self.heads} heads, {self.kv_heads} kv), "
+                f"{qkv}{rope}{window}")
 
 
 def _single_consumer(t: gs.Tensor, op: str) -> gs.Node | None:
@@ -75,15 +88,24 @@ def _perm_is(node: gs.Node | None, perm) -> bool:
     return node is not None and node.op == "Transpose" and list(node.attrs.get("perm", [])) == perm
 
 
-def _split_heads_input(t: gs.Tensor) -> gs.Tensor | None:
-    """x of Transpose(Reshape(x, [B, S, H, D]), perm 0213), the 3-D tensor before the head split."""
+HEAD_NORMS = ("RMSNormalization", "SimplifiedLayerNormalization")
+
+
+def _split_heads_input(t: gs.Tensor) -> tuple[gs.Tensor, gs.Node | None] | None:
+    """(x, None) of Transpose(Reshape(x, [B, S, H, D]), perm 0213), x the 3-D tensor before the head split;
+    (x, norm) of Transpose(norm(Reshape(x))), a live per-head QK-norm (Qwen3, Gemma 3) over the last axis."""
     tr = producer(t)
     if not _perm_is(tr, TO_BHSD):
         return None
-    rs = producer(tr.inputs[0])
-    if rs is None or rs.op != "Reshape" or len(tr.inputs[0].outputs) != 1:
+    split, norm = tr.inputs[0], None
+    src = producer(split)
+    if src is not None and src.op in HEAD_NORMS and src.attrs.get("axis", -1) in (-1, 3) \
+            and len(split.outputs) == 1:
+        norm, split = src, src.inputs[0]
+        src = producer(split)
+    if src is None or src.op != "Reshape" or len(split.outputs) != 1:
         return None
-    return rs.inputs[0]
+    return src.inputs[0], norm
 
 
 def _linear(t: gs.Tensor):
@@ -125,16 +147,24 @@ def _through(t: gs.Tensor, ops=("Unsqueeze",)) -> gs.Node | None:
     return node
 
 
-def _angles(t: gs.Tensor, trig: str) -> gs.Tensor | None:
-    """f of (Unsqueeze of) trig(Concat(f, f)) along the last axis: the rotary angles, HF layout."""
-    node = _through(t)
+def _angles(t: gs.Tensor, trig: str) -> tuple[gs.Tensor, float] | None:
+    """(f, a) of (Unsqueeze of) trig(Concat(f, f)) [* a] along the last axis: the rotary angles, HF layout,
+    and the attention factor a scalar constant multiplies them by (yarn, longrope; 1 without)."""
+    node, scale = _through(t), 1.0
+    if node is not None and node.op == "Mul":
+        consts = [const_value(i) for i in node.inputs]
+        data = [i for i, c in zip(node.inputs, consts) if c is None]
+        values = [c for c in consts if c is not None]
+        if len(data) != 1 or len(values) != 1 or values[0].size != 1:
+            return None
+        node, scale = producer(data[0]), float(values[0].reshape(-1)[0])
     if node is None or node.op != trig:
         return None
     cat = producer(node.inputs[0])
     if cat is None or cat.op != "Concat" or cat.attrs.get("axis") not in (-1, 3) or len(cat.inputs) != 2 \
             or cat.inputs[0] is not cat.inputs[1]:
         return None
-    return cat.inputs[0]
+    return cat.inputs[0], scale
 
 
 def _inv_freq(angles: gs.Tensor) -> np.ndarray | None:
@@ -165,8 +195,8 @@ def _is_rotate_half(r: gs.Tensor, x: gs.Tensor) -> bool:
 
 
 def _rotary(t: gs.Tensor):
-    """(x, inv_freq) of x * cos + rotate_half(x) * sin over the whole head (models/decoder.py's
-    apply_rope with rotary_dim = head_dim), cos / sin = cos / sin(cat(f, f)), f = positions * inv_freq."""
+    """(x, inv_freq, a) of x * cos + rotate_half(x) * sin over the whole head (models/decoder.py's
+    apply_rope with rotary_dim = head_dim), cos / sin = a cos / sin(cat(f, f)), f = positions * inv_freq."""
     add = producer(t)
     if add is None or add.op != "Add":
         return None
@@ -178,25 +208,48 @@ def _rotary(t: gs.Tensor):
             for r, sin in ((rotated.inputs[0], rotated.inputs[1]), (rotated.inputs[1], rotated.inputs[0])):
                 if not _is_rotate_half(r, x):
                     continue
-                f = _angles(cos, "Cos")
-                if f is not None and f is _angles(sin, "Sin"):
-                    inv = _inv_freq(f)
-                    return (x, inv) if inv is not None else None
+                c, s = _angles(cos, "Cos"), _angles(sin, "Sin")
+                if c is not None and s is not None and c[0] is s[0] and c[1] == s[1]:
+                    inv = _inv_freq(c[0])
+                    return (x, inv, c[1]) if inv is not None else None
     return None
 
 
 def _is_position_mask(t: gs.Tensor, depth: int = 6) -> bool:
     """The mask export.onnx_export writes: (Unsqueeze of) a LessOrEqual of slots against positions."""
+    return _mask_op(t, "LessOrEqual", depth) is not None
+
+
+def _mask_op(t: gs.Tensor, op: str, depth: int = 6) -> gs.Node | None:
     node = producer(t)
     for _ in range(depth):
         if node is None:
-            return False
-        if node.op == "LessOrEqual":
-            return True
+            return None
+        if node.op == op:
+            return node
         if node.op not in ("Unsqueeze", "Expand", "Reshape"):
-            return False
+            return None
         node = producer(node.inputs[0])
-    return False
+    return None
+
+
+def _mask_window(t: gs.Tensor) -> int | None:
+    """0 for export.onnx_export's slot <= position mask, W for a sliding layer's (that mask And slot >
+    position - W: models/decoder.py's step_inputs), None for any other mask."""
+    if _is_position_mask(t):
+        return 0
+    node = producer(t)
+    if node is None or node.op != "And" or len(node.inputs) != 2:
+        return None
+    causal, window = node.inputs
+    if not _is_position_mask(causal):
+        causal, window = window, causal
+    gt = _mask_op(window, "Greater")
+    sub = None if gt is None else producer(gt.inputs[1])
+    w = None if sub is None or sub.op != "Sub" else const_value(sub.inputs[1])
+    if not _is_position_mask(causal) or w is None or w.size != 1 or w.dtype.kind not in "iu" or int(w.reshape(-1)[0]) < 1:
+        return None
+    return int(w.reshape(-1)[0])
 
 
 class OrtGroupQueryAttention(GraphPass):
@@ -217,16 +270,19 @@ class OrtGroupQueryAttention(GraphPass):
 
     def __init__(self):
         self._lengths: dict[int, tuple[gs.Tensor, gs.Tensor]] = {}    # per graph: (seqlens_k, total_length)
+        self._caches: dict[tuple, list[gs.Constant]] = {}            # per graph and rope: (cos, sin)
 
     def match(self, ctx: PassContext, att: gs.Node) -> GqaMatch | Skip | None:
         if att.domain not in (None, "", "ai.onnx") or len(att.inputs) != 4 or any(
                 o.name and (o.outputs or ctx.is_graph_output(o)) for o in att.outputs[1:]):
             return Skip(f"{att.name}: expected Attention(q, k, v, mask) with one used output")
-        if att.attrs.get("is_causal", 0) or att.attrs.get("softcap", 0.0) or att.attrs.get("qk_matmul_output_mode", 0):
-            return Skip(f"{att.name}: expected is_causal 0, softcap 0, qk_matmul_output_mode 0")
+        if att.attrs.get("is_causal", 0) or att.attrs.get("qk_matmul_output_mode", 0):
+            return Skip(f"{att.name}: expected is_causal 0, qk_matmul_output_mode 0")
         q, k, v, mask = att.inputs
-        if not _is_position_mask(mask):
-            return Skip(f"{att.name}: the mask is not export.onnx_export's slot <= position mask")
+        window = _mask_window(mask)
+        if window is None:
+            return Skip(f"{att.name}: the mask is not export.onnx_export's slot <= position mask (with or without "
+                        "a sliding window)")
         writes = (producer(k), producer(v))
         caches = []
         for w in writes:
@@ -238,14 +294,17 @@ class OrtGroupQueryAttention(GraphPass):
                     and all(c is att for c in w.outputs[0].outputs)):
                 return Skip(f"{att.name}: {w.name} does not write a graph-input cache at `position` into a graph output")
             caches.append((cache, update))
-        q_in, k_in, inv_freq = q, caches[0][1], None
+        q_in, k_in, inv_freq, rope_scale = q, caches[0][1], None, 1.0
         rq, rk = _rotary(q), _rotary(k_in)
-        if rq is not None and rk is not None and np.array_equal(rq[1], rk[1]):
-            (q_in, inv_freq), k_in = rq, rk[0]             # GQA applies the rotation itself (do_rotary)
-        x3 = (_split_heads_input(q_in), _split_heads_input(k_in), _split_heads_input(caches[1][1]))
-        if any(x is None for x in x3):
-            return Skip(f"{att.name}: q / k / v are not Transpose(Reshape(x)) head splits, with or without a "
-                        "full-width rotate-half rotary embedding (partial or interleaved rotary is not matched)")
+        if rq is not None and rk is not None and np.array_equal(rq[1], rk[1]) and rq[2] == rk[2]:
+            (q_in, inv_freq, rope_scale), k_in = rq, rk[0]    # GQA applies the rotation itself (do_rotary)
+        splits = (_split_heads_input(q_in), _split_heads_input(k_in), _split_heads_input(caches[1][1]))
+        if any(x is None for x in splits) or splits[2][1] is not None:
+            return Skip(f"{att.name}: q / k / v are not Transpose(Reshape(x)) head splits (q and k may have a "
+                        "per-head norm), with or without a full-width rotate-half rotary embedding (partial or "
+                        "interleaved rotary is not matched)")
+        x3 = tuple(x for x, _ in splits)
+        normed = (splits[0][1], splits[1][1])
         out_tr = _single_consumer(att.outputs[0], "Transpose")
         out_rs = _single_consumer(out_tr.outputs[0], "Reshape") if _perm_is(out_tr, TO_BHSD) else None
         if out_rs is None:
@@ -265,11 +324,37 @@ class OrtGroupQueryAttention(GraphPass):
             return Skip(f"{att.name}: no input_ids graph input to take the step length from")
         lin = [_linear(x) for x in x3]
         packed = None
-        if all(lin) and lin[0][0] is lin[1][0] is lin[2][0]:
+        if all(lin) and lin[0][0] is lin[1][0] is lin[2][0] and normed[0] is None and normed[1] is None:
             packed = (lin[0][0], [w for _, w, _ in lin], [b for _, _, b in lin])
         scale = att.attrs.get("scale")
         return GqaMatch(ctx.layer_name(att), att, writes, x3, out_rs.outputs[0], heads, kv_heads,
-                        None if scale is None else float(scale), packed, inv_freq, int(cache_shape[2]))
+                        None if scale is None else float(scale), packed, inv_freq, int(cache_shape[2]),
+                        rope_scale, float(att.attrs.get("softcap", 0.0)), window, normed)
+
+    def _rotary_caches(self, ctx: PassContext, m: GqaMatch) -> list[gs.Constant]:
+        """cos / sin [capacity, D / 2] of slot * inv_freq (times the attention factor), in fp32 as torch computes
+        them; one pair per distinct rope in the graph (Gemma 3's local and global layers have two)."""
+        key = (id(ctx.graph), m.inv_freq.tobytes(), m.rope_scale, m.capacity)
+        if key not in self._caches:
+            angles = np.arange(m.capacity, dtype=np.float32)[:, None] * m.inv_freq.astype(np.float32)[None, :]
+            cos, sin = np.cos(angles), np.sin(angles)
+            if m.rope_scale != 1.0:
+                cos, sin = cos * np.float32(m.rope_scale), sin * np.float32(m.rope_scale)
+            self._caches[key] = [ctx.const("gqa_cos_cache", cos), ctx.const("gqa_sin_cache", sin)]
+        return self._caches[key]
+
+    @staticmethod
+    def _merge_heads(ctx: PassContext, x: gs.Tensor, norm: gs.Node | None) -> gs.Tensor:
+        """GQA's 3-D input [B, S, H * D]: x itself, or the live per-head norm's output merged back."""
+        if norm is None:
+            return x
+        out = norm.outputs[0]
+        merged = gs.Variable(ctx.fresh_name(f"{out.name}_merged"), dtype=out.dtype,
+                             shape=None if not out.shape else [*out.shape[:2], None])
+        ctx.graph.nodes.append(gs.Node("Reshape", ctx.fresh_name("gqa_merge_heads"),
+                                       inputs=[out, ctx.const("gqa_merged_shape", np.array([0, 0, -1], np.int64))],
+                                       outputs=[merged]))
+        return merged
 
     def _step_lengths(self, ctx: PassContext) -> tuple[gs.Tensor, gs.Tensor]:
         """seqlens_k = position + S - 1 (int32 [B]) and total_length = max(position) + S (int32 scalar), once per graph."""
@@ -314,14 +399,17 @@ class OrtGroupQueryAttention(GraphPass):
                 qkv = summed
             qkv_inputs = [qkv, gs.Variable.empty(), gs.Variable.empty()]
         else:
-            qkv_inputs = list(m.inputs_3d)
+            qkv_inputs = [self._merge_heads(ctx, x, norm) for x, norm in zip(m.inputs_3d, (*m.normed, None))]
         attrs = {"num_heads": m.heads, "kv_num_heads": m.kv_heads}
         if m.scale is not None:
             attrs["scale"] = m.scale
+        if m.softcap:
+            attrs["softcap"] = m.softcap
+        if m.window:                   # GQA's local window: the keys p - window < j <= p (checked against torch)
+            attrs["local_window_size"] = m.window
         rotary = []
-        if m.inv_freq is not None:     # cos / sin [capacity, D / 2] of slot * inv_freq, in fp32 as torch computes them
-            angles = np.arange(m.capacity, dtype=np.float32)[:, None] * m.inv_freq.astype(np.float32)[None, :]
-            rotary = [ctx.const("gqa_cos_cache", np.cos(angles)), ctx.const("gqa_sin_cache", np.sin(angles))]
+        if m.inv_freq is not None:
+            rotary = self._rotary_caches(ctx, m)
             attrs.update(do_rotary=1, rotary_interleaved=0)
         # the old producers let go of the tensors the new op now writes (cleanup drops them)
         for node in (k_write, v_write, producer(m.output_3d)):

@@ -263,7 +263,7 @@ def rotary_embeddings(cfg: DecoderConfig) -> dict[str, RotaryEmbedding]:
     if cfg.pos_embedding != "rope":
         return {}
     dim = cfg.rotary_dim or cfg.head_dim
-    out = {"global": RotaryEmbedding(cfg.rope_theta, dim, cfg.rope_scaling)}
+    out = {"global": RotaryEmbedding(cfg.rope_theta, dim, cfg.rope_scaling, cfg.max_seq_len)}
     if cfg.local_rope_theta is not None:
         out["local"] = RotaryEmbedding(cfg.local_rope_theta, dim, None)
     return out

@@ -105,9 +105,11 @@ def rope_frequencies(theta: float, dim: int, scaling: dict | None):
 class RotaryEmbedding(nn.Module):
     """cos, sin [B, T, rotary_dim] of positions [B, T] (HF layout: the frequencies twice, concatenated)."""
 
-    def __init__(self, theta: float, dim: int, scaling: dict | None = None):
+    def __init__(self, theta: float, dim: int, scaling: dict | None = None, capacity: int | None = None):
         super().__init__()
         inv_freq, long_inv_freq, self.switch_after, self.attention_scaling = rope_frequencies(theta, dim, scaling)
+        if self.switch_after is not None and capacity is not None and capacity <= self.switch_after:
+            long_inv_freq, self.switch_after = None, None     # no position of the cache reaches the long set
         self.register_buffer("inv_freq", inv_freq, persistent=False)                 # [rotary_dim / 2]
         if long_inv_freq is not None:
             self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
@@ -117,7 +119,7 @@ class RotaryEmbedding(nn.Module):
         """Recompute the (non-persistent) frequency buffers, e.g. after a model was built on the meta device."""
         inv_freq, long_inv_freq, _, _ = rope_frequencies(self.theta, self.dim, self.scaling)
         self.inv_freq = inv_freq.to(self.inv_freq.device)
-        if long_inv_freq is not None:
+        if self.switch_after is not None:
             self.long_inv_freq = long_inv_freq.to(self.inv_freq.device)
 
     def forward(self, pos_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,6 +48,44 @@ def test_rewrite_equals_the_graph_before_and_torch(kind):
     compare(run_torch(model, iface, steps), run_onnx(ort_session(gqa), iface, steps), "fp32", "gqa vs torch")
 
 
+# the 2026 families (issue 34): what their layers add to the rewrite, each checked against the graph before and torch
+FAMILY_KINDS = {
+    # live per-head QK-norms stay as ops on q and k, merged back to [B, S, H * D] for GQA (Q/K/V kept apart)
+    "qwen3-live-qk-norm": (dict(norm="rmsnorm", qk_norm="head", n_kv_head=2), {}),
+    # Gemma 2 / 3: sliding windows (GQA's local_window_size), soft-cap, its own logit scale, a local rope base
+    "gemma-sliding-softcap": (dict(norm="rmsnorm", norm_layout="sandwich", qk_norm="head", sliding_window=3,
+                                   sliding_layers=[0], local_rope_theta=100.0, attn_scale=0.3, attn_softcap=3.0),
+                              {"local_window_size": 3, "softcap": 3.0, "scale": 0.3}),
+    # yarn's attention factor rides in the cos / sin tables; a NoPE layer gets no rotary tables
+    "yarn-nope": (dict(norm="taper", taper_scope="all", gate=0.0, nope_layers=[1],
+                       rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}), {}),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FAMILY_KINDS))
+def test_the_families_layers_rewrite_equal_to_the_graph_before_and_torch(kind):
+    changes, attrs = FAMILY_KINDS[kind]
+    model = random_model(seed=7, pos_embedding="rope", mlp="swiglu", d_model=32, n_head=2, n_layer=2, max_seq_len=32,
+                         **changes)
+    before = run_passes(export_onnx(model, None, attention="fused"))[0]
+    gqa, (result,) = run_passes(before, ["ort_gqa"])
+    assert len(result.folded) == model.cfg.n_layer and not result.skipped, result.notes
+    nodes = [n for n in gqa.graph.node if n.op_type == "GroupQueryAttention"]
+    first = {a.name: onnx_attr(a) for a in nodes[0].attribute}
+    assert {k: first.get(k) for k in attrs} == pytest.approx(attrs)
+    rotary = ["do_rotary" in {a.name for a in n.attribute} for n in nodes]
+    assert rotary == [i not in model.cfg.nope_layers for i in range(model.cfg.n_layer)]
+    verify_pair(before, gqa, tokens=list(range(3, 20)))
+    iface = read_interface(gqa)
+    steps = session_steps(iface, seed=5, same_start=True)
+    compare(run_torch(model, iface, steps), run_onnx(ort_session(gqa), iface, steps), "fp32", "gqa vs torch")
+
+
+def onnx_attr(a):
+    import onnx
+    return onnx.helper.get_attribute_value(a)
+
+
 def test_fold_then_rewrite_is_what_a_gqa_build_runs():
     assert passes_for("gqa")[-3:] == ("ort_gqa", "ort_bias_sum", "trt_lint") and "ort_gqa" not in passes_for("fused")
     model = random_model(seed=3, norm="taper", taper_scope="internal", gate=0.0)
