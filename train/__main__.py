@@ -51,7 +51,7 @@ import sys
 
 from core.errors import ArgumentParser, UsageError, float_in, int_in, positive_int, seed_int
 from train.config import TrainConfig, TrainError, add_execution_options, apply_resume_options
-from train.presets import PRESETS, SIZES
+from train.presets import ARCHS, PRESETS, SIZES, architecture
 
 # what --resume may be given beside --out: how the run is executed, not what it computes
 RESUME_OPTIONS = {"out", "resume", "threads", "quiet", "grad_accum", "device", "checkpoint_activations"}
@@ -85,12 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", help="where --data's token shards are kept (default: DATA_NAME.tokens beside --out)")
     add_execution_options(p, "train")
     g = p.add_argument_group("architecture (overrides the size)")
+    g.add_argument("--arch", choices=ARCHS, default="gpt2",
+                   help="the block's layout besides its norms (train/presets.py): gpt2 (default), llama, qwen3 "
+                        "(QK-norms), gemma3 (sandwich norms, QK-norms, sliding-window layers)")
     g.add_argument("--d-model", type=int_in(None, 65536))
     g.add_argument("--n-layer", type=int_in(None, 1024))
     g.add_argument("--n-head", type=int_in(None, 4096))
     g.add_argument("--vocab-size", type=int_in(None, 10_000_000))
     g.add_argument("--max-seq-len", type=int_in(None, 1_000_000), help="position table / KV-cache capacity (default 256)")
     g.add_argument("--mlp", help="gelu | swiglu")
+    g.add_argument("--mlp-ratio", type=int_in(None, 64), help="MLP hidden width / d_model (default 4)")
     g.add_argument("--dyt-alpha-init", type=float_in(), help="initial alpha of every DyT layer")
     g.add_argument("--embed-std", type=float_in(), help="init std of the token and position embeddings (default 0.02)")
     p.add_argument("--threads", type=int_in(0, 256), default=0, help="torch threads (0: torch's default)")
@@ -101,12 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
 def _config(a) -> TrainConfig:
     if a.preset is None:
         raise UsageError("python -m train: --preset is required for a new run (or pass --resume); see --help")
+    shape = SIZES.get(a.size, SIZES["tiny"])["model"]
+    width = {k: getattr(a, k) or shape[k] for k in ("d_model", "n_layer", "n_head")}
+    explicit = dict(d_model=a.d_model, n_layer=a.n_layer, n_head=a.n_head, vocab_size=a.vocab_size,
+                    max_seq_len=a.max_seq_len, mlp=a.mlp, mlp_ratio=a.mlp_ratio, dyt_alpha_init=a.dyt_alpha_init)
+    model = {**architecture(a.arch, **width), **{k: v for k, v in explicit.items() if v is not None}}
     kw = dict(preset=a.preset, size=a.size, out=a.out, steps=a.steps, warmup_steps=a.warmup_steps,
               taper_steps=a.taper_steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, eval_every=a.eval_every,
               eval_batches=a.eval_batches, calib_batches=a.calib_batches, aux_lambda=a.aux_lambda, s_tgt=a.s_tgt,
               seed=a.seed, corpus=a.corpus, corpus_stories=a.corpus_stories, corpus_limit=a.corpus_limit,
-              model=dict(d_model=a.d_model, n_layer=a.n_layer, n_head=a.n_head, vocab_size=a.vocab_size,
-                         max_seq_len=a.max_seq_len, mlp=a.mlp, dyt_alpha_init=a.dyt_alpha_init),
+              model=model,
               embed_std=a.embed_std, threads=a.threads, progress=not a.quiet, data=a.data, shards=a.shards,
               grad_accum=a.grad_accum or 1, device=a.device or "cpu", dtype=a.dtype, fsdp=a.fsdp,
               checkpoint_activations=a.checkpoint_activations)

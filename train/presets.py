@@ -11,6 +11,16 @@
 
 `layernorm` is GPT-2's architecture (LayerNorm, learned positions, tanh GELU, biases,
 tied head): the model train.finetune's TaperLN and FakeLN methods start from.
+
+Architectures (`--arch`; the preset decides the norms, the architecture where they sit and
+the rest of the block):
+
+| arch   | positions, MLP                          | norms                                          |
+|--------|-----------------------------------------|------------------------------------------------|
+| gpt2   | learned table, GELU MLP, biases (default) | pre-norms                                    |
+| llama  | rope, SwiGLU, grouped-query, no biases  | pre-norms                                      |
+| qwen3  | llama's                                 | pre-norms, QK-norm per head                    |
+| gemma3 | llama's with GeGLU, embeddings x sqrt(d), sliding-window layers (3 : 1, the last global) with a local rope base | sandwich (pre and post), QK-norm per head |
 """
 from __future__ import annotations
 
@@ -35,6 +45,26 @@ SIZES: dict[str, dict] = {
     "small": dict(model=dict(d_model=256, n_layer=10, n_head=8, vocab_size=2048, max_seq_len=256),
                   steps=4000, batch_size=32, seq_len=256, lr=1e-3, eval_every=200),
 }
+
+ARCHS = ("gpt2", "llama", "qwen3", "gemma3")
+GEMMA3_WINDOW = 32          # tiny models train on 128-token windows: a 32-key window is a real restriction
+
+
+def architecture(name: str, d_model: int, n_layer: int, n_head: int) -> dict:
+    """The DecoderConfig fields of architecture `name` at this width and depth (see the table above)."""
+    if name == "gpt2":
+        return {}
+    llama = dict(pos_embedding="rope", mlp="swiglu", qkv_bias=False, out_bias=False, mlp_bias=False,
+                 n_kv_head=max(1, n_head // 2), rope_theta=500000.0)
+    if name == "llama":
+        return llama
+    if name == "qwen3":
+        return {**llama, "rope_theta": 1e6, "qk_norm": "head"}
+    sliding = [i for i in range(n_layer - 1) if (i + 1) % 4]             # Gemma 3's local : global, every 4th global
+    return {**llama, "rope_theta": 1e6, "activation": "gelu_new", "norm_layout": "sandwich", "qk_norm": "head",
+            "embed_scale": d_model ** 0.5, "sliding_window": GEMMA3_WINDOW, "sliding_layers": sliding,
+            "local_rope_theta": 10000.0}
+
 
 WARMUP_FRAC = 0.35  # default warmup steps = 35% of the run
 TAPER_FRAC = 0.35   # default taper steps = 35%; the last 30% train at g = 0

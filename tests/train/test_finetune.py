@@ -135,3 +135,43 @@ def test_finetune_from_a_hugging_face_folder(tmp_path):
     model = load_checkpoint(tmp_path / "ft")
     assert (model.cfg.norm, model.cfg.taper_base, model.gate.value, model.cfg.max_seq_len) == ("taper", "ln", 0.0, 64)
     assert (tmp_path / "ft" / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def family_sources(tmp_path_factory):
+    """Tiny RMSNorm models of the Qwen3 and Gemma 3 architectures (python -m train --arch), pretrained 6 steps."""
+    root = tmp_path_factory.mktemp("arch")
+    out = {}
+    for arch in ("qwen3", "gemma3"):
+        r = cli("train", ["--preset", "baseline", "--arch", arch, "--d-model", "32", "--n-layer", "4", "--n-head", "4",
+                          "--steps", "6", "--eval-every", "3", "--out", root / arch, *TINY])
+        assert r.code == 0, r.err
+        out[arch] = root / arch
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("method", ["internal-taper", "all-taper"])
+def test_the_families_norms_taper_qk_and_sandwich_norms_included(family_sources, tmp_path, arch, method):
+    """internal-taper tapers every norm but the final one (QK-norms and sandwich norms too), all-taper every norm;
+    the run starts from the source model exactly, and ends at g = 0 with a calibrated c for each."""
+    source = family_sources[arch]
+    src_cfg = json.loads((source / "config.json").read_text())
+    assert src_cfg["qk_norm"] == "head" and src_cfg["norm_layout"] == ("sandwich" if arch == "gemma3" else "pre")
+    r = _finetune(source, tmp_path / "ft", method)
+    assert r.code == 0, r.err
+    log = json.loads((tmp_path / "ft" / "train_log.json").read_text())
+    src_log = json.loads((source / "train_log.json").read_text())
+    assert log["evals"][0]["val_loss"] == pytest.approx(src_log["evals"][-1]["val_loss"], abs=1e-5)
+    cfg = json.loads((tmp_path / "ft" / "config.json").read_text())
+    from models.decoder import DecoderConfig
+    names = DecoderConfig.from_dict(cfg).norm_names()
+    expected = names if method == "all-taper" else [n for n in names if n != "ln_f"]
+    assert (cfg["gate"], sorted(cfg["taper_c"])) == (0.0, sorted(expected))
+    assert any(n.endswith("q_norm") for n in expected) and (arch != "gemma3" or any("post_" in n for n in expected))
+    assert all(c > 0 for c in cfg["taper_c"].values())
+
+
+def test_fakeln_is_refused_for_an_rmsnorm_family_in_one_line(family_sources, tmp_path):
+    r = _finetune(family_sources["qwen3"], tmp_path / "ft", "fakeln")
+    assert r.code == 1 and r.err.count("\n") == 1 and "--method fakeln replaces LayerNorms" in r.err, r.err
