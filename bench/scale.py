@@ -7,7 +7,8 @@ python -m bench.scale plot REPORT.json [REPORT.json...] --out FIGURE.png
 What `python -m export.build` costs at real model sizes, and what its graphs decode at on CPU.
 
 make writes a random-init Hugging Face folder of a real shape (bench/shapes.py: llama-3.2-1b,
-llama-3.2-3b, llama-3-8b, qwen2.5-0.5b, gpt2-medium, gpt2-xl; or a config .json path), shard by
+llama-3.2-3b, llama-3-8b, qwen2.5-0.5b, gpt2-medium, gpt2-xl, qwen3-0.6b, qwen3-1.7b, qwen3-4b,
+qwen3-8b, gemma-3-1b, gemma-3-4b, phi-4-mini, smollm3-3b, olmo-2-1b; or a config .json path), shard by
 shard, without building the model. run, for each shape: makes DIR/<shape> (reused when it is
 already that shape), then in interleaved rounds (bench.stats.round_order) runs, per option set,
 

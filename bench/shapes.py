@@ -31,6 +31,16 @@ _GPT2 = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], activation_fu
              layer_norm_epsilon=1e-5, vocab_size=50257, n_positions=1024, n_ctx=1024, tie_word_embeddings=True,
              bos_token_id=50256, eos_token_id=50256, initializer_range=0.02)
 
+_QWEN3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_act="silu", head_dim=128,
+              vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=40960,
+              attention_bias=False, use_sliding_window=False, bos_token_id=151643, eos_token_id=151645,
+              initializer_range=0.02)
+_GEMMA3 = dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_activation="gelu_pytorch_tanh",
+               head_dim=256, rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+               query_pre_attn_scalar=256, sliding_window_pattern=6, tie_word_embeddings=True, attention_bias=False,
+               final_logit_softcapping=None, attn_logit_softcapping=None, bos_token_id=2, eos_token_id=1,
+               pad_token_id=0, initializer_range=0.02)
+
 SHAPES: dict[str, dict] = {
     "llama-3.2-1b": dict(_LLAMA, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                          head_dim=64, intermediate_size=8192, tie_word_embeddings=True, rope_scaling=_LLAMA3_ROPE,
@@ -47,6 +57,38 @@ SHAPES: dict[str, dict] = {
                          max_window_layers=24, bos_token_id=151643, eos_token_id=151643, initializer_range=0.02),
     "gpt2-medium": dict(_GPT2, n_embd=1024, n_layer=24, n_head=16),
     "gpt2-xl": dict(_GPT2, n_embd=1600, n_layer=48, n_head=25),
+    # the 2026 families (issue 34): their published config.json sizes; rope factors of Phi-4-mini's longrope
+    # are of the right length (48), not its published values (the cache's default capacity never reaches them)
+    "qwen3-0.6b": dict(_QWEN3, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       intermediate_size=3072, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(_QWEN3, hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       intermediate_size=6144, tie_word_embeddings=True),
+    "qwen3-4b": dict(_QWEN3, hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     intermediate_size=9728, tie_word_embeddings=True),
+    "qwen3-8b": dict(_QWEN3, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     intermediate_size=12288, tie_word_embeddings=False),
+    "gemma-3-1b": dict(_GEMMA3, hidden_size=1152, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+                       intermediate_size=6912, vocab_size=262144, sliding_window=512, max_position_embeddings=32768),
+    "gemma-3-4b": dict(_GEMMA3, hidden_size=2560, num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4,
+                       intermediate_size=10240, vocab_size=262208, sliding_window=1024, max_position_embeddings=131072,
+                       rope_scaling={"rope_type": "linear", "factor": 8.0}),
+    "phi-4-mini": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], hidden_act="silu", hidden_size=3072,
+                       num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8, intermediate_size=8192,
+                       vocab_size=200064, tie_word_embeddings=True, rms_norm_eps=1e-5, partial_rotary_factor=0.75,
+                       max_position_embeddings=131072, original_max_position_embeddings=4096, rope_theta=10000.0,
+                       rope_scaling={"type": "longrope", "short_factor": [1.0] * 48,
+                                     "long_factor": [1.0 + i / 8 for i in range(48)]},
+                       bos_token_id=199999, eos_token_id=199999, pad_token_id=199999, initializer_range=0.02),
+    "smollm3-3b": dict(model_type="smollm3", architectures=["SmolLM3ForCausalLM"], hidden_act="silu", hidden_size=2048,
+                       num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4, intermediate_size=11008,
+                       vocab_size=128256, tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=5000000.0,
+                       max_position_embeddings=65536, no_rope_layer_interval=4, use_sliding_window=False,
+                       bos_token_id=128000, eos_token_id=128012, pad_token_id=128004, initializer_range=0.02),
+    "olmo-2-1b": dict(model_type="olmo2", architectures=["Olmo2ForCausalLM"], hidden_act="silu", hidden_size=2048,
+                      num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16, intermediate_size=8192,
+                      vocab_size=100352, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=500000.0,
+                      max_position_embeddings=4096, attention_bias=False, bos_token_id=100257, eos_token_id=100257,
+                      pad_token_id=100277, initializer_range=0.02),
 }
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}      # --dtype -> torch / config name
 STD = 0.02
@@ -64,8 +106,9 @@ def resolve_shape(shape: str | dict) -> tuple[str, dict]:
         except (OSError, ValueError) as e:
             raise UserError(f"{shape}: expected a readable JSON config, found {type(e).__name__}: {e}; "
                             "fix the file or pass a shape name") from None
-        if not isinstance(config, dict) or config.get("model_type") not in ("llama", "qwen2", "gpt2"):
-            raise UserError(f"{shape}: expected a config with model_type llama, qwen2 or gpt2, found "
+        from models.convert import SUPPORTED
+        if not isinstance(config, dict) or config.get("model_type") not in SUPPORTED:
+            raise UserError(f"{shape}: expected a config with model_type one of {', '.join(SUPPORTED)}, found "
                             f"{config.get('model_type') if isinstance(config, dict) else type(config).__name__!r}; "
                             "fix the file")
         return Path(shape).stem, config
@@ -85,52 +128,29 @@ def folder_config(config: dict, dtype: str = "bf16", layers: int | None = None) 
 
 
 def tensor_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, init) of every stored tensor in save_pretrained's order; init: normal | ones | zeros."""
-    if config["model_type"] == "gpt2":
-        return _gpt2_specs(config)
-    d, v = config["hidden_size"], config["vocab_size"]
-    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    hd = config.get("head_dim") or d // heads
-    ff, bias = config["intermediate_size"], config["model_type"] == "qwen2"
-    specs = [("model.embed_tokens.weight", (v, d), "normal")]
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        specs.append((p + "input_layernorm.weight", (d,), "ones"))
-        for n, rows in (("q", heads * hd), ("k", kv * hd), ("v", kv * hd)):
-            specs.append((f"{p}self_attn.{n}_proj.weight", (rows, d), "normal"))
-            if bias:
-                specs.append((f"{p}self_attn.{n}_proj.bias", (rows,), "zeros"))
-        specs += [(p + "self_attn.o_proj.weight", (d, heads * hd), "normal"),
-                  (p + "post_attention_layernorm.weight", (d,), "ones"),
-                  (p + "mlp.gate_proj.weight", (ff, d), "normal"), (p + "mlp.up_proj.weight", (ff, d), "normal"),
-                  (p + "mlp.down_proj.weight", (d, ff), "normal")]
-    specs.append(("model.norm.weight", (d,), "ones"))
-    if not config.get("tie_word_embeddings", False):
-        specs.append(("lm_head.weight", (v, d), "normal"))
-    return specs
+    """(name, shape, init) of every stored tensor, from models/convert.py's layout tables (the names and shapes
+    the converter expects of a folder of this config); init: normal | ones | zeros. A unit norm gain is
+    ones, or zeros in a family that stores w for 1 + w (Gemma)."""
+    from models.convert import ConvertError, hf_stored_tensors, stores_gain_minus_one
+    try:
+        stored = hf_stored_tensors(config, f"shape {config.get('model_type')}")
+    except ConvertError as e:
+        raise UserError(str(e)) from None
+    unit = "zeros" if stores_gain_minus_one(config["model_type"]) else "ones"
+    gpt2 = config["model_type"] == "gpt2"
 
-
-def _gpt2_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
-    """GPT-2's Conv1D weights are stored [in, out]."""
-    d, ff = config["n_embd"], config.get("n_inner") or 4 * config["n_embd"]
-    specs = [("transformer.wte.weight", (config["vocab_size"], d), "normal"),
-             ("transformer.wpe.weight", (config["n_positions"], d), "normal")]
-    for i in range(config["n_layer"]):
-        p = f"transformer.h.{i}."
-        for name, shape in (("ln_1", None), ("attn.c_attn", (d, 3 * d)), ("attn.c_proj", (d, d)), ("ln_2", None),
-                            ("mlp.c_fc", (d, ff)), ("mlp.c_proj", (ff, d))):
-            specs.append((f"{p}{name}.weight", shape or (d,), "normal" if shape else "ones"))
-            specs.append((f"{p}{name}.bias", (shape[1] if shape else d,), "zeros"))
-    specs += [("transformer.ln_f.weight", (d,), "ones"), ("transformer.ln_f.bias", (d,), "zeros")]
-    if not config.get("tie_word_embeddings", True):
-        specs.append(("lm_head.weight", (config["vocab_size"], d), "normal"))
-    return specs
+    def init(name: str, shape) -> str:
+        if name.endswith(".bias"):
+            return "zeros"
+        is_norm = len(shape) == 1 and ("norm" in name or (gpt2 and ".ln_" in name))
+        return unit if is_norm else "normal"
+    return [(name, shape, init(name, shape)) for name, shape in stored]
 
 
 def human(n: float, unit: str = "") -> str:
     """1.24 B / 90.4 M / 512 k with unit "" (parameters); 16.1 GB / 3.52 MB / 12.0 kB with unit "B" (10^3 steps)."""
     for div, prefix in ((1e9, " G" if unit else " B"), (1e6, " M"), (1e3, " k")):
-        if abs(n) >= div:
+        if abs(n) >= div * 0.9995:       # 999.9 M prints as 1 B, not as 1e+03 M
             return f"{n / div:.3g}{prefix}{unit}"
     return f"{n:.0f}{' ' + unit if unit else ''}"
 

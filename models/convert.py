@@ -617,6 +617,24 @@ def expected_params(f: _Fields, cfg: DecoderConfig, head_stored: bool) -> tuple[
     return params, (("transformer.", "") if f.kind == "gpt2" else ("model.", ""))
 
 
+def hf_stored_tensors(raw: dict, where: str = "config.json") -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor a save_pretrained folder of this config.json holds, from the layout
+    tables above (bench/shapes.py writes random folders of real shapes with them); ConvertError when the
+    config is one the converter refuses."""
+    if raw.get("model_type") not in SUPPORTED:
+        raise ConvertError(f"{where}: model_type {raw.get('model_type')!r} is not supported; "
+                           f"supported: {', '.join(SUPPORTED)}")
+    f = _Fields(Path(where), raw)
+    cfg = hf_decoder_config(f)
+    params, prefixes = expected_params(f, cfg, head_stored=not cfg.tie_embeddings)
+    return [((prefixes[0] if p.prefixed else "") + p.hf_name, p.shape) for p in params]
+
+
+def stores_gain_minus_one(model_type: str) -> bool:
+    """Whether the family stores its RMSNorm gains as w with 1 + w applied (Gemma): a unit gain is stored as 0."""
+    return model_type in FAMILIES and FAMILIES[model_type].gain_plus_one
+
+
 def _file_problem(p: Path) -> str | None:
     """What is wrong with a name that is there but is no readable file; None when it is a file or absent."""
     if not os.path.lexists(p) or p.is_file():

@@ -24,10 +24,20 @@ TINY = {
     "qwen2": dict(SHAPES["qwen2.5-0.5b"], **{k: v for k, v in TINY_LLAMA.items() if k != "head_dim"}),
     "gpt2": dict(SHAPES["gpt2-medium"], n_embd=64, n_head=4, vocab_size=256, n_positions=64, n_ctx=64,
                  bos_token_id=0, eos_token_id=0),
+    # the 2026 families: QK-norms, sandwich / post norms, Gemma's stored w of 1 + w, Phi-3's fused projections
+    "qwen3": dict(SHAPES["qwen3-8b"], **TINY_LLAMA),
+    "gemma3": dict(SHAPES["gemma-3-1b"], **TINY_LLAMA, sliding_window=8, pad_token_id=0),
+    "phi3": dict(SHAPES["phi-4-mini"], **{k: v for k, v in TINY_LLAMA.items() if k != "head_dim"}, pad_token_id=0,
+                 rope_scaling={"type": "longrope", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6}),
+    "olmo2": dict(SHAPES["olmo-2-1b"], **TINY_LLAMA, pad_token_id=0),
+    "smollm3": dict(SHAPES["smollm3-3b"], **TINY_LLAMA, pad_token_id=0),
 }
 # parameter counts of the published models (embedding counted once when tied)
 PARAMS = {"llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824, "llama-3-8b": 8_030_261_248,
-          "qwen2.5-0.5b": 494_032_768, "gpt2-medium": 354_823_168, "gpt2-xl": 1_557_611_200}
+          "qwen2.5-0.5b": 494_032_768, "gpt2-medium": 354_823_168, "gpt2-xl": 1_557_611_200,
+          "qwen3-0.6b": 596_049_920, "qwen3-1.7b": 1_720_574_976, "qwen3-4b": 4_022_468_096,
+          "qwen3-8b": 8_190_735_360, "gemma-3-1b": 999_885_952, "gemma-3-4b": 3_880_263_168,      # text weights
+          "phi-4-mini": 3_836_021_760, "smollm3-3b": 3_075_098_624, "olmo-2-1b": 1_484_916_736}
 
 
 def quiet(log_lines=None):
@@ -62,11 +72,13 @@ def test_tiny_folder_loads_in_transformers_and_converts(family, tmp_path):
     model, info = hf_load(folder)
     assert {k: v for k, v in info.items() if v} == {}          # no missing, unexpected or mismatched keys
     assert model.dtype == torch.bfloat16 and model.config.num_hidden_layers == 2
+    from models.convert import stores_gain_minus_one
+    unit = 0 if stores_gain_minus_one(TINY[family]["model_type"]) else 1      # Gemma stores w of its 1 + w gain
     for name, p in model.named_parameters():
         if name.endswith("bias"):
             assert torch.all(p == 0), name
         elif p.dim() == 1:
-            assert torch.all(p == 1), name
+            assert torch.all(p == unit), name
         else:
             assert 0.015 < p.float().std().item() < 0.025, name
     from models.convert import main as convert_main
