@@ -80,10 +80,22 @@ def check_gqa_graph(proto, where) -> None:
                          f"graph), found {(bad or others)[0]} handled by other ops; build with --attention gqa")
 
 
+def _batch_from_input_ids(proto) -> None:
+    """Shape(cache)[0:1], the batch size as torch's exporter may read it off a cache input, read off
+    input_ids instead: the same number, and then GroupQueryAttention alone reads the caches."""
+    from core.contract import INPUT_IDS
+    caches = set(_cache_renames(proto))
+    for node in proto.graph.node:
+        attrs = {a.name: a.i for a in node.attribute}
+        if node.op_type == "Shape" and node.input[0] in caches and attrs.get("start") == 0 and attrs.get("end") == 1:
+            node.input[0] = INPUT_IDS
+
+
 def genai_graph(proto, where="graph"):
     """Our GroupQueryAttention graph (weights loaded or not) with GenAI's I/O, edited in place; returns it."""
     from onnx import TensorProto, helper
     from core.contract import INPUT_IDS, LOGITS, POSITION
+    _batch_from_input_ids(proto)
     check_gqa_graph(proto, where)
     g, renames = proto.graph, _cache_renames(proto)
     for node in g.node:

@@ -101,6 +101,12 @@ CASES = [
     ("zoo:dyt", None, "streamed"),
     ("hf:llama", "int4", "streamed"),
     ("hf:gpt2-fakeln", None, "in-memory"),
+    # the 2026 families (GenAI's generic decoder type: positions, norms and head are inside our graph):
+    # Qwen3's live QK-norms; Gemma 3's sandwich norms, QK-norms, sliding windows and local rope base
+    ("hf:qwen3", None, "in-memory"),
+    ("hf:gemma3", "int4", "streamed"),
+    pytest.param("hf:gemma2", None, "streamed", marks=pytest.mark.slow),         # soft-caps
+    pytest.param("hf:qwen3-yarn-sliding", "int4", "streamed", marks=pytest.mark.slow),
     pytest.param("zoo:baseline", None, "in-memory", marks=pytest.mark.slow),          # RMSNorm
     pytest.param("zoo:baseline", "int4", "streamed", marks=pytest.mark.slow),
     pytest.param("zoo:all-taper", None, "streamed", marks=pytest.mark.slow),
