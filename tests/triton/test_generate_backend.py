@@ -261,3 +261,55 @@ def test_generate_on_the_gpu_batches_with_the_cpus_tokens(backend, gpu_build, tm
     for seq, w in zip(seqs, want):
         assert seq.error is None, seq.error
         assert compare_greedy(w.tokens[0], [row[0] for row in w.logits], seq.tokens, seq.logits) > 0
+
+
+@pytest.fixture(scope="module")
+def sliding_build(tmp_path_factory):
+    """A Gemma-3-architecture build (sandwich and QK-norms, sliding-window layers of 4 keys, a local rope base):
+    export.build's default graph, GroupQueryAttention with each sliding layer's local window."""
+    import subprocess
+    import sys
+    from tests.helpers import random_model, write_checkpoint
+    from tests.triton.conftest import REPO, require
+    require("tritonclient.grpc", "the Triton repository tests")
+    root = tmp_path_factory.mktemp("sliding")
+    model = random_model(seed=4, norm="rmsnorm", pos_embedding="rope", mlp="swiglu", d_model=32, n_head=2,
+                         n_layer=2, max_seq_len=64, norm_layout="sandwich", qk_norm="head", sliding_window=4,
+                         sliding_layers=[0], local_rope_theta=100.0)
+    ckpt = write_checkpoint(root / "ckpt", model)
+    proc = subprocess.run([sys.executable, "-m", "export.build", "--fuse", "--checkpoint", str(ckpt), "--out",
+                           str(root / "build")], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return root / "build"
+
+
+def test_a_sliding_window_model_batches_in_the_scheduler_with_solo_tokens(sliding_build, tmp_path):
+    """The families' sliding-window layers in the generate model: rows at different positions, past the window
+    (4) and its prompt, each equal to runtime.generate alone. The cache holds every slot (the window is a mask of
+    the attention, GroupQueryAttention's local_window_size), so a row's slots need nothing of the scheduler."""
+    import onnx
+    from runtime.generate import GenerationConfig, generate
+    from runtime.ort_session import OrtSession
+    from runtime.scheduler import BatchScheduler
+    from runtime.triton import write_triton_repository
+    from runtime.triton.python_model import open_decode_session
+    from tests.runtime.greedy import compare_greedy
+    graph = onnx.load(str(sliding_build / "model.fused.onnx"), load_external_data=False)
+    windows = [a.i for n in graph.graph.node if n.op_type == "GroupQueryAttention" for a in n.attribute
+               if a.name == "local_window_size"]
+    assert windows == [4]
+    repo = write_triton_repository(sliding_build, tmp_path / "repo", intra_op_threads=1)
+    prompts = [[5, 17, 42], [7, 99, 3, 250, 11, 4, 9], [200], [31, 41, 59, 26, 5, 3]]
+    cfg = GenerationConfig(max_new_tokens=12, keep_logits=True)
+    with OrtSession(sliding_build, intra_op_threads=1) as alone:
+        want = [generate(alone, [p], cfg) for p in prompts]
+    session, _ = open_decode_session(repo / "generate/1", _params(repo))
+    try:
+        scheduler = BatchScheduler(session, slots=3, max_queued=4)
+        seqs = [scheduler.submit(p, cfg) for p in prompts]
+        while not all(s.done.is_set() for s in seqs):
+            scheduler.step()
+    finally:
+        session.deactivate()
+    for seq, w in zip(seqs, want):
+        assert compare_greedy(w.tokens[0], [row[0] for row in w.logits], seq.tokens, seq.logits) >= 8
