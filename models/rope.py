@@ -118,9 +118,10 @@ class RotaryEmbedding(nn.Module):
     def reset_parameters(self) -> None:
         """Recompute the (non-persistent) frequency buffers, e.g. after a model was built on the meta device."""
         inv_freq, long_inv_freq, _, _ = rope_frequencies(self.theta, self.dim, self.scaling)
-        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        device = "cpu" if self.inv_freq.is_meta else self.inv_freq.device
+        self.inv_freq = inv_freq.to(device)
         if self.switch_after is not None:
-            self.long_inv_freq = long_inv_freq.to(self.inv_freq.device)
+            self.long_inv_freq = long_inv_freq.to(device)
 
     def forward(self, pos_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self.inv_freq
