@@ -21,6 +21,8 @@
 #   probe         torch / CUDA device, ONNX Runtime providers, tensorrt, onnx-graphsurgeon, polygraphy
 #   torch_decode  the paper's headline: python -m bench.gpu_decode (torch backend, CUDA graphs,
 #                 rmsnorm-strong vs internal-/all-taper-fused, sizes 1M..124M, batch 1 and 8, fp32 and bf16)
+#   families_decode  issue 34's pair on the GPU: python -m bench.gpu_decode --shapes qwen3-0.6b,gemma-3-1b
+#                 (random-init at the real shapes: rmsnorm-strong vs all-taper-fused, bf16, batch 1, CUDA graphs)
 #   pytest_gpu    pytest -m gpu tests/runtime (torch CUDA graphs, ORT CUDA provider, its row steps) and the
 #                 Triton generate model on ort-cuda (tests/triton/test_generate_backend.py), TensorRT tests apart
 #   trt_tests     pytest -m gpu tests/runtime/test_trt_session.py (parse, KV-cache layers, both profiles,
@@ -34,7 +36,7 @@ REPO=$(pwd)
 PY="${PYTHON:-python3}"
 OUT_DIR="${OUT:-$REPO/gpu_check_out}"
 DEADLINE=$(( $(date +%s) + ${GPU_CHECK_BUDGET_S:-460} ))   # all parts; the archive is written after
-PARTS="${GPU_CHECK_PARTS:-machine install probe torch_decode pytest_gpu trt_tests trt_bench}"
+PARTS="${GPU_CHECK_PARTS:-machine install probe torch_decode families_decode pytest_gpu trt_tests trt_bench}"
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
 LOG_DIR="$WORK/gpu_check"                      # what the archive holds (logs only: builds stay in $WORK)
 mkdir -p "$LOG_DIR" "$OUT_DIR"
@@ -173,6 +175,12 @@ torch_decode() {
         --steps 128 --warmup 16 --rounds 5 --json "$LOG_DIR/torch_decode.json"
 }
 
+families_decode() {
+    need_cuda
+    "$PY" -m bench.gpu_decode --shapes "${GPU_CHECK_SHAPES:-qwen3-0.6b,gemma-3-1b}" --dtypes bf16 --batches 1 \
+        --steps 128 --warmup 16 --rounds 5 --json "$LOG_DIR/families_decode.json"
+}
+
 pytest_gpu() {
     need_cuda
     "$PY" -m pytest -m gpu tests/runtime tests/triton/test_generate_backend.py --ignore=tests/runtime/test_trt_session.py \
@@ -195,20 +203,27 @@ trt_bench() {
     need_trt
     has onnx_graphsurgeon || skip "onnx-graphsurgeon is not importable (export.build --fuse needs it; carry its wheel in ./wheels)"
     local build="$WORK/builds" zoo=models/zoo
-    for kind in baseline all-taper; do
+    for kind in baseline all-taper qwen3 qwen3-all-taper; do
+        [[ -d "$zoo/$kind" ]] || continue
         "$PY" -m export.build --fuse --target portable --checkpoint "$zoo/$kind" --out "$build/$kind" || return 1
     done
     "$PY" -m runtime.step_timing --backend trt --model "$build/baseline" --model "$build/all-taper" \
-        --batch 1 --prompt-len 16 --steps 200 --rounds 3
+        --batch 1 --prompt-len 16 --steps 200 --rounds 3 || return 1
+    # issue 34's pair on TensorRT, at the zoo's size: the RMSNorm Qwen3 (QK-norms) vs its all-taper fine-tune
+    if [[ -d "$build/qwen3" && -d "$build/qwen3-all-taper" ]]; then
+        "$PY" -m runtime.step_timing --backend trt --model "$build/qwen3" --model "$build/qwen3-all-taper" \
+            --batch 1 --prompt-len 16 --steps 200 --rounds 3
+    fi
 }
 
-export -f say skip has cuda_problem need_cuda need_trt has_ort_cuda extra_reqs machine install probe torch_decode pytest_gpu trt_tests trt_bench
+export -f say skip has cuda_problem need_cuda need_trt has_ort_cuda extra_reqs machine install probe torch_decode families_decode pytest_gpu trt_tests trt_bench
 
 say "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -n): python $PY, parts: $PARTS"
 part machine 30
 part install 150
 part probe 60
 part torch_decode 200
+part families_decode 120
 part pytest_gpu 120
 part trt_tests 200
 part trt_bench 120

@@ -1,4 +1,4 @@
-"""python -m bench.gpu_decode [--sizes 1M,8M,30M,124M] [--dtypes fp32,bf16] [--batches 1,8] [--json FILE]
+"""python -m bench.gpu_decode [--sizes 1M,8M,30M,124M] [--shapes qwen3-0.6b,...] [--dtypes fp32,bf16] [--batches 1,8] [--json FILE]
 
 The paper's headline on a GPU: decode steps with a KV cache, RMSNorm baseline vs the
 norm-free tapered models with their scales folded, on the `torch` backend with CUDA
@@ -6,6 +6,10 @@ graphs (runtime.torch_session: one captured graph per batch size, replayed each 
 
     variants   rmsnorm-strong (F.rms_norm, gamma folded), internal-taper-fused,
                all-taper-fused (bench/variants.py: zoo weights where the shape fits, random else)
+    --shapes   a real shape of bench/shapes.py (e.g. qwen3-0.6b, gemma-3-1b: QK-norms, sandwich norms),
+               random-init on the GPU: rmsnorm-strong (its gamma folded where it can be) against
+               all-taper-fused (every norm a TaperNorm at g = 0, c calibrated on random tokens, folded):
+               issue 34's CPU pair (bench/fold_vs_genai.py) on the GPU
     per (size, dtype, batch)
                one TorchSession per variant, cache allocated and graph captured once;
                ROUNDS rounds, each timing STEPS decode steps of every variant after WARMUP
@@ -66,23 +70,63 @@ def summarize_cell(per_round: dict, batch: int) -> dict:
     return out
 
 
+def size_models(size: str, capacity: int, seed: int, device: str) -> tuple[dict, dict]:
+    """bench/variants.py's models of a size: {variant: model}, {variant: where its weights come from}."""
+    from bench.variants import VARIANTS, base_model, torch_variant
+    base = functools.cache(lambda kind: base_model(size, kind, capacity, seed))    # once per kind
+    names = (BASELINE, *FUSED)
+    return ({n: torch_variant(VARIANTS[n], base(VARIANTS[n].kind)[0]) for n in names},
+            {n: base(VARIANTS[n].kind)[1] for n in names})
+
+
+def shape_models(shape, capacity: int, seed: int, device: str) -> tuple[dict, dict]:
+    """A real shape's pair, random-init on `device` (one fp32 model at a time before the fold):
+    rmsnorm-strong and all-taper-fused (every norm a TaperNorm at g = 0, c calibrated on random tokens)."""
+    import torch
+    from bench.shapes import resolve_shape
+    from models.convert import decoder_config_of
+    from models.decoder import Decoder
+    from models.fold import fold_norms
+    from train.calibration import calibrate
+    name, raw = resolve_shape(shape)
+    cfg = decoder_config_of(raw, capacity, f"shape {name}")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        rms = Decoder(cfg).eval()
+    taper_cfg = copy.deepcopy(cfg)
+    taper_cfg.norm, taper_cfg.taper_scope = "taper", "all"
+    with torch.device("meta"):
+        taper = Decoder(taper_cfg)
+    taper.load_state_dict(rms.state_dict(), strict=False, assign=True)        # the same tensors
+    for layer in taper.taper_layers().values():
+        layer.weight_tilde = torch.nn.Parameter(torch.empty_like(layer.weight))
+    if taper_cfg.tie_embeddings:
+        taper.lm_head.weight = taper.wte.weight
+    for rotary in taper.rotaries().values():
+        rotary.reset_parameters(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    calibrate(taper.eval(), [torch.randint(0, cfg.vocab_size, (2, 64), generator=g, device=device) for _ in range(4)])
+    taper.set_gate(0.0)
+    source = f"random:seed{seed} ({name}, all-taper c calibrated on random tokens)"
+    return {BASELINE: fold_norms(rms), "all-taper-fused": fold_norms(taper)}, {BASELINE: source, "all-taper-fused": source}
+
+
 def run_benchmark(sizes, dtypes, batches, prompt: int, steps: int, warmup: int, rounds: int, seed: int,
-                  log=print, device: str = "cuda") -> dict:
-    """Every (size, dtype, batch) cell; device="cpu" runs the same code without CUDA graphs (tests)."""
+                  log=print, device: str = "cuda", shapes=()) -> dict:
+    """Every (size or shape, dtype, batch) cell; device="cpu" runs the same code without CUDA graphs (tests)."""
     import torch
 
-    from bench.variants import VARIANTS, base_model, capacity_for, torch_variant, weight_bytes_torch
+    from bench.variants import capacity_for, weight_bytes_torch
     from runtime.torch_session import TorchSession
     capacity = capacity_for(prompt, warmup + steps + 1)
     gpu = torch.cuda.get_device_name(0) if device.startswith("cuda") else None
     results = {"device": gpu or device, "torch": torch.__version__, "cuda": torch.version.cuda,
                "prompt": prompt, "steps": steps, "warmup": warmup, "rounds": rounds, "capacity": capacity,
                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cells": []}
-    names = (BASELINE, *FUSED)
-    for size in sizes:
-        base = functools.cache(lambda kind, size=size: base_model(size, kind, capacity, seed))    # once per kind
-        models = {n: torch_variant(VARIANTS[n], base(VARIANTS[n].kind)[0]) for n in names}
-        sources = {n: base(VARIANTS[n].kind)[1] for n in names}
+    todo = [(s, size_models) for s in sizes] + [(s, shape_models) for s in shapes]
+    for size, make in todo:
+        models, sources = make(size, capacity, seed, device)
+        size = size if isinstance(size, str) else size.get("_name_or_path", "shape")
         weight_bytes = {n: weight_bytes_torch(m) for n, m in models.items()}        # fp32, before any cast
         for dtype in dtypes:
             # TorchSession moves and casts the module in place; each dtype starts from the fp32 weights
@@ -135,7 +179,10 @@ def _batches(value: str) -> list[int]:
 def run(argv: list[str]) -> int:
     from bench.variants import SIZES
     p = ArgumentParser(prog="python -m bench.gpu_decode", description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", default=",".join(DEFAULT_SIZES), help=f"comma list of {', '.join(SIZES)}")
+    p.add_argument("--sizes", help=f"comma list of {', '.join(SIZES)} (default {','.join(DEFAULT_SIZES)} "
+                                   "without --shapes)")
+    p.add_argument("--shapes", help="comma list of bench/shapes.py real shapes (e.g. qwen3-0.6b,gemma-3-1b): "
+                                    "rmsnorm-strong vs all-taper-fused at that shape, random-init")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, fp16, bf16")
     p.add_argument("--batches", default="1,8", help="comma list of batch sizes in [1, 256]")
     p.add_argument("--prompt", type=int_in(1, 4096), default=16)
@@ -145,7 +192,9 @@ def run(argv: list[str]) -> int:
     p.add_argument("--seed", type=seed_int, default=0, help="seed of random weights where no zoo model fits")
     p.add_argument("--json", help="also write the results here (a JSON report)")
     a = p.parse_args(argv)
-    sizes = _csv(a.sizes, SIZES, "sizes")
+    from bench.shapes import SHAPES
+    shapes = _csv(a.shapes, SHAPES, "shapes") if a.shapes else []
+    sizes = _csv(a.sizes, SIZES, "sizes") if a.sizes else ([] if shapes else list(DEFAULT_SIZES))
     dtypes = _csv(a.dtypes, ("fp32", "fp16", "bf16"), "dtypes")
     batches = _batches(a.batches)
     from core.outputs import REPORT_JSON, check_output_file, write_json
@@ -155,7 +204,7 @@ def run(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         raise UserError("bench.gpu_decode: expected a CUDA device, found none (torch.cuda.is_available() is False); "
                         "run it on a GPU machine (bash bench/gpu_check.sh) or use python -m bench.decode on a CPU")
-    results = run_benchmark(sizes, dtypes, batches, a.prompt, a.steps, a.warmup, a.rounds, a.seed)
+    results = run_benchmark(sizes, dtypes, batches, a.prompt, a.steps, a.warmup, a.rounds, a.seed, shapes=shapes)
     if a.json:
         write_json(a.json, results)
     return 0

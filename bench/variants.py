@@ -211,7 +211,7 @@ def torch_variant(variant: Variant, model: Decoder) -> Decoder:
 def weight_bytes_torch(model: nn.Module) -> int:
     """Bytes of the weights one decode step reads: every parameter once, but not the position
     table (one row per step) nor an untied token embedding (one row per token)."""
-    skip = {id(model.wpe.weight)}
+    skip = {id(model.wpe.weight)} if hasattr(model, "wpe") else set()
     if model.lm_head.weight is not model.wte.weight:
         skip.add(id(model.wte.weight))
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)     # each once

@@ -617,14 +617,24 @@ def expected_params(f: _Fields, cfg: DecoderConfig, head_stored: bool) -> tuple[
     return params, (("transformer.", "") if f.kind == "gpt2" else ("model.", ""))
 
 
+def _config_fields(raw: dict, where: str) -> _Fields:
+    if raw.get("model_type") not in SUPPORTED:
+        raise ConvertError(f"{where}: model_type {raw.get('model_type')!r} is not supported; "
+                           f"supported: {', '.join(SUPPORTED)}")
+    return _Fields(Path(where), raw)
+
+
+def decoder_config_of(raw: dict, max_seq_len: int | None = None, where: str = "config.json") -> DecoderConfig:
+    """The DecoderConfig a Hugging Face config.json (a dict) converts to, without any folder (bench.gpu_decode
+    builds random models of real shapes with it); ConvertError when the converter refuses the config."""
+    return hf_decoder_config(_config_fields(raw, where), max_seq_len)
+
+
 def hf_stored_tensors(raw: dict, where: str = "config.json") -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every tensor a save_pretrained folder of this config.json holds, from the layout
     tables above (bench/shapes.py writes random folders of real shapes with them); ConvertError when the
     config is one the converter refuses."""
-    if raw.get("model_type") not in SUPPORTED:
-        raise ConvertError(f"{where}: model_type {raw.get('model_type')!r} is not supported; "
-                           f"supported: {', '.join(SUPPORTED)}")
-    f = _Fields(Path(where), raw)
+    f = _config_fields(raw, where)
     cfg = hf_decoder_config(f)
     params, prefixes = expected_params(f, cfg, head_stored=not cfg.tie_embeddings)
     return [((prefixes[0] if p.prefixed else "") + p.hf_name, p.shape) for p in params]

@@ -115,10 +115,11 @@ class RotaryEmbedding(nn.Module):
             self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
         self.theta, self.dim, self.scaling = theta, dim, scaling
 
-    def reset_parameters(self) -> None:
-        """Recompute the (non-persistent) frequency buffers, e.g. after a model was built on the meta device."""
+    def reset_parameters(self, device=None) -> None:
+        """Recompute the (non-persistent) frequency buffers, e.g. after a model was built on the meta device
+        (then on the CPU unless `device` says)."""
         inv_freq, long_inv_freq, _, _ = rope_frequencies(self.theta, self.dim, self.scaling)
-        device = "cpu" if self.inv_freq.is_meta else self.inv_freq.device
+        device = device or ("cpu" if self.inv_freq.is_meta else self.inv_freq.device)
         self.inv_freq = inv_freq.to(device)
         if self.switch_after is not None:
             self.long_inv_freq = long_inv_freq.to(device)

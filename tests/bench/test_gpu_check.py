@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
-GPU_PARTS = ("torch_decode", "pytest_gpu", "trt_tests", "trt_bench")
+GPU_PARTS = ("torch_decode", "families_decode", "pytest_gpu", "trt_tests", "trt_bench")
 
 
 def gpu_check(out: Path, **env) -> tuple[subprocess.CompletedProcess, dict[str, str]]:
@@ -39,7 +39,7 @@ def _cuda() -> bool:
 def test_without_a_gpu_every_gpu_part_skips_with_its_reason(tmp_path):
     out = tmp_path / "out"
     proc, parts = gpu_check(out, GPU_CHECK_SKIP_INSTALL="1",
-                            GPU_CHECK_PARTS="install probe torch_decode pytest_gpu trt_tests trt_bench")
+                            GPU_CHECK_PARTS="install probe torch_decode families_decode pytest_gpu trt_tests trt_bench")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert parts["install"].startswith("skipped: GPU_CHECK_SKIP_INSTALL is set")
     assert parts["probe"].startswith("ok")

@@ -35,3 +35,24 @@ def test_run_benchmark_on_cpu_covers_every_cell():
         assert all("speedup_vs_baseline" in c["variants"][f] for f in FUSED)
         assert c["sources"][BASELINE].startswith("zoo:baseline")      # the zoo's 1M models where they fit
     assert len(lines) == 4 and lines[0].startswith("torch-cpu 1M fp32 b1: rmsnorm-strong")
+
+
+def test_a_real_shapes_pair_runs_on_cpu_and_folds_every_norm():
+    """--shapes: a family shape (Gemma 3's, scaled down here) as rmsnorm-strong against all-taper-fused, the
+    same random weights, c calibrated; the fused one has no norm module left, and its logits stay finite."""
+    import torch
+    from bench.gpu_decode import shape_models
+    from bench.shapes import SHAPES
+    tiny = dict(SHAPES["gemma-3-1b"], hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=1, head_dim=16, intermediate_size=96, vocab_size=256, sliding_window=8,
+                _name_or_path="tiny-gemma-3")
+    models, sources = shape_models(tiny, 32, 0, "cpu")
+    assert set(models) == {BASELINE, "all-taper-fused"} and sources[BASELINE].startswith("random:seed0 (tiny-gemma-3")
+    left = [type(m).__name__ for m in models["all-taper-fused"].modules() if "Norm" in type(m).__name__]
+    assert left == []
+    ids = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        assert torch.isfinite(models["all-taper-fused"](ids)).all()
+    r = run_benchmark([], ["fp32"], [1], prompt=4, steps=2, warmup=1, rounds=3, seed=0, device="cpu", shapes=[tiny])
+    assert [c["size"] for c in r["cells"]] == ["tiny-gemma-3"]
+    assert "speedup_vs_baseline" in r["cells"][0]["variants"]["all-taper-fused"]
