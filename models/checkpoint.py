@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from core.errors import UserError, first_line, run_cli
 from core.inputs import check_memory
-from core.outputs import CHECKPOINT, OutputKind, output_dir
+from core.outputs import CHECKPOINT, OutputKind, output_dir, writing
 from models.decoder import Decoder, DecoderConfig
 from models.disabled_norm import DISABLED_NORM_EPS  # noqa: F401  (re-exported: export and graph_passes' test read it here)
 
@@ -251,7 +251,8 @@ def write_checkpoint_files(model: Decoder, directory: Path, tokenizer_json: str 
     directory = Path(directory)
     (directory / CONFIG).write_text(json.dumps(checkpoint_config(model, tokenizer_json is not None), indent=2) + "\n")
     state = {k: v.detach().contiguous().cpu() for k, v in _stored_state(model).items()}
-    save_file(state, str(directory / WEIGHTS))
+    with writing(directory / WEIGHTS):         # safetensors' errors name no file
+        save_file(state, str(directory / WEIGHTS))
     if tokenizer_json is not None:
         shutil.copyfile(tokenizer_json, directory / TOKENIZER)
     for name, src in (extra_files or {}).items():
