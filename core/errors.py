@@ -284,7 +284,8 @@ def run_cli(run, argv: list[str] | None = None) -> int:
         return EXIT_OK
     except OSError as e:        # disk full, permission denied, a path that vanished: the user's to fix
         if e.errno in NO_ROOM:
-            print(f"error: {NoRoomError(e.filename, e.errno, ANY_OUTPUT)}", file=sys.stderr)
+            # a copy's error names (source, destination): the destination is what did not fit
+            print(f"error: {NoRoomError(e.filename2 or e.filename, e.errno, ANY_OUTPUT)}", file=sys.stderr)
         else:
             where = f"{e.filename}: " if e.filename else ""
             print(f"error: {where}{e.strerror or first_line(e)}; {written_so_far()}", file=sys.stderr)

@@ -304,7 +304,8 @@ def naming_output(out: str | os.PathLike, tmp: Path | None = None, option: str =
         code = io_errno(e)
         if code not in NO_ROOM:
             raise
-        raise NoRoomError(_as_output(getattr(e, "filename", None), tmp, Path(out)), code, option) from None
+        written = getattr(e, "filename2", None) or getattr(e, "filename", None)   # a copy's: (source, destination)
+        raise NoRoomError(_as_output(written, tmp, Path(out)), code, option) from None
 
 
 def _fsync_tree(root: Path) -> None:

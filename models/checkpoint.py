@@ -249,14 +249,15 @@ def write_checkpoint_files(model: Decoder, directory: Path, tokenizer_json: str 
                            extra_files: dict[str, str | os.PathLike] | None = None) -> None:
     """config.json, model.safetensors, tokenizer.json (copied; None: none) and extra files, into `directory`."""
     directory = Path(directory)
-    (directory / CONFIG).write_text(json.dumps(checkpoint_config(model, tokenizer_json is not None), indent=2) + "\n")
+    with writing(directory / CONFIG):          # each write names its file (safetensors' errors name none)
+        (directory / CONFIG).write_text(json.dumps(checkpoint_config(model, tokenizer_json is not None), indent=2) + "\n")
     state = {k: v.detach().contiguous().cpu() for k, v in _stored_state(model).items()}
-    with writing(directory / WEIGHTS):         # safetensors' errors name no file
+    with writing(directory / WEIGHTS):
         save_file(state, str(directory / WEIGHTS))
-    if tokenizer_json is not None:
-        shutil.copyfile(tokenizer_json, directory / TOKENIZER)
-    for name, src in (extra_files or {}).items():
-        shutil.copyfile(src, directory / name)
+    copies = {TOKENIZER: tokenizer_json} if tokenizer_json is not None else {}
+    for name, src in {**copies, **(extra_files or {})}.items():
+        with writing(directory / name):
+            shutil.copyfile(src, directory / name)
 
 
 def save_checkpoint(model: Decoder, path: str | os.PathLike, tokenizer_json: str | os.PathLike | None,

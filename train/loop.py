@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from core.errors import NoRoomError
-from core.outputs import TRAINING_RUN, check_output_dir, marker_kind, naming_output, output_dir
+from core.outputs import TRAINING_RUN, check_output_dir, marker_kind, naming_output, output_dir, writing
 from models.checkpoint import CONFIG, TOKENIZER, WEIGHTS, checkpoint_config, write_checkpoint_files
 from models.decoder import Decoder
 from train.calibration import branch_mismatch, calibrate
@@ -292,7 +292,8 @@ class Recipe:
 
 
 def _write_json(obj: dict, path: Path) -> None:
-    path.write_text(json.dumps(obj, indent=1) + "\n")
+    with writing(path):
+        path.write_text(json.dumps(obj, indent=1) + "\n")
 
 
 def train(run: TrainConfig, command: str | None = None, resume: bool = False, recipe: Recipe | None = None) -> dict:
@@ -505,7 +506,8 @@ def _save_run(model, opt, run: TrainConfig, out: Path, recipe: Recipe, data: Dat
                 config = {**checkpoint_config(model, tokenizer is not None), **recipe.saved_config(model).to_dict()}
                 _write_json(config, tmp / CONFIG)
                 if tokenizer is not None:
-                    shutil.copyfile(tokenizer, tmp / TOKENIZER)
+                    with writing(tmp / TOKENIZER):
+                        shutil.copyfile(tokenizer, tmp / TOKENIZER)
                 _write_json(log, tmp / LOG_NAME)
                 write_run_state(tmp, {**resume, "model": {}, "optimizer": {"state": {}, "param_groups": []},
                                       "sharded": True})

@@ -54,7 +54,8 @@ def write_run_state(directory: Path, state: dict) -> None:
     plain = {"format": FORMAT, "step": state["step"], "taper_c": state["taper_c"], "aux": state["aux"],
              "optimizer_param_groups": opt["param_groups"], "log": state["log"],
              "sharded": bool(state.get("sharded", False))}
-    (Path(directory) / RUN_STATE_JSON).write_text(json.dumps(plain, indent=1) + "\n")
+    with writing(Path(directory) / RUN_STATE_JSON):
+        (Path(directory) / RUN_STATE_JSON).write_text(json.dumps(plain, indent=1) + "\n")
 
 
 def has_run_state(run_dir: str | Path) -> bool:
