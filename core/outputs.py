@@ -82,12 +82,14 @@ TOKEN_SHARDS = OutputKind("token-shards", "a token shard directory", "python -m 
 SCALE_FOLDER = OutputKind("scale-folder", "a random-init model folder", "python -m bench.scale make")
 
 _committed: list[Path] = []
+_claimed: dict[str, str] = {}   # claim_dir's directories -> their option: a file finished in one is an output
 _lock = threading.Lock()
 
 
 def forget_committed() -> None:
     with _lock:
         _committed.clear()
+        _claimed.clear()
 
 
 def committed_outputs() -> list[Path]:
@@ -483,7 +485,8 @@ def write_json(out: str | os.PathLike, data: dict, kind: OutputKind = REPORT_JSO
 def claim_dir(out: str | os.PathLike, kind: OutputKind, inputs=(), option: str = "--out") -> Path:
     """A directory the command fills file by file (each file atomically, replace_file_in), e.g.
     benchmark results that must survive an interrupted run: created (or reused when it carries
-    our marker of this kind) and marked at once. Returns the directory."""
+    our marker of this kind) and marked at once. The files replaced in it afterwards are this
+    command's outputs in its stop messages (`complete: ...`). Returns the directory."""
     out = Path(out)
     check_output_dir(out, kind, inputs, option)
     created = not out.exists()
@@ -493,6 +496,8 @@ def claim_dir(out: str | os.PathLike, kind: OutputKind, inputs=(), option: str =
             os.chmod(out, dir_mode())
         if marker_kind(out) is None:
             write_marker(out, kind)
+    with _lock:
+        _claimed[os.path.abspath(out)] = option
     return out
 
 
@@ -503,16 +508,20 @@ def replaced_file_in(directory: Path, name: str):
     replaces `name`. A graph written with external data would name the temporary in its
     location, so this is for graphs kept inline (below core.onnx_writer.EXTERNAL_AT)."""
     directory = Path(directory)
-    with naming_output(directory / name, option=FILE_OPTION):
+    option = _claimed.get(os.path.abspath(directory), FILE_OPTION)
+    with naming_output(directory / name, option=option):
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=directory)
         os.close(fd)
     try:
-        with naming_output(directory / name, Path(tmp), FILE_OPTION):
+        with naming_output(directory / name, Path(tmp), option):
             yield Path(tmp)
             _fsync(tmp)
             os.chmod(tmp, file_mode())
             with _signals_blocked():
                 os.replace(tmp, directory / name)
+                with _lock:
+                    if os.path.abspath(directory) in _claimed and directory / name not in _committed:
+                        _committed.append(directory / name)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
