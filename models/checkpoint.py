@@ -262,15 +262,18 @@ def write_checkpoint_files(model: Decoder, directory: Path, tokenizer_json: str 
 
 def save_checkpoint(model: Decoder, path: str | os.PathLike, tokenizer_json: str | os.PathLike | None,
                     extra_files: dict[str, str | os.PathLike] | None = None,
-                    kind: OutputKind = CHECKPOINT, inputs=()) -> Path:
+                    kind: OutputKind = CHECKPOINT, inputs=(), write_more=None) -> Path:
     """Write a checkpoint directory atomically (core.outputs.output_dir: replaces only our own `kind`).
 
     tokenizer_json: path of a tokenizer.json to copy in (None: a checkpoint without one); extra_files: name -> source
-    path of further files to copy (e.g. the training log); inputs: paths the
-    command reads, which `path` must not be or hold.
+    path of further files to copy (e.g. the training log); write_more: a function of the temporary folder that
+    writes further files into it (a training run's log and resume state: written once, where they stay);
+    inputs: paths the command reads, which `path` must not be or hold.
     """
     with output_dir(path, kind, inputs=inputs) as tmp:
         write_checkpoint_files(model, tmp, tokenizer_json, extra_files)
+        if write_more is not None:
+            write_more(tmp)
     return Path(path)
 
 

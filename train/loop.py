@@ -56,7 +56,7 @@ from tokenizers import Tokenizer
 
 from core.errors import NoRoomError
 from core.outputs import TRAINING_RUN, check_output_dir, marker_kind, naming_output, output_dir, writing
-from models.checkpoint import CONFIG, TOKENIZER, WEIGHTS, checkpoint_config, write_checkpoint_files
+from models.checkpoint import CONFIG, TOKENIZER, WEIGHTS, checkpoint_config, save_checkpoint
 from models.decoder import Decoder
 from train.calibration import branch_mismatch, calibrate
 from train.config import TrainConfig, TrainError
@@ -491,10 +491,11 @@ def _save_run(model, opt, run: TrainConfig, out: Path, recipe: Recipe, data: Dat
     if not run.fsdp:
         with writing_together(par, out):
             if par.is_main:               # the ranks hold the same weights: one writes
-                with output_dir(out, TRAINING_RUN) as tmp:
-                    write_checkpoint_files(recipe.saved_model(model), tmp, data.tokenizer_json)
+                def run_files(tmp: Path) -> None:
                     _write_json(log, tmp / LOG_NAME)
                     write_run_state(tmp, {**resume, "model": model.state_dict(), "optimizer": opt.state_dict()})
+                save_checkpoint(recipe.saved_model(model), out, data.tokenizer_json, kind=TRAINING_RUN,
+                                write_more=run_files)
         return
     with output_dir(out, TRAINING_RUN) if par.is_main else contextlib.nullcontext() as tmp:
         tmp = Path(par.broadcast(str(tmp) if par.is_main else None))
