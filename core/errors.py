@@ -72,11 +72,15 @@ _OS_ERROR = re.compile(r"\(os error (\d+)\)")     # how Rust's std::io::Error en
 def io_errno(e: BaseException | None) -> int | None:
     """The errno behind a failed write, else None: an OSError's, one a foreign writer spells only in its
     text (safetensors raises SafetensorError "I/O error: No space left on device (os error 28)"), or that
-    of an error it wraps (its __cause__; torch.distributed.checkpoint's per-rank `failures`)."""
+    of the error a foreign one was raised over (torch.save's "[enforce fail at inline_container.cc]
+    unexpected pos" has the OSError as its __context__; torch.distributed.checkpoint lists each rank's
+    in `failures`). A UserError other than NoRoomError is the project's own message, and a stop (SystemExit,
+    Ctrl-C) raised while a failed write was handled is no write: None."""
     seen, todo = set(), [e]
     while todo:
         e = todo.pop()
-        if e is None or id(e) in seen:
+        if e is None or id(e) in seen or isinstance(e, (SystemExit, KeyboardInterrupt, GeneratorExit)) or (
+                isinstance(e, UserError) and not isinstance(e, NoRoomError)):
             continue
         seen.add(id(e))
         code = getattr(e, "errno", None) if isinstance(e, (OSError, NoRoomError)) else None
@@ -86,7 +90,7 @@ def io_errno(e: BaseException | None) -> int | None:
         failures = getattr(e, "failures", None)
         if isinstance(failures, dict):
             todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-        todo.append(e.__cause__)
+        todo += [e.__cause__, None if e.__suppress_context__ else e.__context__]
     return None
 
 

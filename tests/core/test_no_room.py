@@ -44,6 +44,25 @@ def test_the_errno_behind_a_failed_write(e, code):
     assert io_errno(e) == code
 
 
+def test_torch_saves_error_carries_the_write_it_was_raised_over():
+    """torch.save onto a full disk: RuntimeError "[enforce fail at inline_container.cc:672] . unexpected pos",
+    raised while the stream's OSError was handled; a stop or a message of ours raised so is not a write."""
+    from core.errors import UserError
+
+    def raised_over(outer):
+        try:
+            try:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            except OSError:
+                raise outer
+        except BaseException as e:
+            return e
+    assert io_errno(raised_over(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"))) \
+        == errno.ENOSPC
+    for outer in (SystemExit(1), KeyboardInterrupt(), UserError("x: expected y; z")):
+        assert io_errno(raised_over(outer)) is None
+
+
 def test_a_cause_carries_its_errno():
     try:
         try:
