@@ -203,7 +203,10 @@ def writing_together(par: Parallel, where: str | os.PathLike):
     code = int(par.max(float(io_errno(failure) or 0)))
     if code == 0:
         return
-    ignore_launcher_stop()        # torchrun stops the others as the first rank exits: no second message
+    # torchrun stops the others (SIGTERM) as the first rank exits: no rank leaves before every rank ignores it,
+    # so that rank 0's line is not replaced by an interrupt's
+    ignore_launcher_stop()
+    par.barrier()
     if not par.is_main:
         raise SystemExit(EXIT_USER)
     raise failure if failure is not None else NoRoomError(where, code)
