@@ -288,7 +288,7 @@ def writing(path: str | os.PathLike):
 
 def _as_output(path, tmp: Path | None, out: Path) -> Path:
     """`path` (a file under the temporary `tmp`, or `tmp` itself) as it is named once at `out`; else `out`."""
-    if path is None or tmp is None:
+    if not isinstance(path, (str, bytes, os.PathLike)) or tmp is None:      # None, or a file descriptor
         return out
     p, t = os.path.abspath(os.fsdecode(path)), os.path.abspath(tmp)
     return Path(str(out) + p[len(t):]) if p == t or p.startswith(t + os.sep) or p.startswith(t + ".") else out

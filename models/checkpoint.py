@@ -250,7 +250,8 @@ def write_checkpoint_files(model: Decoder, directory: Path, tokenizer_json: str 
     """config.json, model.safetensors, tokenizer.json (copied; None: none) and extra files, into `directory`."""
     directory = Path(directory)
     with writing(directory / CONFIG):          # each write names its file (safetensors' errors name none)
-        (directory / CONFIG).write_text(json.dumps(checkpoint_config(model, tokenizer_json is not None), indent=2) + "\n")
+        config = checkpoint_config(model, tokenizer_json is not None)
+        (directory / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     state = {k: v.detach().contiguous().cpu() for k, v in _stored_state(model).items()}
     with writing(directory / WEIGHTS):
         save_file(state, str(directory / WEIGHTS))

@@ -183,7 +183,8 @@ def test_train_that_fills_the_disk_mid_run_keeps_its_last_checkpoint_and_says_wh
     assert r.code == 1 and len(r.error_lines) == 1 and "Traceback" not in r.err, r.err[-3000:]
     assert re.fullmatch(rf"error: {re.escape(str(out))}/[^:]+: No space left on device at the checkpoint of step 2; "
                         rf"{re.escape(str(out))} holds the last complete checkpoint, of step 1 \(free space, then "
-                        rf"continue with: python -m train --out {re.escape(str(out))} --resume\)", r.error_lines[0]), r.err
+                        rf"continue with: python -m train --out {re.escape(str(out))} --resume\)",
+                        r.error_lines[0]), r.err
     assert snapshot(out) == held["snapshot"]
     only_ballast(fs)
     monkeypatch.setattr(loop, "save_checkpoint", real)

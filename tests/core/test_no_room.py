@@ -57,8 +57,8 @@ def test_torch_saves_error_carries_the_write_it_was_raised_over():
                 raise outer
         except BaseException as e:
             return e
-    assert io_errno(raised_over(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"))) \
-        == errno.ENOSPC
+    torch_save = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    assert io_errno(raised_over(torch_save)) == errno.ENOSPC
     for outer in (SystemExit(1), KeyboardInterrupt(), UserError("x: expected y; z")):
         assert io_errno(raised_over(outer)) is None
 
@@ -87,7 +87,8 @@ def test_writing_names_the_file_an_error_did_not_name(tmp_path):
             raise ValueError("bad")
 
 
-@pytest.mark.parametrize("code, reason", [(errno.ENOSPC, "No space left on device"), (errno.EDQUOT, "Disk quota exceeded")])
+@pytest.mark.parametrize("code, reason", [(errno.ENOSPC, "No space left on device"),
+                                          (errno.EDQUOT, "Disk quota exceeded")])
 def test_output_dir_names_the_outputs_file_and_keeps_the_earlier_output(tmp_path, code, reason):
     out = tmp_path / "ckpt"
     with output_dir(out, CHECKPOINT) as tmp:
@@ -98,7 +99,8 @@ def test_output_dir_names_the_outputs_file_and_keeps_the_earlier_output(tmp_path
             (tmp / "sub").mkdir()
             with writing(tmp / "sub" / "model.safetensors"):
                 raise SafetensorError(f"I/O error: {reason} (os error {code})")
-    assert str(caught.value) == f"{out}/sub/model.safetensors: {reason}; nothing was written (free space or choose another --out)"
+    assert str(caught.value) == (f"{out}/sub/model.safetensors: {reason}; nothing was written (free space or choose "
+                                 "another --out)")
     assert (out / "model.safetensors").read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]          # no temporary left
 
