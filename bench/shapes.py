@@ -20,7 +20,7 @@ import zlib
 from pathlib import Path
 
 from core.errors import UserError
-from core.outputs import SCALE_FOLDER, check_output_dir, output_dir
+from core.outputs import SCALE_FOLDER, check_output_dir, output_dir, writing
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -202,7 +202,8 @@ def write_random_folder(shape_name_or_config: str | dict, out_dir, seed: int = 0
             t0 = time.perf_counter()
             fname = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
             tensors = {n: random_tensor(n, s, init, seed, torch_dtype) for n, s, init in shard}
-            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            with writing(tmp / fname):             # safetensors' errors name no file
+                save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
             nbytes = sum(t.numel() for t in tensors.values()) * itemsize
             del tensors
             weight_map.update({n: fname for n, _, _ in shard})

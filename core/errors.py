@@ -18,6 +18,8 @@ An entry module's first statements, before its own imports (torch takes seconds 
 What the user sees, whatever the command (and however early the Ctrl-C):
 
     bad input          one `error: ...` line on stderr, exit 1 (EXIT_USER)
+    a full disk        `error: <output>: No space left on device; nothing was written (free space or
+                       choose another --out)`, exit 1; the same for a full quota or a read-only file system
     bad usage          argparse's complaint as one `error: prog: ...; see --help` line, exit 2 (EXIT_USAGE)
     Ctrl-C / SIGTERM   `interrupted; nothing was written` (or which outputs are complete), exit 130
     a real bug         the traceback and a line asking to report it, exit 1
@@ -29,8 +31,10 @@ indented lines (a verification lists each mismatch).
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
+import re
 import signal
 import sys
 import traceback
@@ -58,6 +62,59 @@ class UsageError(UserError):
     """The command line itself is wrong (unknown flag, missing argument, unparsable value)."""
 
     exit_code = EXIT_USAGE
+
+
+# A write that failed for want of room, not for a bug: errno -> what makes room (the fix's first half).
+NO_ROOM = {errno.ENOSPC: "free space", errno.EDQUOT: "free space", errno.EROFS: "make the file system writable"}
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")     # how Rust's std::io::Error ends (safetensors, tokenizers)
+
+
+def io_errno(e: BaseException | None) -> int | None:
+    """The errno behind a failed write, else None: an OSError's, one a foreign writer spells only in its
+    text (safetensors raises SafetensorError "I/O error: No space left on device (os error 28)"), or that
+    of the error a foreign one was raised over (torch.save's "[enforce fail at inline_container.cc]
+    unexpected pos" has the OSError as its __context__; torch.distributed.checkpoint lists each rank's
+    in `failures`). A UserError other than NoRoomError is the project's own message, and a stop (SystemExit,
+    Ctrl-C) raised while a failed write was handled is no write: None."""
+    seen, todo = set(), [e]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen or isinstance(e, (SystemExit, KeyboardInterrupt, GeneratorExit)) or (
+                isinstance(e, UserError) and not isinstance(e, NoRoomError)):
+            continue
+        seen.add(id(e))
+        code = getattr(e, "errno", None) if isinstance(e, (OSError, NoRoomError)) else None
+        found = code or next((int(m) for m in _OS_ERROR.findall(str(e))), None)
+        if found:
+            return found
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [e.__cause__, None if e.__suppress_context__ else e.__context__]
+    return None
+
+
+def written_so_far() -> str:
+    """What this command has completed, for a message about a stop: `nothing was written`, or
+    `complete: A, B; nothing else was written`."""
+    from core.outputs import committed_outputs
+    done = committed_outputs()
+    if done:
+        return "complete: " + ", ".join(str(p) for p in done) + "; nothing else was written"
+    return "nothing was written"
+
+
+class NoRoomError(UserError):
+    """An output that could not be written for want of room (ENOSPC, EDQUOT) or on a read-only file
+    system (EROFS), named as the user will look for it (never a temporary path, never an input):
+
+        runs/x/model.safetensors: No space left on device; nothing was written (free space or choose another --out)
+    """
+
+    def __init__(self, path, code: int, option: str = "--out"):
+        self.path, self.errno, self.reason, self.remedy = path, code, os.strerror(code), NO_ROOM[code]
+        where = f"{path}: " if path is not None else ""
+        super().__init__(f"{where}{self.reason}; {written_so_far()} ({self.remedy} or choose another {option})")
 
 
 def first_line(e: BaseException) -> str:
@@ -111,6 +168,8 @@ seed_int = int_in(0, 2**63 - 1)       # numpy and torch seeds: non-negative, 64-
 # --- the runner -----------------------------------------------------------------------------
 
 NOTHING_WRITTEN = "interrupted; nothing was written"
+# run_cli's fix for a full disk met outside the atomic writer (which names the command's own option)
+ANY_OUTPUT = "output path"
 
 
 def _raise_interrupt(signum, frame):
@@ -118,11 +177,7 @@ def _raise_interrupt(signum, frame):
 
 
 def interrupted_message() -> str:
-    from core.outputs import committed_outputs
-    done = committed_outputs()
-    if done:
-        return "interrupted; complete: " + ", ".join(str(p) for p in done) + "; nothing else was written"
-    return NOTHING_WRITTEN
+    return "interrupted; " + written_so_far()
 
 
 def guard_startup(name: str) -> None:
@@ -232,9 +287,12 @@ def run_cli(run, argv: list[str] | None = None) -> int:
     except BrokenPipeError:     # `cmd | head`: the reader left; not an error of ours
         return EXIT_OK
     except OSError as e:        # disk full, permission denied, a path that vanished: the user's to fix
-        where = f"{e.filename}: " if e.filename else ""
-        print(f"error: {where}{e.strerror or first_line(e)}; {interrupted_message().split('; ', 1)[1]}",
-              file=sys.stderr)
+        if e.errno in NO_ROOM:
+            # a copy's error names (source, destination): the destination is what did not fit
+            print(f"error: {NoRoomError(e.filename2 or e.filename, e.errno, ANY_OUTPUT)}", file=sys.stderr)
+        else:
+            where = f"{e.filename}: " if e.filename else ""
+            print(f"error: {where}{e.strerror or first_line(e)}; {written_so_far()}", file=sys.stderr)
         return EXIT_USER
     except SystemExit as e:     # a library calling sys.exit: keep its code, never a traceback
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USER)
@@ -245,6 +303,9 @@ def run_cli(run, argv: list[str] | None = None) -> int:
         if _caused_by_interrupt(e):     # a library (torch's exporter) wrapped the Ctrl-C in its own error
             print(f"error: {interrupted_message()}", file=sys.stderr)
             return EXIT_INTERRUPTED
+        if io_errno(e) in NO_ROOM:      # a foreign writer's full disk (safetensors' SafetensorError), unnamed
+            print(f"error: {NoRoomError(None, io_errno(e), ANY_OUTPUT)}", file=sys.stderr)
+            return EXIT_USER
         traceback.print_exc()
         print(f"error: {REPORT_BUG}", file=sys.stderr)
         return EXIT_USER

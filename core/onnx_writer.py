@@ -24,6 +24,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from core.outputs import writing
+
 EXTERNAL_AT = 2_000_000_000 - (64 << 20)    # bytes of weights from which a graph keeps them in a .data file
 ALIGN = 4096
 INLINE_BELOW = 1024     # bytes: small tensors (shapes, scalars) stay in the graph, where shape inference reads them
@@ -66,11 +68,12 @@ def save_onnx(proto, path: str | os.PathLike) -> None:
     """Write a graph held in memory: inline below EXTERNAL_AT, else its weights in `<file>.data`.
     Initializers already external (a graph loaded without its data) keep their file."""
     import onnx
-    if inline_bytes(proto) < EXTERNAL_AT:
-        onnx.save(proto, str(path))
-    else:
-        onnx.save(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=data_file_name(path), size_threshold=1024, convert_attribute=False)
+    with writing(path):         # onnx's errors name no file
+        if inline_bytes(proto) < EXTERNAL_AT:
+            onnx.save(proto, str(path))
+        else:
+            onnx.save(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                      location=data_file_name(path), size_threshold=1024, convert_attribute=False)
 
 
 class StreamedWeights:
@@ -88,7 +91,8 @@ class StreamedWeights:
 
     def __exit__(self, *exc) -> None:
         if self._file is not None:
-            self._file.close()
+            with writing(self.path.parent / self.location):
+                self._file.close()
             self._file = None
 
     def put(self, tensor, array) -> None:
@@ -113,7 +117,8 @@ class StreamedWeights:
             return
         offset = -(-self._file.tell() // ALIGN) * ALIGN
         self._file.seek(offset)
-        self._file.write(raw)
+        with writing(self.path.parent / self.location):
+            self._file.write(raw)
         tensor.data_location = onnx.TensorProto.EXTERNAL
         for k, v in (("location", self.location), ("offset", str(offset)), ("length", str(n))):
             tensor.external_data.add(key=k, value=v)
@@ -122,6 +127,8 @@ class StreamedWeights:
         """Write the graph itself (its initializers already put)."""
         import onnx
         if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-        onnx.save(proto, str(self.path))
+            with writing(self.path.parent / self.location):
+                self._file.flush()
+                os.fsync(self._file.fileno())
+        with writing(self.path):
+            onnx.save(proto, str(self.path))

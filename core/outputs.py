@@ -25,6 +25,11 @@ removed on any exception, Ctrl-C and SIGTERM included (core.errors.run_cli turns
 SIGTERM into KeyboardInterrupt); the swap and the removal of the old output run
 with SIGINT/SIGTERM blocked, so an interrupt lands before or after, never between.
 
+A write that fails for want of room (a full disk or quota, a read-only file system) is one
+core.errors.NoRoomError naming the output as the user will look for it: the file that failed,
+under `out` rather than under the temporary, or `out` itself. Writers whose errors name no file
+(safetensors, onnx, a plain file's write) name it with `writing(path)`.
+
     with output_dir("build/dyt", BUILD, inputs=[checkpoint]) as tmp:
         write files into tmp ...
     # tmp is now build/dyt, with its marker
@@ -46,7 +51,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.errors import UserError
+from core.errors import NO_ROOM, NoRoomError, UserError, io_errno
 
 WRITER = "tapernorm-deploy"
 VERSION = "0.2.0"
@@ -77,12 +82,14 @@ TOKEN_SHARDS = OutputKind("token-shards", "a token shard directory", "python -m 
 SCALE_FOLDER = OutputKind("scale-folder", "a random-init model folder", "python -m bench.scale make")
 
 _committed: list[Path] = []
+_claimed: dict[str, str] = {}   # claim_dir's directories -> their option: a file finished in one is an output
 _lock = threading.Lock()
 
 
 def forget_committed() -> None:
     with _lock:
         _committed.clear()
+        _claimed.clear()
 
 
 def committed_outputs() -> list[Path]:
@@ -174,8 +181,21 @@ def check_output_dir(out: str | os.PathLike, kind: OutputKind, inputs=(), option
         parent = parent.parent
     if not parent.is_dir():
         raise UserError(f"{out}: cannot be created ({parent} is a file); {fix}")
+    if _read_only(parent):
+        raise NoRoomError(out, errno.EROFS, option)
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"{out}: cannot be created (no write permission on {parent}); {fix}")
+
+
+def _read_only(directory: Path) -> bool:
+    """Whether `directory` is on a read-only mount (os.access then says only "no write permission")."""
+    try:
+        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        return False
+
+
+FILE_OPTION = "output path"       # the fix of a standalone file's messages (its option differs per command)
 
 
 def file_signature(path: Path) -> str | None:
@@ -227,6 +247,8 @@ def check_output_file(out: str | os.PathLike, kind: OutputKind, inputs=()) -> No
                         "or move the file away yourself")
     if not out.parent.is_dir():
         raise UserError(f"{out}: its folder {out.parent} does not exist; create it or {fix}")
+    if _read_only(out.parent):
+        raise NoRoomError(out, errno.EROFS, FILE_OPTION)
     if not os.access(out.parent, os.W_OK | os.X_OK):
         raise UserError(f"{out}: cannot be written (no write permission on {out.parent}); {fix}")
 
@@ -250,6 +272,43 @@ def png_signature_metadata(kind: OutputKind = FIGURE) -> dict:
 
 
 # --- the atomic writer -------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike):
+    """Name `path` in a failed write inside whose error names no file (safetensors' SafetensorError, onnx.save,
+    a plain file's write): it becomes an OSError of the same errno naming `path`."""
+    try:
+        yield
+    except BaseException as e:
+        code = io_errno(e)
+        if code is None or getattr(e, "filename", None) or isinstance(e, NoRoomError):
+            raise
+        raise OSError(code, os.strerror(code), str(path)) from e
+
+
+def _as_output(path, tmp: Path | None, out: Path) -> Path:
+    """`path` (a file under the temporary `tmp`, or `tmp` itself) as it is named once at `out`; else `out`."""
+    if not isinstance(path, (str, bytes, os.PathLike)) or tmp is None:      # None, or a file descriptor
+        return out
+    p, t = os.path.abspath(os.fsdecode(path)), os.path.abspath(tmp)
+    return Path(str(out) + p[len(t):]) if p == t or p.startswith(t + os.sep) or p.startswith(t + ".") else out
+
+
+@contextlib.contextmanager
+def naming_output(out: str | os.PathLike, tmp: Path | None = None, option: str = "--out"):
+    """A write inside that fails for want of room as one NoRoomError naming the output `out` (the file under
+    `tmp` that failed, as it would be named under `out`); any other error as it is."""
+    try:
+        yield
+    except NoRoomError:
+        raise
+    except BaseException as e:
+        code = io_errno(e)
+        if code not in NO_ROOM:
+            raise
+        written = getattr(e, "filename2", None) or getattr(e, "filename", None)   # a copy's: (source, destination)
+        raise NoRoomError(_as_output(written, tmp, Path(out)), code, option) from None
+
 
 def _fsync_tree(root: Path) -> None:
     for dirpath, _, files in os.walk(root):
@@ -338,7 +397,8 @@ def _commit_dir(tmp: Path, out: Path) -> None:
 def write_marker(directory: Path, kind: OutputKind, extra: dict | None = None) -> None:
     data = {"kind": kind.name, "writer": f"{WRITER} {VERSION}", **(extra or {})}
     p = Path(directory) / MARKER
-    p.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    with writing(p):
+        p.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     os.chmod(p, file_mode())
 
 
@@ -357,24 +417,28 @@ def _fix_modes(root: Path) -> None:
 
 
 @contextlib.contextmanager
-def output_dir(out: str | os.PathLike, kind: OutputKind, inputs=(), marker: dict | None = None):
+def output_dir(out: str | os.PathLike, kind: OutputKind, inputs=(), marker: dict | None = None,
+               option: str = "--out"):
     """Write a directory atomically: yields a temporary sibling; on success it becomes `out`.
 
     `out` is checked first (check_output_dir) and again just before the swap, so a
-    directory that changed hands meanwhile is still refused.
+    directory that changed hands meanwhile is still refused. `option` names the command-line
+    option of `out` in messages.
     """
     out = Path(out)
-    check_output_dir(out, kind, inputs)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))      # unique, empty
-    os.chmod(tmp, dir_mode())
+    check_output_dir(out, kind, inputs, option)
+    with naming_output(out, option=option):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))      # unique, empty
     try:
-        yield tmp
-        write_marker(tmp, kind, marker)
-        _fix_modes(tmp)
-        _fsync_tree(tmp)
-        check_output_dir(out, kind, inputs)
-        _commit_dir(tmp, out)
+        with naming_output(out, tmp, option):
+            os.chmod(tmp, dir_mode())
+            yield tmp
+            write_marker(tmp, kind, marker)
+            _fix_modes(tmp)
+            _fsync_tree(tmp)
+            check_output_dir(out, kind, inputs, option)
+            _commit_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -389,19 +453,21 @@ def output_file(out: str | os.PathLike, kind: OutputKind, inputs=()):
     """
     out = Path(out)
     check_output_file(out, kind, inputs)
-    fd, name = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
-    os.close(fd)
+    with naming_output(out, option=FILE_OPTION):
+        fd, name = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+        os.close(fd)
     tmp = Path(name)
     try:
-        yield tmp
-        os.chmod(tmp, file_mode())
-        _fsync(tmp)
-        check_output_file(out, kind, inputs)
-        with _signals_blocked():
-            os.replace(tmp, out)
-            _fsync_dir(out.parent)
-            with _lock:
-                _committed.append(out)
+        with naming_output(out, tmp, FILE_OPTION):
+            yield tmp
+            os.chmod(tmp, file_mode())
+            _fsync(tmp)
+            check_output_file(out, kind, inputs)
+            with _signals_blocked():
+                os.replace(tmp, out)
+                _fsync_dir(out.parent)
+                with _lock:
+                    _committed.append(out)
     except BaseException:
         tmp.unlink(missing_ok=True)
         for extra in out.parent.glob(f"{tmp.name}*"):   # e.g. external data written beside it
@@ -419,15 +485,19 @@ def write_json(out: str | os.PathLike, data: dict, kind: OutputKind = REPORT_JSO
 def claim_dir(out: str | os.PathLike, kind: OutputKind, inputs=(), option: str = "--out") -> Path:
     """A directory the command fills file by file (each file atomically, replace_file_in), e.g.
     benchmark results that must survive an interrupted run: created (or reused when it carries
-    our marker of this kind) and marked at once. Returns the directory."""
+    our marker of this kind) and marked at once. The files replaced in it afterwards are this
+    command's outputs in its stop messages (`complete: ...`). Returns the directory."""
     out = Path(out)
     check_output_dir(out, kind, inputs, option)
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    if created:
-        os.chmod(out, dir_mode())
-    if marker_kind(out) is None:
-        write_marker(out, kind)
+    with naming_output(out, option=option):
+        out.mkdir(parents=True, exist_ok=True)
+        if created:
+            os.chmod(out, dir_mode())
+        if marker_kind(out) is None:
+            write_marker(out, kind)
+    with _lock:
+        _claimed[os.path.abspath(out)] = option
     return out
 
 
@@ -438,14 +508,20 @@ def replaced_file_in(directory: Path, name: str):
     replaces `name`. A graph written with external data would name the temporary in its
     location, so this is for graphs kept inline (below core.onnx_writer.EXTERNAL_AT)."""
     directory = Path(directory)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=directory)
-    os.close(fd)
+    option = _claimed.get(os.path.abspath(directory), FILE_OPTION)
+    with naming_output(directory / name, option=option):
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=directory)
+        os.close(fd)
     try:
-        yield Path(tmp)
-        _fsync(tmp)
-        os.chmod(tmp, file_mode())
-        with _signals_blocked():
-            os.replace(tmp, directory / name)
+        with naming_output(directory / name, Path(tmp), option):
+            yield Path(tmp)
+            _fsync(tmp)
+            os.chmod(tmp, file_mode())
+            with _signals_blocked():
+                os.replace(tmp, directory / name)
+                with _lock:
+                    if os.path.abspath(directory) in _claimed and directory / name not in _committed:
+                        _committed.append(directory / name)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

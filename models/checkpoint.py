@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from core.errors import UserError, first_line, run_cli
 from core.inputs import check_memory
-from core.outputs import CHECKPOINT, OutputKind, output_dir
+from core.outputs import CHECKPOINT, OutputKind, output_dir, writing
 from models.decoder import Decoder, DecoderConfig
 from models.disabled_norm import DISABLED_NORM_EPS  # noqa: F401  (re-exported: export and graph_passes' test read it here)
 
@@ -257,26 +257,32 @@ def write_checkpoint_files(model: Decoder, directory: Path, tokenizer_json: str 
                            extra_files: dict[str, str | os.PathLike] | None = None) -> None:
     """config.json, model.safetensors, tokenizer.json (copied; None: none) and extra files, into `directory`."""
     directory = Path(directory)
-    (directory / CONFIG).write_text(json.dumps(checkpoint_config(model, tokenizer_json is not None), indent=2) + "\n")
+    with writing(directory / CONFIG):          # each write names its file (safetensors' errors name none)
+        config = checkpoint_config(model, tokenizer_json is not None)
+        (directory / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     state = {k: v.detach().contiguous().cpu() for k, v in _stored_state(model).items()}
-    save_file(state, str(directory / WEIGHTS))
-    if tokenizer_json is not None:
-        shutil.copyfile(tokenizer_json, directory / TOKENIZER)
-    for name, src in (extra_files or {}).items():
-        shutil.copyfile(src, directory / name)
+    with writing(directory / WEIGHTS):
+        save_file(state, str(directory / WEIGHTS))
+    copies = {TOKENIZER: tokenizer_json} if tokenizer_json is not None else {}
+    for name, src in {**copies, **(extra_files or {})}.items():
+        with writing(directory / name):
+            shutil.copyfile(src, directory / name)
 
 
 def save_checkpoint(model: Decoder, path: str | os.PathLike, tokenizer_json: str | os.PathLike | None,
                     extra_files: dict[str, str | os.PathLike] | None = None,
-                    kind: OutputKind = CHECKPOINT, inputs=()) -> Path:
+                    kind: OutputKind = CHECKPOINT, inputs=(), write_more=None) -> Path:
     """Write a checkpoint directory atomically (core.outputs.output_dir: replaces only our own `kind`).
 
     tokenizer_json: path of a tokenizer.json to copy in (None: a checkpoint without one); extra_files: name -> source
-    path of further files to copy (e.g. the training log); inputs: paths the
-    command reads, which `path` must not be or hold.
+    path of further files to copy (e.g. the training log); write_more: a function of the temporary folder that
+    writes further files into it (a training run's log and resume state: written once, where they stay);
+    inputs: paths the command reads, which `path` must not be or hold.
     """
     with output_dir(path, kind, inputs=inputs) as tmp:
         write_checkpoint_files(model, tmp, tokenizer_json, extra_files)
+        if write_more is not None:
+            write_more(tmp)
     return Path(path)
 
 

@@ -1,4 +1,5 @@
 import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +70,50 @@ def _source_tree_unchanged():
     if before is not None:
         new = sorted(stray_paths() - before)
         assert new == [], f"this test module wrote into the source tree: {new}; write under tmp_path instead"
+
+
+# --- a file system too small for a command's output ------------------------------------------------------
+
+class SmallFileSystems:
+    """tmpfs mounts for one test (unmounted after it): mount("200k") -> an empty folder holding that many
+    bytes, read_only(folder) remounts one read-only, fill(folder, leave) takes all but `leave` bytes of
+    its free space. Mounting needs root (or CAP_SYS_ADMIN): elsewhere the test is skipped, saying so."""
+
+    def __init__(self, root: Path):
+        self.root, self.mounted = root, []
+
+    def mount(self, size: str, read_only: bool = False) -> Path:
+        where = self.root / f"fs{len(self.mounted)}-{size}"
+        where.mkdir()
+        opts = f"size={size}" + (",ro" if read_only else "")
+        try:
+            r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)], capture_output=True,
+                               text=True, timeout=30)
+            why = r.stderr.strip() or f"exit {r.returncode}"
+        except (OSError, subprocess.TimeoutExpired) as e:
+            r, why = None, str(e)
+        if r is None or r.returncode != 0:
+            pytest.skip(f"cannot mount a {size} tmpfs here to test a full disk ({why}); run as root")
+        self.mounted.append(where)
+        return where
+
+    def read_only(self, where: Path) -> None:
+        subprocess.run(["mount", "-o", "remount,ro", str(where)], check=True, capture_output=True, timeout=30)
+
+    def fill(self, where: Path, leave: int = 0) -> None:
+        st = os.statvfs(where)
+        n = st.f_bavail * st.f_frsize - leave
+        if n > 0:
+            with open(where / ".ballast", "wb") as f:
+                os.posix_fallocate(f.fileno(), 0, n)
+
+    def unmount_all(self) -> None:
+        for where in reversed(self.mounted):
+            subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    fs = SmallFileSystems(tmp_path)
+    yield fs
+    fs.unmount_all()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from core.errors import EXIT_USER, NO_ROOM, NoRoomError, io_errno
 from train.config import TrainError
 
 # What a lost peer looks like from a surviving rank: gloo raises a plain RuntimeError from its
@@ -182,6 +183,33 @@ def ignore_launcher_stop() -> None:
     message ready and is exiting, so that signal must not turn into a second message."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def writing_together(par: Parallel, where: str | os.PathLike):
+    """A write that every rank leaves the same way: a full disk or quota, or a read-only file system, met
+    by any rank inside (rank 0 alone writes a replicated checkpoint) is agreed on after it (one all-reduce,
+    which every rank reaches), then rank 0 raises it (naming `where` if it was another rank's) and the
+    others exit 1 quietly. So the job says it once, and no rank waits for a peer that stopped in a write."""
+    failure = None
+    try:
+        yield
+    except BaseException as e:
+        if not par.distributed or io_errno(e) not in NO_ROOM:
+            raise
+        failure = e
+    if not par.distributed:
+        return
+    code = int(par.max(float(io_errno(failure) or 0)))
+    if code == 0:
+        return
+    # torchrun stops the others (SIGTERM) as the first rank exits: no rank leaves before every rank ignores it,
+    # so that rank 0's line is not replaced by an interrupt's
+    ignore_launcher_stop()
+    par.barrier()
+    if not par.is_main:
+        raise SystemExit(EXIT_USER)
+    raise failure if failure is not None else NoRoomError(where, code)
 
 
 def peer_lost(e: BaseException) -> bool:

@@ -54,14 +54,15 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from core.outputs import TRAINING_RUN, check_output_dir, marker_kind, output_dir
+from core.errors import NoRoomError
+from core.outputs import TRAINING_RUN, check_output_dir, marker_kind, naming_output, output_dir, writing
 from models.checkpoint import CONFIG, TOKENIZER, WEIGHTS, checkpoint_config, save_checkpoint
 from models.decoder import Decoder
 from train.calibration import branch_mismatch, calibrate
 from train.config import TrainConfig, TrainError
 from train.corpus import EOS, load_corpus, split_stories
 from train.distributed import (SINGLE, Parallel, data_parallel, ignore_launcher_stop, launched_world, peer_lost,
-                               peer_lost_reason)
+                               peer_lost_reason, writing_together)
 from train.scale_loss import scale_loss, token_rms
 from train.interrupts import raise_if_interrupted
 from train.run_state import (RUN_STATE, RUN_STATE_JSON, has_run_state, load_run_state, refuse_old_state,
@@ -118,9 +119,10 @@ def _memory_streams(run: TrainConfig, workdir: Path | None, par: Parallel):
         tok_text = train_tokenizer(split["train"], vocab).to_str() if par.is_main else None
         tok = Tokenizer.from_str(par.broadcast(tok_text))     # one tokenizer, fitted once, on every rank
         tok_path = None
-        if workdir is not None:
-            tok_path = workdir / "tokenizer.json"
-            tok.save(str(tok_path))
+        with writing_together(par, workdir):
+            if workdir is not None:
+                tok_path = workdir / "tokenizer.json"
+                tok.save(str(tok_path))
     else:
         tok_path = Path(run.tokenizer)
         if not tok_path.is_file():
@@ -290,7 +292,8 @@ class Recipe:
 
 
 def _write_json(obj: dict, path: Path) -> None:
-    path.write_text(json.dumps(obj, indent=1) + "\n")
+    with writing(path):
+        path.write_text(json.dumps(obj, indent=1) + "\n")
 
 
 def train(run: TrainConfig, command: str | None = None, resume: bool = False, recipe: Recipe | None = None) -> dict:
@@ -316,8 +319,9 @@ def train(run: TrainConfig, command: str | None = None, resume: bool = False, re
             out.parent.mkdir(parents=True, exist_ok=True)
             work = Path(tempfile.mkdtemp(prefix=f".{out.name}.work-", dir=out.parent))
         try:
-            return _train(run, out, work, t0, command, load_run_state(out) if resume else None, par,
-                          recipe or Recipe(), estimate)
+            with naming_output(out):      # a full disk before the first checkpoint (the work folder's tokenizer)
+                return _train(run, out, work, t0, command, load_run_state(out) if resume else None, par,
+                              recipe or Recipe(), estimate)
         except Exception as e:
             if par.distributed and peer_lost(e):
                 ignore_launcher_stop()
@@ -476,34 +480,38 @@ def _restore_optimizer(model, opt, state: dict, run: TrainConfig, out: Path) -> 
         raise restore_error(out, e) from None
 
 
-def _save_run(model, opt, run: TrainConfig, out: Path, work: Path | None, recipe: Recipe, data: Data,
-              resume: dict, par: Parallel) -> None:
+def _save_run(model, opt, run: TrainConfig, out: Path, recipe: Recipe, data: Data, resume: dict,
+              par: Parallel) -> None:
     """Replace `out` with the checkpoint and resume state (resume: write_run_state's plain part). Replicated
     weights: rank 0 writes everything. --fsdp: every rank writes its shards of the model and optimizer
     into rank 0's temporary folder, the consolidated model.safetensors is streamed tensor by tensor, and
-    rank 0 commits the folder once every rank is done."""
+    rank 0 commits the folder once every rank is done. A full disk: core.errors.NoRoomError on rank 0
+    (naming the file of `out`), a quiet exit on the others (train.distributed.writing_together)."""
     log = resume["log"]
     if not run.fsdp:
-        if par.is_main:               # the ranks hold the same weights: one writes
-            _write_json(log, work / LOG_NAME)
-            write_run_state(work, {**resume, "model": model.state_dict(), "optimizer": opt.state_dict()})
-            save_checkpoint(recipe.saved_model(model), out, data.tokenizer_json, kind=TRAINING_RUN,
-                            extra_files={name: work / name for name in (LOG_NAME, RUN_STATE, RUN_STATE_JSON)})
+        with writing_together(par, out):
+            if par.is_main:               # the ranks hold the same weights: one writes
+                def run_files(tmp: Path) -> None:
+                    _write_json(log, tmp / LOG_NAME)
+                    write_run_state(tmp, {**resume, "model": model.state_dict(), "optimizer": opt.state_dict()})
+                save_checkpoint(recipe.saved_model(model), out, data.tokenizer_json, kind=TRAINING_RUN,
+                                write_more=run_files)
         return
     with output_dir(out, TRAINING_RUN) if par.is_main else contextlib.nullcontext() as tmp:
         tmp = Path(par.broadcast(str(tmp) if par.is_main else None))
-        save_sharded_state(tmp / SHARDED_STATE, model, opt)
-        write_streamed_weights(tmp / WEIGHTS if par.is_main else None, model, recipe)
-        if par.is_main:
-            tokenizer = data.tokenizer_json
-            config = {**checkpoint_config(model, tokenizer is not None), **recipe.saved_config(model).to_dict()}
-            _write_json(config, tmp / CONFIG)
-            if tokenizer is not None:
-                shutil.copyfile(tokenizer, tmp / TOKENIZER)
-            _write_json(log, tmp / LOG_NAME)
-            write_run_state(tmp, {**resume, "model": {}, "optimizer": {"state": {}, "param_groups": []},
-                                  "sharded": True})
-        par.barrier()                 # every rank's shards are written before rank 0 commits
+        with writing_together(par, out / SHARDED_STATE):   # every rank's shards are written before rank 0 commits
+            save_sharded_state(tmp / SHARDED_STATE, model, opt)
+            write_streamed_weights(tmp / WEIGHTS if par.is_main else None, model, recipe)
+            if par.is_main:
+                tokenizer = data.tokenizer_json
+                config = {**checkpoint_config(model, tokenizer is not None), **recipe.saved_config(model).to_dict()}
+                _write_json(config, tmp / CONFIG)
+                if tokenizer is not None:
+                    with writing(tmp / TOKENIZER):
+                        shutil.copyfile(tokenizer, tmp / TOKENIZER)
+                _write_json(log, tmp / LOG_NAME)
+                write_run_state(tmp, {**resume, "model": {}, "optimizer": {"state": {}, "param_groups": []},
+                                      "sharded": True})
 
 
 def _new_log(run: TrainConfig, command: str | None, model: Decoder, data: Data, sched, recipe: Recipe) -> dict:
@@ -525,7 +533,6 @@ class _Run:
     plain dicts: they are the resume state's format (run_state.json), read back by --resume."""
     run: TrainConfig
     out: Path
-    work: Path | None
     t0: float
     par: Parallel
     recipe: Recipe
@@ -557,9 +564,17 @@ class _Run:
                                  f"for this step (lower --lr)")
             self.log["step"] = step
             self.log["parallel"][-1]["measured"] = measured_memory(self.opt, par)
-            _save_run(model, self.opt, run, self.out, self.work, self.recipe, self.data,
-                      {"step": step, "taper_c": model.taper_c(), "data_rng": self.gen.get_state(),
-                       "torch_rng": torch.get_rng_state(), "aux": self.aux, "log": self.log}, par)
+            try:
+                _save_run(model, self.opt, run, self.out, self.recipe, self.data,
+                          {"step": step, "taper_c": model.taper_c(), "data_rng": self.gen.get_state(),
+                           "torch_rng": torch.get_rng_state(), "aux": self.aux, "log": self.log}, par)
+            except NoRoomError as e:
+                held = read_state_step(self.out)
+                if not held:          # the writer's own line: nothing was written
+                    raise
+                raise TrainError(f"{e.path}: {e.reason} at the checkpoint of step {step}; {self.out} holds the last "
+                                 f"complete checkpoint, of step {held} ({e.remedy}, then continue with: "
+                                 f"{self.recipe.program} --out {shlex.quote(str(self.out))} --resume)") from None
         return ev
 
 
@@ -604,7 +619,7 @@ def _start_run(run: TrainConfig, out: Path, work: Path | None, t0: float, comman
          "device": par.device.type, "dtype": run.dtype, "fsdp": par.sharded,
          "checkpoint_activations": run.checkpoint_activations,
          "memory_estimate": None if estimate is None else dataclasses.asdict(estimate)})
-    r = _Run(run, out, work, t0, par, recipe, data, model, opt, sched, gen, log, aux, micro, _autocast(run, par))
+    r = _Run(run, out, t0, par, recipe, data, model, opt, sched, gen, log, aux, micro, _autocast(run, par))
     return r, ddp, start
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from core.inputs import read_json_file
+from core.outputs import writing
 from train.config import TrainError
 
 RUN_STATE = "train_state.safetensors"
@@ -48,11 +49,13 @@ def write_run_state(directory: Path, state: dict) -> None:
     tensors = {f"model.{k}": v for k, v in state["model"].items()}
     tensors.update({f"optimizer.{i}.{k}": v for i, per_param in opt["state"].items() for k, v in per_param.items()})
     tensors.update(data_rng=state["data_rng"], torch_rng=state["torch_rng"])
-    save_file(_storable(tensors), str(Path(directory) / RUN_STATE))
+    with writing(Path(directory) / RUN_STATE):         # safetensors' errors name no file
+        save_file(_storable(tensors), str(Path(directory) / RUN_STATE))
     plain = {"format": FORMAT, "step": state["step"], "taper_c": state["taper_c"], "aux": state["aux"],
              "optimizer_param_groups": opt["param_groups"], "log": state["log"],
              "sharded": bool(state.get("sharded", False))}
-    (Path(directory) / RUN_STATE_JSON).write_text(json.dumps(plain, indent=1) + "\n")
+    with writing(Path(directory) / RUN_STATE_JSON):
+        (Path(directory) / RUN_STATE_JSON).write_text(json.dumps(plain, indent=1) + "\n")
 
 
 def has_run_state(run_dir: str | Path) -> bool:

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from core.outputs import writing
 from models.decoder import Decoder
 from train.config import TrainError
 
@@ -232,7 +233,8 @@ def save_sharded_state(directory: Path, model: nn.Module, opt: torch.optim.Optim
     """Every rank writes its shards into `directory` (a path all ranks see: inside the temporary run
     folder rank 0 commits afterwards, so a stopped save leaves the previous checkpoint whole)."""
     import torch.distributed.checkpoint as dcp
-    with warnings.catch_warnings():          # one process (no process group) writes the same format
+    # a failed write is raised on every rank (dcp gathers the ranks' results), naming no file
+    with warnings.catch_warnings(), writing(directory):   # one process (no process group) writes the same format
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.save(_state(model, opt), checkpoint_id=str(directory), no_dist=not dist.is_initialized())
 
@@ -285,24 +287,36 @@ def write_streamed_weights(path: Path | None, model: nn.Module, recipe) -> None:
     """The model's consolidated weights as one safetensors file at `path` (rank 0; None on the others),
     gathered one tensor at a time: every rank takes part in each tensor's all-gather (full_tensor), and
     rank 0 writes it and lets it go, so no rank ever holds the whole model twice. The recipe may
-    transform each tensor (FakeLN: gamma * 1e6 / std) or leave it out (its std buffers)."""
+    transform each tensor (FakeLN: gamma * 1e6 / std) or leave it out (its std buffers). A write that
+    fails (a full disk) is raised after the last gather: the other ranks are waiting in it."""
     items = saved_tensor_names(model, recipe)
     # the header needs every shape and dtype first: the global ones, known without gathering
     entries = [(name, torch.float32 if t.is_floating_point() else t.dtype, tuple(t.shape)) for name, t in items]
     f = open(path, "wb") if path is not None else None
+    failed = None
+
+    def write(data: bytes) -> None:
+        nonlocal failed
+        try:
+            f.write(data)
+        except OSError as e:
+            failed = e
     try:
         if f is not None:
-            f.write(_header(entries))
+            write(_header(entries))
         for name, t in items:
             full = t.full_tensor() if is_sharded(t) else t        # a collective: every rank, same order
-            if f is None:
+            if f is None or failed is not None:
                 continue
             out = recipe.saved_tensor(model, name, full.detach().to("cpu", torch.float32))
-            f.write(out.contiguous().numpy().tobytes())
+            write(out.contiguous().numpy().tobytes())
             del full, out
     finally:
         if f is not None:
-            f.close()
+            with writing(path):
+                f.close()
+    if failed is not None:
+        raise OSError(failed.errno, failed.strerror, str(path)) from failed
 
 
 def all_finite(model: nn.Module, par) -> bool:

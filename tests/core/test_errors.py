@@ -48,7 +48,8 @@ def test_oserror_is_one_line(capsys):
     def body(argv):
         raise OSError(28, "No space left on device", "/x/y")
     code, out = _run(capsys, body)
-    assert code == 1 and out.err.strip() == "error: /x/y: No space left on device; nothing was written"
+    assert code == 1 and out.err.strip() == ("error: /x/y: No space left on device; nothing was written "
+                                             "(free space or choose another output path)")
 
 
 @pytest.mark.parametrize("text, ok", [("5", True), ("-1", False), ("2147483648", False), ("1e3", False)])

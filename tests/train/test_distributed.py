@@ -167,3 +167,24 @@ def test_cuda_without_a_device_is_one_line(tmp_path):
     with pytest.raises(TrainError, match="--device cuda: no CUDA device is visible"):
         train(TrainConfig(**TINY, out=str(tmp_path / "r"), device="cuda"))
     assert not (tmp_path / "r").exists()
+
+
+def test_a_full_disk_mid_run_is_one_line_from_rank_0_and_keeps_the_last_checkpoint(tmp_path, small_fs):
+    """Room for one checkpoint and not for two (an output is replaced only once its successor is whole): the
+    checkpoint of step 2 fails, rank 0 names the one of step 1 that --out still holds, rank 1 stays quiet."""
+    cfg = {**TINY, "steps": 3, "warmup_steps": 1, "taper_steps": 1, "eval_every": 1}
+    one = tmp_path / "one"
+    train(TrainConfig(**{**cfg, "steps": 1}, out=str(one)))                  # how much one checkpoint takes
+    size = sum(p.stat().st_size for p in one.iterdir())
+    fs = small_fs.mount(str(size * 3 // 2))
+    out = fs / "ddp"
+    proc = _torchrun(out, cfg)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode != 0
+    ours = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(ours) == 1 and "Traceback" not in err.split(ours[0])[0], err[-3000:]   # torchrun's own report follows
+    assert ours[0].startswith(f"error: {out}/") and ("No space left on device at the checkpoint of step 2; "
+                                                     f"{out} holds the last complete checkpoint, of step 1") in ours[0]
+    assert json.loads((out / "train_log.json").read_text())["step"] == 1
+    load_checkpoint(out)
+    assert sorted(p.name for p in fs.iterdir()) == ["ddp"]                    # no temporary left

@@ -2,6 +2,7 @@
 and the root fully_shard-ed, against one process with the same global batch; a sharded run killed mid-way
 and resumed by one process; the consolidated checkpoint (streamed tensor by tensor) loads and builds;
 the per-rank memory estimate and its refusal."""
+import errno
 import json
 import os
 import signal
@@ -349,3 +350,32 @@ def test_no_rank_builds_the_whole_model(tmp_path):
     # at least the whole model (measured 1.3x-3.1x: --from's pages are memory-mapped, and how many of
     # them count as resident when the peak is read varies from run to run)
     assert grew > 1.0 * model, (grew, model)
+
+
+@pytest.mark.parametrize("command", ["train", "train.finetune"])
+def test_a_full_disk_under_fsdp_is_one_line_from_rank_0(command, source, small_fs):
+    """No room for the sharded resume state every rank writes: both ranks fail in it, rank 0 alone says so."""
+    out = small_fs.mount("64k") / "fsdp"
+    argv = _argv(TINY) if command == "train" else ["--from", source, "--method", "all-taper", *FT]
+    proc = _torchrun(command, ["--out", out, *argv, "--fsdp"])
+    try:
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    ours = [line for line in err.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and ours == [f"error: {out / SHARDED_STATE}: No space left on device; nothing was "
+                                             "written (free space or choose another --out)"], err[-3000:]
+    assert "Traceback" not in err.split(ours[0])[0]                  # (torchrun's own report follows the line)
+    assert list(out.parent.iterdir()) == []
+
+
+def test_streamed_weights_that_do_not_fit_name_their_file(tmp_path, small_fs):
+    """The consolidated weights on a full disk (in one process): the error names the file."""
+    from models.decoder import Decoder
+    from train.loop import Recipe
+    model = Decoder(TrainConfig(**TINY).decoder_config())
+    path = small_fs.mount("64k") / "model.safetensors"
+    with pytest.raises(OSError) as caught:
+        write_streamed_weights(path, model, Recipe())
+    assert (caught.value.errno, caught.value.filename) == (errno.ENOSPC, str(path))
