@@ -37,9 +37,7 @@ from graph_passes.linear_fold import ChannelAffine, linear_weight, match_linear,
 @dataclass
 class Producer:
     """The linear layer whose output columns [start, stop) the scaled tensor reads, repeated `heads` times."""
-    linear: gs.Node                  # the MatMul or Gemm
-    weight: np.ndarray               # effective weight [in, out] when matched (a view of the original: never written)
-    bias_add: gs.Node | None         # MatMul ─▶ Add(b) when matched (the rewrite looks again: a fold may add one)
+    linear: gs.Node                  # the MatMul or Gemm (its weight and bias are read again at the rewrite)
     start: int
     stop: int
     label: str
@@ -138,7 +136,6 @@ def _linear_columns(ctx: PassContext, z: gs.Tensor, needed: int, columns: tuple[
         if whole or ctx.is_graph_output(z):
             return Skip(f"{z.name} is also read whole{f' by {whole[0].name} ({whole[0].op})' if whole else ''}")
     node = producer(z)
-    bias_add = None
     if node is not None and node.op == "Add":
         bias = [i for i in node.inputs if const_value(i) is not None]
         data = [i for i in node.inputs if const_value(i) is None]
@@ -146,7 +143,7 @@ def _linear_columns(ctx: PassContext, z: gs.Tensor, needed: int, columns: tuple[
         if len(bias) != 1 or const_value(bias[0]).ndim != 1 or mm is None or mm.op != "MatMul" \
                 or len(data[0].outputs) != 1:
             return Skip(f"{node.name} (Add) is not the bias of a matrix whose output nothing else reads")
-        bias_add, node = node, mm
+        node = mm
     if node is None or node.op not in ("MatMul", "Gemm"):
         return Skip(f"{z.name} is computed by {node.op if node is not None else 'no node'}, not a linear layer "
                     "(or its bias, head split or part)")
@@ -156,7 +153,7 @@ def _linear_columns(ctx: PassContext, z: gs.Tensor, needed: int, columns: tuple[
     start, stop = columns or (0, use.weight.shape[1])
     if stop - start != needed:
         return Skip(f"{node.name} writes {stop - start} columns there, the scale covers {needed}")
-    return Producer(node, use.weight, bias_add, start, stop, short_label(ctx, node))
+    return Producer(node, start, stop, short_label(ctx, node))
 
 
 def fold_into_producer(ctx: PassContext, match: OutputFold) -> None:
