@@ -140,12 +140,25 @@ def test_trt_session_takes_a_given_engine_and_its_record(tmp_path, triton_build)
 
 # --- the generate model's decode session -----------------------------------------------------
 
+def _scheduled(session, prompts, cfg, slots: int, max_queued: int):
+    """Every prompt through the batch scheduler over `session` (deactivated after): the sequences and the
+    scheduler's stats."""
+    from runtime.scheduler import BatchScheduler
+    try:
+        scheduler = BatchScheduler(session, slots=slots, max_queued=max_queued)
+        seqs = [scheduler.submit(p, cfg) for p in prompts]
+        while not all(s.done.is_set() for s in seqs):
+            scheduler.step()
+        return seqs, scheduler.stats()
+    finally:
+        session.deactivate()
+
+
 def test_generate_on_the_cpu_batches_with_solo_tokens(triton_build, tmp_path):
     """generate's session (ort-cpu, from its config) under the batch scheduler: 6 prompts through
     3 slots, each equal to runtime.generate alone (greedy, up to a tie)."""
     from runtime.generate import GenerationConfig, generate
     from runtime.ort_session import OrtSession
-    from runtime.scheduler import BatchScheduler
     from runtime.triton import write_triton_repository
     from runtime.triton.python_model import open_decode_session
     from tests.runtime.greedy import compare_greedy
@@ -156,14 +169,8 @@ def test_generate_on_the_cpu_batches_with_solo_tokens(triton_build, tmp_path):
         want = [generate(alone, [p], cfg) for p in prompts]
     session, line = open_decode_session(repo / "generate/1", _params(repo))
     assert line.startswith("generate: decoding with ort-cpu (ONNX Runtime CPUExecutionProvider")
-    try:
-        scheduler = BatchScheduler(session, slots=3, max_queued=6)
-        seqs = [scheduler.submit(p, cfg) for p in prompts]
-        while not all(s.done.is_set() for s in seqs):
-            scheduler.step()
-        assert scheduler.stats().peak_running == 3
-    finally:
-        session.deactivate()
+    seqs, stats = _scheduled(session, prompts, cfg, slots=3, max_queued=6)
+    assert stats.peak_running == 3
     for seq, w in zip(seqs, want):
         assert compare_greedy(w.tokens[0], [row[0] for row in w.logits], seq.tokens, seq.logits) > 0
 
@@ -232,7 +239,6 @@ def test_generate_on_the_gpu_batches_with_the_cpus_tokens(backend, gpu_build, tm
                     "onnxruntime-gpu (CUDAExecutionProvider) is not installed: pip install 'tapernorm-deploy[gpu]'")
     from runtime.generate import GenerationConfig, generate
     from runtime.ort_session import OrtSession
-    from runtime.scheduler import BatchScheduler
     from runtime.triton import write_triton_repository
     from runtime.triton.python_model import open_decode_session
     from runtime.trt_engine import BuildOptions
@@ -251,13 +257,7 @@ def test_generate_on_the_gpu_batches_with_the_cpus_tokens(backend, gpu_build, tm
         want = [generate(alone, [p], cfg) for p in prompts]
     session, line = open_decode_session(repo / "generate/1", _params(repo))
     assert f"decoding with {backend}" in line
-    try:
-        scheduler = BatchScheduler(session, slots=4, max_queued=6)
-        seqs = [scheduler.submit(p, cfg) for p in prompts]
-        while not all(s.done.is_set() for s in seqs):
-            scheduler.step()
-    finally:
-        session.deactivate()
+    seqs, _ = _scheduled(session, prompts, cfg, slots=4, max_queued=6)
     for seq, w in zip(seqs, want):
         assert seq.error is None, seq.error
         assert compare_greedy(w.tokens[0], [row[0] for row in w.logits], seq.tokens, seq.logits) > 0
@@ -290,7 +290,6 @@ def test_a_sliding_window_model_batches_in_the_scheduler_with_solo_tokens(slidin
     import onnx
     from runtime.generate import GenerationConfig, generate
     from runtime.ort_session import OrtSession
-    from runtime.scheduler import BatchScheduler
     from runtime.triton import write_triton_repository
     from runtime.triton.python_model import open_decode_session
     from tests.runtime.greedy import compare_greedy
@@ -304,12 +303,6 @@ def test_a_sliding_window_model_batches_in_the_scheduler_with_solo_tokens(slidin
     with OrtSession(sliding_build, intra_op_threads=1) as alone:
         want = [generate(alone, [p], cfg) for p in prompts]
     session, _ = open_decode_session(repo / "generate/1", _params(repo))
-    try:
-        scheduler = BatchScheduler(session, slots=3, max_queued=4)
-        seqs = [scheduler.submit(p, cfg) for p in prompts]
-        while not all(s.done.is_set() for s in seqs):
-            scheduler.step()
-    finally:
-        session.deactivate()
+    seqs, _ = _scheduled(session, prompts, cfg, slots=3, max_queued=4)
     for seq, w in zip(seqs, want):
         assert compare_greedy(w.tokens[0], [row[0] for row in w.logits], seq.tokens, seq.logits) >= 8
