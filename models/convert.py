@@ -13,10 +13,19 @@ runtime.generate --backend torch and train.finetune read; `export.build
     gpt2     LayerNorm, learned positions, Conv1D weights ([in, out], transposed here;
              c_attn split into q/k/v), gelu_new, tied head. LN-free GPT-2 (FakeLN, eps
              1e12) is an ordinary gpt2 folder: its norms keep their eps.
-    llama    RMSNorm, rotary positions (default / linear / llama3 scaling), grouped-query
-    mistral  attention, SwiGLU MLP, optional q/k/v/o and MLP biases (llama), untied or
-    qwen2    tied head; qwen2 has q/k/v biases; mistral's sliding window must cover the
-             capacity (--max-seq-len).
+    llama    RMSNorm, rotary positions (default / linear / llama3 / yarn / longrope scaling),
+    mistral  grouped-query attention, SwiGLU MLP, optional q/k/v/o and MLP biases (llama),
+    qwen2    untied or tied head; qwen2 has q/k/v biases; sliding windows (mistral, qwen2's
+             use_sliding_window) shorter than the capacity are the attention's mask.
+    qwen3    per-head q_norm / k_norm before rope; yarn for long context
+    gemma    (1 + w) RMSNorm gains (stored as 1 + w), embeddings x sqrt(d), GeGLU; gemma2 adds
+    gemma2   post-attention / post-MLP norms (sandwich), query_pre_attn_scalar, attention and
+    gemma3_text  final soft-caps, alternating sliding layers; gemma3_text adds q_norm / k_norm,
+             5 local : 1 global layers and the local layers' own rope base
+    phi3     fused qkv_proj / gate_up_proj (split by rows), partial_rotary_factor, longrope
+    olmo2    post-norms only, q_norm / k_norm over the whole projection
+    smollm3  NoPE layers (no_rope_layers)
+    granite  embedding / attention / residual multipliers, logits / logits_scaling
 
 config.json and the weights mean what they mean to the installed transformers (5.x),
 whose forward the tests compare against: the rope settings are rope_scaling when it is
@@ -30,8 +39,8 @@ that would call code is refused).
 The KV-cache capacity (max_seq_len) is min(max_position_embeddings, --max-seq-len,
 default DEFAULT_CAPACITY): a cache is preallocated at full capacity. Everything
 else that the decoder cannot express (another model_type, rope scaling type,
-activation, cross-attention, sliding window shorter than the capacity, tensors
-with no place in the layout) is refused with one line naming it.
+activation, cross-attention, tensors with no place in the layout) is refused with one
+line naming it.
 """
 from __future__ import annotations
 
