@@ -368,7 +368,25 @@ def quantize_one(x: np.ndarray, q: Quantized, qcfg) -> dict[int, onnx.TensorProt
                            qcfg.algo if q.bits == 4 else "rtn")
     if q.op != "Gather" and bits_cfg.algo == "rtn":
         return _rtn_matmul_blocks(transposed(x) if q.op == "MatMulT" else x, q.bits, qcfg.block_size)
-    return quantize_one_node("Gather" if q.op == "Gather" else "MatMul", x.T if q.op == "MatMulT" else x, bits_cfg)
+    if q.op == "Gather":
+        return quantize_table(x, bits_cfg)
+    return quantize_one_node("MatMul", x.T if q.op == "MatMulT" else x, bits_cfg)
+
+
+TABLE_CHUNK_BYTES = 1 << 30     # protobuf's 2 GiB limit on the one-node graph: Qwen3-8B's table is 2.5 GB
+
+
+def quantize_table(table: np.ndarray, qcfg, chunk_bytes: int = TABLE_CHUNK_BYTES) -> dict[int, onnx.TensorProto]:
+    """GatherBlockQuantized's tensors of an embedding table [V, d], ONNX Runtime's quantizer on row chunks of
+    at most chunk_bytes: each row's blocks are its own (quant axis 1), so the chunks' tensors stacked along the
+    rows are the whole table's (tests/export/test_stream.py checks them equal)."""
+    from export.quantize import quantize_one_node
+    rows = max(1, chunk_bytes // max(1, table.shape[1] * table.itemsize))
+    if rows >= table.shape[0]:
+        return quantize_one_node("Gather", table, qcfg)
+    parts = [quantize_one_node("Gather", table[i:i + rows], qcfg) for i in range(0, table.shape[0], rows)]
+    return {k: numpy_helper.from_array(np.concatenate([numpy_helper.to_array(p[k]) for p in parts], axis=0),
+                                       parts[0][k].name) for k in parts[0]}
 
 
 def load_top(source, fuse: bool) -> Decoder:

@@ -109,6 +109,22 @@ def test_direct_block_quantization_equals_onnx_runtimes_quantizer(bits, k):
     assert len(node.input) < 4 or not node.input[3]            # symmetric: no zero points either way
 
 
+def test_a_table_quantized_in_row_chunks_equals_the_whole():
+    """An embedding table past protobuf's 2 GiB (Qwen3-8B's is 2.5 GB) is quantized in row chunks; each row's
+    blocks are its own, so the chunks' tensors stacked are the whole table's, byte for byte."""
+    import numpy as np
+    from onnx import numpy_helper
+    from export.quantize import quantize_one_node
+    from export.stream import quantize_table
+    table = np.random.default_rng(1).standard_normal((37, 64)).astype(np.float32)
+    cfg = QuantConfig("int4", 32)              # (ONNX Runtime quantizes a Gather in int4 rtn only)
+    whole = quantize_one_node("Gather", table, cfg)
+    chunked = quantize_table(table, cfg, chunk_bytes=10 * 64 * 4)          # 10 rows a chunk: 4 chunks, the last short
+    assert whole.keys() == chunked.keys()
+    for k in whole:
+        np.testing.assert_array_equal(numpy_helper.to_array(chunked[k]), numpy_helper.to_array(whole[k]))
+
+
 def test_a_build_that_cannot_fit_is_refused_in_one_line_and_writes_nothing(tmp_path, monkeypatch):
     import export.streamed as streamed
     from core.errors import UserError
