@@ -24,7 +24,8 @@ def _has_pass(name: str) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["internal-taper", "all-taper", "baseline", "dyt", "gpt2-all-taperln",
-                                  "gpt2-internal-taperln", "gpt2-fakeln"])
+                                  "gpt2-internal-taperln", "gpt2-fakeln", "qwen3", "qwen3-all-taper", "gemma3",
+                                  "gemma3-all-taper"])
 def test_zoo_fused_structure_and_logits(name):
     ckpt = ZOO / name
     if not (ckpt / "config.json").is_file():
@@ -33,7 +34,8 @@ def test_zoo_fused_structure_and_logits(name):
         pytest.skip("graph_passes has no 'disabled_norm' pass in its default passes yet (issue 12 writes it): "
                     "the FakeLN model's eps-1e12 LayerNorms stay")
     from export.onnx_export import export_onnx
-    from export.verify import ATOL_FP32, compare, ort_session, read_interface, run_onnx, run_torch, session_steps
+    from export.verify import (ATOL_FP32, compare, ort_session, read_interface, rounding_slack, run_onnx, run_torch,
+                               session_steps)
     from graph_passes import run_passes
     from graph_passes.base import PassContext
     from models.checkpoint import load_checkpoint, load_tokenizer
@@ -47,8 +49,13 @@ def test_zoo_fused_structure_and_logits(name):
     assert tapers == []
     if name in ("internal-taper", "gpt2-internal-taperln"):
         assert [ctx.layer_name(n) for n in norms] == ["ln_f"]
-    elif name in ("all-taper", "dyt", "gpt2-all-taperln", "gpt2-fakeln"):
+    elif name in ("all-taper", "dyt", "gpt2-all-taperln", "gpt2-fakeln", "qwen3-all-taper", "gemma3-all-taper"):
         assert norms == []
+    elif name in ("qwen3", "gemma3"):       # live: the pre-norms' gamma folded, the QK-norms' and post norms' kept
+        assert len(norms) == len(model.cfg.norm_names())
+        for n in norms:
+            live = ctx.layer_name(n).endswith(("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm", "ln_f"))
+            assert np.all(np.asarray(n.inputs[1].values) == 1.0) != live, ctx.layer_name(n)
     else:
         assert len(norms) == 2 * model.cfg.n_layer + 1
         for n in norms:
@@ -56,5 +63,9 @@ def test_zoo_fused_structure_and_logits(name):
     iface = read_interface(fused)
     tokens = load_tokenizer(ckpt).encode("Once upon a time there was a little cat named Tom.").ids
     for steps in (session_steps(iface, seed=0), session_steps(iface, tokens=tokens)):
-        c = compare(run_torch(model, iface, steps), run_onnx(ort_session(fused), iface, steps), "fp32", name)
-        assert c.max_abs_diff["logits"] <= ATOL_FP32
+        # compare raises past the build's own bound: fp32's, plus what rounding alone moves this model by on these
+        # inputs (export.verify.rounding_slack: a norm-free Gemma 3 on random tokens reaches logits of ~4600)
+        ref = run_torch(model, iface, steps)
+        c = compare(ref, run_onnx(ort_session(fused), iface, steps), "fp32", name,
+                    slack=rounding_slack(model, iface, steps, ref))
+    assert c.max_abs_diff["logits"] <= ATOL_FP32          # on real text (the last session): the fixed bound, every model

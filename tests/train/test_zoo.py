@@ -91,3 +91,29 @@ def test_gpt2_zoo_checkpoint_reproduces_its_logged_val_loss(name):
     val = _val_windows(run)
     got = evaluate(load_checkpoint(ZOO / name), val, run.batch_size)["val_loss"]
     assert got == pytest.approx(log["evals"][-1]["val_loss"], abs=1e-4)
+
+
+# --- the Qwen3- and Gemma-3-architecture models and their all-taper fine-tunes (issue 34, docs/training.md) ---
+
+FAMILIES = {"qwen3": None, "qwen3-all-taper": "all-taper", "gemma3": None, "gemma3-all-taper": "all-taper"}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_zoo_checkpoint_is_what_it_says(name):
+    model = load_checkpoint(ZOO / name)
+    cfg, log = model.cfg, _log(name)
+    gemma = name.startswith("gemma3")
+    assert (cfg.d_model, cfg.n_layer, cfg.n_head, cfg.kv_heads, cfg.hidden, cfg.pos_embedding, cfg.qk_norm) == \
+        (64, 4, 4, 2, 64, "rope", "head")
+    assert (cfg.norm_layout, cfg.sliding_layers) == (("sandwich", [0, 1, 2]) if gemma else ("pre", []))
+    if FAMILIES[name] is None:
+        assert (cfg.norm, log["preset"], log["evals"][-1]["step"]) == ("rmsnorm", "baseline", 1200)
+        return
+    assert log["recipe"]["finetune"] == "all-taper" and log["evals"][-1]["step"] == 600
+    assert (cfg.norm, cfg.taper_scope, model.gate.value) == ("taper", "all", 0.0)
+    assert sorted(model.taper_c()) == sorted(cfg.norm_names())          # QK-norms and sandwich norms tapered too
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_zoo_checkpoint_reproduces_its_logged_val_loss(name):
+    test_gpt2_zoo_checkpoint_reproduces_its_logged_val_loss(name)
