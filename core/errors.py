@@ -71,7 +71,15 @@ def first_line(e: BaseException) -> str:
 # --- argparse ----------------------------------------------------------------------------
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse that raises UsageError (one line) instead of printing its usage block and exiting."""
+    """argparse that raises UsageError (one line) instead of printing its usage block and exiting.
+
+    No prefix matching (allow_abbrev=False, its sub-commands' parsers too): `--check DIR` must not
+    quietly mean `--checkpoint DIR`, and a wrapper that screens a child's options by name (bench.scale
+    --options) sees what the child will read."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         raise UsageError(f"{self.prog}: {message}; see --help")
