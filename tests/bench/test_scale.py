@@ -3,6 +3,7 @@ transformers loads and models.convert converts) and bench.scale run end to end o
 No timing is asserted: only that every measurement is there and positive."""
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -122,6 +123,22 @@ def test_bad_options_are_one_usage_line(text, complaint):
     from core.errors import UsageError
     with pytest.raises(UsageError, match=complaint):
         scale.parse_options(text)
+
+
+@pytest.mark.parametrize("change, complaint", [
+    ({"hidden_size": -64}, "hidden_size: expected an integer in .1, 2147483647., found -64"),
+    ({"hidden_size": 10**11}, "found 100000000000"), ({"vocab_size": "256"}, "vocab_size: .* found '256'"),
+    ({"intermediate_size": None}, "found None"), ({"num_hidden_layers": 2.5}, "found 2.5"),
+    ({"num_attention_heads": True}, "found True"), ({"vocab_size": ...}, "vocab_size: .* found no such key"),
+    ({"hidden_size": 10**9}, r"a .* shard \(from tensor .*\): needs .* available; use smaller sizes")])
+def test_make_refuses_sizes_that_cannot_make_tensors_in_one_line(tmp_path, capsys, change, complaint):
+    config = {k: v for k, v in {**TINY["llama"], "num_hidden_layers": 2, **change}.items() if v is not ...}
+    (tmp_path / "s.json").write_text(json.dumps(config))
+    rc = scale.main(["make", str(tmp_path / "s.json"), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and err[0].startswith("error: "), err
+    assert re.search(complaint, err[0]), err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json"]
 
 
 def test_parse_options():
