@@ -185,7 +185,11 @@ def parse_options(text: str) -> dict[str, list[str]]:
             raise UsageError(f"--options {item!r}: expected NAME=BUILD ARGS with a new name of letters, digits, "
                              f"'.', '_', '-' (not {GENAI}), found {'no =' if not eq else repr(name)}; "
                              "e.g. --options \"int4=--fuse --quantize int4;fp32=--fuse\"")
-        argv = shlex.split(args)
+        try:
+            argv = shlex.split(args)
+        except ValueError as e:         # an unbalanced quote
+            raise UsageError(f"--options {name}: {args.strip()!r} cannot be split as a shell line ({e}); "
+                             "close the quote") from None
         taken = [a for a in argv if a.split("=")[0] in ("--checkpoint", "--out", "--triton-repo")]
         if taken:
             raise UsageError(f"--options {name}: {taken[0].split('=')[0]} is set by bench.scale; drop it")

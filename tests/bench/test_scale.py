@@ -118,7 +118,8 @@ def test_a_child_past_the_memory_cap_is_stopped_and_said():
 
 @pytest.mark.parametrize("text, complaint", [("fp32", "no ="), ("a=--fuse;a=--fuse", "'a'"), ("", "found none"),
                                              ("x=--fuse --out y", "--out is set by bench.scale"),
-                                             (f"{scale.GENAI}=--fuse", "not genai-int4")])
+                                             (f"{scale.GENAI}=--fuse", "not genai-int4"),
+                                             ('a=--fuse --dtype "fp16', "No closing quotation.*close the quote")])
 def test_bad_options_are_one_usage_line(text, complaint):
     from core.errors import UsageError
     with pytest.raises(UsageError, match=complaint):
