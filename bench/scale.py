@@ -31,6 +31,7 @@ from __future__ import annotations
 from core.errors import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
+import importlib.util
 import json
 import math
 import os
@@ -48,8 +49,8 @@ from bench import stats
 from bench.shapes import DTYPES, folder_config, folder_matches, human, resolve_shape, tensor_specs, write_random_folder
 from core.build_files import FUSED, QUANTIZED, UNFUSED
 from core.errors import ArgumentParser, UsageError, UserError, float_in, int_in, positive_int, run_cli
-from core.outputs import (FIGURE, REPORT_JSON, SCALE_FOLDER, check_output_file, output_dir, output_file,
-                          png_signature_metadata, write_json)
+from core.outputs import (BENCH_CACHE, FIGURE, REPORT_JSON, SCALE_FOLDER, check_output_file, output_dir,
+                          output_file, png_signature_metadata, write_json)
 
 GRAPHS = (*QUANTIZED, FUSED, UNFUSED)    # decoded: the first found (ONNX Runtime's order, runtime/model_files.py)
 PEERS = ("genai",)
@@ -212,25 +213,25 @@ def genai_input(folder: Path, out: Path) -> Path:
     return out
 
 
+class _BuildFailed(Exception):
+    """A measured build that did not succeed: its temporary folder is dropped, the earlier one kept."""
+
+
 def genai_build(inp: Path, out: Path, cache: Path, cap_bytes: int = 0) -> dict:
-    """GenAI's model builder into `out` (replacing an earlier GenAI build there), measured. It writes
-    into a temporary sibling renamed into place when it succeeds: a failed or stopped build leaves
-    nothing that the next run would have to be told about."""
-    import shutil
-    if out.exists() and not (out / "genai_config.json").is_file():
-        raise UserError(f"{out}: exists and is no GenAI build (no genai_config.json); move it away or use another --work")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    """GenAI's model builder into `out`, measured. `out` is written as every output of ours is
+    (core.outputs.output_dir: a marked temporary sibling renamed into place when the build succeeds),
+    so an earlier folder there is replaced only when it carries the marker of a bench build; one
+    that merely holds a genai_config.json is the user's. A failed or stopped build leaves nothing."""
+    row = {}
     try:
-        row = measured([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(inp), "-o", str(tmp),
-                        "-p", "int4", "-e", "cpu", "-c", str(cache)], cap_bytes)
-        if row["rc"] == 0:
-            if out.exists():
-                shutil.rmtree(out)                  # an earlier GenAI build (checked above)
-            tmp.rename(out)
-        return row
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        with output_dir(out, BENCH_CACHE, inputs=[inp]) as tmp:
+            row = measured([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(inp), "-o", str(tmp),
+                            "-p", "int4", "-e", "cpu", "-c", str(cache)], cap_bytes)
+            if row["rc"] != 0:
+                raise _BuildFailed
+    except _BuildFailed:
+        pass
+    return row
 
 
 def measure_option(name: str, argv: list[str], folder: Path, out: Path, args, genai_in: Path | None = None) -> dict:
@@ -299,7 +300,6 @@ def table(shape: dict) -> str:
 
 
 def bench_shape(spec: str, options: dict[str, list[str]], args, log=print) -> dict:
-    import importlib.util
     name, config = resolve_shape(spec)
     config = folder_config(config, layers=args.layers)
     folder = args.work / name

@@ -190,3 +190,37 @@ def test_run_on_a_tiny_llama(tmp_path):
     assert "tiny-llama: reusing" in r.stdout and "| bad | 0 / 1 | - |" in r.stdout
     (run,) = json.loads(out.read_text())["shapes"][0]["options"]["bad"]["runs"]
     assert run["rc"] == 2 and run["error"].startswith("error: --quantize int4: expected --fuse") and "decode" not in run
+
+
+def _built_by(rc: int):
+    """scale.measured for GenAI's builder: writes a genai_config.json where -o points, exits rc."""
+    def fake(cmd, cap_bytes=0):
+        (Path(cmd[cmd.index("-o") + 1]) / "genai_config.json").write_text("{}")
+        return {"rc": rc, "wall_s": 1.0, "peak_rss_bytes": 1, "stdout": "", "error": None if rc == 0 else "x",
+                "capped": False}
+    return fake
+
+
+def test_the_genai_peer_replaces_only_a_folder_of_ours(tmp_path, monkeypatch):
+    """WORK/genai-<shape>-int4 holding a genai_config.json but no marker is the user's: refused in one
+    line with every file kept (it was deleted, exit 0). A build of ours there is replaced; a failed
+    build keeps it and leaves no temporary."""
+    from core.errors import UserError
+    from core.outputs import BENCH_CACHE, marker_kind
+    out, inp = tmp_path / "genai-s-int4", tmp_path / "in"
+    out.mkdir()
+    (out / "genai_config.json").write_text('{"mine": 1}')
+    (out / "notes.txt").write_text("mine")
+    monkeypatch.setattr(scale, "measured", _built_by(0))
+    with pytest.raises(UserError, match="genai-s-int4: exists and holds files tapernorm-deploy did not write"):
+        scale.genai_build(inp, out, tmp_path / "cache")
+    assert (out / "notes.txt").read_text() == "mine" and (out / "genai_config.json").read_text() == '{"mine": 1}'
+    (out / "notes.txt").unlink()
+    (out / "genai_config.json").unlink()
+    assert scale.genai_build(inp, out, tmp_path / "cache")["rc"] == 0 and marker_kind(out) == BENCH_CACHE.name
+    monkeypatch.setattr(scale, "measured", _built_by(1))
+    before = (out / ".tapernorm-output.json").read_text()
+    assert scale.genai_build(inp, out, tmp_path / "cache")["rc"] == 1
+    assert (out / ".tapernorm-output.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["genai-s-int4"]
+
