@@ -238,7 +238,7 @@ def measure_option(name: str, argv: list[str], folder: Path, out: Path, args, ge
     """One build of one option set and, when it succeeded, the decode speed of what it wrote."""
     if name == GENAI:
         row = genai_build(genai_in, out, args.work / "genai-cache", args.cap_bytes)
-        graph = out if (out / "genai_config.json").is_file() else None
+        graph = out if row["rc"] == 0 and (out / "genai_config.json").is_file() else None   # not an earlier one
     else:
         row = measured([sys.executable, "-m", "export.build", "--checkpoint", str(folder), "--out", str(out), *argv],
                        args.cap_bytes)

@@ -224,3 +224,17 @@ def test_the_genai_peer_replaces_only_a_folder_of_ours(tmp_path, monkeypatch):
     assert (out / ".tapernorm-output.json").read_text() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["genai-s-int4"]
 
+
+
+def test_a_failed_genai_build_is_not_measured_by_the_earlier_one(tmp_path, monkeypatch):
+    """A round whose GenAI build fails reports the failure: the earlier build in its place is not decoded
+    as if it were this round's."""
+    import argparse
+    out = tmp_path / "genai-s-int4"
+    monkeypatch.setattr(scale, "measured", _built_by(0))
+    scale.genai_build(tmp_path / "in", out, tmp_path / "cache")
+    calls = []
+    monkeypatch.setattr(scale, "measured", lambda cmd, cap_bytes=0: calls.append(cmd) or _built_by(1)(cmd))
+    args = argparse.Namespace(work=tmp_path, cap_bytes=0, decode_tokens=2, prompt_tokens=2, threads=1)
+    row = scale.measure_option(scale.GENAI, [], tmp_path / "s", out, args, tmp_path / "in")
+    assert row["rc"] == 1 and "decode" not in row and "graph" not in row and len(calls) == 1
