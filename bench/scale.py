@@ -49,8 +49,8 @@ from bench import stats
 from bench.shapes import DTYPES, folder_config, folder_matches, human, resolve_shape, tensor_specs, write_random_folder
 from core.build_files import FUSED, QUANTIZED, UNFUSED
 from core.errors import ArgumentParser, UsageError, UserError, float_in, int_in, positive_int, run_cli
-from core.outputs import (BENCH_CACHE, FIGURE, REPORT_JSON, SCALE_FOLDER, check_output_file, output_dir,
-                          output_file, png_signature_metadata, write_json)
+from core.outputs import (BENCH_CACHE, BUILD, FIGURE, REPORT_JSON, SCALE_FOLDER, check_output_dir, check_output_file,
+                          output_dir, output_file, png_signature_metadata, write_json)
 
 GRAPHS = (*QUANTIZED, FUSED, UNFUSED)    # decoded: the first found (ONNX Runtime's order, runtime/model_files.py)
 PEERS = ("genai",)
@@ -299,6 +299,23 @@ def table(shape: dict) -> str:
     return "\n".join(lines)
 
 
+def work_folder(work: Path, shape: str, option: str) -> Path:
+    """Where a shape's build of `option` goes (GENAI: the peer's; "genai-input": the peer's input)."""
+    if option == "genai-input":
+        return work / f"genai-input-{shape}"
+    return work / (f"genai-{shape}-int4" if option == GENAI else f"build-{shape}-{option}")
+
+
+def check_work(work: Path, shapes: list[str], options, genai: bool) -> None:
+    """Every folder a run writes, checked before it writes the first (one line, not a failed round hours in)."""
+    for shape in shapes:
+        kinds = {work / shape: SCALE_FOLDER, **{work_folder(work, shape, o): BUILD for o in options}}
+        if genai:
+            kinds |= {work_folder(work, shape, "genai-input"): SCALE_FOLDER, work_folder(work, shape, GENAI): BENCH_CACHE}
+        for folder, kind in kinds.items():
+            check_output_dir(folder, kind, option="--work")
+
+
 def bench_shape(spec: str, options: dict[str, list[str]], args, log=print) -> dict:
     name, config = resolve_shape(spec)
     config = folder_config(config, layers=args.layers)
@@ -315,13 +332,13 @@ def bench_shape(spec: str, options: dict[str, list[str]], args, log=print) -> di
         if importlib.util.find_spec("onnxruntime_genai") is None:
             shape["peers"]["genai"] = "skipped: onnxruntime-genai not installed"
         else:
-            genai_in = genai_input(folder, args.work / f"genai-input-{name}")
+            genai_in = genai_input(folder, work_folder(args.work, name, "genai-input"))
             shape["options"][GENAI] = {"build_args": ["onnxruntime_genai.models.builder", "-p", "int4", "-e", "cpu"],
                                        "runs": []}
             shape["peers"]["genai"] = {"option": GENAI, "input": str(genai_in)}
     for r in range(args.rounds):
         for opt in stats.round_order(list(shape["options"]), r):
-            out = args.work / (f"genai-{name}-int4" if opt == GENAI else f"build-{name}-{opt}")
+            out = work_folder(args.work, name, opt)
             row = measure_option(opt, shape["options"][opt]["build_args"], folder, out, args, genai_in)
             row["round"] = r + 1
             shape["options"][opt]["runs"].append(row)
@@ -352,6 +369,7 @@ def run_bench(args) -> int:
     if args.work.exists() and not args.work.is_dir():
         raise UserError(f"{args.work}: expected a work directory, found a file; choose another --work")
     check_output_file(args.json, REPORT_JSON)
+    check_work(args.work, names, options, "genai" in args.peers and importlib.util.find_spec("onnxruntime_genai"))
     args.work.mkdir(parents=True, exist_ok=True)
     from core.inputs import available_memory
     avail = available_memory()

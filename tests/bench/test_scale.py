@@ -225,6 +225,17 @@ def test_the_genai_peer_replaces_only_a_folder_of_ours(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["genai-s-int4"]
 
 
+@pytest.mark.parametrize("folder", ["genai-s-int4", "build-s-a", "s"])
+def test_run_refuses_a_folder_it_would_write_before_any_work(tmp_path, capsys, folder):
+    (tmp_path / "s.json").write_text(json.dumps(dict(TINY["llama"], num_hidden_layers=2)))
+    (tmp_path / "w" / folder).mkdir(parents=True)
+    (tmp_path / "w" / folder / "genai_config.json").write_text("{}")
+    rc = scale.main(["run", "--shapes", str(tmp_path / "s.json"), "--work", str(tmp_path / "w"), "--options",
+                     "a=--fuse", "--peers", "genai", "--json", str(tmp_path / "o.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and f"w/{folder}: exists and holds files" in err[0] and "--work" in err[0], err
+    assert [p.name for p in (tmp_path / "w").iterdir()] == [folder] and not (tmp_path / "o.json").exists()
+
 
 def test_a_failed_genai_build_is_not_measured_by_the_earlier_one(tmp_path, monkeypatch):
     """A round whose GenAI build fails reports the failure: the earlier build in its place is not decoded
