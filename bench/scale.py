@@ -71,10 +71,21 @@ CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p 
 # The wrapper also keeps the child's process tree under a memory cap: a peer that would meet the
 # kernel's OOM killer (GenAI's builder on an 8B folder here) is stopped instead, and the row says
 # so, rather than the killer picking a victim on a shared machine.
-WRAPPER = """import os, resource, signal, subprocess, sys, time
+# Each process of the chain (bench.scale -> wrapper -> child) is told by the kernel when its parent dies
+# (PR_SET_PDEATHSIG, SIGTERM): a bench.scale killed by SIGKILL, which it cannot catch to stop its
+# children, left the child build running on; SIGTERM lets the child remove its temporaries.
+WRAPPER = """import ctypes, os, resource, signal, subprocess, sys, time
 t0 = time.perf_counter()
 cap = int(sys.argv[2])
-p = subprocess.Popen(sys.argv[3:])
+
+def die_with_parent(parent):
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)                 # PR_SET_PDEATHSIG
+    if os.getppid() != parent:                                  # it died before the line above
+        os.kill(os.getpid(), signal.SIGTERM)
+
+die_with_parent(int(sys.argv[3]))
+me = os.getpid()
+p = subprocess.Popen(sys.argv[4:], preexec_fn=lambda: die_with_parent(me))
 signal.signal(signal.SIGINT, signal.SIG_IGN)                    # a terminal's Ctrl-C reaches the child itself
 signal.signal(signal.SIGTERM, lambda *a: p.terminate())
 
@@ -118,7 +129,7 @@ def measured(cmd: list[str], cap_bytes: int = 0) -> dict:
     error line. With cap_bytes, its process tree is killed when its resident memory passes the cap."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
             tempfile.NamedTemporaryFile("r", prefix="bench-scale-usage-") as usage:
-        proc = subprocess.Popen([sys.executable, "-c", WRAPPER, usage.name, str(int(cap_bytes)), *cmd],
+        proc = subprocess.Popen([sys.executable, "-c", WRAPPER, usage.name, str(int(cap_bytes)), str(os.getpid()), *cmd],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=CHILD_ENV)
         try:
             proc.wait()

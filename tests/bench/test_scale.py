@@ -249,3 +249,45 @@ def test_a_failed_genai_build_is_not_measured_by_the_earlier_one(tmp_path, monke
     args = argparse.Namespace(work=tmp_path, cap_bytes=0, decode_tokens=2, prompt_tokens=2, threads=1)
     row = scale.measure_option(scale.GENAI, [], tmp_path / "s", out, args, tmp_path / "in")
     assert row["rc"] == 1 and "decode" not in row and "graph" not in row and len(calls) == 1
+
+
+KILLED_BENCH = """import sys
+from bench import scale
+scale.measured([sys.executable, "-c", "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); "
+                "time.sleep(120)", sys.argv[1]])
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="PR_SET_PDEATHSIG and /proc: Linux")
+def test_a_child_build_does_not_outlive_a_killed_bench(tmp_path):
+    """SIGKILL to bench.scale (which cannot catch it) stops the build it was measuring: the child is told
+    by the kernel that its parent died. It ran on before."""
+    import os
+    import signal
+    import time
+    pid_file = tmp_path / "child.pid"
+    bench = subprocess.Popen([sys.executable, "-c", KILLED_BENCH, str(pid_file)], cwd=ROOT)
+    try:
+        deadline = time.time() + 60
+        while not pid_file.is_file() or not pid_file.read_text():
+            assert bench.poll() is None and time.time() < deadline
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        os.kill(bench.pid, signal.SIGKILL)
+        bench.wait(10)
+        deadline = time.time() + 20
+        while _alive(child):
+            assert time.time() < deadline, "the child build outlived the bench"
+            time.sleep(0.05)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        if pid_file.is_file() and pid_file.read_text() and _alive(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
