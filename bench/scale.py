@@ -119,7 +119,7 @@ while p.poll() is None:
                 pass
         break
 rc = p.wait()
-with open(sys.argv[1], "w") as f:
+with os.fdopen(int(sys.argv[1]), "w") as f:
     f.write(f"{rc} {time.perf_counter() - t0} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss} {capped}")
 """
 
@@ -127,10 +127,12 @@ with open(sys.argv[1], "w") as f:
 def measured(cmd: list[str], cap_bytes: int = 0) -> dict:
     """Run cmd to its end: exit code, wall seconds, peak RSS of it (and its children), stdout, last
     error line. With cap_bytes, its process tree is killed when its resident memory passes the cap."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
-            tempfile.NamedTemporaryFile("r", prefix="bench-scale-usage-") as usage:
-        proc = subprocess.Popen([sys.executable, "-c", WRAPPER, usage.name, str(int(cap_bytes)), str(os.getpid()), *cmd],
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=CHILD_ENV)
+    # the wrapper's usage line goes to an unlinked file passed as a descriptor: nothing named is left in
+    # the temporary folder when this process is killed
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, tempfile.TemporaryFile("w+") as usage:
+        proc = subprocess.Popen([sys.executable, "-c", WRAPPER, str(usage.fileno()), str(int(cap_bytes)),
+                                 str(os.getpid()), *cmd], stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                env=CHILD_ENV, pass_fds=(usage.fileno(),))
         try:
             proc.wait()
         except BaseException:           # Ctrl-C / SIGTERM: let the child clean up its temporaries first
@@ -141,6 +143,7 @@ def measured(cmd: list[str], cap_bytes: int = 0) -> dict:
                 proc.kill()
             raise
         # the wrapper itself killed (SIGKILL, out of memory) leaves no usage line
+        usage.seek(0)
         rc, wall, maxrss_kib, capped = usage.read().split() or (proc.returncode, "nan", 0, 0)
         out.seek(0)
         err.seek(0)
@@ -322,7 +325,8 @@ def check_work(work: Path, shapes: list[str], options, genai: bool) -> None:
     for shape in shapes:
         kinds = {work / shape: SCALE_FOLDER, **{work_folder(work, shape, o): BUILD for o in options}}
         if genai:
-            kinds |= {work_folder(work, shape, "genai-input"): SCALE_FOLDER, work_folder(work, shape, GENAI): BENCH_CACHE}
+            kinds |= {work_folder(work, shape, "genai-input"): SCALE_FOLDER,
+                      work_folder(work, shape, GENAI): BENCH_CACHE}
         for folder, kind in kinds.items():
             check_output_dir(folder, kind, option="--work")
 

@@ -253,8 +253,8 @@ def test_a_failed_genai_build_is_not_measured_by_the_earlier_one(tmp_path, monke
 
 KILLED_BENCH = """import sys
 from bench import scale
-scale.measured([sys.executable, "-c", "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); "
-                "time.sleep(120)", sys.argv[1]])
+scale.measured([sys.executable, "-c", "import os, sys, time; "
+                "open(sys.argv[1], 'w').write(f'{os.getpid()} {os.getppid()}'); time.sleep(120)", sys.argv[1]])
 """
 
 
@@ -268,26 +268,31 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="PR_SET_PDEATHSIG and /proc: Linux")
 def test_a_child_build_does_not_outlive_a_killed_bench(tmp_path):
     """SIGKILL to bench.scale (which cannot catch it) stops the build it was measuring: the child is told
-    by the kernel that its parent died. It ran on before."""
+    by the kernel that its parent died (it ran on before), and the measuring wrapper leaves no file in
+    the temporary folder (its usage file was left there)."""
     import os
     import signal
     import time
     pid_file = tmp_path / "child.pid"
-    bench = subprocess.Popen([sys.executable, "-c", KILLED_BENCH, str(pid_file)], cwd=ROOT)
+    (tmp_path / "tmp").mkdir()
+    bench = subprocess.Popen([sys.executable, "-c", KILLED_BENCH, str(pid_file)], cwd=ROOT,
+                             env=dict(os.environ, TMPDIR=str(tmp_path / "tmp")))
     try:
         deadline = time.time() + 60
         while not pid_file.is_file() or not pid_file.read_text():
             assert bench.poll() is None and time.time() < deadline
             time.sleep(0.05)
-        child = int(pid_file.read_text())
+        child, wrapper = map(int, pid_file.read_text().split())
         os.kill(bench.pid, signal.SIGKILL)
         bench.wait(10)
         deadline = time.time() + 20
-        while _alive(child):
+        while _alive(child) or _alive(wrapper):
             assert time.time() < deadline, "the child build outlived the bench"
             time.sleep(0.05)
+        assert list((tmp_path / "tmp").iterdir()) == []
     finally:
         if bench.poll() is None:
             bench.kill()
-        if pid_file.is_file() and pid_file.read_text() and _alive(int(pid_file.read_text())):
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        for pid in map(int, pid_file.read_text().split() if pid_file.is_file() else []):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
