@@ -36,7 +36,7 @@ import numpy as np
 from core.build_files import FUSED, REPORT, UNFUSED
 from core.errors import UsageError, UserError
 from core.onnx_writer import save_onnx
-from core.outputs import BUILD, check_output_dir, output_dir, sign_onnx
+from core.outputs import BUILD, MARKER, check_output_dir, output_dir, sign_onnx
 from export.target import Target, target_of
 
 NORM_OPS = ("RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization")
@@ -537,7 +537,7 @@ def write_report(report: BuildReport, folder: Path, t_start: float, checkpoint: 
         shutil.copyfile(tokenizer, folder / TOKENIZER)
     report.versions = versions()
     report.timings_s["total"] = round(time.perf_counter() - t_start, 3)
-    report.files = sorted(p.name for p in folder.iterdir()) + [REPORT]
+    report.files = sorted(p.name for p in folder.iterdir() if p.name != MARKER) + [REPORT]   # (the build's files)
     (folder / REPORT).write_text(json.dumps(report.to_json(), indent=2) + "\n")
 
 

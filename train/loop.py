@@ -43,7 +43,6 @@ import os
 import shlex
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -54,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from core.outputs import TRAINING_RUN, check_output_dir, marker_kind, output_dir
+from core.outputs import TRAINING_RUN, check_output_dir, marker_kind, output_dir, temporary_dir
 from models.checkpoint import CONFIG, TOKENIZER, WEIGHTS, checkpoint_config, save_checkpoint
 from models.decoder import Decoder
 from train.calibration import branch_mismatch, calibrate
@@ -314,7 +313,7 @@ def train(run: TrainConfig, command: str | None = None, resume: bool = False, re
         work = None
         if par.is_main:
             out.parent.mkdir(parents=True, exist_ok=True)
-            work = Path(tempfile.mkdtemp(prefix=f".{out.name}.work-", dir=out.parent))
+            work = temporary_dir(out, "work", TRAINING_RUN)     # marked: a SIGKILLed run's is removed later
         try:
             return _train(run, out, work, t0, command, load_run_state(out) if resume else None, par,
                           recipe or Recipe(), estimate)
