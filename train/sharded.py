@@ -322,9 +322,15 @@ def load_sharded_state(directory: Path, model: nn.Module, opt: torch.optim.Optim
     truncated, another model's) is one TrainError line."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     metadata = read_sharded_metadata(directory)
     state = _state(model, opt)
+    # A parameter that had no gradient yet has no optimizer state in the folder (gamma_tilde before
+    # calibration), while a fresh optimizer's state dict has one for every parameter: leave those out,
+    # so the parameter starts without state, as in the run that saved it.
+    for name, per_param in list(state["optimizer"]["state"].items()):
+        if not any(f"optimizer.state.{name}.{k}" in metadata.state_dict_metadata for k in per_param):
+            del state["optimizer"]["state"][name]
     reader, planner = _checkpoint_reader(directory, metadata)
     try:
         with warnings.catch_warnings():          # one process reading a sharded run is intended, not a mistake
@@ -335,7 +341,9 @@ def load_sharded_state(directory: Path, model: nn.Module, opt: torch.optim.Optim
         raise TrainError(f"{directory}: expected the sharded resume state of the run's own model, found one that "
                          f"torch.distributed.checkpoint cannot load ({reason}); restore the run folder from a copy "
                          "you trust, or start a new run in another --out") from None
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    # strict=False: the parameters left out above (dcp.load has checked that the folder holds every other key)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(strict=False))
 
 
 def first_line_of(failure) -> str:
