@@ -48,6 +48,9 @@ class UserError(Exception):
     """
 
     exit_code = EXIT_USER
+    # Of the processes of one job (torchrun's ranks) one speaks for it (run_cli's `speaks`); an error that
+    # only this process can meet (its own device, a lost peer) sets this to be said by whichever meets it.
+    own_process = False
 
     def __init__(self, message: str, details: list[str] | None = None):
         super().__init__(" ".join(str(message).split("\n")))
@@ -206,11 +209,15 @@ def _caused_by_interrupt(e: BaseException) -> bool:
     return False
 
 
-def run_cli(run, argv: list[str] | None = None) -> int:
+def run_cli(run, argv: list[str] | None = None, speaks: bool = True) -> int:
     """Run a command body `run(argv) -> int` with the uniform error contract (module docstring).
 
     SIGTERM is handled like Ctrl-C (so `kill PID` cleans up the same way); output writers
     remove their temporary files on the resulting KeyboardInterrupt.
+
+    speaks=False: one of several processes of a job that another one speaks for (a rank other than
+    0 under torchrun): its user errors (except UserError.own_process ones) and interrupts, which every
+    process meets alike, are not printed again; the exit codes stay the same.
     """
     from core.outputs import forget_committed
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -227,12 +234,14 @@ def run_cli(run, argv: list[str] | None = None) -> int:
             raise UsageError(f"argument {bad + 1} contains a NUL byte; pass text without one")
         return run(argv)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        for line in e.details:
-            print(f"  - {line}", file=sys.stderr)
+        if speaks or e.own_process:
+            print(f"error: {e}", file=sys.stderr)
+            for line in e.details:
+                print(f"  - {line}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        print(f"error: {interrupted_message()}", file=sys.stderr)
+        if speaks:
+            print(f"error: {interrupted_message()}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except MemoryError:
         print("error: out of memory; use a smaller model, batch, capacity or input", file=sys.stderr)
@@ -251,7 +260,8 @@ def run_cli(run, argv: list[str] | None = None) -> int:
         return code
     except Exception as e:
         if _caused_by_interrupt(e):     # a library (torch's exporter) wrapped the Ctrl-C in its own error
-            print(f"error: {interrupted_message()}", file=sys.stderr)
+            if speaks:
+                print(f"error: {interrupted_message()}", file=sys.stderr)
             return EXIT_INTERRUPTED
         traceback.print_exc()
         print(f"error: {REPORT_BUG}", file=sys.stderr)

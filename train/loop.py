@@ -59,8 +59,8 @@ from models.decoder import Decoder
 from train.calibration import branch_mismatch, calibrate
 from train.config import TrainConfig, TrainError
 from train.corpus import EOS, load_corpus, split_stories
-from train.distributed import (SINGLE, Parallel, data_parallel, ignore_launcher_stop, launched_world, peer_lost,
-                               peer_lost_reason)
+from train.distributed import (SINGLE, Parallel, RankError, data_parallel, ignore_launcher_stop, launched_world,
+                               peer_lost, peer_lost_reason)
 from train.scale_loss import scale_loss, token_rms
 from train.interrupts import raise_if_interrupted
 from train.run_state import (RUN_STATE, RUN_STATE_JSON, has_run_state, load_run_state, refuse_old_state,
@@ -320,7 +320,7 @@ def train(run: TrainConfig, command: str | None = None, resume: bool = False, re
         except Exception as e:
             if par.distributed and peer_lost(e):
                 ignore_launcher_stop()
-                raise TrainError(f"{par.describe()}: lost contact with another rank ({peer_lost_reason(e)}); "
+                raise RankError(f"{par.describe()}: lost contact with another rank ({peer_lost_reason(e)}); "
                                  f"{held_message(out, (recipe or Recipe()).program)}") from None
             raise
         finally:

@@ -108,3 +108,19 @@ def test_no_option_is_matched_by_a_prefix(capsys):
         code, out = _run(capsys, body, argv)
         assert code == 2 and len(out.err.splitlines()) == 1 and needle in out.err, out.err
     assert _run(capsys, body, ["--checkpoint", "d", "run", "--out", "o"])[0] == 0
+
+
+def test_a_process_that_does_not_speak_for_its_job_keeps_its_exit_codes_quietly(capsys):
+    """run_cli(speaks=False), a rank other than 0 under torchrun: the errors every rank meets alike are
+    rank 0's to print; one of this process alone (own_process) is printed; the exit codes are unchanged."""
+    class Own(UserError):
+        own_process = True
+
+    def raising(e):
+        def body(argv):
+            raise e
+        return body
+    for e, code, printed in ((UserError("a: b; c"), 1, ""), (KeyboardInterrupt(), 130, ""),
+                             (Own("rank 1 of 2: lost contact; x"), 1, "error: rank 1 of 2: lost contact; x\n")):
+        assert run_cli(raising(e), [], speaks=False) == code
+        assert capsys.readouterr().err == printed

@@ -167,3 +167,24 @@ def test_cuda_without_a_device_is_one_line(tmp_path):
     with pytest.raises(TrainError, match="--device cuda: no CUDA device is visible"):
         train(TrainConfig(**TINY, out=str(tmp_path / "r"), device="cuda"))
     assert not (tmp_path / "r").exists()
+
+
+def _launch(launcher: str, out: Path, cfg: dict) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", "-m", "train", "--out", str(out),
+           *_argv(cfg)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_user_error_under_torchrun_is_one_line_from_rank_0(tmp_path):
+    """Every rank meets the same refusal (--out holds the user's files): rank 0 says it, the others exit
+    1 as quietly (each printed it)."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    procs = {name: _launch(name, tmp_path / "mine", TINY) for name in ("torch.distributed.run",)}
+    results = {name: (p.communicate(timeout=120), p.returncode) for name, p in procs.items()}
+    for name, ((_, err), rc) in results.items():
+        ours = [line for line in err.splitlines() if line.startswith("error:")]
+        assert rc == 1 and len(ours) == 1 and "exists and holds files tapernorm-deploy did not write" in ours[0], err
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+
