@@ -319,6 +319,7 @@ def train(run: TrainConfig, command: str | None = None, resume: bool = False, re
                           recipe or Recipe(), estimate)
         except Exception as e:
             if par.distributed and peer_lost(e):
+                raise_if_interrupted()  # the peer left on the same Ctrl-C torchrun forwarded to this rank: say that
                 ignore_launcher_stop()
                 raise RankError(f"{par.describe()}: lost contact with another rank ({peer_lost_reason(e)}); "
                                  f"{held_message(out, (recipe or Recipe()).program)}") from None
