@@ -151,11 +151,28 @@ def check_gate(model, fuse: bool) -> None:
                          "(finish the taper, or build without --fuse)")
 
 
+FP16_MAX = float(np.finfo(np.float16).max)      # 65504: a larger finite weight is inf once cast to fp16
+
+
+def check_fp16_range(name: str, low: float, high: float) -> None:
+    """Refuse (one line naming the tensor) a weight whose extremes `low`, `high` (of its fp32 values, before
+    the cast) fp16 cannot hold: it would turn inf in the graph and NaN in the logits, in the torch
+    reference (cast the same way) too, so the verification would not see it."""
+    worst = max(abs(float(low)), abs(float(high)))
+    if not worst <= FP16_MAX:
+        raise BuildError(f"{name}: expected weights within fp16's range (|w| <= {FP16_MAX:g}) for --dtype fp16, found "
+                         f"max |w| {worst:.6g}; build with --dtype fp32 or --dtype bf16")
+
+
 def check_model(model, fuse: bool, dtype: str) -> None:
     """Refuse, before anything is written, what the build cannot do."""
+    import torch
     from models.checkpoint import DISABLED_NORM_EPS
     check_gate(model, fuse)
     if dtype == "fp16":
+        for name, t in model.state_dict().items():
+            if t.is_floating_point() and t.numel():
+                check_fp16_range(name, *torch.aminmax(t.detach()))
         eps = {name or "model": m.eps for name, m in model.named_modules()
                if isinstance(getattr(m, "eps", None), (int, float)) and m.eps >= DISABLED_NORM_EPS}
         if eps:

@@ -331,6 +331,11 @@ def _group(name: str) -> int:
 
 def _rows_value(recipe: Rows, tensors: dict[str, torch.Tensor], np_dtype) -> np.ndarray:
     parts = [tensors[n].detach().to(torch.float32).numpy() for n in recipe.params]
+    if np_dtype == np.float16:          # read and folded; checked before the cast (fp16's range)
+        from export.pipeline import check_fp16_range
+        for n, part in zip(recipe.params, parts):
+            if part.size:
+                check_fp16_range(n, part.min(), part.max())
     x = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
     if recipe.transpose:
         x = transposed(x)
