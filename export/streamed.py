@@ -1,4 +1,4 @@
-"""The build for models too large to hold: `export.build --stream` (chosen by itself when the
+"""The build for models too large to hold: `export.build --route streamed` (chosen by itself when the
 in-memory build would not fit), in named stages with the same report as export/pipeline.py.
 
     open the weights (headers only) ─▶ memory estimate (refuse in one line when it cannot fit)
