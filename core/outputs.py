@@ -93,6 +93,22 @@ def committed_outputs() -> list[Path]:
         return list(_committed)
 
 
+def note_committed(out: Path) -> None:
+    """An output a child process of this command finished writing (for the interrupt message)."""
+    with _lock:
+        _committed.append(Path(out))
+
+
+def marker_stamp(path: Path) -> tuple | None:
+    """(inode, mtime) of a directory's marker, None without one: a new write of the directory has a new
+    marker file, so a caller that ran a child writer can tell whether it completed."""
+    try:
+        st = (Path(path) / MARKER).stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
 def _umask() -> int:
     try:        # Linux >= 4.7 reports it without the set-and-restore race
         for line in Path("/proc/self/status").read_text().splitlines():

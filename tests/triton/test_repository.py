@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.triton.conftest import CAPACITY
+from tests.triton.conftest import CAPACITY, REPO
 
 
 def _config(repo: Path, model: str):
@@ -314,3 +314,54 @@ def test_a_quantized_build_serves_its_quantized_graph_in_onnx_runtime(triton_bui
     assert [p.name for p in (repo / "generate/1").glob("*.onnx")] == ["model.int4.onnx"]
     step = onnx.load(str(repo / "decoder_onnx/1/model.onnx"), load_external_data=False)
     assert any(n.op_type == "MatMulNBits" for n in step.graph.node)
+
+
+STALL_AFTER_REPO = """
+import os, time
+import runtime.triton.repository as r
+write = r.write_repository
+def stalled(*a, **k):                       # the repository complete, the command not yet ended
+    out = write(*a, **k)
+    open(os.environ["REPO_WRITTEN"], "w").close()
+    time.sleep(60)
+    return out
+r.write_repository = stalled
+"""
+
+
+def test_ctrl_c_after_the_triton_repo_is_written_names_it(tmp_path):
+    """export.build --triton-repo interrupted once the repository was written (Ctrl-C: the whole process
+    group): one line, naming the build and the repository as complete; it said 'complete: BUILD; nothing
+    else was written' (and the child a second line of its own)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from tests.triton.conftest import require
+    require("tritonclient.grpc", "the Triton repository tests")
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(STALL_AFTER_REPO)
+    written = tmp_path / "written"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(REPO)]), REPO_WRITTEN=str(written))
+    from tests.helpers import random_model, write_checkpoint
+    ckpt = write_checkpoint(tmp_path / "ckpt", random_model(seed=0, n_layer=1, max_seq_len=32))
+    build, repo = tmp_path / "b", tmp_path / "r"
+    proc = subprocess.Popen([sys.executable, "-m", "export.build", "--fuse", "--target", "portable", "--checkpoint",
+                             str(ckpt), "--out", str(build), "--triton-repo", str(repo)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while not written.exists():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)          # as a terminal's Ctrl-C: the command and its child
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.splitlines() == [f"error: interrupted; complete: {build}, {repo}; nothing else was written"], err
+    from runtime.triton.repository import check_repository
+    assert set(check_repository(repo)) == {"decoder_onnx", "generate"}
