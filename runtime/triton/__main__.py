@@ -11,7 +11,7 @@
 
 repo writes the repository for an existing build (what export.build --triton-repo does);
 check parses every config.pbtxt into ModelConfig and verifies the decoder configs
-against their ONNX; serve runs a real Triton server (the tritonserver bundled with
+against their ONNX and loads each graph ONNX Runtime's CPU provider would run; serve runs a real Triton server (the tritonserver bundled with
 nvidia-pytriton, Python backend only) with the generate model until Ctrl-C; client
 prints the generated text on stdout, as python -m runtime.generate does (with --stream,
 piece by piece as the tokens arrive).

@@ -308,7 +308,8 @@ def verify_config(config, io: OnnxIO) -> list[str]:
 
 
 def check_repository(repo: str | Path) -> dict[str, object]:
-    """Parse every config.pbtxt into ModelConfig and verify each decoder config against its ONNX.
+    """Parse every config.pbtxt into ModelConfig and verify each decoder config against its ONNX, and load
+    what the server would load where this machine can (_load_errors: ONNX Runtime CPU graphs).
 
     Returns model name -> ModelConfig; raises RepositoryError listing every disagreement.
     A tensorrt_plan config is checked against <model>/1/source.onnx (the graph the engine
@@ -328,12 +329,48 @@ def check_repository(repo: str | Path) -> dict[str, object]:
         onnx_file = {"onnxruntime_onnx": "model.onnx", "tensorrt_plan": "source.onnx"}.get(config.platform)
         if onnx_file:
             errors += [f"{cfg_path}: {e}" for e in verify_config(config, onnx_io(cfg_path.parent / "1" / onnx_file))]
+        errors += [f"{cfg_path.parent}: {e}" for e in _load_errors(cfg_path.parent, config)]
     if not configs:
         raise RepositoryError(f"{repo}: expected a Triton model repository (<model>/config.pbtxt), found none; "
                               "write one with python -m runtime.triton repo")
     if errors:
-        raise RepositoryError(f"{repo}: configs disagree with their models: " + "; ".join(errors))
+        raise RepositoryError(f"{repo}: expected configs that match their models and models the server can load, "
+                              "found: " + "; ".join(errors) + "; write the repository again with python -m runtime.triton "
+                              "repo")
     return configs
+
+
+def _cpu_graph(model_dir: Path, config) -> Path | None:
+    """The graph of a model that ONNX Runtime's CPU provider will run: decoder_onnx's on KIND_CPU
+    instances, generate's when it decodes with ort-cpu; None otherwise."""
+    if config.platform == "onnxruntime_onnx":
+        on_cpu = all(g.kind == g.KIND_CPU for g in config.instance_group)
+        return model_dir / "1" / "model.onnx" if on_cpu else None
+    backend = config.parameters["decode_backend"].string_value if "decode_backend" in config.parameters else None
+    if config.backend == "python" and backend == "ort-cpu":
+        try:
+            return resolve_onnx(model_dir / "1", quantized_first=True)
+        except ModelFileError:
+            return None
+    return None
+
+
+def _load_errors(model_dir: Path, config) -> list[str]:
+    """What the server would meet loading the model: its graph in ONNX Runtime's CPU provider (loaded, optimizations
+    off) where it runs on the CPU."""
+    graph = _cpu_graph(model_dir, config)
+    if graph is None:
+        return []
+    import onnxruntime as ort
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    try:
+        ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+    except Exception as e:      # whatever ONNX Runtime refuses: its first line, without the error code's prefix
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        return [f"{graph.name}: ONNX Runtime's CPU provider cannot load it ({first.split(' : ')[-1][:200]})"]
+    return []
 
 
 # --- writing ------------------------------------------------------------------------------
@@ -415,6 +452,22 @@ def _built_batch(engine_build: dict | None) -> int | None:
     return built if isinstance(built, int) else None
 
 
+BF16 = 16        # ONNX TensorProto.BFLOAT16
+
+
+def _check_ort_cpu(ort_path: Path, io: OnnxIO, kind: str, backend: str) -> None:
+    """Refuse a bf16 graph where ONNX Runtime's CPU provider would run it (decoder_onnx on --kind cpu, generate on
+    ort-cpu): it has no bf16 kernels, and the server would fail to load the model the repository names."""
+    if not any(t.elem_type == BF16 for t in [*io.inputs.values(), *io.outputs.values()]):
+        return
+    where = [w for w, on in (("decoder_onnx on --kind cpu", kind == "cpu"), ("generate on ort-cpu", backend == "ort-cpu"))
+             if on]
+    if where:
+        raise RepositoryError(f"{ort_path}: expected a graph ONNX Runtime's CPU provider can run ({' and '.join(where)}), "
+                              "found a bf16 graph, which it has no kernels for; pass --kind gpu (and an --engine, or "
+                              "--generate-backend ort-cuda), or rebuild with --dtype fp16 or fp32")
+
+
 def _check_options(kind: str, max_batch_size: int, instances: int, slots: int, max_queued: int) -> None:
     if kind not in KINDS:
         raise RepositoryError(f"--kind {kind!r}: expected one of {', '.join(KINDS)}")
@@ -481,8 +534,10 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
                               f"decodes with trt); pass --slots {built_batch} or rebuild the engine with a larger max_batch")
     io = onnx_io(onnx_path)
     _check_contract(onnx_path, io)
+    ort_io = io if ort_path == onnx_path else onnx_io(ort_path)
     if ort_path != onnx_path:
-        _check_contract(ort_path, onnx_io(ort_path))
+        _check_contract(ort_path, ort_io)
+    _check_ort_cpu(ort_path, ort_io, kind, backend)
 
     with output_dir(repo, TRITON_REPOSITORY, inputs=[build] + ([engine] if engine else [])) as tmp:
         d = tmp / DECODER_ONNX / "1"

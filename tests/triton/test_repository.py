@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from runtime.triton.repository import DECODER_ONNX, DECODER_TRT
 from tests.triton.conftest import CAPACITY, REPO
 
 
@@ -365,3 +366,36 @@ def test_ctrl_c_after_the_triton_repo_is_written_names_it(tmp_path):
     assert err.splitlines() == [f"error: interrupted; complete: {build}, {repo}; nothing else was written"], err
     from runtime.triton.repository import check_repository
     assert set(check_repository(repo)) == {"decoder_onnx", "generate"}
+
+
+@pytest.fixture(scope="module")
+def bf16_build(tmp_path_factory):
+    """export.build --fuse --dtype bf16 of a tiny checkpoint (the streamed route writes bf16 graphs)."""
+    from tests.cli.conftest import cli
+    from tests.helpers import random_model, write_checkpoint
+    root = tmp_path_factory.mktemp("bf16")
+    ckpt = write_checkpoint(root / "ckpt", random_model(seed=0, n_layer=1, max_seq_len=32))
+    built = cli("export.build", ["--fuse", "--checkpoint", ckpt, "--out", root / "build", "--dtype", "bf16"])
+    assert built.code == 0, built.err[-3000:]
+    return root / "build"
+
+
+def test_a_bf16_build_is_refused_where_onnx_runtimes_cpu_would_run_it(bf16_build, tmp_path, capsys):
+    """It has no bf16 kernels: `repo` wrote decoder_onnx on KIND_CPU and generate on ort-cpu, which the server
+    cannot load, and `check` said ok. Now `repo` refuses in one line, and `check` loads what ONNX Runtime's
+    CPU provider would load (a repository written before, or edited, fails there)."""
+    from runtime.triton.__main__ import main
+    assert main(["repo", "--build", str(bf16_build), "--out", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.fused.onnx: expected a graph ONNX Runtime's CPU provider can run (decoder_onnx on " \
+        "--kind cpu and generate on ort-cpu), found a bf16 graph" in err[0] and "--kind gpu" in err[0], err
+    assert not (tmp_path / "r").exists()
+    assert main(["repo", "--build", str(bf16_build), "--out", str(tmp_path / "r"), "--kind", "gpu"]) == 0
+    assert "generate decodes with ort-cuda" in capsys.readouterr().out
+    cfg = tmp_path / "r" / DECODER_ONNX / "config.pbtxt"
+    cfg.write_text(cfg.read_text().replace("KIND_GPU", "KIND_CPU"))      # what repo wrote before
+    assert main(["check", "--repo", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "decoder_onnx: model.onnx: ONNX Runtime's CPU provider cannot load it (Could not find an " \
+        "implementation for" in err[0], err
+
