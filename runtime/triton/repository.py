@@ -45,7 +45,8 @@ from core.contract import (CACHE_PREFIX, INPUT_IDS, LOGITS, POSITION, ContractEr
 from core.outputs import TRITON_REPOSITORY, output_dir
 from runtime.model_files import ORT_ONLY_GRAPH, is_ort_only, resolve_onnx
 from runtime.session import MissingExtraError, ModelFileError, RuntimeUserError
-from runtime.trt_engine import DECODE_PROFILE, PREFILL_PROFILE, engine_info_path, read_engine_info
+from runtime.trt_engine import (DECODE_PROFILE, PREFILL_PROFILE, engine_info_path, plan_problem,
+                                read_engine_info)
 
 DECODER_ONNX, DECODER_TRT, GENERATE = "decoder_onnx", "decoder_trt", "generate"
 CONTROLS = {"START": "CONTROL_SEQUENCE_START", "READY": "CONTROL_SEQUENCE_READY"}
@@ -309,7 +310,7 @@ def verify_config(config, io: OnnxIO) -> list[str]:
 
 def check_repository(repo: str | Path) -> dict[str, object]:
     """Parse every config.pbtxt into ModelConfig and verify each decoder config against its ONNX, and load
-    what the server would load where this machine can (_load_errors: ONNX Runtime CPU graphs).
+    what the server would load where this machine can (_load_errors: ONNX Runtime CPU graphs; a plan's tag).
 
     Returns model name -> ModelConfig; raises RepositoryError listing every disagreement.
     A tensorrt_plan config is checked against <model>/1/source.onnx (the graph the engine
@@ -357,7 +358,10 @@ def _cpu_graph(model_dir: Path, config) -> Path | None:
 
 def _load_errors(model_dir: Path, config) -> list[str]:
     """What the server would meet loading the model: its graph in ONNX Runtime's CPU provider (loaded, optimizations
-    off) where it runs on the CPU."""
+    off) where it runs on the CPU; a TensorRT plan's tag (TensorRT itself is not needed, nor used, to read it)."""
+    if config.platform == "tensorrt_plan":
+        wrong = plan_problem(model_dir / "1" / "model.plan")
+        return [] if wrong is None else [f"model.plan: expected a serialized TensorRT engine, found {wrong}"]
     graph = _cpu_graph(model_dir, config)
     if graph is None:
         return []
@@ -438,6 +442,10 @@ def _engine_of(onnx_path: Path, engine: str | Path | None, ort_only: bool,
                               "build one with the trt backend or leave --engine out")
     if engine is None:
         return None, None
+    wrong = plan_problem(Path(engine))
+    if wrong is not None:
+        raise RepositoryError(f"{engine}: expected a serialized TensorRT engine, found {wrong}; pass the engine "
+                              "the trt backend built (python -m runtime.generate --backend trt), or leave --engine out")
     engine_build = read_engine_info(Path(engine))
     built_batch = _built_batch(engine_build)
     if built_batch is not None and built_batch < max_batch_size:

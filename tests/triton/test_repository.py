@@ -255,11 +255,11 @@ def test_engine_found_beside_the_graph_it_was_built_from(triton_build, tmp_path)
     build = tmp_path / "build"
     shutil.copytree(triton_build, build)
     graph = resolve_onnx(build)
-    (build / f"{graph.stem}.0123abcd.engine").write_bytes(b"engine of the served graph")
+    (build / f"{graph.stem}.0123abcd.engine").write_bytes(b"ftrt engine of the served graph")
     other = "model" if graph.name != "model.onnx" else "model.fused"
-    (build / f"{other}.ffff0000.engine").write_bytes(b"engine of another graph")
+    (build / f"{other}.ffff0000.engine").write_bytes(b"ftrt engine of another graph")
     repo = write_triton_repository(build, tmp_path / "repo")
-    assert (repo / "decoder_trt/1/model.plan").read_bytes() == b"engine of the served graph"
+    assert (repo / "decoder_trt/1/model.plan").read_bytes() == b"ftrt engine of the served graph"
 
 
 def test_a_streamed_quantized_build_is_linked_not_read(triton_build, tmp_path, monkeypatch):
@@ -399,3 +399,26 @@ def test_a_bf16_build_is_refused_where_onnx_runtimes_cpu_would_run_it(bf16_build
     assert len(err) == 1 and "decoder_onnx: model.onnx: ONNX Runtime's CPU provider cannot load it (Could not find an " \
         "implementation for" in err[0], err
 
+
+def test_a_file_that_is_no_tensorrt_plan_is_refused_as_an_engine(triton_build, tmp_path, capsys):
+    """--engine took a JSON file as a TensorRT engine and `check` said ok. A plan starts with TensorRT's tag
+    (b'ftrt'); that is what can be checked here without TensorRT, and the lines say so."""
+    from runtime.triton.__main__ import main
+    (tmp_path / "e.json").write_text('{"not": "an engine"}\n')
+    assert main(["repo", "--build", str(triton_build), "--out", str(tmp_path / "r"), "--engine",
+                 str(tmp_path / "e.json")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {tmp_path / 'e.json'}: expected a serialized TensorRT engine, found JSON text (it starts "
+                   "b'{\"not\": ', not TensorRT's plan tag b'ftrt'); pass the engine the trt backend built (python -m "
+                   "runtime.generate --backend trt), or leave --engine out"], err
+    assert not (tmp_path / "r").exists()
+    (tmp_path / "e.engine").write_bytes(b"ftrt stand-in")
+    assert main(["repo", "--build", str(triton_build), "--out", str(tmp_path / "r"), "--engine",
+                 str(tmp_path / "e.engine"), "--generate-backend", "ort-cpu"]) == 0
+    capsys.readouterr()
+    assert main(["check", "--repo", str(tmp_path / "r")]) == 0
+    assert "model.plan: its TensorRT tag only" in capsys.readouterr().out
+    (tmp_path / "r" / DECODER_TRT / "1" / "model.plan").write_text('{"not": "an engine"}\n')   # swapped afterwards
+    assert main(["check", "--repo", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "decoder_trt: model.plan: expected a serialized TensorRT engine, found JSON text" in err[0]
