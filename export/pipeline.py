@@ -447,6 +447,9 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
     checkpoint, out = Path(checkpoint), Path(out)
     check_output_dir(out, BUILD, inputs=[checkpoint])
     check_options(quantize, genai, fuse, dtype, attention)
+    if genai:
+        from export.genai import check_tokenizer_files
+        check_tokenizer_files(Path(checkpoint))      # the files it would copy for GenAI's tokenizer, before any work
     t_start = time.perf_counter()
     report = BuildReport(str(checkpoint), str(out), dtype, fuse, atol=ATOL[dtype], scale_tol=SCALE_TOL[dtype],
                          attention=attention, target=target_of(attention), target_why=target_why)

@@ -133,6 +133,9 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
     checkpoint, out = Path(checkpoint), Path(out)
     check_output_dir(out, BUILD, inputs=[checkpoint])
     check_options(quantize, genai, fuse, dtype, attention)
+    if genai:
+        from export.genai import check_tokenizer_files
+        check_tokenizer_files(Path(checkpoint))      # the files it would copy for GenAI's tokenizer, before any work
     t_start = time.perf_counter()
     source = source or open_weights(checkpoint)
     cfg = source.cfg
