@@ -398,9 +398,20 @@ def remove_stale_temporaries(out: Path) -> list[Path]:
         m = read_marker(p) or {}
         if (m.get("temporary_of") == out.name and m.get("host") == socket.gethostname()
                 and _process_gone(m.get("pid"))):
-            shutil.rmtree(p, ignore_errors=True)
+            _remove_marker_last(p)
             removed.append(p)
     return removed
+
+
+def _remove_marker_last(folder: Path) -> None:
+    """Remove a marked folder, its marker last: stopped midway, what is left still says whose it is."""
+    for child in folder.iterdir():
+        if child.name != MARKER:
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def temporary_dir(out: Path, role: str, kind: OutputKind) -> Path:
@@ -410,8 +421,12 @@ def temporary_dir(out: Path, role: str, kind: OutputKind) -> Path:
     out = Path(out)
     remove_stale_temporaries(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{role}-", dir=out.parent))      # unique, empty
-    os.chmod(tmp, dir_mode())
-    write_marker(tmp, kind, {"temporary_of": out.name, "pid": os.getpid(), "host": socket.gethostname()})
+    try:            # a Ctrl-C here must not leave the folder unmarked (nothing would ever remove it)
+        os.chmod(tmp, dir_mode())
+        write_marker(tmp, kind, {"temporary_of": out.name, "pid": os.getpid(), "host": socket.gethostname()})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return tmp
 
 
