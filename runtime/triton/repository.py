@@ -308,9 +308,11 @@ def verify_config(config, io: OnnxIO) -> list[str]:
     return errors
 
 
-def check_repository(repo: str | Path) -> dict[str, object]:
+def check_repository(repo: str | Path, load: bool = True) -> dict[str, object]:
     """Parse every config.pbtxt into ModelConfig and verify each decoder config against its ONNX, and load
     what the server would load where this machine can (_load_errors: ONNX Runtime CPU graphs; a plan's tag).
+    load=False (write_repository's own check): the configs only, no graph read (a real model's weights are
+    linked into the repository, never read: loading them twice would cost minutes and their size in memory).
 
     Returns model name -> ModelConfig; raises RepositoryError listing every disagreement.
     A tensorrt_plan config is checked against <model>/1/source.onnx (the graph the engine
@@ -330,7 +332,8 @@ def check_repository(repo: str | Path) -> dict[str, object]:
         onnx_file = {"onnxruntime_onnx": "model.onnx", "tensorrt_plan": "source.onnx"}.get(config.platform)
         if onnx_file:
             errors += [f"{cfg_path}: {e}" for e in verify_config(config, onnx_io(cfg_path.parent / "1" / onnx_file))]
-        errors += [f"{cfg_path.parent}: {e}" for e in _load_errors(cfg_path.parent, config)]
+        if load:
+            errors += [f"{cfg_path.parent}: {e}" for e in _load_errors(cfg_path.parent, config)]
     if not configs:
         raise RepositoryError(f"{repo}: expected a Triton model repository (<model>/config.pbtxt), found none; "
                               "write one with python -m runtime.triton repo")
@@ -570,5 +573,5 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
              "engine_build": engine_build, "ort_only_graph": ort_only, "generate_backend": backend,
              "models": [m for m in (DECODER_ONNX, DECODER_TRT if engine else None, GENERATE) if m]}, indent=2) + "\n")
         if validate and have_tritonclient():
-            check_repository(tmp)
+            check_repository(tmp, load=False)
     return repo
