@@ -34,7 +34,6 @@ from core.errors import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import functools
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -140,11 +139,14 @@ def _write_triton_repo(build: Path, repo: Path) -> int:
     try:
         _, err = proc.communicate()
     except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)            # (a terminal's Ctrl-C reached it already; a SIGTERM did not)
-        try:
-            proc.communicate(timeout=60)         # it removes its temporary; its own interrupt line is dropped
+        try:                # a terminal's Ctrl-C reached it too: a second signal could stop its clean-up midway
+            proc.communicate(timeout=2)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            proc.terminate()     # (a SIGTERM to this command alone; SIGTERM: a background job ignores SIGINT)
+            try:
+                proc.communicate(timeout=60)     # it removes its temporary; its own interrupt line is dropped
+            except subprocess.TimeoutExpired:
+                proc.kill()
         if marker_stamp(repo) not in (None, before):
             note_committed(repo)
         raise
