@@ -182,7 +182,8 @@ _TOKEN = (str, dict)                # "<s>", or {"content": "<s>", ...}
 TOKENIZER_CONFIG_TYPES = {"tokenizer_class": (str,), "chat_template": (str, list), "model_max_length": (int, float),
                           "clean_up_tokenization_spaces": (bool,), "bos_token": _TOKEN, "eos_token": _TOKEN,
                           "unk_token": _TOKEN, "added_tokens_decoder": (dict,)}
-JSON_TYPE = {str: "a string", dict: "an object", list: "a list", int: "a number", float: "a number", bool: "true or false"}
+JSON_TYPE = {str: "a string", dict: "an object", list: "a list", int: "a number", float: "a number",
+             bool: "true or false"}
 
 
 def check_tokenizer_files(checkpoint: Path) -> None:
@@ -205,13 +206,15 @@ def check_tokenizer_files(checkpoint: Path) -> None:
             continue
         for key, types in TOKENIZER_CONFIG_TYPES.items():
             value = data.get(key)
-            wrong = value is not None and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types))
+            wrong = value is not None and (not isinstance(value, types)
+                                           or (isinstance(value, bool) and bool not in types))     # True is an int
             if key == "added_tokens_decoder" and not wrong and value is not None:
                 wrong = not all(isinstance(v, dict) for v in value.values())
             if wrong:
                 want = " or ".join(dict.fromkeys(JSON_TYPE[t] for t in types))
-                raise GenAIError(f"{path}: {key}: expected {want}{' of objects' if key == 'added_tokens_decoder' else ''}"
-                                 f" (GenAI's tokenizer reads it), found {json.dumps(value)[:60]}; {fix}")
+                want += " of objects" if key == "added_tokens_decoder" else ""
+                raise GenAIError(f"{path}: {key}: expected {want} (GenAI's tokenizer reads it), found "
+                                 f"{json.dumps(value)[:60]}; {fix}")
 
 
 def write_tokenizer_files(checkpoint: Path, tokenizer: Path | None, out: Path, capacity: int) -> list[str]:

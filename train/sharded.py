@@ -297,8 +297,9 @@ def _checkpoint_reader(directory: Path, metadata):
                 reason = next((ln.strip() for ln in str(e).splitlines() if ln.strip() and "weights_only" not in ln
                                and not ln.startswith(("Weights only load failed", "Check the documentation"))),
                               "damaged")
+                reason = reason.split(". ")[0].rstrip(".")
                 raise RuntimeError(f"item {read_item.dest_index.fqn} refused by torch's weights-only reader: "
-                                   f"{reason.split('. ')[0].rstrip('.')}, and loading it fully could run code") from None
+                                   f"{reason}, and loading it fully could run code") from None
             super().load_bytes(read_item, io.BytesIO(data))
 
     return Reader(str(directory)), Planner()

@@ -12,10 +12,10 @@
 repo writes the repository for an existing build (what export.build --triton-repo does);
 check parses every config.pbtxt into ModelConfig and verifies the decoder configs
 against their ONNX, loads each graph ONNX Runtime's CPU provider would run, and reads a
-TensorRT plan's tag (not the plan: that needs TensorRT and its GPU); serve runs a real Triton server (the tritonserver bundled with
-nvidia-pytriton, Python backend only) with the generate model until Ctrl-C; client
-prints the generated text on stdout, as python -m runtime.generate does (with --stream,
-piece by piece as the tokens arrive).
+TensorRT plan's tag (not the plan: that needs TensorRT and its GPU); serve runs a real
+Triton server (the tritonserver bundled with nvidia-pytriton, Python backend only) with
+the generate model until Ctrl-C; client prints the generated text on stdout, as python
+-m runtime.generate does (with --stream, piece by piece as the tokens arrive).
 """
 from __future__ import annotations
 

@@ -339,8 +339,8 @@ def check_repository(repo: str | Path, load: bool = True) -> dict[str, object]:
                               "write one with python -m runtime.triton repo")
     if errors:
         raise RepositoryError(f"{repo}: expected configs that match their models and models the server can load, "
-                              "found: " + "; ".join(errors) + "; write the repository again with python -m runtime.triton "
-                              "repo")
+                              "found: " + "; ".join(errors) + "; write the repository again with python -m "
+                              "runtime.triton repo")
     return configs
 
 
@@ -471,12 +471,13 @@ def _check_ort_cpu(ort_path: Path, io: OnnxIO, kind: str, backend: str) -> None:
     ort-cpu): it has no bf16 kernels, and the server would fail to load the model the repository names."""
     if not any(t.elem_type == BF16 for t in [*io.inputs.values(), *io.outputs.values()]):
         return
-    where = [w for w, on in (("decoder_onnx on --kind cpu", kind == "cpu"), ("generate on ort-cpu", backend == "ort-cpu"))
-             if on]
+    where = [w for w, on in (("decoder_onnx on --kind cpu", kind == "cpu"),
+                             ("generate on ort-cpu", backend == "ort-cpu")) if on]
     if where:
-        raise RepositoryError(f"{ort_path}: expected a graph ONNX Runtime's CPU provider can run ({' and '.join(where)}), "
-                              "found a bf16 graph, which it has no kernels for; pass --kind gpu (and an --engine, or "
-                              "--generate-backend ort-cuda), or rebuild with --dtype fp16 or fp32")
+        raise RepositoryError(f"{ort_path}: expected a graph ONNX Runtime's CPU provider can run "
+                              f"({' and '.join(where)}), found a bf16 graph, which it has no kernels for; pass --kind "
+                              "gpu (and an --engine, or --generate-backend ort-cuda), or rebuild with --dtype fp16 or "
+                              "fp32")
 
 
 def _check_options(kind: str, max_batch_size: int, instances: int, slots: int, max_queued: int) -> None:
