@@ -32,6 +32,7 @@ from __future__ import annotations
 from core.errors import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
+import importlib.util
 import json
 import math
 import os
@@ -49,8 +50,8 @@ from bench import stats
 from bench.shapes import DTYPES, folder_config, folder_matches, human, resolve_shape, tensor_specs, write_random_folder
 from core.build_files import FUSED, QUANTIZED, UNFUSED
 from core.errors import ArgumentParser, UsageError, UserError, float_in, int_in, positive_int, run_cli
-from core.outputs import (FIGURE, REPORT_JSON, SCALE_FOLDER, check_output_file, output_dir, output_file,
-                          png_signature_metadata, write_json)
+from core.outputs import (BENCH_CACHE, BUILD, FIGURE, REPORT_JSON, SCALE_FOLDER, check_output_dir, check_output_file,
+                          output_dir, output_file, png_signature_metadata, write_json)
 
 GRAPHS = (*QUANTIZED, FUSED, UNFUSED)    # decoded: the first found (ONNX Runtime's order, runtime/model_files.py)
 PEERS = ("genai",)
@@ -71,10 +72,21 @@ CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p 
 # The wrapper also keeps the child's process tree under a memory cap: a peer that would meet the
 # kernel's OOM killer (GenAI's builder on an 8B folder here) is stopped instead, and the row says
 # so, rather than the killer picking a victim on a shared machine.
-WRAPPER = """import os, resource, signal, subprocess, sys, time
+# Each process of the chain (bench.scale -> wrapper -> child) is told by the kernel when its parent dies
+# (PR_SET_PDEATHSIG, SIGTERM): a bench.scale killed by SIGKILL, which it cannot catch to stop its
+# children, left the child build running on; SIGTERM lets the child remove its temporaries.
+WRAPPER = """import ctypes, os, resource, signal, subprocess, sys, time
 t0 = time.perf_counter()
 cap = int(sys.argv[2])
-p = subprocess.Popen(sys.argv[3:])
+
+def die_with_parent(parent):
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)                 # PR_SET_PDEATHSIG
+    if os.getppid() != parent:                                  # it died before the line above
+        os.kill(os.getpid(), signal.SIGTERM)
+
+die_with_parent(int(sys.argv[3]))
+me = os.getpid()
+p = subprocess.Popen(sys.argv[4:], preexec_fn=lambda: die_with_parent(me))
 signal.signal(signal.SIGINT, signal.SIG_IGN)                    # a terminal's Ctrl-C reaches the child itself
 signal.signal(signal.SIGTERM, lambda *a: p.terminate())
 
@@ -108,7 +120,7 @@ while p.poll() is None:
                 pass
         break
 rc = p.wait()
-with open(sys.argv[1], "w") as f:
+with os.fdopen(int(sys.argv[1]), "w") as f:
     f.write(f"{rc} {time.perf_counter() - t0} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss} {capped}")
 """
 
@@ -116,10 +128,12 @@ with open(sys.argv[1], "w") as f:
 def measured(cmd: list[str], cap_bytes: int = 0) -> dict:
     """Run cmd to its end: exit code, wall seconds, peak RSS of it (and its children), stdout, last
     error line. With cap_bytes, its process tree is killed when its resident memory passes the cap."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
-            tempfile.NamedTemporaryFile("r", prefix="bench-scale-usage-") as usage:
-        proc = subprocess.Popen([sys.executable, "-c", WRAPPER, usage.name, str(int(cap_bytes)), *cmd],
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=CHILD_ENV)
+    # the wrapper's usage line goes to an unlinked file passed as a descriptor: nothing named is left in
+    # the temporary folder when this process is killed
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, tempfile.TemporaryFile("w+") as usage:
+        proc = subprocess.Popen([sys.executable, "-c", WRAPPER, str(usage.fileno()), str(int(cap_bytes)),
+                                 str(os.getpid()), *cmd], stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                env=CHILD_ENV, pass_fds=(usage.fileno(),))
         try:
             proc.wait()
         except BaseException:           # Ctrl-C / SIGTERM: let the child clean up its temporaries first
@@ -130,6 +144,7 @@ def measured(cmd: list[str], cap_bytes: int = 0) -> dict:
                 proc.kill()
             raise
         # the wrapper itself killed (SIGKILL, out of memory) leaves no usage line
+        usage.seek(0)
         rc, wall, maxrss_kib, capped = usage.read().split() or (proc.returncode, "nan", 0, 0)
         out.seek(0)
         err.seek(0)
@@ -186,7 +201,11 @@ def parse_options(text: str) -> dict[str, list[str]]:
             raise UsageError(f"--options {item!r}: expected NAME=BUILD ARGS with a new name of letters, digits, "
                              f"'.', '_', '-' (not {GENAI}), found {'no =' if not eq else repr(name)}; "
                              "e.g. --options \"int4=--fuse --quantize int4;fp32=--fuse\"")
-        argv = shlex.split(args)
+        try:
+            argv = shlex.split(args)
+        except ValueError as e:         # an unbalanced quote
+            raise UsageError(f"--options {name}: {args.strip()!r} cannot be split as a shell line ({e}); "
+                             "close the quote") from None
         taken = [a for a in argv if a.split("=")[0] in ("--checkpoint", "--out", "--triton-repo")]
         if taken:
             raise UsageError(f"--options {name}: {taken[0].split('=')[0]} is set by bench.scale; drop it")
@@ -209,32 +228,32 @@ def genai_input(folder: Path, out: Path) -> Path:
     return out
 
 
+class _BuildFailed(Exception):
+    """A measured build that did not succeed: its temporary folder is dropped, the earlier one kept."""
+
+
 def genai_build(inp: Path, out: Path, cache: Path, cap_bytes: int = 0) -> dict:
-    """GenAI's model builder into `out` (replacing an earlier GenAI build there), measured. It writes
-    into a temporary sibling renamed into place when it succeeds: a failed or stopped build leaves
-    nothing that the next run would have to be told about."""
-    import shutil
-    if out.exists() and not (out / "genai_config.json").is_file():
-        raise UserError(f"{out}: exists and is no GenAI build (no genai_config.json); move it away or use another --work")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    """GenAI's model builder into `out`, measured. `out` is written as every output of ours is
+    (core.outputs.output_dir: a marked temporary sibling renamed into place when the build succeeds),
+    so an earlier folder there is replaced only when it carries the marker of a bench build; one
+    that merely holds a genai_config.json is the user's. A failed or stopped build leaves nothing."""
+    row = {}
     try:
-        row = measured([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(inp), "-o", str(tmp),
-                        "-p", "int4", "-e", "cpu", "-c", str(cache)], cap_bytes)
-        if row["rc"] == 0:
-            if out.exists():
-                shutil.rmtree(out)                  # an earlier GenAI build (checked above)
-            tmp.rename(out)
-        return row
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        with output_dir(out, BENCH_CACHE, inputs=[inp]) as tmp:
+            row = measured([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(inp), "-o", str(tmp),
+                            "-p", "int4", "-e", "cpu", "-c", str(cache)], cap_bytes)
+            if row["rc"] != 0:
+                raise _BuildFailed
+    except _BuildFailed:
+        pass
+    return row
 
 
 def measure_option(name: str, argv: list[str], folder: Path, out: Path, args, genai_in: Path | None = None) -> dict:
     """One build of one option set and, when it succeeded, the decode speed of what it wrote."""
     if name == GENAI:
         row = genai_build(genai_in, out, args.work / "genai-cache", args.cap_bytes)
-        graph = out if (out / "genai_config.json").is_file() else None
+        graph = out if row["rc"] == 0 and (out / "genai_config.json").is_file() else None   # not an earlier one
     else:
         row = measured([sys.executable, "-m", "export.build", "--checkpoint", str(folder), "--out", str(out), *argv],
                        args.cap_bytes)
@@ -295,8 +314,25 @@ def table(shape: dict) -> str:
     return "\n".join(lines)
 
 
+def work_folder(work: Path, shape: str, option: str) -> Path:
+    """Where a shape's build of `option` goes (GENAI: the peer's; "genai-input": the peer's input)."""
+    if option == "genai-input":
+        return work / f"genai-input-{shape}"
+    return work / (f"genai-{shape}-int4" if option == GENAI else f"build-{shape}-{option}")
+
+
+def check_work(work: Path, shapes: list[str], options, genai: bool) -> None:
+    """Every folder a run writes, checked before it writes the first (one line, not a failed round hours in)."""
+    for shape in shapes:
+        kinds = {work / shape: SCALE_FOLDER, **{work_folder(work, shape, o): BUILD for o in options}}
+        if genai:
+            kinds |= {work_folder(work, shape, "genai-input"): SCALE_FOLDER,
+                      work_folder(work, shape, GENAI): BENCH_CACHE}
+        for folder, kind in kinds.items():
+            check_output_dir(folder, kind, option="--work")
+
+
 def bench_shape(spec: str, options: dict[str, list[str]], args, log=print) -> dict:
-    import importlib.util
     name, config = resolve_shape(spec)
     config = folder_config(config, layers=args.layers)
     folder = args.work / name
@@ -312,13 +348,13 @@ def bench_shape(spec: str, options: dict[str, list[str]], args, log=print) -> di
         if importlib.util.find_spec("onnxruntime_genai") is None:
             shape["peers"]["genai"] = "skipped: onnxruntime-genai not installed"
         else:
-            genai_in = genai_input(folder, args.work / f"genai-input-{name}")
+            genai_in = genai_input(folder, work_folder(args.work, name, "genai-input"))
             shape["options"][GENAI] = {"build_args": ["onnxruntime_genai.models.builder", "-p", "int4", "-e", "cpu"],
                                        "runs": []}
             shape["peers"]["genai"] = {"option": GENAI, "input": str(genai_in)}
     for r in range(args.rounds):
         for opt in stats.round_order(list(shape["options"]), r):
-            out = args.work / (f"genai-{name}-int4" if opt == GENAI else f"build-{name}-{opt}")
+            out = work_folder(args.work, name, opt)
             row = measure_option(opt, shape["options"][opt]["build_args"], folder, out, args, genai_in)
             row["round"] = r + 1
             shape["options"][opt]["runs"].append(row)
@@ -349,6 +385,7 @@ def run_bench(args) -> int:
     if args.work.exists() and not args.work.is_dir():
         raise UserError(f"{args.work}: expected a work directory, found a file; choose another --work")
     check_output_file(args.json, REPORT_JSON)
+    check_work(args.work, names, options, "genai" in args.peers and importlib.util.find_spec("onnxruntime_genai"))
     args.work.mkdir(parents=True, exist_ok=True)
     from core.inputs import available_memory
     avail = available_memory()

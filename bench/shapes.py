@@ -19,7 +19,8 @@ import time
 import zlib
 from pathlib import Path
 
-from core.errors import UserError
+from core.errors import INT32_MAX, UserError
+from core.inputs import check_memory
 from core.outputs import SCALE_FOLDER, check_output_dir, output_dir, writing
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -94,10 +95,31 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}      # --dty
 STD = 0.02
 
 
+# the sizes a folder's tensors are made of: (required, optional) config keys, each a positive integer
+SIZE_KEYS = {"gpt2": (("n_embd", "n_layer", "n_head", "vocab_size", "n_positions"), ("n_inner",)),
+             "llama": (("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"),
+                       ("num_key_value_heads", "head_dim"))}
+
+
+def check_sizes(where: str, config: dict) -> None:
+    """Refuse (one line) a config whose sizes cannot make tensors: missing, not an integer, < 1, or past
+    INT32_MAX (what a dimension of ONNX Runtime's and GenAI's kernels holds)."""
+    required, optional = SIZE_KEYS["gpt2" if config.get("model_type") == "gpt2" else "llama"]
+    for key in required + optional:
+        value = config.get(key)
+        if value is None and key in optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= INT32_MAX:
+            found = "no such key" if key not in config else f"{value!r}"
+            raise UserError(f"{where}: {key}: expected an integer in [1, {INT32_MAX}], found {found}; fix the config")
+
+
 def resolve_shape(shape: str | dict) -> tuple[str, dict]:
-    """(name, config) of a SHAPES name, a path to a config .json file, or a config dict."""
+    """(name, config) of a SHAPES name, a path to a config .json file, or a config dict (its sizes checked)."""
     if isinstance(shape, dict):
-        return shape.get("_name_or_path") or shape["model_type"], dict(shape)
+        name = shape.get("_name_or_path") or shape["model_type"]
+        check_sizes(f"shape {name}", shape)
+        return name, dict(shape)
     if shape in SHAPES:
         return shape, dict(SHAPES[shape])
     if shape.endswith(".json"):
@@ -111,6 +133,7 @@ def resolve_shape(shape: str | dict) -> tuple[str, dict]:
             raise UserError(f"{shape}: expected a config with model_type one of {', '.join(SUPPORTED)}, found "
                             f"{config.get('model_type') if isinstance(config, dict) else type(config).__name__!r}; "
                             "fix the file")
+        check_sizes(shape, config)
         return Path(shape).stem, config
     raise UserError(f"shape {shape!r}: expected one of {', '.join(SHAPES)} or a config .json path, found neither; "
                     "pick one")
@@ -193,6 +216,10 @@ def write_random_folder(shape_name_or_config: str | dict, out_dir, seed: int = 0
     total = sum(math.prod(s) for _, s, _ in specs) * itemsize
     marker = {"shape": name, "seed": seed, "dtype": dtype, "config": config}
     check_output_dir(out_dir, SCALE_FOLDER)         # before the line below says what it is about to write
+    # one shard's tensors are alive at a time: refuse (one line) a shard that cannot be, before writing
+    peak, big = max((sum(math.prod(s) for _, s, _ in shard) * itemsize, shard[0]) for shard in shards)
+    check_memory(peak, f"{name}: a {human(peak, 'B')} shard (from tensor {big[0]} {list(big[1])})",
+                 "use smaller sizes or a smaller --shard-gb")
     log(f"{name}: {human(sum(math.prod(s) for _, s, _ in specs))} parameters, {human(total, 'B')} {dtype} "
         f"in {len(shards)} shard(s) -> {out_dir}")
     with output_dir(out_dir, SCALE_FOLDER, marker=marker) as tmp:

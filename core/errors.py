@@ -52,6 +52,9 @@ class UserError(Exception):
     """
 
     exit_code = EXIT_USER
+    # Of the processes of one job (torchrun's ranks) one speaks for it (run_cli's `speaks`); an error that
+    # only this process can meet (its own device, a lost peer) sets this to be said by whichever meets it.
+    own_process = False
 
     def __init__(self, message: str, details: list[str] | None = None):
         super().__init__(" ".join(str(message).split("\n")))
@@ -128,7 +131,15 @@ def first_line(e: BaseException) -> str:
 # --- argparse ----------------------------------------------------------------------------
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse that raises UsageError (one line) instead of printing its usage block and exiting."""
+    """argparse that raises UsageError (one line) instead of printing its usage block and exiting.
+
+    No prefix matching (allow_abbrev=False, its sub-commands' parsers too): `--check DIR` must not
+    quietly mean `--checkpoint DIR`, and a wrapper that screens a child's options by name (bench.scale
+    --options) sees what the child will read."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         raise UsageError(f"{self.prog}: {message}; see --help")
@@ -253,11 +264,15 @@ def _caused_by_interrupt(e: BaseException) -> bool:
     return False
 
 
-def run_cli(run, argv: list[str] | None = None) -> int:
+def run_cli(run, argv: list[str] | None = None, speaks: bool = True) -> int:
     """Run a command body `run(argv) -> int` with the uniform error contract (module docstring).
 
     SIGTERM is handled like Ctrl-C (so `kill PID` cleans up the same way); output writers
     remove their temporary files on the resulting KeyboardInterrupt.
+
+    speaks=False: one of several processes of a job that another one speaks for (a rank other than
+    0 under torchrun): its user errors (except UserError.own_process ones) and interrupts, which every
+    process meets alike, are not printed again; the exit codes stay the same.
     """
     from core.outputs import forget_committed
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -274,12 +289,14 @@ def run_cli(run, argv: list[str] | None = None) -> int:
             raise UsageError(f"argument {bad + 1} contains a NUL byte; pass text without one")
         return run(argv)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        for line in e.details:
-            print(f"  - {line}", file=sys.stderr)
+        if speaks or e.own_process:
+            print(f"error: {e}", file=sys.stderr)
+            for line in e.details:
+                print(f"  - {line}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        print(f"error: {interrupted_message()}", file=sys.stderr)
+        if speaks:
+            print(f"error: {interrupted_message()}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except MemoryError:
         print("error: out of memory; use a smaller model, batch, capacity or input", file=sys.stderr)
@@ -301,7 +318,8 @@ def run_cli(run, argv: list[str] | None = None) -> int:
         return code
     except Exception as e:
         if _caused_by_interrupt(e):     # a library (torch's exporter) wrapped the Ctrl-C in its own error
-            print(f"error: {interrupted_message()}", file=sys.stderr)
+            if speaks:
+                print(f"error: {interrupted_message()}", file=sys.stderr)
             return EXIT_INTERRUPTED
         if io_errno(e) in NO_ROOM:      # a foreign writer's full disk (safetensors' SafetensorError), unnamed
             print(f"error: {NoRoomError(None, io_errno(e), ANY_OUTPUT)}", file=sys.stderr)

@@ -84,6 +84,38 @@ def read_json_file(path: str | os.PathLike, what: str, max_bytes: int = 64 * MIB
                         f"{e.colno}); fix or re-create the file") from None
 
 
+def load_restricted_pickle(path: str | os.PathLike, what: str, allowed, fix: str):
+    """The object a pickle file holds, unpickled calling nothing but the classes and functions
+    `allowed(module, name)` accepts (pickle.Unpickler.find_class, the pickle documentation's
+    "Restricting Globals"). A pickle runs code only by calling what it names (os.system, eval, ...):
+    any other name is refused in one line (UserError naming it) before its module is even imported,
+    so nothing of a crafted file runs. A damaged or unreadable file is one line too."""
+    import io
+    import pickle
+
+    class Refused(Exception):
+        pass
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module, name):
+            if not allowed(module, name):
+                raise Refused(f"{module}.{name}")
+            return super().find_class(module, name)
+
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise UserError(f"{path}: expected {what}, found an unreadable file ({e.strerror or e}); {fix}") from None
+    try:
+        return Restricted(io.BytesIO(raw)).load()
+    except Refused as e:
+        raise UserError(f"{path}: expected {what}, found a pickle that calls {e}; refused, because loading it "
+                        f"could run code; {fix}") from None
+    except Exception as e:      # truncated, not a pickle, a persistent id: whatever the unpickler met
+        detail = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise UserError(f"{path}: expected {what}, found a damaged pickle ({detail[:200]}); {fix}") from None
+
+
 def check_text(text: str, what: str) -> str:
     """Text from the command line: refuse undecodable bytes (surrogate escapes of a non-UTF-8 argv)."""
     try:

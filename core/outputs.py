@@ -42,10 +42,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import glob
 import json
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -96,6 +98,22 @@ def committed_outputs() -> list[Path]:
     """Outputs this process has finished writing (for the interrupt message)."""
     with _lock:
         return list(_committed)
+
+
+def note_committed(out: Path) -> None:
+    """An output a child process of this command finished writing (for the interrupt message)."""
+    with _lock:
+        _committed.append(Path(out))
+
+
+def marker_stamp(path: Path) -> tuple | None:
+    """(inode, mtime) of a directory's marker, None without one: a new write of the directory has a new
+    marker file, so a caller that ran a child writer can tell whether it completed."""
+    try:
+        st = (Path(path) / MARKER).stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
 
 
 def _umask() -> int:
@@ -416,10 +434,67 @@ def _fix_modes(root: Path) -> None:
                 os.chmod(p, fm)
 
 
+def _process_gone(pid) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, TypeError, ValueError, OverflowError):  # alive but another user's, or no pid: keep it
+        return False
+    return False
+
+
+def remove_stale_temporaries(out: Path) -> list[Path]:
+    """Remove the temporary siblings of `out` (.NAME.<role>-*) that a process of this machine, now gone,
+    left: a SIGKILL or a power cut cannot run the cleanup below. Only a directory that carries our
+    temporary marker (temporary_dir) is removed, never one without it, nor one of a live process or
+    another machine. Returns what was removed."""
+    removed = []
+    try:
+        candidates = [p for p in out.parent.glob(f".{glob.escape(out.name)}.*-*") if p.is_dir() and not p.is_symlink()]
+    except OSError:
+        return removed
+    for p in candidates:
+        m = read_marker(p) or {}
+        if (m.get("temporary_of") == out.name and m.get("host") == socket.gethostname()
+                and _process_gone(m.get("pid"))):
+            _remove_marker_last(p)
+            removed.append(p)
+    return removed
+
+
+def _remove_marker_last(folder: Path) -> None:
+    """Remove a marked folder, its marker last: stopped midway, what is left still says whose it is."""
+    for child in folder.iterdir():
+        if child.name != MARKER:
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def temporary_dir(out: Path, role: str, kind: OutputKind) -> Path:
+    """A new, unique directory beside `out` (.NAME.ROLE-xxxx) marked as this process's temporary of
+    `out`, so that a later run can tell it from the user's and remove it once this process is gone
+    (remove_stale_temporaries, called first)."""
+    out = Path(out)
+    remove_stale_temporaries(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{role}-", dir=out.parent))      # unique, empty
+    try:            # a Ctrl-C here must not leave the folder unmarked (nothing would ever remove it)
+        os.chmod(tmp, dir_mode())
+        write_marker(tmp, kind, {"temporary_of": out.name, "pid": os.getpid(), "host": socket.gethostname()})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp
+
+
 @contextlib.contextmanager
 def output_dir(out: str | os.PathLike, kind: OutputKind, inputs=(), marker: dict | None = None,
                option: str = "--out"):
-    """Write a directory atomically: yields a temporary sibling; on success it becomes `out`.
+    """Write a directory atomically: yields a temporary sibling (temporary_dir: it holds its marker
+    from the start); on success it becomes `out`.
 
     `out` is checked first (check_output_dir) and again just before the swap, so a
     directory that changed hands meanwhile is still refused. `option` names the command-line
@@ -429,7 +504,7 @@ def output_dir(out: str | os.PathLike, kind: OutputKind, inputs=(), marker: dict
     check_output_dir(out, kind, inputs, option)
     with naming_output(out, option=option):
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))      # unique, empty
+        tmp = temporary_dir(out, "tmp", kind)
     try:
         with naming_output(out, tmp, option):
             os.chmod(tmp, dir_mode())

@@ -123,9 +123,35 @@ def run(argv: list[str]) -> int:
         build(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=target.attention, genai=args.genai,
               target_why=target.why)
     if args.triton_repo is not None:
-        cmd = [sys.executable, "-m", "runtime.triton", "repo", "--build", str(out), "--out", str(args.triton_repo)]
-        return subprocess.run(cmd).returncode      # its own one-line error, if any; the build stays
+        return _write_triton_repo(out, args.triton_repo)
     return 0
+
+
+def _write_triton_repo(build: Path, repo: Path) -> int:
+    """`python -m runtime.triton repo` on the finished build, in a child (export sits below runtime): its
+    one-line error, if any, is the command's (the build stays). Interrupted, the child is given the
+    signal and waited for, and the one interrupt line, this command's, names the repository when the
+    child completed it (it printed that it had written nothing else, as if the repository were not there)."""
+    from core.outputs import marker_stamp, note_committed
+    before = marker_stamp(repo)
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.triton", "repo", "--build", str(build), "--out", str(repo)],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate()
+    except KeyboardInterrupt:
+        try:                # a terminal's Ctrl-C reached it too: a second signal could stop its clean-up midway
+            proc.communicate(timeout=2)
+        except subprocess.TimeoutExpired:
+            proc.terminate()     # (a SIGTERM to this command alone; SIGTERM: a background job ignores SIGINT)
+            try:
+                proc.communicate(timeout=60)     # it removes its temporary; its own interrupt line is dropped
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if marker_stamp(repo) not in (None, before):
+            note_committed(repo)
+        raise
+    sys.stderr.write(err)
+    return proc.returncode
 
 
 def _open_weights(ckpt: Path):

@@ -188,6 +188,47 @@ def special_token_ids(checkpoint: Path, tokenizer: Path | None, vocab_size: int)
     return ids, notes
 
 
+# The JSON types GenAI's tokenizer (onnxruntime-extensions, GenAI 0.18) requires of tokenizer_config.json's keys,
+# as measured: another type made og.Tokenizer fail on the finished folder ("type must be string, but is number").
+_TOKEN = (str, dict)                # "<s>", or {"content": "<s>", ...}
+TOKENIZER_CONFIG_TYPES = {"tokenizer_class": (str,), "chat_template": (str, list), "model_max_length": (int, float),
+                          "clean_up_tokenization_spaces": (bool,), "bos_token": _TOKEN, "eos_token": _TOKEN,
+                          "unk_token": _TOKEN, "added_tokens_decoder": (dict,)}
+JSON_TYPE = {str: "a string", dict: "an object", list: "a list", int: "a number", float: "a number",
+             bool: "true or false"}
+
+
+def check_tokenizer_files(checkpoint: Path) -> None:
+    """Refuse (one line, before any work) an HF tokenizer file --genai would copy for GenAI's tokenizer that it
+    cannot read: not JSON, not a JSON object, or a tokenizer_config.json key of the wrong type. The build
+    copied them as they were and GenAI's tokenizer failed to load the finished folder."""
+    from core.inputs import read_json_file
+    fix = "fix the file, or move it out of the checkpoint (a tokenizer_config.json is then written for tokenizer.json)"
+    if not (checkpoint / "tokenizer.json").is_file():      # (without one, none of them is copied)
+        return
+    for name in HF_TOKENIZER_FILES:
+        path = checkpoint / name
+        if not name.endswith(".json") or not path.is_file():
+            continue
+        data = read_json_file(path, "--genai: the tokenizer file")
+        if not isinstance(data, dict):
+            raise GenAIError(f"{path}: expected a JSON object (GenAI's tokenizer reads it), found "
+                             f"{JSON_TYPE.get(type(data), type(data).__name__)}; {fix}")
+        if name != TOKENIZER_CONFIG:
+            continue
+        for key, types in TOKENIZER_CONFIG_TYPES.items():
+            value = data.get(key)
+            wrong = value is not None and (not isinstance(value, types)
+                                           or (isinstance(value, bool) and bool not in types))     # True is an int
+            if key == "added_tokens_decoder" and not wrong and value is not None:
+                wrong = not all(isinstance(v, dict) for v in value.values())
+            if wrong:
+                want = " or ".join(dict.fromkeys(JSON_TYPE[t] for t in types))
+                want += " of objects" if key == "added_tokens_decoder" else ""
+                raise GenAIError(f"{path}: {key}: expected {want} (GenAI's tokenizer reads it), found "
+                                 f"{json.dumps(value)[:60]}; {fix}")
+
+
 def write_tokenizer_files(checkpoint: Path, tokenizer: Path | None, out: Path, capacity: int) -> list[str]:
     """The tokenizer files besides tokenizer.json (which the build copies) GenAI reads: an HF folder's
     own, else a tokenizer_config.json for ours (a plain tokenizers file, <|endoftext|> its eos).

@@ -36,7 +36,7 @@ import numpy as np
 from core.build_files import FUSED, REPORT, UNFUSED
 from core.errors import UsageError, UserError
 from core.onnx_writer import save_onnx
-from core.outputs import BUILD, check_output_dir, output_dir, sign_onnx
+from core.outputs import BUILD, MARKER, check_output_dir, output_dir, sign_onnx
 from export.target import Target, target_of
 
 NORM_OPS = ("RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization")
@@ -151,11 +151,28 @@ def check_gate(model, fuse: bool) -> None:
                          "(finish the taper, or build without --fuse)")
 
 
+FP16_MAX = float(np.finfo(np.float16).max)      # 65504: a larger finite weight is inf once cast to fp16
+
+
+def check_fp16_range(name: str, low: float, high: float) -> None:
+    """Refuse (one line naming the tensor) a weight whose extremes `low`, `high` (of its fp32 values, before
+    the cast) fp16 cannot hold: it would turn inf in the graph and NaN in the logits, in the torch
+    reference (cast the same way) too, so the verification would not see it."""
+    worst = max(abs(float(low)), abs(float(high)))
+    if not worst <= FP16_MAX:
+        raise BuildError(f"{name}: expected weights within fp16's range (|w| <= {FP16_MAX:g}) for --dtype fp16, found "
+                         f"max |w| {worst:.6g}; build with --dtype fp32 or --dtype bf16")
+
+
 def check_model(model, fuse: bool, dtype: str) -> None:
     """Refuse, before anything is written, what the build cannot do."""
+    import torch
     from models.checkpoint import DISABLED_NORM_EPS
     check_gate(model, fuse)
     if dtype == "fp16":
+        for name, t in model.state_dict().items():
+            if t.is_floating_point() and t.numel():
+                check_fp16_range(name, *torch.aminmax(t.detach()))
         eps = {name or "model": m.eps for name, m in model.named_modules()
                if isinstance(getattr(m, "eps", None), (int, float)) and m.eps >= DISABLED_NORM_EPS}
         if eps:
@@ -435,6 +452,9 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
     checkpoint, out = Path(checkpoint), Path(out)
     check_output_dir(out, BUILD, inputs=[checkpoint])
     check_options(quantize, genai, fuse, dtype, attention)
+    if genai:
+        from export.genai import check_tokenizer_files
+        check_tokenizer_files(Path(checkpoint))      # the files it would copy for GenAI's tokenizer, before any work
     t_start = time.perf_counter()
     report = BuildReport(str(checkpoint), str(out), dtype, fuse, atol=ATOL[dtype], scale_tol=SCALE_TOL[dtype],
                          attention=attention, target=target_of(attention), target_why=target_why)
@@ -542,7 +562,7 @@ def write_report(report: BuildReport, folder: Path, t_start: float, checkpoint: 
         shutil.copyfile(tokenizer, folder / TOKENIZER)
     report.versions = versions()
     report.timings_s["total"] = round(time.perf_counter() - t_start, 3)
-    report.files = sorted(p.name for p in folder.iterdir()) + [REPORT]
+    report.files = sorted(p.name for p in folder.iterdir() if p.name != MARKER) + [REPORT]   # (the build's files)
     (folder / REPORT).write_text(json.dumps(report.to_json(), indent=2) + "\n")
 
 

@@ -47,6 +47,10 @@ PROXY_SEEDS = (0, 1)
 WIDTHS = ("d_model", "hidden", "vocab_size")
 
 
+# the fix of a graph the streamed build cannot plan (there is no --stream option: --route picks the build)
+ELSEWHERE = "build with --route in-memory (a bf16 graph: with --fuse, whose folded graph the streamed route plans)"
+
+
 class StreamError(UserError):
     """A graph the streamed build cannot trace back to the model's weights (one line)."""
 
@@ -185,13 +189,13 @@ def _substitute_ints(name: str, x: np.ndarray, y: np.ndarray, widths: dict[tuple
     """An integer constant that holds widths: proxy A's widths where proxy B has its own -> real."""
     if x.shape != y.shape:
         raise StreamError(f"streamed build: initializer {name} changes shape with the model's widths "
-                          f"({list(x.shape)} vs {list(y.shape)}); build without --stream")
+                          f"({list(x.shape)} vs {list(y.shape)}); {ELSEWHERE}")
     out = x.copy()
     for i in np.flatnonzero(x.reshape(-1) != y.reshape(-1)):
         pair = (int(x.reshape(-1)[i]), int(y.reshape(-1)[i]))
         if pair not in widths:
             raise StreamError(f"streamed build: initializer {name} holds a value that is not a width ({pair}); "
-                              "build without --stream")
+                              f"{ELSEWHERE}")
         out.reshape(-1)[i] = widths[pair]
     return out
 
@@ -253,7 +257,7 @@ def plan_graph(source, dtype: str = "fp32", fuse: bool = True, attention: str = 
     widths = {(a.widths[n], b.widths[n]): getattr(skeleton.cfg, n) for n in WIDTHS}     # proxy A's, B's -> real
     ops_a, ops_b = [n.op_type for n in a.graph.graph.node], [n.op_type for n in b.graph.graph.node]
     if ops_a != ops_b:
-        raise StreamError("streamed build: the graph's ops depend on the model's widths; build without --stream")
+        raise StreamError(f"streamed build: the graph's ops depend on the model's widths; {ELSEWHERE}")
     index_a, index_b = _Index(a.tensors), _Index(b.tensors)
     fp_inits = {i.name for i in a.fp.graph.initializer}
     inits_b = {i.name: numpy_helper.to_array(i) for i in b.graph.graph.initializer}
@@ -268,7 +272,7 @@ def plan_graph(source, dtype: str = "fp32", fuse: bool = True, attention: str = 
         rows = index_a.trace(x)
         if rows is None or index_b.trace(y) != rows:
             raise StreamError(f"streamed build: initializer {name} {list(x.shape)} is not made of the model's "
-                              "parameters in a way the streamed build follows; build without --stream")
+                              f"parameters in a way the streamed build follows; {ELSEWHERE}")
         return rows
 
     recipes, float_recipes = {}, {}
@@ -301,7 +305,7 @@ def _real_size_graph(a: Proxy, b: Proxy, widths, recipes, skeleton: Decoder, dty
             if attr.type == onnx.AttributeProto.INT and attr.i != battr.i:
                 if (attr.i, battr.i) not in widths:
                     raise StreamError(f"streamed build: node {na.name} attribute {attr.name} depends on the widths "
-                                      "in a way the streamed build does not follow; build without --stream")
+                                      f"in a way the streamed build does not follow; {ELSEWHERE}")
                 attr.i = widths[(attr.i, battr.i)]
     for va, vb in zip([*proto.graph.input, *proto.graph.output], [*b.graph.graph.input, *b.graph.graph.output]):
         for da, db in zip(va.type.tensor_type.shape.dim, vb.type.tensor_type.shape.dim):
@@ -331,6 +335,11 @@ def _group(name: str) -> int:
 
 def _rows_value(recipe: Rows, tensors: dict[str, torch.Tensor], np_dtype) -> np.ndarray:
     parts = [tensors[n].detach().to(torch.float32).numpy() for n in recipe.params]
+    if np_dtype == np.float16:          # read and folded; checked before the cast (fp16's range)
+        from export.pipeline import check_fp16_range
+        for n, part in zip(recipe.params, parts):
+            if part.size:
+                check_fp16_range(n, part.min(), part.max())
     x = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
     if recipe.transpose:
         x = transposed(x)
@@ -427,7 +436,7 @@ def write_graph(plan: GraphPlan, source, path, log=print) -> int:
         groups = {_group(p) for p in (read.params if isinstance(read, Rows) else [])} or {-1}
         if len(groups) > 1:
             raise StreamError(f"streamed build: initializer {name} mixes parameters of several blocks; "
-                              "build without --stream")
+                              f"{ELSEWHERE}")
         by_group[groups.pop()].append(name)
     order = sorted(by_group, key=lambda g: (g < 0, g))
     # always beside the graph: weights kept inline would all be held until the graph is saved

@@ -1,4 +1,4 @@
-"""The build for models too large to hold: `export.build --stream` (chosen by itself when the
+"""The build for models too large to hold: `export.build --route streamed` (chosen by itself when the
 in-memory build would not fit), in named stages with the same report as export/pipeline.py.
 
     open the weights (headers only) ─▶ memory estimate (refuse in one line when it cannot fit)
@@ -133,6 +133,9 @@ def build_streamed(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32",
     checkpoint, out = Path(checkpoint), Path(out)
     check_output_dir(out, BUILD, inputs=[checkpoint])
     check_options(quantize, genai, fuse, dtype, attention)
+    if genai:
+        from export.genai import check_tokenizer_files
+        check_tokenizer_files(Path(checkpoint))      # the files it would copy for GenAI's tokenizer, before any work
     t_start = time.perf_counter()
     source = source or open_weights(checkpoint)
     cfg = source.cfg

@@ -172,6 +172,27 @@ def engine_info_path(engine: Path) -> Path:
     return engine.with_name(engine.name + ".json")
 
 
+# A serialized TensorRT engine (a plan, what IBuilder.build_serialized_network returns) starts with this
+# tag; torch-tensorrt tells a raw plan from its own wrappers by it. Reading it needs no TensorRT.
+PLAN_TAG = b"ftrt"
+
+
+def plan_problem(path: Path) -> str | None:
+    """What `path` is instead of a serialized TensorRT engine (None: it starts with PLAN_TAG). Only the
+    tag is read: without TensorRT (and a GPU) a plan cannot be deserialized, so a damaged one passes."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError as e:
+        return f"an unreadable file ({e.strerror or e})"
+    if head.startswith(PLAN_TAG):
+        return None
+    text = head.lstrip()
+    kind = ("JSON text" if text[:1] in (b"{", b"[") else "an empty file" if not head
+            else "text" if all(32 <= b < 127 or b in b"\t\r\n" for b in head) else "other bytes")
+    return f"{kind} (it starts {head[:8]!r}, not TensorRT's plan tag {PLAN_TAG!r})"
+
+
 def read_engine_info(engine: Path) -> dict | None:
     """The build record written beside an engine, or None where there is none (or it is unreadable)."""
     try:

@@ -143,7 +143,7 @@ def run(argv: list[str]) -> int:
     a = p.parse_args(argv)
     run_cfg = _resume_config(p, a) if a.resume else _config(a)
     run_cfg.resolve()                 # cheap checks first, before torch is imported
-    from train.interrupts import raise_if_interrupted
+    from train.interrupts import raise_if_interrupted, speaks_for_job
     from train.loop import check_out, train
     raise_if_interrupted()            # a Ctrl-C that the import of torch dropped
     check_out(run_cfg, a.resume)      # refuse a wrong --out before the corpus is built
@@ -151,7 +151,8 @@ def run(argv: list[str]) -> int:
         log = train(run_cfg, command="python -m train " + shlex.join(argv), resume=a.resume)
     except KeyboardInterrupt:
         from train.loop import held_message
-        print(f"error: training interrupted; {held_message(run_cfg.out)}", file=sys.stderr)
+        if speaks_for_job():          # rank 0 reports for the job
+            print(f"error: training interrupted; {held_message(run_cfg.out)}", file=sys.stderr)
         return 130
     from train.distributed import launched_world
     if launched_world()[0] != 0:      # rank 0 reports for the job

@@ -33,6 +33,12 @@ _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Read err
               "Broken pipe", "NCCL", "gloo/transport", "Socket Timeout", "Timed out")
 
 
+class RankError(TrainError):
+    """An error of this rank alone (its device, a lost peer): said by the rank that meets it, whichever it
+    is (the others' errors, which every rank meets alike, rank 0 says for the job)."""
+    own_process = True
+
+
 @dataclass(frozen=True)
 class Parallel:
     rank: int = 0
@@ -144,7 +150,7 @@ def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
         raise TrainError(f"--device {requested}: no CUDA device is visible (torch.cuda.is_available() is False); "
                          "pass --device cpu")
     if local_rank >= torch.cuda.device_count():
-        raise TrainError(f"local rank {local_rank}: this machine has {torch.cuda.device_count()} CUDA devices; "
+        raise RankError(f"local rank {local_rank}: this machine has {torch.cuda.device_count()} CUDA devices; "
                          f"start at most that many processes per node (torchrun --nproc-per-node)")
     return torch.device("cuda", local_rank)
 

@@ -178,7 +178,7 @@ def run(argv: list[str]) -> int:
     a = p.parse_args(argv)
     run_cfg, method, source, every = _resumed_settings(a, p) if a.resume else _new_settings(a)
     run_cfg.resolve()
-    from train.interrupts import raise_if_interrupted
+    from train.interrupts import raise_if_interrupted, speaks_for_job
     from train.loop import check_out, train
     raise_if_interrupted()            # a Ctrl-C that the import of torch dropped
     check_out(run_cfg, a.resume)
@@ -188,7 +188,8 @@ def run(argv: list[str]) -> int:
         log = train(run_cfg, command="python -m train.finetune " + shlex.join(argv), resume=a.resume, recipe=recipe)
     except KeyboardInterrupt:
         from train.loop import held_message
-        print(f"error: training interrupted; {held_message(run_cfg.out, recipe.program)}", file=sys.stderr)
+        if speaks_for_job():          # rank 0 reports for the job
+            print(f"error: training interrupted; {held_message(run_cfg.out, recipe.program)}", file=sys.stderr)
         return 130
     from train.distributed import launched_world
     if launched_world()[0] != 0:      # rank 0 reports for the job

@@ -45,11 +45,20 @@ def raise_if_interrupted() -> None:
         raise KeyboardInterrupt
 
 
+def speaks_for_job() -> bool:
+    """Whether this process prints the job's messages: rank 0 under torchrun (RANK), or the only process.
+    The ranks meet the same errors and torchrun forwards one Ctrl-C to each: one line, not one per rank."""
+    import os
+    rank = os.environ.get("RANK", "0").strip()
+    return not rank.isdigit() or int(rank) == 0        # a malformed RANK: every rank says so
+
+
 def run_train_cli(body, argv: list[str] | None = None) -> int:
-    """core.errors.run_cli for a train command: a Ctrl-C dropped by an import still stops it."""
+    """core.errors.run_cli for a train command: a Ctrl-C dropped by an import still stops it, and under
+    torchrun rank 0 alone prints the one-line error or interrupt (speaks_for_job)."""
     from core.errors import run_cli
 
     def noting(args: list[str]) -> int:
         with noting_interrupts():
             return body(args)
-    return run_cli(noting, argv)
+    return run_cli(noting, argv, speaks=speaks_for_job())

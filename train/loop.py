@@ -43,7 +43,6 @@ import os
 import shlex
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,14 +54,14 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from core.errors import NoRoomError
-from core.outputs import TRAINING_RUN, check_output_dir, marker_kind, naming_output, output_dir, writing
+from core.outputs import TRAINING_RUN, check_output_dir, marker_kind, naming_output, output_dir, temporary_dir, writing
 from models.checkpoint import CONFIG, TOKENIZER, WEIGHTS, checkpoint_config, save_checkpoint
 from models.decoder import Decoder
 from train.calibration import branch_mismatch, calibrate
 from train.config import TrainConfig, TrainError
 from train.corpus import EOS, load_corpus, split_stories
-from train.distributed import (SINGLE, Parallel, data_parallel, ignore_launcher_stop, launched_world, peer_lost,
-                               peer_lost_reason, writing_together)
+from train.distributed import (SINGLE, Parallel, RankError, data_parallel, ignore_launcher_stop, launched_world,
+                               peer_lost, peer_lost_reason, writing_together)
 from train.scale_loss import scale_loss, token_rms
 from train.interrupts import raise_if_interrupted
 from train.run_state import (RUN_STATE, RUN_STATE_JSON, has_run_state, load_run_state, refuse_old_state,
@@ -317,15 +316,16 @@ def train(run: TrainConfig, command: str | None = None, resume: bool = False, re
         work = None
         if par.is_main:
             out.parent.mkdir(parents=True, exist_ok=True)
-            work = Path(tempfile.mkdtemp(prefix=f".{out.name}.work-", dir=out.parent))
+            work = temporary_dir(out, "work", TRAINING_RUN)     # marked: a SIGKILLed run's is removed later
         try:
             with naming_output(out):      # a full disk before the first checkpoint (the work folder's tokenizer)
                 return _train(run, out, work, t0, command, load_run_state(out) if resume else None, par,
                               recipe or Recipe(), estimate)
         except Exception as e:
             if par.distributed and peer_lost(e):
+                raise_if_interrupted()  # the peer left on the same Ctrl-C torchrun forwarded to this rank: say that
                 ignore_launcher_stop()
-                raise TrainError(f"{par.describe()}: lost contact with another rank ({peer_lost_reason(e)}); "
+                raise RankError(f"{par.describe()}: lost contact with another rank ({peer_lost_reason(e)}); "
                                  f"{held_message(out, (recipe or Recipe()).program)}") from None
             raise
         finally:

@@ -239,16 +239,122 @@ def save_sharded_state(directory: Path, model: nn.Module, opt: torch.optim.Optim
         dcp.save(_state(model, opt), checkpoint_id=str(directory), no_dist=not dist.is_initialized())
 
 
+# What the .metadata of torch.distributed.checkpoint names (torch 2.13): its own dataclasses and enums,
+# torch's Size, dtypes and layouts, and the checkpoint id's path. Anything else is refused unread.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_METADATA_CALLABLES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                       ("collections", "OrderedDict")}
+
+
+def metadata_allows(module: str, name: str) -> bool:
+    """Whether the .metadata pickle may call module.name: a data class of torch.distributed.checkpoint
+    (constructing one runs nothing of the file's), a torch dtype, or one of _METADATA_CALLABLES."""
+    import dataclasses
+    import enum
+    import sys
+    if module in _METADATA_MODULES:
+        obj = getattr(sys.modules.get(module), name, None)         # imported already by dcp itself
+        return isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))
+    if module == "torch" and name != "Size":
+        return isinstance(getattr(torch, name, None), torch.dtype)
+    return (module, name) in _METADATA_CALLABLES
+
+
+def read_sharded_metadata(directory: Path):
+    """The checkpoint's Metadata, read without running code (core.inputs.load_restricted_pickle):
+    torch.distributed.checkpoint's own reader unpickles `.metadata` with pickle.load, and a crafted
+    file's payload ran on --resume."""
+    from torch.distributed.checkpoint.metadata import Metadata
+    from core.inputs import load_restricted_pickle
+    path = Path(directory) / ".metadata"
+    fix = "restore the run folder from a copy you trust, or start a new run in another --out"
+    md = load_restricted_pickle(path, "the metadata of a sharded resume state (torch.distributed.checkpoint)",
+                                metadata_allows, fix)
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+        raise TrainError(f"{path}: expected the metadata of a sharded resume state, found a {type(md).__name__}; {fix}")
+    return md
+
+
+def _checkpoint_reader(directory: Path, metadata):
+    """dcp's FileSystemReader, given the metadata read_sharded_metadata read, and a load planner that reads
+    the non-tensor items (the optimizer's settings) with torch's weights-only unpickler: dcp's own
+    DefaultLoadPlanner unpickles them with weights_only=False, code in the .distcp file would run."""
+    import io
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            import pickle
+            try:
+                data = pickle_of_data(value)
+            except pickle.UnpicklingError as e:      # its message: advice around the reader's own reason
+                reason = next((ln.strip() for ln in str(e).splitlines() if ln.strip() and "weights_only" not in ln
+                               and not ln.startswith(("Weights only load failed", "Check the documentation"))),
+                              "damaged")
+                reason = reason.split(". ")[0].rstrip(".")
+                raise RuntimeError(f"item {read_item.dest_index.fqn} refused by torch's weights-only reader: "
+                                   f"{reason}, and loading it fully could run code") from None
+            super().load_bytes(read_item, io.BytesIO(data))
+
+    return Reader(str(directory)), Planner()
+
+
+def pickle_of_data(value) -> bytes:
+    """The bytes of a pickle torch's weights-only unpickler reads (plain data and tensors), re-pickled for
+    a caller that unpickles them fully; anything else raises pickle.UnpicklingError."""
+    import io
+    buf = io.BytesIO()
+    with warnings.catch_warnings():          # dcp pickles with protocol 4, which the reader reads
+        warnings.filterwarnings("ignore", "Detected pickle protocol")
+        torch.save(torch.load(value, map_location="cpu", weights_only=True), buf)
+    return buf.getvalue()
+
+
 def load_sharded_state(directory: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
     """Load the state save_sharded_state wrote, with any number of ranks: each reads the parts of the
-    saved shards its own shards cover (one process without a process group reads them all)."""
+    saved shards its own shards cover (one process without a process group reads them all). Nothing
+    of the folder's is run (read_sharded_metadata, _checkpoint_reader); a folder dcp cannot load (damaged,
+    truncated, another model's) is one TrainError line."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    metadata = read_sharded_metadata(directory)
     state = _state(model, opt)
-    with warnings.catch_warnings():          # one process reading a sharded run is intended, not a mistake
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    # A parameter that had no gradient yet has no optimizer state in the folder (gamma_tilde before
+    # calibration), while a fresh optimizer's state dict has one for every parameter: leave those out,
+    # so the parameter starts without state, as in the run that saved it.
+    for name, per_param in list(state["optimizer"]["state"].items()):
+        if not any(f"optimizer.state.{name}.{k}" in metadata.state_dict_metadata for k in per_param):
+            del state["optimizer"]["state"][name]
+    reader, planner = _checkpoint_reader(directory, metadata)
+    try:
+        with warnings.catch_warnings():          # one process reading a sharded run is intended, not a mistake
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=not dist.is_initialized())
+    except CheckpointException as e:        # (a BaseException, with every rank's traceback in its text)
+        reason = first_line_of(next(iter(e.failures.values()), e)).split(". ")[0][:200]
+        raise TrainError(f"{directory}: expected the sharded resume state of the run's own model, found one that "
+                         f"torch.distributed.checkpoint cannot load ({reason}); restore the run folder from a copy "
+                         "you trust, or start a new run in another --out") from None
+    # strict=False: the parameters left out above (dcp.load has checked that the folder holds every other key)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(strict=False))
+
+
+def first_line_of(failure) -> str:
+    """The message of a rank's failure in a CheckpointException (a WRAPPED_EXCEPTION: the exception and its
+    traceback), else the first line of its text."""
+    exc = failure[0] if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException) else failure
+    text = str(exc)
+    return next((ln.strip() for ln in text.splitlines() if ln.strip()), type(exc).__name__)
 
 
 def sharded_state_bytes(opt: torch.optim.Optimizer) -> int:

@@ -11,10 +11,11 @@
 
 repo writes the repository for an existing build (what export.build --triton-repo does);
 check parses every config.pbtxt into ModelConfig and verifies the decoder configs
-against their ONNX; serve runs a real Triton server (the tritonserver bundled with
-nvidia-pytriton, Python backend only) with the generate model until Ctrl-C; client
-prints the generated text on stdout, as python -m runtime.generate does (with --stream,
-piece by piece as the tokens arrive).
+against their ONNX, loads each graph ONNX Runtime's CPU provider would run, and reads a
+TensorRT plan's tag (not the plan: that needs TensorRT and its GPU); serve runs a real
+Triton server (the tritonserver bundled with nvidia-pytriton, Python backend only) with
+the generate model until Ctrl-C; client prints the generated text on stdout, as python
+-m runtime.generate does (with --stream, piece by piece as the tokens arrive).
 """
 from __future__ import annotations
 
@@ -133,7 +134,9 @@ def run(argv: list[str] | None = None) -> int:
     if args.command == "check":
         from runtime.triton.repository import check_repository
         configs = check_repository(args.repo)
-        print(f"{args.repo}: ok: " + ", ".join(f"{n} ({c.platform or c.backend})" for n, c in configs.items()))
+        trt = ("; model.plan: its TensorRT tag only (deserializing it needs TensorRT and its GPU)"
+               if any(c.platform == "tensorrt_plan" for c in configs.values()) else "")
+        print(f"{args.repo}: ok: " + ", ".join(f"{n} ({c.platform or c.backend})" for n, c in configs.items()) + trt)
         return 0
     if args.command == "serve":
         return _serve(args)

@@ -45,7 +45,8 @@ from core.contract import (CACHE_PREFIX, INPUT_IDS, LOGITS, POSITION, ContractEr
 from core.outputs import TRITON_REPOSITORY, output_dir
 from runtime.model_files import ORT_ONLY_GRAPH, is_ort_only, resolve_onnx
 from runtime.session import MissingExtraError, ModelFileError, RuntimeUserError
-from runtime.trt_engine import DECODE_PROFILE, PREFILL_PROFILE, engine_info_path, read_engine_info
+from runtime.trt_engine import (DECODE_PROFILE, PREFILL_PROFILE, engine_info_path, plan_problem,
+                                read_engine_info)
 
 DECODER_ONNX, DECODER_TRT, GENERATE = "decoder_onnx", "decoder_trt", "generate"
 CONTROLS = {"START": "CONTROL_SEQUENCE_START", "READY": "CONTROL_SEQUENCE_READY"}
@@ -307,8 +308,11 @@ def verify_config(config, io: OnnxIO) -> list[str]:
     return errors
 
 
-def check_repository(repo: str | Path) -> dict[str, object]:
-    """Parse every config.pbtxt into ModelConfig and verify each decoder config against its ONNX.
+def check_repository(repo: str | Path, load: bool = True) -> dict[str, object]:
+    """Parse every config.pbtxt into ModelConfig and verify each decoder config against its ONNX, and load
+    what the server would load where this machine can (_load_errors: ONNX Runtime CPU graphs; a plan's tag).
+    load=False (write_repository's own check): the configs only, no graph read (a real model's weights are
+    linked into the repository, never read: loading them twice would cost minutes and their size in memory).
 
     Returns model name -> ModelConfig; raises RepositoryError listing every disagreement.
     A tensorrt_plan config is checked against <model>/1/source.onnx (the graph the engine
@@ -328,12 +332,52 @@ def check_repository(repo: str | Path) -> dict[str, object]:
         onnx_file = {"onnxruntime_onnx": "model.onnx", "tensorrt_plan": "source.onnx"}.get(config.platform)
         if onnx_file:
             errors += [f"{cfg_path}: {e}" for e in verify_config(config, onnx_io(cfg_path.parent / "1" / onnx_file))]
+        if load:
+            errors += [f"{cfg_path.parent}: {e}" for e in _load_errors(cfg_path.parent, config)]
     if not configs:
         raise RepositoryError(f"{repo}: expected a Triton model repository (<model>/config.pbtxt), found none; "
                               "write one with python -m runtime.triton repo")
     if errors:
-        raise RepositoryError(f"{repo}: configs disagree with their models: " + "; ".join(errors))
+        raise RepositoryError(f"{repo}: expected configs that match their models and models the server can load, "
+                              "found: " + "; ".join(errors) + "; write the repository again with python -m "
+                              "runtime.triton repo")
     return configs
+
+
+def _cpu_graph(model_dir: Path, config) -> Path | None:
+    """The graph of a model that ONNX Runtime's CPU provider will run: decoder_onnx's on KIND_CPU
+    instances, generate's when it decodes with ort-cpu; None otherwise."""
+    if config.platform == "onnxruntime_onnx":
+        on_cpu = all(g.kind == g.KIND_CPU for g in config.instance_group)
+        return model_dir / "1" / "model.onnx" if on_cpu else None
+    backend = config.parameters["decode_backend"].string_value if "decode_backend" in config.parameters else None
+    if config.backend == "python" and backend == "ort-cpu":
+        try:
+            return resolve_onnx(model_dir / "1", quantized_first=True)
+        except ModelFileError:
+            return None
+    return None
+
+
+def _load_errors(model_dir: Path, config) -> list[str]:
+    """What the server would meet loading the model: its graph in ONNX Runtime's CPU provider (loaded, optimizations
+    off) where it runs on the CPU; a TensorRT plan's tag (TensorRT itself is not needed, nor used, to read it)."""
+    if config.platform == "tensorrt_plan":
+        wrong = plan_problem(model_dir / "1" / "model.plan")
+        return [] if wrong is None else [f"model.plan: expected a serialized TensorRT engine, found {wrong}"]
+    graph = _cpu_graph(model_dir, config)
+    if graph is None:
+        return []
+    import onnxruntime as ort
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    try:
+        ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+    except Exception as e:      # whatever ONNX Runtime refuses: its first line, without the error code's prefix
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        return [f"{graph.name}: ONNX Runtime's CPU provider cannot load it ({first.split(' : ')[-1][:200]})"]
+    return []
 
 
 # --- writing ------------------------------------------------------------------------------
@@ -401,6 +445,10 @@ def _engine_of(onnx_path: Path, engine: str | Path | None, ort_only: bool,
                               "build one with the trt backend or leave --engine out")
     if engine is None:
         return None, None
+    wrong = plan_problem(Path(engine))
+    if wrong is not None:
+        raise RepositoryError(f"{engine}: expected a serialized TensorRT engine, found {wrong}; pass the engine "
+                              "the trt backend built (python -m runtime.generate --backend trt), or leave --engine out")
     engine_build = read_engine_info(Path(engine))
     built_batch = _built_batch(engine_build)
     if built_batch is not None and built_batch < max_batch_size:
@@ -413,6 +461,23 @@ def _built_batch(engine_build: dict | None) -> int | None:
     """The max_batch an engine was built for, from its build record (None where the record does not say)."""
     built = ((engine_build or {}).get("options") or {}).get("max_batch")
     return built if isinstance(built, int) else None
+
+
+BF16 = 16        # ONNX TensorProto.BFLOAT16
+
+
+def _check_ort_cpu(ort_path: Path, io: OnnxIO, kind: str, backend: str) -> None:
+    """Refuse a bf16 graph where ONNX Runtime's CPU provider would run it (decoder_onnx on --kind cpu, generate on
+    ort-cpu): it has no bf16 kernels, and the server would fail to load the model the repository names."""
+    if not any(t.elem_type == BF16 for t in [*io.inputs.values(), *io.outputs.values()]):
+        return
+    where = [w for w, on in (("decoder_onnx on --kind cpu", kind == "cpu"),
+                             ("generate on ort-cpu", backend == "ort-cpu")) if on]
+    if where:
+        raise RepositoryError(f"{ort_path}: expected a graph ONNX Runtime's CPU provider can run "
+                              f"({' and '.join(where)}), found a bf16 graph, which it has no kernels for; pass --kind "
+                              "gpu (and an --engine, or --generate-backend ort-cuda), or rebuild with --dtype fp16 or "
+                              "fp32")
 
 
 def _check_options(kind: str, max_batch_size: int, instances: int, slots: int, max_queued: int) -> None:
@@ -481,8 +546,10 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
                               f"decodes with trt); pass --slots {built_batch} or rebuild the engine with a larger max_batch")
     io = onnx_io(onnx_path)
     _check_contract(onnx_path, io)
+    ort_io = io if ort_path == onnx_path else onnx_io(ort_path)
     if ort_path != onnx_path:
-        _check_contract(ort_path, onnx_io(ort_path))
+        _check_contract(ort_path, ort_io)
+    _check_ort_cpu(ort_path, ort_io, kind, backend)
 
     with output_dir(repo, TRITON_REPOSITORY, inputs=[build] + ([engine] if engine else [])) as tmp:
         d = tmp / DECODER_ONNX / "1"
@@ -507,5 +574,5 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
              "engine_build": engine_build, "ort_only_graph": ort_only, "generate_backend": backend,
              "models": [m for m in (DECODER_ONNX, DECODER_TRT if engine else None, GENERATE) if m]}, indent=2) + "\n")
         if validate and have_tritonclient():
-            check_repository(tmp)
+            check_repository(tmp, load=False)
     return repo

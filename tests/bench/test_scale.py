@@ -3,6 +3,7 @@ transformers loads and models.convert converts) and bench.scale run end to end o
 No timing is asserted: only that every measurement is there and positive."""
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -129,11 +130,28 @@ def test_a_child_past_the_memory_cap_is_stopped_and_said():
 
 @pytest.mark.parametrize("text, complaint", [("fp32", "no ="), ("a=--fuse;a=--fuse", "'a'"), ("", "found none"),
                                              ("x=--fuse --out y", "--out is set by bench.scale"),
-                                             (f"{scale.GENAI}=--fuse", "not genai-int4")])
+                                             (f"{scale.GENAI}=--fuse", "not genai-int4"),
+                                             ('a=--fuse --dtype "fp16', "No closing quotation.*close the quote")])
 def test_bad_options_are_one_usage_line(text, complaint):
     from core.errors import UsageError
     with pytest.raises(UsageError, match=complaint):
         scale.parse_options(text)
+
+
+@pytest.mark.parametrize("change, complaint", [
+    ({"hidden_size": -64}, "hidden_size: expected an integer in .1, 2147483647., found -64"),
+    ({"hidden_size": 10**11}, "found 100000000000"), ({"vocab_size": "256"}, "vocab_size: .* found '256'"),
+    ({"intermediate_size": None}, "found None"), ({"num_hidden_layers": 2.5}, "found 2.5"),
+    ({"num_attention_heads": True}, "found True"), ({"vocab_size": ...}, "vocab_size: .* found no such key"),
+    ({"hidden_size": 10**9}, r"a .* shard \(from tensor .*\): needs .* available; use smaller sizes")])
+def test_make_refuses_sizes_that_cannot_make_tensors_in_one_line(tmp_path, capsys, change, complaint):
+    config = {k: v for k, v in {**TINY["llama"], "num_hidden_layers": 2, **change}.items() if v is not ...}
+    (tmp_path / "s.json").write_text(json.dumps(config))
+    rc = scale.main(["make", str(tmp_path / "s.json"), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and err[0].startswith("error: "), err
+    assert re.search(complaint, err[0]), err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json"]
 
 
 def test_parse_options():
@@ -184,3 +202,109 @@ def test_run_on_a_tiny_llama(tmp_path):
     assert "tiny-llama: reusing" in r.stdout and "| bad | 0 / 1 | - |" in r.stdout
     (run,) = json.loads(out.read_text())["shapes"][0]["options"]["bad"]["runs"]
     assert run["rc"] == 2 and run["error"].startswith("error: --quantize int4: expected --fuse") and "decode" not in run
+
+
+def _built_by(rc: int):
+    """scale.measured for GenAI's builder: writes a genai_config.json where -o points, exits rc."""
+    def fake(cmd, cap_bytes=0):
+        (Path(cmd[cmd.index("-o") + 1]) / "genai_config.json").write_text("{}")
+        return {"rc": rc, "wall_s": 1.0, "peak_rss_bytes": 1, "stdout": "", "error": None if rc == 0 else "x",
+                "capped": False}
+    return fake
+
+
+def test_the_genai_peer_replaces_only_a_folder_of_ours(tmp_path, monkeypatch):
+    """WORK/genai-<shape>-int4 holding a genai_config.json but no marker is the user's: refused in one
+    line with every file kept (it was deleted, exit 0). A build of ours there is replaced; a failed
+    build keeps it and leaves no temporary."""
+    from core.errors import UserError
+    from core.outputs import BENCH_CACHE, marker_kind
+    out, inp = tmp_path / "genai-s-int4", tmp_path / "in"
+    out.mkdir()
+    (out / "genai_config.json").write_text('{"mine": 1}')
+    (out / "notes.txt").write_text("mine")
+    monkeypatch.setattr(scale, "measured", _built_by(0))
+    with pytest.raises(UserError, match="genai-s-int4: exists and holds files tapernorm-deploy did not write"):
+        scale.genai_build(inp, out, tmp_path / "cache")
+    assert (out / "notes.txt").read_text() == "mine" and (out / "genai_config.json").read_text() == '{"mine": 1}'
+    (out / "notes.txt").unlink()
+    (out / "genai_config.json").unlink()
+    assert scale.genai_build(inp, out, tmp_path / "cache")["rc"] == 0 and marker_kind(out) == BENCH_CACHE.name
+    monkeypatch.setattr(scale, "measured", _built_by(1))
+    before = (out / ".tapernorm-output.json").read_text()
+    assert scale.genai_build(inp, out, tmp_path / "cache")["rc"] == 1
+    assert (out / ".tapernorm-output.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["genai-s-int4"]
+
+
+@pytest.mark.parametrize("folder", ["genai-s-int4", "build-s-a", "s"])
+def test_run_refuses_a_folder_it_would_write_before_any_work(tmp_path, capsys, folder):
+    (tmp_path / "s.json").write_text(json.dumps(dict(TINY["llama"], num_hidden_layers=2)))
+    (tmp_path / "w" / folder).mkdir(parents=True)
+    (tmp_path / "w" / folder / "genai_config.json").write_text("{}")
+    rc = scale.main(["run", "--shapes", str(tmp_path / "s.json"), "--work", str(tmp_path / "w"), "--options",
+                     "a=--fuse", "--peers", "genai", "--json", str(tmp_path / "o.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and f"w/{folder}: exists and holds files" in err[0] and "--work" in err[0], err
+    assert [p.name for p in (tmp_path / "w").iterdir()] == [folder] and not (tmp_path / "o.json").exists()
+
+
+def test_a_failed_genai_build_is_not_measured_by_the_earlier_one(tmp_path, monkeypatch):
+    """A round whose GenAI build fails reports the failure: the earlier build in its place is not decoded
+    as if it were this round's."""
+    import argparse
+    out = tmp_path / "genai-s-int4"
+    monkeypatch.setattr(scale, "measured", _built_by(0))
+    scale.genai_build(tmp_path / "in", out, tmp_path / "cache")
+    calls = []
+    monkeypatch.setattr(scale, "measured", lambda cmd, cap_bytes=0: calls.append(cmd) or _built_by(1)(cmd))
+    args = argparse.Namespace(work=tmp_path, cap_bytes=0, decode_tokens=2, prompt_tokens=2, threads=1)
+    row = scale.measure_option(scale.GENAI, [], tmp_path / "s", out, args, tmp_path / "in")
+    assert row["rc"] == 1 and "decode" not in row and "graph" not in row and len(calls) == 1
+
+
+KILLED_BENCH = """import sys
+from bench import scale
+scale.measured([sys.executable, "-c", "import os, sys, time; "
+                "open(sys.argv[1], 'w').write(f'{os.getpid()} {os.getppid()}'); time.sleep(120)", sys.argv[1]])
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="PR_SET_PDEATHSIG and /proc: Linux")
+def test_a_child_build_does_not_outlive_a_killed_bench(tmp_path):
+    """SIGKILL to bench.scale (which cannot catch it) stops the build it was measuring: the child is told
+    by the kernel that its parent died (it ran on before), and the measuring wrapper leaves no file in
+    the temporary folder (its usage file was left there)."""
+    import os
+    import signal
+    import time
+    pid_file = tmp_path / "child.pid"
+    (tmp_path / "tmp").mkdir()
+    bench = subprocess.Popen([sys.executable, "-c", KILLED_BENCH, str(pid_file)], cwd=ROOT,
+                             env=dict(os.environ, TMPDIR=str(tmp_path / "tmp")))
+    try:
+        deadline = time.time() + 60
+        while not pid_file.is_file() or not pid_file.read_text():
+            assert bench.poll() is None and time.time() < deadline
+            time.sleep(0.05)
+        child, wrapper = map(int, pid_file.read_text().split())
+        os.kill(bench.pid, signal.SIGKILL)
+        bench.wait(10)
+        deadline = time.time() + 20
+        while _alive(child) or _alive(wrapper):
+            assert time.time() < deadline, "the child build outlived the bench"
+            time.sleep(0.05)
+        assert list((tmp_path / "tmp").iterdir()) == []
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        for pid in map(int, pid_file.read_text().split() if pid_file.is_file() else []):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -93,3 +93,35 @@ def test_exit_code_130_survives_an_interrupt_that_c_code_saw(tmp_path):
     done = subprocess.run([sys.executable, "-m", "interrupted_cmd"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60, preexec_fn=default_sigint)
     assert done.returncode == 130, (done.returncode, done.stderr)
+
+
+def test_no_option_is_matched_by_a_prefix(capsys):
+    """`--check DIR` is not `--checkpoint DIR` (argparse's allow_abbrev), in a sub-command's parser too: a
+    wrapper that screens a child's options by name (bench.scale --options) sees what the child reads."""
+    def body(argv):
+        p = ArgumentParser(prog="python -m x")
+        p.add_argument("--checkpoint")
+        sub = p.add_subparsers(dest="cmd")
+        sub.add_parser("run").add_argument("--out")
+        p.parse_args(argv)
+        return 0
+    for argv, needle in ((["--check=d"], "--check"), (["run", "--ou", "d"], "--ou")):
+        code, out = _run(capsys, body, argv)
+        assert code == 2 and len(out.err.splitlines()) == 1 and needle in out.err, out.err
+    assert _run(capsys, body, ["--checkpoint", "d", "run", "--out", "o"])[0] == 0
+
+
+def test_a_process_that_does_not_speak_for_its_job_keeps_its_exit_codes_quietly(capsys):
+    """run_cli(speaks=False), a rank other than 0 under torchrun: the errors every rank meets alike are
+    rank 0's to print; one of this process alone (own_process) is printed; the exit codes are unchanged."""
+    class Own(UserError):
+        own_process = True
+
+    def raising(e):
+        def body(argv):
+            raise e
+        return body
+    for e, code, printed in ((UserError("a: b; c"), 1, ""), (KeyboardInterrupt(), 130, ""),
+                             (Own("rank 1 of 2: lost contact; x"), 1, "error: rank 1 of 2: lost contact; x\n")):
+        assert run_cli(raising(e), [], speaks=False) == code
+        assert capsys.readouterr().err == printed

@@ -183,3 +183,44 @@ def test_replaced_file_in_leaves_the_old_file_or_the_new_one(tmp_path):
     with replaced_file_in(d, "g.onnx") as tmp:
         tmp.write_bytes(b"new")
     assert (d / "g.onnx").read_bytes() == b"new" and sorted(p.name for p in d.iterdir()) == [MARKER, "g.onnx"]
+
+
+WRITER_THAT = """import os, signal, sys, time
+from core.outputs import BUILD, output_dir
+with output_dir(sys.argv[1], BUILD) as tmp:
+    (tmp / "half.onnx").write_bytes(b"x" * 1000)
+    if sys.argv[2] == "dies":
+        os.kill(os.getpid(), signal.SIGKILL)        # no cleanup can run
+    time.sleep(60)
+"""
+
+
+def test_a_killed_writers_temporary_is_removed_by_the_next_write(tmp_path):
+    """SIGKILL leaves `.OUT.tmp-*` beside the output (it carries our temporary marker from the start); the
+    next write of OUT removes it. A `.OUT.tmp-*` of the user's (no marker) and one of a live writer stay."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    from core.outputs import output_dir
+    out, root = tmp_path / "b", Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", WRITER_THAT, str(out), "dies"], cwd=root)
+    assert done.returncode == -9
+    (stale,) = tmp_path.glob(".b.tmp-*")
+    assert (stale / "half.onnx").is_file()
+    (tmp_path / ".b.tmp-mine").mkdir()
+    (tmp_path / ".b.tmp-mine" / "notes.txt").write_text("mine")
+    live = subprocess.Popen([sys.executable, "-c", WRITER_THAT, str(out), "lives"], cwd=root)
+    try:
+        deadline = time.time() + 30
+        while not [p for p in tmp_path.glob(".b.tmp-*/half.onnx") if p.parent != stale]:
+            assert time.time() < deadline and live.poll() is None
+            time.sleep(0.05)
+        (busy,) = {p.parent for p in tmp_path.glob(".b.tmp-*/half.onnx")} - {stale}
+        with output_dir(out, BUILD) as tmp:
+            (tmp / "m.onnx").write_text("x")
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".b.tmp-mine", busy.name, "b"])
+        assert (tmp_path / ".b.tmp-mine" / "notes.txt").read_text() == "mine"
+    finally:
+        live.kill()
+        live.wait()

@@ -108,3 +108,15 @@ def test_bf16_is_refused_by_the_in_memory_route(tmp_path):
                            "--out", str(tmp_path / "b")], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2 and "--route streamed" in proc.stderr and not (tmp_path / "b").exists()
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_what_the_streamed_build_cannot_plan_names_options_export_build_has():
+    """Its fix named `--stream`, which export.build has never had (--route picks the build)."""
+    import re
+    from export.stream import ELSEWHERE
+    from tests.cli.conftest import cli
+    named = set(re.findall(r"--[a-z][a-z-]*", ELSEWHERE))
+    assert named == {"--route", "--fuse"}
+    helped = cli("export.build", ["--help"]).out
+    assert all(re.search(rf"{o}\b", helped) for o in named), helped
+    assert "--stream " not in helped and "--stream]" not in helped

@@ -213,3 +213,32 @@ def test_genai_batch_of_different_lengths_equals_batch_1(tmp_path):
         assert compare_greedy(ours[:k], logits[:k], row[:k]) >= k // 2, (prompt, row, alone)
         if row[:k] == alone:         # then past its eos only eos / pad
             assert set(row[k:]) <= {ids["eos_token_id"], ids["pad_token_id"]}, (prompt, row, alone)
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    return _source("hf:llama", tmp_path_factory.mktemp("hf"))
+
+
+@pytest.mark.parametrize("name, text, said", [
+    ("tokenizer_config.json", "{not json", "expected JSON, found an error"),
+    ("tokenizer_config.json", "[]", "expected a JSON object (GenAI's tokenizer reads it), found a list"),
+    ("tokenizer_config.json", '{"tokenizer_class": 5}', "tokenizer_class: expected a string (GenAI's tokenizer reads "
+                                                         "it), found 5"),
+    ("tokenizer_config.json", '{"eos_token": 5}', "eos_token: expected a string or an object"),
+    ("tokenizer_config.json", '{"model_max_length": "x"}', "model_max_length: expected a number"),
+    ("tokenizer_config.json", '{"clean_up_tokenization_spaces": "no"}', "expected true or false"),
+    ("special_tokens_map.json", '"x"', "expected a JSON object (GenAI's tokenizer reads it), found a string")])
+def test_genai_refuses_a_tokenizer_file_genai_cannot_read_before_any_work(hf_llama, tmp_path, name, text, said):
+    """--genai copied an HF folder's tokenizer files as they were: a malformed tokenizer_config.json built (exit 0)
+    and og.Tokenizer failed on the finished folder ("Failed to parse config json", "type must be string")."""
+    import shutil
+    from tests.cli.conftest import cli
+    src = tmp_path / "hf"
+    shutil.copytree(hf_llama, src)
+    (src / name).write_text(text)
+    for route in ("in-memory", "streamed"):
+        r = cli("export.build", ["--fuse", "--genai", "--checkpoint", src, "--out", tmp_path / "o", "--route", route])
+        err = r.err.strip().splitlines()
+        assert r.code == 1 and len(err) == 1 and str(src / name) in err[0] and said in err[0], (route, r.err[-2000:])
+        assert not (tmp_path / "o").exists() and r.out == ""

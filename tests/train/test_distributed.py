@@ -188,3 +188,53 @@ def test_a_full_disk_mid_run_is_one_line_from_rank_0_and_keeps_the_last_checkpoi
     assert json.loads((out / "train_log.json").read_text())["step"] == 1
     load_checkpoint(out)
     assert sorted(p.name for p in fs.iterdir()) == ["ddp"]                    # no temporary left
+
+
+def _launch(launcher: str, out: Path, cfg: dict) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", "-m", "train", "--out", str(out),
+           *_argv(cfg)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_user_error_under_torchrun_is_one_line_from_rank_0(tmp_path):
+    """Every rank meets the same refusal (--out holds the user's files): rank 0 says it, the others exit
+    1 as quietly (each printed it). train.launch, torchrun with the project's contract, then prints
+    nothing more and exits 1: stock torchrun adds its ChildFailedError traceback."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    procs = {name: _launch(name, tmp_path / "mine", TINY) for name in ("torch.distributed.run", "train.launch")}
+    results = {name: (p.communicate(timeout=120), p.returncode) for name, p in procs.items()}
+    for name, ((_, err), rc) in results.items():
+        ours = [line for line in err.splitlines() if line.startswith("error:")]
+        assert rc == 1 and len(ours) == 1 and "exists and holds files tapernorm-deploy did not write" in ours[0], err
+    (_, err), _ = results["train.launch"]
+    assert err.strip().splitlines() == [ours[0]]                    # no traceback, no launcher warnings
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+
+
+def test_ctrl_c_to_the_launcher_is_one_line_and_exit_130(tmp_path):
+    """train.launch stopped by SIGINT (the terminal's Ctrl-C reaches the launcher alone: the ranks run in
+    sessions of their own) forwards it to the ranks: rank 0's one line says what the run directory holds,
+    and the exit status is 130 (torchrun's own: a SignalException traceback and 1)."""
+    out = tmp_path / "run"
+    proc = _launch("train.launch", out, {**TINY, "steps": 100_000, "eval_every": 1})
+    try:
+        deadline = time.time() + 120
+        while not (out / "train_log.json").is_file():
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: training interrupted; ") and \
+        "holds the checkpoint of step" in err, err[-3000:]
+    assert load_checkpoint(out).cfg.n_layer == 2
+
+
+def test_the_launcher_reports_a_rank_killed_by_a_signal():
+    from train.launch import exit_code_of
+    assert [exit_code_of(c) for c in (0, 1, 2, 130, -9, -15)] == [0, 1, 2, 130, 137, 143]

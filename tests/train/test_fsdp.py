@@ -379,3 +379,112 @@ def test_streamed_weights_that_do_not_fit_name_their_file(tmp_path, small_fs):
     with pytest.raises(OSError) as caught:
         write_streamed_weights(path, model, Recipe())
     assert (caught.value.errno, caught.value.filename) == (errno.ENOSPC, str(path))
+
+
+# --- resuming a sharded run: before calibration, and a folder that must not run code ------------------
+
+def _held_sharded_run(out: Path, preset: str, monkeypatch, warmup_steps: int = 4, held: int = 2) -> dict:
+    """A one-process --fsdp run (the sharded resume state, train_state.dcp) stopped after its first
+    checkpoint, step `held`; by default before calibration at step 4: gamma_tilde has had no gradient, so
+    no optimizer state."""
+    cfg = {**TINY, "preset": preset, "steps": 6, "warmup_steps": warmup_steps, "taper_steps": 1, "eval_every": held,
+           "fsdp": True}
+    save = loop._save_run
+
+    def save_then_stop(*a, **k):
+        save(*a, **k)
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(loop, "_save_run", save_then_stop)
+        with pytest.raises(KeyboardInterrupt):
+            loop.train(TrainConfig(**cfg, out=str(out)))
+    assert json.loads((out / loop.LOG_NAME).read_text())["step"] == held
+    return cfg
+
+
+@pytest.mark.parametrize("preset", ["internal-taper", "all-taper"])
+def test_a_sharded_run_resumes_before_calibration_as_an_uninterrupted_one(tmp_path, monkeypatch, preset):
+    """Resumed before calibration, every rank stopped at `Missing key ... weight_tilde.step` (a traceback):
+    the folder has no optimizer state for gamma_tilde, a fresh optimizer's state dict has one."""
+    cfg = _held_sharded_run(tmp_path / "held", preset, monkeypatch)
+    resumed = cli("train", ["--out", tmp_path / "held", "--resume", "--quiet"])
+    assert resumed.code == 0, resumed.err
+    loop.train(TrainConfig(**cfg, out=str(tmp_path / "alone")))
+    assert _max_diff(load_file(str(tmp_path / "held" / "model.safetensors")),
+                     load_file(str(tmp_path / "alone" / "model.safetensors"))) <= WEIGHT_ATOL
+
+
+class _Touch:
+    """Unpickled, runs os.system('touch PATH')."""
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+@pytest.fixture(scope="module")
+def held_sharded(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    try:
+        out = tmp_path_factory.mktemp("held") / "run"
+        _held_sharded_run(out, "internal-taper", mp, warmup_steps=1, held=4)   # tapered: every parameter has state
+    finally:
+        mp.undo()
+    return out
+
+
+def _crafted_copy(held: Path, tmp_path: Path, how: str) -> tuple[Path, Path]:
+    """A copy of the held run whose sharded state carries a payload that touches a file if it runs."""
+    import io
+    import pickle
+    import shutil
+    from train.sharded import read_sharded_metadata
+    run, touched = tmp_path / "run", tmp_path / "ran"
+    shutil.copytree(held, run)
+    dcp_dir = run / SHARDED_STATE
+    if how == "metadata":         # dcp's FileSystemReader.read_metadata: pickle.load
+        (dcp_dir / ".metadata").write_bytes(pickle.dumps(_Touch(touched)))
+    elif how == "bytes item":     # dcp's DefaultLoadPlanner.load_bytes: torch.load(weights_only=False)
+        md = read_sharded_metadata(dcp_dir)
+        index, info = next((i, v) for i, v in md.storage_data.items() if i.fqn.startswith("optimizer.param_groups"))
+        shard = dcp_dir / info.relative_path
+        buf = io.BytesIO()
+        torch.save(_Touch(touched), buf)                        # as dcp writes its items
+        payload = buf.getvalue()
+        md.storage_data[index] = type(info)(info.relative_path, shard.stat().st_size, len(payload))
+        with open(shard, "ab") as f:
+            f.write(payload)
+        (dcp_dir / ".metadata").write_bytes(pickle.dumps(md))
+    elif how == "truncated":
+        shard = next(dcp_dir.glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 3])
+    elif how == "garbage":
+        (dcp_dir / ".metadata").write_bytes(b"\x80\x04not a pickle")
+    return run, touched
+
+
+@pytest.mark.parametrize("how, said", [
+    ("metadata", r"train_state.dcp/.metadata: expected the metadata of a sharded resume state .* found a pickle "
+                 r"that calls posix.system; refused, because loading it could run code"),
+    ("bytes item", r"train_state.dcp: expected the sharded resume state .* cannot load \(item optimizer.param_groups"
+                   r".* refused by torch's weights-only reader: Trying to load unsupported GLOBAL posix.system"),
+    ("truncated", r"train_state.dcp: expected the sharded resume state .* cannot load \(PytorchStreamReader"),
+    ("garbage", r"train_state.dcp/.metadata: expected the metadata .* found a damaged pickle")])
+def test_a_crafted_or_damaged_sharded_state_runs_nothing_and_is_one_line(held_sharded, tmp_path, how, said):
+    """--resume reads train_state.dcp without running code: torch.distributed.checkpoint unpickles .metadata
+    with pickle.load and its non-tensor items with weights_only=False, and a crafted file's payload ran."""
+    import re
+    from core.errors import first_line
+    run, touched = _crafted_copy(held_sharded, tmp_path, how)
+    before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*"))
+    try:
+        r = cli("train", ["--out", run, "--resume", "--quiet"])
+    except BaseException as e:     # dcp's CheckpointException is one: it escaped the command as a traceback
+        r = e
+    assert not touched.exists(), "the payload ran"
+    assert not isinstance(r, BaseException), f"a traceback: {first_line(r)}"
+    err = [ln for ln in r.err.splitlines() if ln.strip()]
+    assert r.code == 1 and len(err) == 1 and re.search(said, err[0]), r.err
+    assert "Traceback" not in r.err and "start a new run in another --out" in err[0]
+    assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")) == before

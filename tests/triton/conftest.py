@@ -70,7 +70,7 @@ def triton_repo(triton_build, tmp_path_factory) -> Path:
     from runtime.triton import write_triton_repository
     root = tmp_path_factory.mktemp("triton_repo")
     engine = root / "model.fused.0123abcd.engine"
-    engine.write_bytes(b"not a real engine: the CPU server never loads tensorrt_plan models")
+    engine.write_bytes(b"ftrt, then not a real engine: the CPU server never loads tensorrt_plan models")
     return write_triton_repository(triton_build, root / "repo", engine=engine, intra_op_threads=1,
                                    generate_backend="ort-cpu")
 

@@ -35,7 +35,7 @@ def _engine(where, max_batch: int | None = None):
     """A stand-in engine file in runtime.trt_engine's naming, with a build record when max_batch is given."""
     from runtime.trt_engine import engine_info_path
     engine = where / "model.fused.0123abcd.engine"
-    engine.write_bytes(b"stand-in engine: never deserialized on the CPU")
+    engine.write_bytes(b"ftrt stand-in engine (TensorRT's plan tag): never deserialized on the CPU")
     if max_batch is not None:
         engine_info_path(engine).write_text(json.dumps({"tensorrt": "11.4.0.106", "options": {"max_batch": max_batch}}))
     return engine

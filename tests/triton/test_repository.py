@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.triton.conftest import CAPACITY
+from runtime.triton.repository import DECODER_ONNX, DECODER_TRT
+from tests.triton.conftest import CAPACITY, REPO
 
 
 def _config(repo: Path, model: str):
@@ -254,11 +255,11 @@ def test_engine_found_beside_the_graph_it_was_built_from(triton_build, tmp_path)
     build = tmp_path / "build"
     shutil.copytree(triton_build, build)
     graph = resolve_onnx(build)
-    (build / f"{graph.stem}.0123abcd.engine").write_bytes(b"engine of the served graph")
+    (build / f"{graph.stem}.0123abcd.engine").write_bytes(b"ftrt engine of the served graph")
     other = "model" if graph.name != "model.onnx" else "model.fused"
-    (build / f"{other}.ffff0000.engine").write_bytes(b"engine of another graph")
+    (build / f"{other}.ffff0000.engine").write_bytes(b"ftrt engine of another graph")
     repo = write_triton_repository(build, tmp_path / "repo")
-    assert (repo / "decoder_trt/1/model.plan").read_bytes() == b"engine of the served graph"
+    assert (repo / "decoder_trt/1/model.plan").read_bytes() == b"ftrt engine of the served graph"
 
 
 def test_a_streamed_quantized_build_is_linked_not_read(triton_build, tmp_path, monkeypatch):
@@ -314,3 +315,112 @@ def test_a_quantized_build_serves_its_quantized_graph_in_onnx_runtime(triton_bui
     assert [p.name for p in (repo / "generate/1").glob("*.onnx")] == ["model.int4.onnx"]
     step = onnx.load(str(repo / "decoder_onnx/1/model.onnx"), load_external_data=False)
     assert any(n.op_type == "MatMulNBits" for n in step.graph.node)
+
+
+STALL_AFTER_REPO = """
+import os, time
+import runtime.triton.repository as r
+write = r.write_repository
+def stalled(*a, **k):                       # the repository complete, the command not yet ended
+    out = write(*a, **k)
+    open(os.environ["REPO_WRITTEN"], "w").close()
+    time.sleep(60)
+    return out
+r.write_repository = stalled
+"""
+
+
+def test_ctrl_c_after_the_triton_repo_is_written_names_it(tmp_path):
+    """export.build --triton-repo interrupted once the repository was written (Ctrl-C: the whole process
+    group): one line, naming the build and the repository as complete; it said 'complete: BUILD; nothing
+    else was written' (and the child a second line of its own)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from tests.triton.conftest import require
+    require("tritonclient.grpc", "the Triton repository tests")
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(STALL_AFTER_REPO)
+    written = tmp_path / "written"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(REPO)]), REPO_WRITTEN=str(written))
+    from tests.helpers import random_model, write_checkpoint
+    ckpt = write_checkpoint(tmp_path / "ckpt", random_model(seed=0, n_layer=1, max_seq_len=32))
+    build, repo = tmp_path / "b", tmp_path / "r"
+    proc = subprocess.Popen([sys.executable, "-m", "export.build", "--fuse", "--target", "portable", "--checkpoint",
+                             str(ckpt), "--out", str(build), "--triton-repo", str(repo)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while not written.exists():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)          # as a terminal's Ctrl-C: the command and its child
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.splitlines() == [f"error: interrupted; complete: {build}, {repo}; nothing else was written"], err
+    from runtime.triton.repository import check_repository
+    assert set(check_repository(repo)) == {"decoder_onnx", "generate"}
+
+
+@pytest.fixture(scope="module")
+def bf16_build(tmp_path_factory):
+    """export.build --fuse --dtype bf16 of a tiny checkpoint (the streamed route writes bf16 graphs)."""
+    from tests.cli.conftest import cli
+    from tests.helpers import random_model, write_checkpoint
+    root = tmp_path_factory.mktemp("bf16")
+    ckpt = write_checkpoint(root / "ckpt", random_model(seed=0, n_layer=1, max_seq_len=32))
+    built = cli("export.build", ["--fuse", "--checkpoint", ckpt, "--out", root / "build", "--dtype", "bf16"])
+    assert built.code == 0, built.err[-3000:]
+    return root / "build"
+
+
+def test_a_bf16_build_is_refused_where_onnx_runtimes_cpu_would_run_it(bf16_build, tmp_path, capsys):
+    """It has no bf16 kernels: `repo` wrote decoder_onnx on KIND_CPU and generate on ort-cpu, which the server
+    cannot load, and `check` said ok. Now `repo` refuses in one line, and `check` loads what ONNX Runtime's
+    CPU provider would load (a repository written before, or edited, fails there)."""
+    from runtime.triton.__main__ import main
+    assert main(["repo", "--build", str(bf16_build), "--out", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--kind gpu" in err[0], err
+    assert "model.fused.onnx: expected a graph ONNX Runtime's CPU provider can run (decoder_onnx on --kind cpu and " \
+        "generate on ort-cpu), found a bf16 graph" in err[0], err
+    assert not (tmp_path / "r").exists()
+    assert main(["repo", "--build", str(bf16_build), "--out", str(tmp_path / "r"), "--kind", "gpu"]) == 0
+    assert "generate decodes with ort-cuda" in capsys.readouterr().out
+    cfg = tmp_path / "r" / DECODER_ONNX / "config.pbtxt"
+    cfg.write_text(cfg.read_text().replace("KIND_GPU", "KIND_CPU"))      # what repo wrote before
+    assert main(["check", "--repo", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "decoder_onnx: model.onnx: ONNX Runtime's CPU provider cannot load it (Could not find an implementation " \
+        "for" in err[0], err
+
+
+def test_a_file_that_is_no_tensorrt_plan_is_refused_as_an_engine(triton_build, tmp_path, capsys):
+    """--engine took a JSON file as a TensorRT engine and `check` said ok. A plan starts with TensorRT's tag
+    (b'ftrt'); that is what can be checked here without TensorRT, and the lines say so."""
+    from runtime.triton.__main__ import main
+    (tmp_path / "e.json").write_text('{"not": "an engine"}\n')
+    assert main(["repo", "--build", str(triton_build), "--out", str(tmp_path / "r"), "--engine",
+                 str(tmp_path / "e.json")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {tmp_path / 'e.json'}: expected a serialized TensorRT engine, found JSON text (it starts "
+                   "b'{\"not\": ', not TensorRT's plan tag b'ftrt'); pass the engine the trt backend built (python -m "
+                   "runtime.generate --backend trt), or leave --engine out"], err
+    assert not (tmp_path / "r").exists()
+    (tmp_path / "e.engine").write_bytes(b"ftrt stand-in")
+    assert main(["repo", "--build", str(triton_build), "--out", str(tmp_path / "r"), "--engine",
+                 str(tmp_path / "e.engine"), "--generate-backend", "ort-cpu"]) == 0
+    capsys.readouterr()
+    assert main(["check", "--repo", str(tmp_path / "r")]) == 0
+    assert "model.plan: its TensorRT tag only" in capsys.readouterr().out
+    (tmp_path / "r" / DECODER_TRT / "1" / "model.plan").write_text('{"not": "an engine"}\n')   # swapped afterwards
+    assert main(["check", "--repo", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "decoder_trt: model.plan: expected a serialized TensorRT engine, found JSON text" in err[0]

@@ -25,7 +25,7 @@ def test_tensorrt_instances_may_use_the_prefill_profile(triton_repo):
 def _engine_with_record(tmp_path, max_batch: int):
     from runtime.trt_engine import engine_info_path
     engine = tmp_path / "model.fused.0123abcd.engine"
-    engine.write_bytes(b"stand-in engine")
+    engine.write_bytes(b"ftrt stand-in engine")
     engine_info_path(engine).write_text(json.dumps({"tensorrt": "11.4.0.106", "tf32": False, "version_compatible": False,
                                                     "device": "nvidia-h200-sm90", "options": {"max_batch": max_batch}}))
     return engine
