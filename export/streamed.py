@@ -199,10 +199,9 @@ def _record_graph(report, plan, source, fuse: bool, key: str) -> None:
     report.op_counts[kind] = op_counts(plan.proto)
     report.norm_layers[kind] = [n.name for n in plan.proto.graph.node if n.op_type in NORM_OPS]
     if fuse:
-        from models.fold import keeps_tied_final_norm
-        kept = {"ln_f"} if keeps_tied_final_norm(source.skeleton) else set()
-        report.folded = [Fold("models.fold", n, "affine part folded into the next linear(s) while streaming")
-                         for n in source.cfg.norm_names() if n not in kept]
+        from models.fold import folded_norm_names
+        report.folded = [Fold("models.fold", n, "affine part folded into the adjacent linear(s) while streaming")
+                         for n in folded_norm_names(source.skeleton)]
     if plan.quantize is not None:
         ops = report.op_counts[kind]
         report.quantized = {"file": plan.quantize.file_name(), "config": asdict(plan.quantize),

@@ -192,4 +192,13 @@ def fold_norms(model: Decoder, keep_tied: bool = False) -> Decoder:
     return model.eval()
 
 
+def folded_norm_names(model: Decoder, keep_tied: bool = True) -> list[str]:
+    """The norms fold_norms(model, keep_tied) folds: every pre-norm, the final one unless kept (a tied
+    head), and a QK-norm or post-sublayer norm only as a TaperNorm (a live one stays whole)."""
+    after_matrix = ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
+    kept = {"ln_f"} if keep_tied and keeps_tied_final_norm(model) else set()
+    return [n for n in model.cfg.norm_names() if n not in kept and
+            (not n.endswith(after_matrix) or isinstance(model.get_submodule(n), TaperNorm))]
+
+
 FOLDED_NORM_CLASSES = (ScalelessRMSNorm, ScalelessLayerNorm, DyTCore)

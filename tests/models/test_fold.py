@@ -65,3 +65,13 @@ def test_fold_of_the_families_norms_keeps_logits(layout, kind):
     expected = [] if kind["norm"] == "taper" else [n for n in model.cfg.norm_names()
                                                    if n.endswith(("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"))]
     assert left == expected
+
+
+def test_folded_norm_names_are_what_the_fold_folds():
+    from models.fold import folded_norm_names
+    live = random_model(seed=1, norm="rmsnorm", pos_embedding="rope", mlp="swiglu", norm_layout="sandwich", qk_norm="head")
+    assert folded_norm_names(live) == [n for n in live.cfg.norm_names()
+                                       if n.endswith(("ln_1", "ln_2"))]          # ln_f: kept, it feeds the tied head
+    taper = random_model(seed=1, gate=0.0, norm="taper", taper_scope="all", pos_embedding="rope", mlp="swiglu",
+                         norm_layout="sandwich", qk_norm="head")
+    assert folded_norm_names(taper) == taper.cfg.norm_names()
