@@ -10,9 +10,11 @@ Runtime GenAI's own model builder on the RMSNorm model of the same shape and wei
     DIR/<shape>                        random-init Hugging Face folder (bench/shapes.py), RMSNorm
     DIR/genai-<shape>-int4             GenAI's builder on it (-p int4 -e cpu): its norms stay as ops
     DIR/<shape>-all-taper              the same weights as an All-Taper checkpoint: every norm a TaperNorm,
-                                       c by least squares on its own activations (random tokens), gamma~ =
-                                       gamma, gate 0, so the random model stays finite through its layers
-                                       (its logits are compared with the RMSNorm model's, and said)
+                                       c by least squares on its own activations (random tokens), each norm
+                                       on what it sees with the norms before it already at g = 0
+                                       (train.calibration.calibrate_in_order), gamma~ = gamma, gate 0, so the
+                                       random model stays finite through its layers (its logits are compared
+                                       with the RMSNorm model's, and said)
     DIR/build-<shape>-all-taper-int4   export.build --fuse --quantize int4 of it (no normalization op left)
 
 Then, each graph in its own child process: ONNX Runtime's profiler over --profile-steps decode steps
@@ -36,7 +38,7 @@ from pathlib import Path
 
 from core.errors import ArgumentParser, int_in, run_cli
 
-CALIB_BATCHES, CALIB_TOKENS = 4, 64        # random-token batches [2, 64] for the least-squares c
+CALIB_BATCH, CALIB_TOKENS = 4, 64          # one random-token batch [4, 64] for the least-squares c
 TARGET_SHARE = 0.8                          # the median ratio should capture 80 % of GenAI's norm share
 GENAI_NORM_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RMSNormalization",
                   "LayerNormalization", "SkipLayerNormalization")
@@ -52,7 +54,7 @@ def all_taper_checkpoint(folder: Path, out: Path, seed: int = 0, log=print) -> d
     from models.checkpoint import save_checkpoint
     from models.convert import convert
     from models.decoder import Decoder
-    from train.calibration import calibrate
+    from train.calibration import calibrate_in_order
     t0 = time.perf_counter()
     source = convert(folder).model
     cfg = copy.deepcopy(source.cfg)
@@ -69,12 +71,11 @@ def all_taper_checkpoint(folder: Path, out: Path, seed: int = 0, log=print) -> d
         rotary.reset_parameters()
     model.eval()
     g = torch.Generator().manual_seed(seed)
-    batches = [torch.randint(0, cfg.vocab_size, (2, CALIB_TOKENS), generator=g) for _ in range(CALIB_BATCHES)]
-    c = calibrate(model, batches)
-    ids = batches[0]
+    calib = torch.randint(0, cfg.vocab_size, (CALIB_BATCH, CALIB_TOKENS), generator=g)
+    c = calibrate_in_order(model, calib)                # each norm on what it sees at g = 0: stays finite
+    ids = torch.randint(0, cfg.vocab_size, (2, CALIB_TOKENS), generator=g)
     with torch.no_grad():
         ref = source(ids)
-        model.set_gate(0.0)
         got = model(ids)
     del source
     if not torch.isfinite(got).all():

@@ -81,13 +81,14 @@ def size_models(size: str, capacity: int, seed: int, device: str) -> tuple[dict,
 
 def shape_models(shape, capacity: int, seed: int, device: str) -> tuple[dict, dict]:
     """A real shape's pair, random-init on `device` (one fp32 model at a time before the fold):
-    rmsnorm-strong and all-taper-fused (every norm a TaperNorm at g = 0, c calibrated on random tokens)."""
+    rmsnorm-strong and all-taper-fused (every norm a TaperNorm at g = 0, c calibrated on random tokens in
+    order: train.calibration.calibrate_in_order, so the random model stays finite through its layers)."""
     import torch
     from bench.shapes import resolve_shape
     from models.convert import decoder_config_of
     from models.decoder import Decoder
     from models.fold import fold_norms
-    from train.calibration import calibrate
+    from train.calibration import calibrate_in_order
     name, raw = resolve_shape(shape)
     cfg = decoder_config_of(raw, capacity, f"shape {name}")
     torch.manual_seed(seed)
@@ -105,8 +106,7 @@ def shape_models(shape, capacity: int, seed: int, device: str) -> tuple[dict, di
     for rotary in taper.rotaries().values():
         rotary.reset_parameters(device)
     g = torch.Generator(device=device).manual_seed(seed)
-    calibrate(taper.eval(), [torch.randint(0, cfg.vocab_size, (2, 64), generator=g, device=device) for _ in range(4)])
-    taper.set_gate(0.0)
+    calibrate_in_order(taper.eval(), torch.randint(0, cfg.vocab_size, (4, 64), generator=g, device=device))
     source = f"random:seed{seed} ({name}, all-taper c calibrated on random tokens)"
     return {BASELINE: fold_norms(rms), "all-taper-fused": fold_norms(taper)}, {BASELINE: source, "all-taper-fused": source}
 

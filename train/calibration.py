@@ -86,3 +86,35 @@ def branch_mismatch(model: Decoder, batches, reduce=None) -> dict[str, float]:
             h.remove()
         model.set_gate(gate)
     return {name: v[0] for name, v in _reduced({k: [v] for k, v in out.items()}, reduce).items()}
+
+
+@torch.no_grad()
+def calibrate_in_order(model: Decoder, ids: torch.Tensor) -> dict[str, float]:
+    """c of every TaperNorm from ONE forward over `ids` [B, T], each norm switched to g = 0 the moment it is
+    calibrated, so every later norm is calibrated on the activations it will see at g = 0; the model's gate is
+    0 after. For a model put at g = 0 at once, with no taper training (a random-init All-Taper model at a real
+    shape, bench/fold_vs_genai.py): calibrate() measures every norm at g = 1, and through a few dozen layers
+    the linear branches drift from those activations until the logits overflow; calibrated in order, each
+    norm's output keeps the normalized branch's scale and the model stays finite."""
+    from models.norms import TaperGate
+    layers = model.taper_layers()          # in forward order: a block's ln_1, q / k norms, post norms, ln_2, ...
+    shared, c, hooks = model.gate, {}, []
+    for name, layer in layers.items():
+        layer.gate = TaperGate(1.0)        # its own gate for the pass (the shared one is put back below)
+
+        def calibrate_then_switch(module, args, name=name):
+            c[name] = module.set_calibration(*module.calibration_terms(args[0]))
+            module.gate.set(0.0)           # this forward already takes the linear branch with that c
+        hooks.append(layer.register_forward_pre_hook(calibrate_then_switch))
+    was_training = model.training
+    model.eval()
+    try:
+        model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+        for layer in layers.values():
+            layer.gate = shared
+        model.train(was_training)
+    model.set_gate(0.0)
+    return c

@@ -77,3 +77,25 @@ def test_model_calibration_captures_real_inputs_and_reaches_the_optimum():
         assert c[name] == pytest.approx(c_star, rel=1e-5)
         assert after[name] == pytest.approx(float((y - c_star * x).pow(2).sum()), rel=1e-4)
         assert after[name] < before[name]
+
+
+def test_in_order_calibration_fits_each_norm_to_what_it_sees_at_gate_zero():
+    """calibrate_in_order: one forward, each norm calibrated then switched to g = 0 at once, so each c is the
+    least-squares optimum on the very inputs the norm gets at g = 0 (QK-norms and sandwich norms included)."""
+    from tests.helpers import random_model
+    from train.calibration import calibrate_in_order
+    model = random_model(seed=2, norm="taper", taper_scope="all", pos_embedding="rope", mlp="swiglu", n_layer=3,
+                         norm_layout="sandwich", qk_norm="head")
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    c = calibrate_in_order(model, ids)
+    assert model.gate.value == 0.0 and set(c) == set(model.cfg.norm_names())
+    seen = {}
+    hooks = [layer.register_forward_pre_hook(lambda m, a, n=name: seen.__setitem__(n, m.calibration_terms(a[0])))
+             for name, layer in model.taper_layers().items()]
+    with torch.no_grad():
+        model(ids)                                   # at g = 0: the inputs each norm really gets
+    for h in hooks:
+        h.remove()
+    for name, (num, den) in seen.items():
+        assert num / den == pytest.approx(c[name], rel=1e-9), name
+    assert all(torch.equal(m.weight_tilde, m.weight) for m in model.taper_layers().values())
