@@ -9,12 +9,12 @@ Runtime GenAI's own model builder on the RMSNorm model of the same shape and wei
 
     DIR/<shape>                        random-init Hugging Face folder (bench/shapes.py), RMSNorm
     DIR/genai-<shape>-int4             GenAI's builder on it (-p int4 -e cpu): its norms stay as ops
-    DIR/<shape>-all-taper              the same weights as an All-Taper checkpoint: every norm a TaperNorm,
-                                       c by least squares on its own activations (random tokens), each norm
-                                       on what it sees with the norms before it already at g = 0
-                                       (train.calibration.calibrate_in_order), gamma~ = gamma, gate 0, so the
-                                       random model stays finite through its layers (its logits are compared
-                                       with the RMSNorm model's, and said)
+    DIR/<shape>-all-taper              the same tensors as an All-Taper checkpoint, W_o / W_down scaled down
+                                       (finite_init), every norm a TaperNorm, c by least squares on its own
+                                       activations (random tokens), each norm on what it sees with the norms
+                                       before it already at g = 0 (train.calibration.calibrate_in_order),
+                                       gamma~ = gamma, gate 0: the random model stays finite through its
+                                       layers (checked on RANDOM_CHECKS batches of other tokens)
     DIR/build-<shape>-all-taper-int4   export.build --fuse --quantize int4 of it (no normalization op left)
 
 Then, each graph in its own child process: ONNX Runtime's profiler over --profile-steps decode steps
@@ -36,15 +36,31 @@ import tempfile
 import time
 from pathlib import Path
 
-from core.errors import ArgumentParser, int_in, run_cli
+from core.errors import ArgumentParser, UserError, int_in, run_cli
 
 CALIB_BATCH, CALIB_TOKENS = 4, 64          # one random-token batch [4, 64] for the least-squares c
+RANDOM_CHECKS = 8                           # other random batches [2, 64] whose logits must stay finite
 TARGET_SHARE = 0.8                          # the median ratio should capture 80 % of GenAI's norm share
 GENAI_NORM_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RMSNormalization",
                   "LayerNormalization", "SkipLayerNormalization")
 
 
 # --- the All-Taper checkpoint ----------------------------------------------------------------------
+
+def finite_init(model) -> None:
+    """Scale each block's W_o by 1 / sqrt(2 L) (GPT-2's init of the residual projections) and W_down by 1 / (2 L),
+    in place. A norm-free block's MLP grows with the square of its input (SiLU(gate) * up), so a random model's
+    residual stream must stay near where each c is calibrated: at std 0.02 and calibrated in order, the
+    All-Taper Qwen3-0.6B still overflowed on 1 random batch in 5; scaled so, on none of 12. Speed does not
+    depend on the values (the benchmark's graphs have the shapes and bytes of the real model)."""
+    import math
+    import torch
+    layers = model.cfg.n_layer
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.out_proj.weight.mul_(1 / math.sqrt(2 * layers))
+            block.mlp.down_proj.weight.mul_(1 / (2 * layers))
+
 
 def all_taper_checkpoint(folder: Path, out: Path, seed: int = 0, log=print) -> dict:
     """The folder's model with every norm a TaperNorm at g = 0, c calibrated, saved at `out`; what it did.
@@ -69,22 +85,23 @@ def all_taper_checkpoint(folder: Path, out: Path, seed: int = 0, log=print) -> d
         model.lm_head.weight = model.wte.weight
     for rotary in model.rotaries().values():
         rotary.reset_parameters()
-    model.eval()
-    g = torch.Generator().manual_seed(seed)
-    calib = torch.randint(0, cfg.vocab_size, (CALIB_BATCH, CALIB_TOKENS), generator=g)
-    c = calibrate_in_order(model, calib)                # each norm on what it sees at g = 0: stays finite
-    ids = torch.randint(0, cfg.vocab_size, (2, CALIB_TOKENS), generator=g)
-    with torch.no_grad():
-        ref = source(ids)
-        got = model(ids)
     del source
-    if not torch.isfinite(got).all():
-        raise RuntimeError(f"{folder}: the All-Taper model's logits are not finite at g = 0")
-    drift = float((got - ref).abs().max() / ref.abs().max())
+    model.eval()
+    finite_init(model)
+    g = torch.Generator().manual_seed(seed)
+    c = calibrate_in_order(model, torch.randint(0, cfg.vocab_size, (CALIB_BATCH, CALIB_TOKENS), generator=g))
+    worst = 0.0
+    with torch.no_grad():
+        for _ in range(RANDOM_CHECKS):
+            logits = model(torch.randint(0, cfg.vocab_size, (2, CALIB_TOKENS), generator=g))
+            if not torch.isfinite(logits).all():
+                raise UserError(f"{folder}: expected the All-Taper model to stay finite at g = 0, found non-finite "
+                                "logits on random tokens; the shape needs a smaller finite_init")
+            worst = max(worst, float(logits.abs().max()))
     save_checkpoint(model, out, None)
     log(f"  {out}: all-taper, {len(c)} norms calibrated (c {min(c.values()):.3g} .. {max(c.values()):.3g}), "
-        f"logits at g = 0 vs the RMSNorm model: max |d| / max |logit| {drift:.3g}, {time.perf_counter() - t0:.0f} s")
-    return {"norms": len(c), "c_min": min(c.values()), "c_max": max(c.values()), "logit_drift_vs_rmsnorm": drift}
+        f"finite on {RANDOM_CHECKS} random batches (max |logit| {worst:.3g}), {time.perf_counter() - t0:.0f} s")
+    return {"norms": len(c), "c_min": min(c.values()), "c_max": max(c.values()), "max_abs_logit": worst}
 
 
 # --- the profile child -----------------------------------------------------------------------------

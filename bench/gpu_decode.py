@@ -105,6 +105,8 @@ def shape_models(shape, capacity: int, seed: int, device: str) -> tuple[dict, di
         taper.lm_head.weight = taper.wte.weight
     for rotary in taper.rotaries().values():
         rotary.reset_parameters(device)
+    from bench.fold_vs_genai import finite_init
+    finite_init(taper)                   # (the baseline's W_o / W_down too: they are the same tensors)
     g = torch.Generator(device=device).manual_seed(seed)
     calibrate_in_order(taper.eval(), torch.randint(0, cfg.vocab_size, (4, 64), generator=g, device=device))
     source = f"random:seed{seed} ({name}, all-taper c calibrated on random tokens)"
