@@ -142,13 +142,14 @@ def _genai_profile(folder: Path, tmp: Path, prompt, steps: int, threads: int) ->
     options.update(enable_profiling=str(tmp / "genai_profile"), intra_op_num_threads=threads)
     (view / "genai_config.json").unlink()
     (view / "genai_config.json").write_text(json.dumps(cfg))
+    from bench.genai import genai_window
     model = og.Model(str(view))
     params = og.GeneratorParams(model)
     n = len(prompt) + steps + 1
-    params.set_search_options(max_length=n, min_length=n, do_sample=False)
+    params.set_search_options(max_length=max(n, genai_window(cfg)), min_length=n, do_sample=False)
     gen = og.Generator(model, params)
     gen.append_tokens(np.asarray(prompt, np.int32))
-    while not gen.is_done():
+    for _ in range(steps + 1):
         gen.generate_next_token()
     del gen, params, model
     gc.collect()

@@ -128,6 +128,13 @@ def build_ours_genai(size: str, capacity: int, precision: str, cache: Path, seed
     return info
 
 
+def genai_window(config: dict) -> int:
+    """The sliding window of a GenAI folder's genai_config.json (Gemma 3's), or 0. Its GroupQueryAttention
+    refuses a KV cache shorter than the window, so a run sets max_length to at least that and stops after
+    its own number of tokens."""
+    return int(config["model"]["decoder"].get("sliding_window", {}).get("window_size", 0))
+
+
 class GenAIRunner(Runner):
     """onnxruntime_genai: append_tokens(prompt), then generate_next_token until exactly n new
     tokens (min_length = max_length: no early stop), greedy. Batch 1 only. On GenAI's own build
@@ -145,6 +152,7 @@ class GenAIRunner(Runner):
         cfg = json.loads((Path(self.path) / "genai_config.json").read_text())
         cfg["model"]["decoder"]["session_options"]["intra_op_num_threads"] = self.threads
         replace_file_in(Path(self.path), "genai_config.json", json.dumps(cfg, indent=1))
+        self.window = genai_window(cfg)
         self.og = og
         self.model = og.Model(self.path)
 
@@ -152,12 +160,13 @@ class GenAIRunner(Runner):
         og = self.og
         prompt = np.ascontiguousarray(prompts[0], np.int32)
         params = og.GeneratorParams(self.model)
-        params.set_search_options(max_length=len(prompt) + n, min_length=len(prompt) + n, do_sample=False)
+        params.set_search_options(max_length=max(len(prompt) + n, self.window), min_length=len(prompt) + n,
+                                  do_sample=False)
         gen = og.Generator(self.model, params)
         t0 = time.perf_counter()
         gen.append_tokens(prompt)                    # the prefill
         stamps = []
-        while not gen.is_done():
+        for _ in range(n):
             gen.generate_next_token()                # picks a token, runs the model on it
             stamps.append(time.perf_counter())
         got = len(gen.get_sequence(0)) - len(prompt)
