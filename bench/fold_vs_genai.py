@@ -5,7 +5,8 @@ python -m bench.fold_vs_genai profile GRAPH [--genai] [--steps N] [--threads N] 
 
 The benchmark where the fold should win (issue 34): at a real shape, int4, batch 1, this CPU, an
 All-Taper model (every norm a TaperNorm at g = 0, c calibrated) folded by export.build, against ONNX
-Runtime GenAI's own model builder on the RMSNorm model of the same shape and weights.
+Runtime GenAI's own model builder on the RMSNorm model of the same shape (the same tensors; the All-Taper
+one has its W_o / W_down scaled down, finite_init).
 
     DIR/<shape>                        random-init Hugging Face folder (bench/shapes.py), RMSNorm
     DIR/genai-<shape>-int4             GenAI's builder on it (-p int4 -e cpu): its norms stay as ops
