@@ -11,6 +11,9 @@ rope_local_base_freq. Every other model type is loaded as it is. Used by bench.s
 """
 from __future__ import annotations
 
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
 import runpy
 import sys
 
@@ -24,7 +27,7 @@ def _gemma3_rope_as_genai_reads_it(config):
     return config
 
 
-def main(argv: list[str]) -> None:
+def run(argv: list[str]) -> int:
     import transformers
     load = transformers.AutoConfig.from_pretrained
 
@@ -33,7 +36,14 @@ def main(argv: list[str]) -> None:
     transformers.AutoConfig.from_pretrained = from_pretrained
     sys.argv = ["onnxruntime_genai.models.builder", *argv]
     runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from core.errors import run_cli
+    return run_cli(run, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from core.errors import exit_after
+    exit_after(main())

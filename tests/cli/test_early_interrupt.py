@@ -28,7 +28,8 @@ HEAVY = ("torch", "numpy", "onnx", "onnxruntime", "onnx_graphsurgeon", "safetens
 ARGV = {"runtime.triton": ["client", "--url", "127.0.0.1:9", "--prompt", "hi"],
         "train": ["--preset", "baseline", "--out", "run", "--quiet"],
         "train.finetune": ["--from", "src", "--method", "vanilla", "--out", "run", "--quiet"],
-        "train.tokenizer": ["--out", "tokenizer.json", "--stories", "10"]}
+        "train.tokenizer": ["--out", "tokenizer.json", "--stories", "10"],
+        "bench.fold_vs_genai": ["profile", "model.onnx"]}
 
 STALL = '''
 import importlib.abc, os, sys, time

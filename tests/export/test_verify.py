@@ -16,9 +16,10 @@ def test_compare_lists_every_mismatch_in_one_error():
     got = [{"logits": np.full((1, 2, 3), 3e-3, np.float32), "present_key_0": np.full(4, 1.0, np.float32)}]
     with pytest.raises(VerificationError) as e:
         compare(ref, got, "fp32", "a vs b")
-    assert e.value.mismatches == ["logits: max abs diff 0.003 > atol 0.0001",
-                                  "present_key_0: max abs diff 1 > atol 0.0001"]
-    assert str(e.value).splitlines()[1] == "- logits: max abs diff 0.003 > atol 0.0001"
+    # fp32: atol plus 2e-6 x the largest |reference| value (0 here)
+    bound = "tolerance 0.0001 (atol 0.0001 + 2e-06 x max |ref| 0)"
+    assert e.value.mismatches == [f"logits: max abs diff 0.003 > {bound}", f"present_key_0: max abs diff 1 > {bound}"]
+    assert str(e.value).splitlines()[1] == f"- logits: max abs diff 0.003 > {bound}"
 
 
 def test_compare_flags_nan_shape_and_missing_outputs():

@@ -345,13 +345,13 @@ def test_ctrl_c_after_the_triton_repo_is_written_names_it(tmp_path):
     (tmp_path / "site" / "sitecustomize.py").write_text(STALL_AFTER_REPO)
     written = tmp_path / "written"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(REPO)]), REPO_WRITTEN=str(written))
-    from tests.helpers import random_model, write_checkpoint
+    from tests.helpers import default_sigint, random_model, write_checkpoint
     ckpt = write_checkpoint(tmp_path / "ckpt", random_model(seed=0, n_layer=1, max_seq_len=32))
     build, repo = tmp_path / "b", tmp_path / "r"
     proc = subprocess.Popen([sys.executable, "-m", "export.build", "--fuse", "--target", "portable", "--checkpoint",
                              str(ckpt), "--out", str(build), "--triton-repo", str(repo)],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=default_sigint)    # (a background job ignores SIGINT)
     try:
         deadline = time.time() + 240
         while not written.exists():
