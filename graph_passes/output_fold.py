@@ -46,7 +46,6 @@ class Producer:
 @dataclass
 class OutputFold(Match):
     """A per-channel affine map y = z * s + t whose z a linear layer computes: folded into it."""
-    mul: gs.Node
     y: gs.Tensor                     # what the Mul (or its shift Add) computes: its readers read z after the fold
     z: gs.Tensor
     affine: ChannelAffine

@@ -96,7 +96,7 @@ class FoldTaperScale(GraphPass):
         made = trace_producer(ctx, m.x, len(m.scale))
         if isinstance(made, Skip):
             return Skip(f"{consumers.why}, nor into the matrix before it: {made.why}")
-        return OutputFold(label, node, m.y, m.x, affine, made)
+        return OutputFold(label, m.y, m.x, affine, made)
 
     def rewrite(self, ctx: PassContext, match: AffineFold | OutputFold) -> None:
         if isinstance(match, OutputFold):
