@@ -49,6 +49,7 @@ import onnx_graphsurgeon as gs
 
 from core.contract import INPUT_IDS, POSITION
 from graph_passes.base import NAME_SCOPES, GraphPass, Match, PassContext, Skip, const_value, producer
+from graph_passes.lazy import concat
 
 MS_DOMAIN = "com.microsoft"
 TO_BHSD = [0, 2, 1, 3]          # [B, S, H, D] <-> [B, H, S, D]
@@ -386,13 +387,13 @@ class OrtGroupQueryAttention(GraphPass):
         present_k, present_v = k_write.outputs[0], v_write.outputs[0]
         if m.packed is not None:
             x, ws, bs = m.packed
-            weight = ctx.const("qkv_weight", np.concatenate(ws, axis=1))
-            shape = [*x.shape[:-1], weight.values.shape[1]] if x.shape else None
+            weight = ctx.const("qkv_weight", concat(ws, axis=1))
+            shape = [*x.shape[:-1], weight.shape[1]] if x.shape else None
             qkv = gs.Variable(ctx.fresh_name("qkv"), dtype=np.float32, shape=shape)
             g.nodes.append(gs.Node("MatMul", ctx.fresh_name("qkv_MatMul"), inputs=[x, weight], outputs=[qkv]))
             _name_like_q(ctx, g.nodes[-1], m.inputs_3d[0])
             if any(b is not None for b in bs):       # a missing bias is zeros: x + 0.0 is exact
-                bias = np.concatenate([np.zeros(w.shape[1], w.dtype) if b is None else b for w, b in zip(ws, bs)])
+                bias = concat([np.zeros(w.shape[1], w.dtype) if b is None else b for w, b in zip(ws, bs)], axis=0)
                 summed = gs.Variable(ctx.fresh_name("qkv_biased"), dtype=np.float32, shape=shape)
                 g.nodes.append(gs.Node("Add", ctx.fresh_name("qkv_Add"), inputs=[qkv, ctx.const("qkv_bias", bias)],
                                        outputs=[summed]))

@@ -141,6 +141,20 @@ def _hf_source(path: Path, max_seq_len: int | None) -> WeightSource:
     return WeightSource(path, plan.cfg, places, plan.raw, f"hf:{plan.raw['model_type']}", plan.notes)
 
 
+def model_weights(model: Decoder) -> WeightSource:
+    """A Decoder held in memory as a WeightSource (small builds, bench, tests): its tensors as they are, its
+    gate and every TaperNorm's c on the skeleton."""
+    where = Path("(in memory)")
+    places = {k: _Place(where, k, lambda t=t: t.detach(), lambda t: t)
+              for k, t in model.named_parameters(remove_duplicate=False)}
+    source = WeightSource(where, model.cfg, places, {}, "in-memory")
+    if model.cfg.norm == "taper":
+        source.skeleton.set_gate(model.gate.value)
+        for name, layer in source.skeleton.taper_layers().items():
+            layer.c = model.get_submodule(name).c
+    return source
+
+
 def open_weights(path: str | os.PathLike, max_seq_len: int | None = None) -> WeightSource:
     """The weights of our checkpoint or of a Hugging Face folder, to be read tensor by tensor."""
     from models.convert import is_hf_folder
