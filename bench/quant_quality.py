@@ -56,18 +56,18 @@ def val_metrics(sess, iface, seqs) -> tuple[float, list[np.ndarray]]:
 
 def evaluate_kind(kind: str, dtypes: list[str], stories: int, log=print, **quant) -> dict:
     """`quant`: QuantConfig fields other than dtype (block_size, accuracy_level, algo)."""
-    from export.onnx_export import export_onnx
+    from export.emit import emit_graph
     from export.pipeline import REAL_TEXT
     from export.quantize import GREEDY_TOKENS, QuantConfig, fit_prompt, quantize_weights, top1_agreement
     from export.verify import ort_session, read_interface
     from graph_passes import DEFAULT_PASSES, run_passes
-    from models.checkpoint import load_checkpoint, load_tokenizer
-    import tempfile
+    from graph_passes.lazy import materialized
+    from models.checkpoint import load_tokenizer
+    from models.weights import open_weights
     t0 = time.perf_counter()
-    model = load_checkpoint(ZOO / kind)
+    emitted = emit_graph(open_weights(ZOO / kind))
     tok = load_tokenizer(ZOO / kind)
-    with tempfile.TemporaryDirectory() as tmp:
-        proto = export_onnx(model, Path(tmp) / "model.onnx")
+    proto = materialized(emitted.proto, emitted.lazy)        # a 1M model: its weights in memory
     graphs = {"fused": run_passes(proto, DEFAULT_PASSES)[0], "unfolded": run_passes(proto, ("fold_constants",))[0]}
     iface = read_interface(proto)
     prompt = fit_prompt([i for i in tok.encode(REAL_TEXT).ids if i < iface.vocab_size], iface, GREEDY_TOKENS)

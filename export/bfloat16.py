@@ -62,10 +62,10 @@ def retype_graph(graph: onnx.GraphProto, src: int, dst: int, initializers: bool)
         for init in graph.initializer:
             if init.data_type != src:
                 continue
-            if init.dims and (init.HasField("raw_data") or len(init.int32_data)):
+            if init.HasField("raw_data") or len(init.int32_data):     # scalars too: their bits are fp16's
                 init.CopyFrom(convert_tensor(init, dst))
             else:
-                init.data_type = dst        # data not written yet (a streamed plan), or empty
+                init.data_type = dst        # data not written yet (a weight computed when written), or empty
 
 
 def retype(proto: onnx.ModelProto, src: int = FLOAT16, dst: int = BFLOAT16) -> onnx.ModelProto:

@@ -282,12 +282,12 @@ def graph_name(fuse: bool, quantize) -> str:
 
 
 def make_graph(source, report: BuildReport, fuse: bool, dtype: str, attention: str, quantize=None,
-               fold: bool = True):
+               fold: bool = True, rmsnorm: str = "op"):
     """The graph of `source` (a models.weights.WeightSource) and its Lazy weights: emitted, folded (fuse; with
     attention "gqa" also ONNX Runtime's rewrites; fold=False: those alone), quantized. Nothing is read
     but the norms' vectors; the folds and the quantization run on each weight when it is written."""
     from export.emit import emit_graph
-    emitted = emit_graph(source, dtype, "fused" if attention == "gqa" else attention)
+    emitted = emit_graph(source, dtype, "fused" if attention == "gqa" else attention)  # TODO rmsnorm
     proto, lazy = emitted.proto, emitted.lazy
     graph_stats(report, "emitted", proto)
     if fuse or attention == "gqa":
@@ -296,7 +296,7 @@ def make_graph(source, report: BuildReport, fuse: bool, dtype: str, attention: s
         from export.quantize import quantize_weights
         proto, summary = quantize_weights(proto, quantize, lazy)
         report.quantized = {"file": quantize.file_name(), **asdict(summary)}
-    graph_stats(report, quantize.dtype if quantize is not None else ("fused" if fuse else "unfused"), proto)
+    graph_stats(report, report_kind(fuse, quantize), proto)
     return proto, lazy
 
 
@@ -664,15 +664,19 @@ def genai_files(stages: Stages, folder: Path, source: str, cfg, checkpoint: Path
 # --- the graph stages for a caller that keeps its own files (bench) -------------------------------
 
 def build_graph(source, path: Path, fuse: bool, attention: str = "plain", quantize=None, fold: bool = True,
-                verify: bool = True, trained: bool = True, tokens: list[int] | None = None) -> BuildReport:
-    """One graph of `source` (e.g. models.weights.model_weights(model)) written to `path`: emitted, folded
-    (fold=False with attention "gqa": ONNX Runtime's rewrites alone), quantized, and verified against the
-    torch reference unless verify=False (a quantized graph's top-1 floor: a note for trained=False)."""
-    from export.verify import ATOL, SCALE_TOL
-    key = quantize.dtype if quantize is not None else "fp32"
+                verify: bool = True, trained: bool = True, tokens: list[int] | None = None,
+                rmsnorm: str = "op") -> BuildReport:
+    """One graph of `source` (e.g. models.weights.model_weights(model)) written to `path`: emitted (`rmsnorm`:
+    export/emit.py's form of an RMSNorm), folded (fold=False with attention "gqa": ONNX Runtime's rewrites
+    alone), quantized, and verified against the torch reference unless verify=False (a quantized graph's
+    top-1 floor: a note for trained=False)."""
+    from export.verify import ATOL, DEQUANTIZED, SCALE_TOL
+    key = (DEQUANTIZED if quantize.algo == "rtn" else quantize.dtype) if quantize is not None else "fp32"
     report = BuildReport("(in memory)", str(path), "fp32", fuse, attention=attention, atol=ATOL[key],
-                         scale_tol=SCALE_TOL[key], target=target_of(attention))
-    proto, lazy = make_graph(source, report, fuse, "fp32", attention, quantize, fold)
+                         scale_tol=SCALE_TOL[key], target=target_of(attention), source=source.source)
+    t0 = time.perf_counter()
+    proto, lazy = make_graph(source, report, fuse, "fp32", attention, quantize, fold, rmsnorm)
+    report.timings_s["graph"] = round(time.perf_counter() - t0, 3)
     report.weight_bytes = write_graph(proto, lazy, Path(path), log=None)
     if verify:
         verify_graph(source, Path(path), report, None, "fp32", quantize, tokens, same_start=attention == "gqa",

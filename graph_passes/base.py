@@ -353,13 +353,19 @@ def producer(t: gs.Tensor) -> gs.Node | None:
     return t.inputs[0] if len(t.inputs) == 1 else None
 
 
+def is_float(dtype) -> bool:
+    """A floating-point element type, bfloat16 (ml_dtypes: numpy kind 'V') included."""
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" or dtype.name == "bfloat16"
+
+
 def channel_vector(value: np.ndarray | None) -> np.ndarray | None:
     """A per-channel vector from a value that broadcasts along the LAST axis only.
 
     Accepts shapes [d], [1, ..., 1, d] (and scalars, as length-1 vectors);
     rejects [d, 1] and anything else that would scale another axis.
     """
-    if value is None or value.dtype.kind != "f":
+    if value is None or not is_float(value.dtype):
         return None
     if value.ndim == 0:
         return value.reshape(1)

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from graph_passes.base import Match, PassContext, Skip, channel_vector, const_value, producer, static_last_dim
+from graph_passes.base import (Match, PassContext, Skip, channel_vector, const_value, is_float, producer,
+                               static_last_dim)
 from graph_passes.lazy import Lazy, digest, lazy_map, same_values, transposed
 
 RESHAPES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")
@@ -118,7 +119,7 @@ def match_linear(ctx: PassContext, y: gs.Tensor, node: gs.Node) -> LinearUse | S
         if len(node.inputs) != 2 or node.inputs[0] is not y or node.inputs[1] is y:
             return Skip(f"{node.name} uses it as a MatMul weight, not as the data input")
         w = linear_weight(node)
-        if w is None or w.ndim != 2 or w.dtype.kind != "f":
+        if w is None or w.ndim != 2 or not is_float(w.dtype):
             return Skip(f"{node.name} is a MatMul without a constant 2-D weight")
         return LinearUse(node, w, short_label(ctx, node))
     if node.op == "Gemm":
@@ -127,7 +128,7 @@ def match_linear(ctx: PassContext, y: gs.Tensor, node: gs.Node) -> LinearUse | S
         if node.attrs.get("transA", 0):
             return Skip(f"{node.name} is a Gemm with transA = 1")
         b = const_value(node.inputs[1])
-        if b is None or b.ndim != 2 or b.dtype.kind != "f":
+        if b is None or b.ndim != 2 or not is_float(b.dtype):
             return Skip(f"{node.name} is a Gemm without a constant 2-D weight")
         if len(node.inputs) > 2 and node.inputs[2].name and const_value(node.inputs[2]) is None:
             return Skip(f"{node.name} is a Gemm with a non-constant bias")
@@ -378,7 +379,7 @@ def _add_bias(ctx: PassContext, matmul: gs.Node, delta) -> None:
         if len(add.inputs) == 2 and len(others) == 1:
             i, b_in = others[0]
             b = const_value(b_in)
-            if b is not None and b.dtype.kind == "f" and int(np.prod(b.shape)) in (1, delta.shape[0]) \
+            if b is not None and is_float(b.dtype) and int(np.prod(b.shape)) in (1, delta.shape[0]) \
                     and all(s == 1 for s in b.shape[:-1]):
                 n = delta.shape[0]
                 b_flat = lazy_map(b, lambda a: np.broadcast_to(a.reshape(-1), (n,)), (n,), tag=("flat", n))

@@ -48,7 +48,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from core.contract import INPUT_IDS, POSITION
-from graph_passes.base import NAME_SCOPES, GraphPass, Match, PassContext, Skip, const_value, producer
+from graph_passes.base import NAME_SCOPES, GraphPass, Match, PassContext, Skip, const_value, is_float, producer
 from graph_passes.lazy import concat
 
 MS_DOMAIN = "com.microsoft"
@@ -175,7 +175,7 @@ def _inv_freq(angles: gs.Tensor) -> np.ndarray | None:
         return None
     for t in mul.inputs:
         v = const_value(t)
-        if v is not None and v.ndim == 1 and v.dtype.kind == "f":
+        if v is not None and v.ndim == 1 and is_float(v.dtype):
             return v
     return None
 

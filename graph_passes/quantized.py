@@ -27,7 +27,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from core.contract import INPUT_IDS, LOGITS
-from graph_passes.base import GraphPass, Match, PassContext, Skip, const_value, producer
+from graph_passes.base import GraphPass, Match, PassContext, Skip, const_value, is_float, producer
 from graph_passes.lazy import Lazy, digest, parts, same_values, transposed
 
 UNTIED = "untied: the LM head's weight is not the token embedding's table (or a fold scaled one of them)"
@@ -141,7 +141,7 @@ class QuantizeWeights(GraphPass):
         w = const_value(node.inputs[0 if node.op == "Gather" else 1])
         if w is None or (node.op == "MatMul" and const_value(node.inputs[0]) is not None):
             return None
-        if w.ndim != 2 or w.dtype.kind != "f":
+        if w.ndim != 2 or not is_float(w.dtype):
             return Skip(f"{node.name}: a weight of {w.ndim} dims, {w.dtype}: left float")
         bits = self.bits_of(ctx.layer_name(node), node)
         return None if bits is None else QuantizeMatch(ctx.layer_name(node), node, bits)
