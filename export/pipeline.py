@@ -367,12 +367,23 @@ def write_graph(proto, lazy: dict, path: Path, log=print, groups: int = 0) -> in
             if value.dtype == np.float16 and not np.isfinite(value).all():
                 raise BuildError(f"{t.name}: expected weights within fp16's range (|w| <= {FP16_MAX:g}) for --dtype "
                                  "fp16, found one past it (after the fold); build with --dtype fp32 or --dtype bf16")
-            out.put_raw(t, raw_bytes(w, value))
+            out.put_raw(t, raw_bytes(w, row_order(value)))
             del value
         if log is not None and group is not None:
             _log_group(log, group, groups, out.bytes)
         out.save(proto)
     return out.bytes
+
+
+def row_order(value: np.ndarray) -> np.ndarray:
+    """The array in row order (ONNX's raw_data layout): a transposed view (graph_passes.lazy.transposed)
+    copied by torch's transpose, 1.5-2x numpy's on a real model's matrices (any dtype: as its bytes' ints)."""
+    if value.flags.c_contiguous or value.ndim != 2 or not value.flags.f_contiguous:
+        return value
+    import torch
+    ints = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[value.dtype.itemsize]
+    flipped = torch.from_numpy(value.T.view(ints)).t().contiguous().numpy()
+    return flipped.view(value.dtype)
 
 
 def _log_group(log, group: int, groups: int, written: int) -> None:

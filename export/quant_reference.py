@@ -37,13 +37,27 @@ def initializer_array(folder: Path, t: onnx.TensorProto) -> np.ndarray:
     """An initializer's values (4-bit types: their packed bytes), read from its external data file when it has one."""
     from onnx import numpy_helper
     if t.data_location != onnx.TensorProto.EXTERNAL:
-        return numpy_helper.to_array(t)
+        return _writable(numpy_helper.to_array(t))
     info = {e.key: e.value for e in t.external_data}
     dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
     packed = t.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4)
     raw = np.memmap(folder / info["location"], dtype=np.uint8, mode="r", offset=int(info.get("offset", 0)),
                     shape=(int(info["length"]),))
     return np.array(raw) if packed else np.frombuffer(raw, dtype=dtype).reshape(tuple(t.dims)).copy()
+
+
+def _writable(a: np.ndarray) -> np.ndarray:
+    return a if a.flags.writeable else a.copy()
+
+
+def dequantized_rows(B: np.ndarray, scales: np.ndarray, k: int, bits: int, block: int) -> torch.Tensor:
+    """export.rtn.dequantize_matmul's weight as nn.Linear holds it ([N, K]), computed by torch (its threads):
+    (q - 2^(bits-1)) * scale in fp32, the same products (tests/export/test_quant_reference.py)."""
+    b = torch.from_numpy(B)                                                      # [N, K/block, blob] uint8
+    n, k_blocks, _ = b.shape
+    q = torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(n, k_blocks, block) if bits == 4 else b
+    w = q.to(torch.float32).sub_(1 << (bits - 1)).mul_(torch.from_numpy(scales).reshape(n, k_blocks, 1))
+    return w.reshape(n, k_blocks * block)[:, :k].contiguous()
 
 
 class GraphWeights(ModelParts):
@@ -76,31 +90,46 @@ class GraphWeights(ModelParts):
 
     def _matmul(self, layer: str) -> torch.Tensor | None:
         """The dequantized weight of `layer`'s MatMulNBits, nn.Linear's layout [N, K]; None: not quantized."""
-        from export.rtn import dequantize_matmul
         if layer not in self.matmuls:
             return None
         b, scales, k, bits, block = self.matmuls[layer]
-        w = dequantize_matmul(self._array(b), self._array(scales), k, bits, block)          # [K, N]
-        return torch.from_numpy(np.ascontiguousarray(w.T))
+        return dequantized_rows(self._array(b), self._array(scales), k, bits, block)
 
     def _array(self, name: str) -> np.ndarray:
         return initializer_array(self.folder, self.inits[name])
 
     def block(self, i: int) -> torch.nn.Module:
         from models.fold import fold_block_norms
-        block = self.source.block(i)
-        fold_block_norms(block)
-        attn, cfg = block.attn, self.cfg
+        cfg = self.cfg
         packed = self._matmul(f"blocks.{i}.attn.qkv_proj")          # Q, K, V in one MatMul (--attention gqa)
         if packed is not None:
             sizes = [cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim]
-            for linear, w in zip((attn.q_proj, attn.k_proj, attn.v_proj), torch.split(packed, sizes)):
-                linear.weight.data = w.contiguous()
-        for name, module in block.named_modules():
-            w = self._matmul(f"blocks.{i}.{name}") if isinstance(module, torch.nn.Linear) else None
-            if w is not None:
-                module.weight.data = w
-        return block
+            graph = dict(zip(("attn.q_proj", "attn.k_proj", "attn.v_proj"), torch.split(packed, sizes)))
+        else:
+            graph = {}
+        skeleton = self.skeleton.blocks[i]
+        for name, module in skeleton.named_modules():
+            if isinstance(module, torch.nn.Linear) and name not in graph:
+                w = self._matmul(f"blocks.{i}.{name}")
+                if w is not None:
+                    graph[name] = w
+        if self._shifts():                  # a fold's shift reads the float weights (b' = b + W shift)
+            block = self.source.block(i)
+            fold_block_norms(block)         # the norms and biases as the graph passes fold them
+        else:                               # the weights the graph quantized are not read: they are replaced
+            block = copy.deepcopy(skeleton).to_empty(device="cpu")
+            with torch.no_grad():
+                for name, p in block.named_parameters():
+                    if name.removesuffix(".weight") not in graph:
+                        p.copy_(self.source.tensor(f"blocks.{i}.{name}"))
+            fold_block_norms(block, weights=False)
+        for name, w in graph.items():       # the weights: what the graph holds (already folded there)
+            block.get_submodule(name).weight.data = w.contiguous()
+        return block.eval()
+
+    def _shifts(self) -> bool:
+        """Whether a norm has a shift, which a fold moves into the bias through the float weights."""
+        return self.cfg.norm in ("layernorm", "dyt") or (self.cfg.norm == "taper" and self.cfg.taper_affine)
 
     def _top(self):
         """The model without its blocks (embedding, positions, final norm, head), the final norm folded as the
@@ -124,7 +153,7 @@ class GraphWeights(ModelParts):
             v, d = t.dims
             table = dequantize_gather(self._array(data), self._array(scales), (v, d), block)
         else:                                                # MatMulNBits blocks [V, d/block, blob] of E^T
-            table = dequantize_matmul(self._array(data), self._array(scales), self.cfg.d_model, bits, block).T
+            table = dequantize_matmul(self._array(data), self._array(scales), self.cfg.d_model, bits, block).T  # [V, d]
         return torch.from_numpy(np.ascontiguousarray(table))
 
     def final(self):

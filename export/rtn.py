@@ -169,7 +169,8 @@ def matmul_blocks(w: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray
 
 def dequantize_matmul(B: np.ndarray, scales: np.ndarray, K: int, bits: int, block_size: int) -> np.ndarray:
     """The fp32 weight [K, N] the blocks stand for, as MLAS dequantizes them: (q - 2^(bits-1)) * scale,
-    one fp32 product (exact: what MatMulNBits multiplies by, up to its own summation)."""
+    one fp32 product (exact: what MatMulNBits multiplies by, up to its own summation). A transposed view
+    of [N, K] rows (w.T is nn.Linear's layout, contiguous)."""
     B = np.asarray(B, dtype=np.uint8)
     N, kb, blob = B.shape
     if bits == 4:
@@ -185,7 +186,8 @@ def dequantize_matmul(B: np.ndarray, scales: np.ndarray, K: int, bits: int, bloc
     w = q.astype(np.float32)
     w -= np.float32(1 << (bits - 1))
     w *= np.asarray(scales).astype(np.float32).reshape(N, kb)[:, :, None]
-    return np.ascontiguousarray(w.reshape(N, kb * block_size)[:, :K].T)
+    # [K, N] as a view of the rows [N, K]: a caller wanting nn.Linear's layout takes .T without a copy
+    return w.reshape(N, kb * block_size)[:, :K].T
 
 
 # --- Gather -> GatherBlockQuantized -----------------------------------------------------------

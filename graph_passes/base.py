@@ -39,7 +39,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from core.errors import UserError
-from graph_passes.lazy import Lazy
+from graph_passes.lazy import Lazy, put, stored_lazy
 
 NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 CLASS_HIERARCHY = "pkg.torch.onnx.class_hierarchy"
@@ -145,7 +145,7 @@ class PassContext:
             for g in self.graphs():
                 for t in g.tensors().values():
                     if isinstance(t, gs.Constant) and t.name in lazy:
-                        t.values = lazy[t.name]
+                        put(t, lazy[t.name])
         self._naming = _Naming()            # shared by every scoped view
 
     def scoped(self, graph: gs.Graph) -> "PassContext":
@@ -188,8 +188,8 @@ class PassContext:
 
     def lazy_weights(self) -> dict[str, Lazy]:
         """The constants of the (rewritten) graph whose values are computed when written, by name."""
-        return {t.name: t._values for g in self.graphs() for t in g.tensors().values()
-                if isinstance(t, gs.Constant) and isinstance(t._values, Lazy)}
+        return {t.name: stored_lazy(t) for g in self.graphs() for t in g.tensors().values()
+                if isinstance(t, gs.Constant) and stored_lazy(t) is not None}
 
     def is_graph_output(self, t: gs.Tensor) -> bool:
         return any(o is t for o in self.graph.outputs)
@@ -340,7 +340,8 @@ def const_value(t: gs.Tensor) -> np.ndarray | Lazy | None:
     """The value of a constant tensor (initializer or Constant node output), else None. A weight
     computed when written comes as its Lazy, unread (gs's `values` would load and keep it)."""
     if isinstance(t, gs.Constant):
-        return t._values if isinstance(t._values, Lazy) else np.asarray(t.values)
+        lazy = stored_lazy(t)
+        return lazy if lazy is not None else np.asarray(t.values)
     if isinstance(t, gs.Variable) and len(t.inputs) == 1 and t.inputs[0].op == "Constant":
         node = t.inputs[0]
         value = node.attrs.get("value")

@@ -92,12 +92,14 @@ def lazy_map(value, fn: Callable[[np.ndarray], np.ndarray], shape: Sequence[int]
 
 
 def transposed(value):
-    """value.T (2-D): now for an array, when written for a Lazy."""
+    """value.T (2-D): now for an array, when written for a Lazy; a view either way, never a copy (a real
+    model's matrices are read [out, in] and MatMul takes [in, out]: the folds keep the view's layout,
+    MatMulNBits' blocks want it, and only a float weight is copied into row order, when written)."""
     if not isinstance(value, Lazy):
         return value.T
     # the key of a transpose's transpose is the original's: a tied head's weight is its embedding's table
     key = value.key[:-1] if value.key[-1:] == ("T",) else value.key + ("T",)
-    return Lazy(value.shape[::-1], value.dtype, lambda: np.ascontiguousarray(value.load().T), key, value.group)
+    return Lazy(value.shape[::-1], value.dtype, lambda: value.load().T, key, value.group)
 
 
 def concat(values: Sequence, axis: int):
@@ -110,8 +112,16 @@ def concat(values: Sequence, axis: int):
     dtype = np.result_type(*[v.dtype for v in values])
     key = ("concat", axis) + tuple(v.key if isinstance(v, Lazy) else ("array", id(v)) for v in values)
     group = max(v.group for v in values if isinstance(v, Lazy))
-    return Lazy(shape, dtype, lambda: np.concatenate([v.load() if isinstance(v, Lazy) else v for v in values],
-                                                     axis=axis), key, group)
+    return Lazy(shape, dtype, lambda: _concatenated([v.load() if isinstance(v, Lazy) else v for v in values], axis),
+                key, group)
+
+
+def _concatenated(parts: list[np.ndarray], axis: int) -> np.ndarray:
+    """np.concatenate, in the parts' own layout when they are all column-major (transposed views): a
+    concatenation of their rows then, not a transposing copy."""
+    if all(p.ndim == 2 and p.flags.f_contiguous and not p.flags.c_contiguous for p in parts):
+        return np.concatenate([p.T for p in parts], axis=1 - axis).T
+    return np.concatenate(parts, axis=axis)
 
 
 def same_values(a, b) -> bool:
@@ -123,6 +133,20 @@ def same_values(a, b) -> bool:
 
 def is_lazy(value) -> bool:
     return isinstance(value, Lazy)
+
+
+# onnx-graphsurgeon keeps a Constant's values, loaded or not, in its `_values`; its public `values` loads a
+# LazyValues and keeps the array. These two functions are the one place that reaches past it.
+
+def put(constant, lazy: Lazy) -> None:
+    """Make `constant` (a gs.Constant) hold `lazy`, unread."""
+    constant._values = lazy
+
+
+def stored_lazy(constant) -> Lazy | None:
+    """The Lazy a gs.Constant holds (never loading it), or None."""
+    value = constant._values
+    return value if isinstance(value, Lazy) else None
 
 
 def digest(*arrays: np.ndarray) -> str:
@@ -143,7 +167,7 @@ def is_placeholder(t: onnx.TensorProto) -> bool:
 
 
 def raw_bytes(lazy: Lazy, value: np.ndarray) -> bytes:
-    """A Lazy's computed value as ONNX's raw_data (little-endian; 4-bit types already packed)."""
+    """A Lazy's computed value as ONNX's raw_data (row order, little-endian; 4-bit types already packed)."""
     if lazy.packed:
         return value.tobytes()
     data = np.ascontiguousarray(value)

@@ -321,9 +321,9 @@ def _fold_weight(ctx: PassContext, use: LinearUse, affine: ChannelAffine) -> Non
     s = np.ones(rows) if affine.scale is None else np.broadcast_to(affine.scale.astype(np.float64), (rows,))
 
     def fold(a: np.ndarray) -> np.ndarray:
-        out = s[:, None] * a.astype(np.float64)                            # [in, out]
+        out = np.multiply(a, s[:, None], dtype=np.float64)                  # [in, out], in a's layout
         if affine.center:                                                  # C diag(s) W
-            out = out - out.mean(axis=0, keepdims=True)
+            out -= out.mean(axis=0, keepdims=True)
         return out.astype(dtype)
     w_new = lazy_map(w, fold, tag=("rows", digest(s), affine.center))
     delta = None

@@ -389,12 +389,12 @@ class OrtGroupQueryAttention(GraphPass):
             x, ws, bs = m.packed
             weight = ctx.const("qkv_weight", concat(ws, axis=1))
             shape = [*x.shape[:-1], weight.shape[1]] if x.shape else None
-            qkv = gs.Variable(ctx.fresh_name("qkv"), dtype=np.float32, shape=shape)
+            qkv = gs.Variable(ctx.fresh_name("qkv"), dtype=x.dtype, shape=shape)
             g.nodes.append(gs.Node("MatMul", ctx.fresh_name("qkv_MatMul"), inputs=[x, weight], outputs=[qkv]))
             _name_like_q(ctx, g.nodes[-1], m.inputs_3d[0])
             if any(b is not None for b in bs):       # a missing bias is zeros: x + 0.0 is exact
                 bias = concat([np.zeros(w.shape[1], w.dtype) if b is None else b for w, b in zip(ws, bs)], axis=0)
-                summed = gs.Variable(ctx.fresh_name("qkv_biased"), dtype=np.float32, shape=shape)
+                summed = gs.Variable(ctx.fresh_name("qkv_biased"), dtype=x.dtype, shape=shape)
                 g.nodes.append(gs.Node("Add", ctx.fresh_name("qkv_Add"), inputs=[qkv, ctx.const("qkv_bias", bias)],
                                        outputs=[summed]))
                 qkv = summed

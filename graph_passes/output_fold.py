@@ -167,7 +167,7 @@ def fold_into_producer(ctx: PassContext, match: OutputFold) -> None:
         cols[p.start:p.stop] = np.tile(affine.scale.astype(np.float64), reps) if affine.scale.size > 1 else \
             float(affine.scale.reshape(-1)[0])
     dtype = w.dtype
-    new_w = lazy_map(w, lambda a: (a.astype(np.float64) * cols[None, :]).astype(dtype),     # [in, out]
+    new_w = lazy_map(w, lambda a: np.multiply(a, cols[None, :], dtype=np.float64).astype(dtype),   # [in, out]
                      tag=("cols", digest(cols)))
     node = p.linear
     base = node.name or "linear"

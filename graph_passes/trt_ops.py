@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from graph_passes.lazy import Lazy
+from graph_passes.lazy import stored_lazy
 
 Version = tuple[int, int]
 
@@ -132,7 +132,7 @@ def _constant(t) -> np.ndarray | None:
     """The value of an initializer or a Constant node's output, else None (also for a weight computed when
     written, graph_passes/lazy.py: the lint reads shapes and small constants, never weights)."""
     if isinstance(t, gs.Constant):
-        return None if isinstance(t._values, Lazy) else np.asarray(t.values)
+        return None if stored_lazy(t) is not None else np.asarray(t.values)
     if isinstance(t, gs.Variable) and len(t.inputs) == 1 and t.inputs[0].op == "Constant":
         value = t.inputs[0].attrs.get("value")
         if isinstance(value, gs.Constant):
