@@ -1,7 +1,7 @@
 """The decode-step graph written node by node from the model's spec, its large weights never read.
 
     emitted = emit_graph(open_weights(DIR), "fp16", attention="fused")
-    emitted.proto                  # the unfused decode-step graph (export/onnx_export.py's contract)
+    emitted.proto                  # the unfused decode-step graph (core/contract.py)
     emitted.lazy["blocks.0.attn.q_proj.MatMul.weight"].load()     # one matrix, read when asked for
 
 torch.onnx.export traces the whole model in memory (seconds even for a 1M model, the model's size in
@@ -51,13 +51,17 @@ from models.norms import DyT, LayerNorm, RMSNorm, TaperNorm
 from models.rope import rope_frequencies
 
 IR_VERSION = 10                  # what torch's exporter writes (ONNX Runtime reads it)
+OPSET = 24                       # TensorScatter (the in-place cache write) and the Attention op
+# model-level metadata that graph passes and runtimes read back (all values are strings)
+META_PREFIX = "tapernorm."
+RMSNORM_FORMS = ("op", "naive")  # one RMSNormalization | x * rsqrt(mean(x^2) + eps) * w (a hand-written norm)
 DTYPES = ("fp32", "fp16", "bf16")
 ATTENTION = ("plain", "fused")
 B, T = "batch", "seq"            # the symbolic dims of the contract
 INT64, BOOL = TensorProto.INT64, TensorProto.BOOL
 ELEM = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}
-# the export wrapper torch's provenance starts with (export/onnx_export.py's _DecodeStep holding `model`)
-WRAPPER_SCOPES, WRAPPER_CLASSES = ["", "model"], ["export.onnx_export._DecodeStep", "models.decoder.Decoder"]
+# the export wrapper torch's provenance starts with (tests/export/oracle.py's _DecodeStep holding `model`)
+WRAPPER_SCOPES, WRAPPER_CLASSES = ["", "model"], ["export.emit.DecodeStep", "models.decoder.Decoder"]
 
 
 @dataclass
@@ -66,16 +70,18 @@ class Emitted:
     lazy: dict[str, Lazy]           # placeholder initializer name -> its Lazy
 
 
-class ModelWeights:
-    """A Decoder held in memory as an emit_graph source (tests, small builds): .cfg, .skeleton (the model
-    itself), .tensor(name) -> fp32 (a tied head's lm_head.weight is the embedding)."""
-
-    def __init__(self, model: Decoder):
-        self.cfg, self.skeleton = model.cfg, model
-        self._params = dict(model.named_parameters(remove_duplicate=False))
-
-    def tensor(self, name: str):
-        return self._params[name].detach().float()
+def model_metadata(model: Decoder, dtype: str) -> dict[str, str]:
+    """The graph's model-level metadata (tapernorm.*): what graph passes and runtimes read back."""
+    cfg = model.cfg
+    meta = {"norm": cfg.norm, "taper_scope": str(cfg.taper_scope), "dtype": dtype,
+            "n_layer": str(cfg.n_layer), "n_head": str(cfg.n_head), "n_kv_head": str(cfg.kv_heads),
+            "head_dim": str(cfg.head_dim), "pos_embedding": cfg.pos_embedding,
+            "capacity": str(cfg.max_seq_len), "vocab_size": str(cfg.vocab_size),
+            "tie_embeddings": str(cfg.tie_embeddings).lower()}
+    if cfg.norm == "taper":
+        meta["gate"] = repr(model.gate.value)
+        meta["taper_layers"] = ",".join(model.taper_layers())
+    return {META_PREFIX + k: v for k, v in meta.items()}
 
 
 def _qualname(cls) -> str:
@@ -283,8 +289,15 @@ def norm(g: _Graph, name: str, x: str, shape: list) -> str:
 
 
 def _rms_norm(g: _Graph, name: str, x: str, shape: list, eps: float) -> str:
-    """F.rms_norm: one RMSNormalization (opset 23+)."""
-    return g.op("RMSNormalization", x, g.vector(f"{name}.weight"), shape=shape, axis=-1, epsilon=eps, stash_type=1)
+    """F.rms_norm: one RMSNormalization (opset 23+); naive: x * 1 / sqrt(mean(x^2) + eps) * w, separate ops
+    (Pow / ReduceMean / Add / Sqrt / Reciprocal / Mul / Mul, as torch exports a hand-written one)."""
+    w = g.vector(f"{name}.weight")
+    if getattr(g, "rmsnorm", "op") == "op" or name.endswith(("q_norm", "k_norm")):
+        return g.op("RMSNormalization", x, w, shape=shape, axis=-1, epsilon=eps, stash_type=1)
+    stat = shape[:-1] + [1]
+    mean = g.op("ReduceMean", g.op("Pow", x, g.const(2.0), shape=shape), g.ints(-1), shape=stat, keepdims=1)
+    inv = g.op("Reciprocal", g.op("Sqrt", g.op("Add", mean, g.const(eps), shape=stat), shape=stat), shape=stat)
+    return g.op("Mul", g.op("Mul", x, inv, shape=shape), w, shape=shape)
 
 
 def _layer_norm(g: _Graph, name: str, x: str, shape: list, eps: float, bias: bool) -> str:
@@ -384,7 +397,7 @@ def apply_rope(g: _Graph, prefix: str, x: str, n: int, rope: tuple[str, str]) ->
 
 
 def attend_fused(g: _Graph, q: str, k: str, v: str, mask: str) -> str:
-    """One opset-24 Attention (export/onnx_export.py's attention_onnx): scale and softcap as attributes."""
+    """One opset-24 Attention (tests/export/oracle.py's attention_onnx): scale and softcap as attributes."""
     cfg = g.cfg
     attrs = {"is_causal": 0, "qk_matmul_output_mode": 0, "softcap": float(cfg.attn_softcap or 0.0)}
     if cfg.attn_scale is not None:
@@ -483,17 +496,21 @@ def head(g: _Graph, x: str) -> str:
 
 # --- the graph ------------------------------------------------------------------------------------
 
-def emit_graph(source, dtype: str = "fp32", attention: str = "plain") -> Emitted:
+def emit_graph(source, dtype: str = "fp32", attention: str = "plain", rmsnorm: str = "op") -> Emitted:
     """The decode-step graph of `source` (.cfg, .skeleton with gate and c set, .tensor(name)); no 2-D
-    tensor is read (each is a Lazy in Emitted.lazy). attention: "plain" | "fused" (export_onnx's forms)."""
+    tensor is read (each is a Lazy in Emitted.lazy). attention: "plain" | "fused" (export_onnx's forms).
+    rmsnorm: "op" (one RMSNormalization, the strongest baseline) | "naive" (its arithmetic as
+    separate ops, what a hand-written RMSNorm exports as: bench's rmsnorm-plain)."""
     from export.bfloat16 import retype
-    from export.onnx_export import META_PREFIX, OPSET, model_metadata     # (onnxscript's import: ~0.5 s)
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; expected one of {', '.join(DTYPES)}")
     if attention not in ATTENTION:
         raise ValueError(f"attention {attention!r}; expected one of {', '.join(ATTENTION)}")
+    if rmsnorm not in RMSNORM_FORMS:
+        raise ValueError(f"rmsnorm {rmsnorm!r}; expected one of {', '.join(RMSNORM_FORMS)}")
     cfg = source.cfg
     g = _Graph(source, dtype)
+    g.rmsnorm = rmsnorm
     steps = step_inputs(g)
     x = embed(g, steps.pos_ids)
     for i in range(cfg.n_layer):

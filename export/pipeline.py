@@ -153,15 +153,6 @@ def check_gate(model, fuse: bool) -> None:
 FP16_MAX = float(np.finfo(np.float16).max)      # 65504: a larger finite weight is inf once cast to fp16
 
 
-def check_fp16_range(name: str, low: float, high: float) -> None:
-    """Refuse (one line naming the tensor) a weight whose extremes `low`, `high` fp16 cannot hold: it would
-    turn inf in the graph and NaN in the logits, in the torch reference (cast the same way) too."""
-    worst = max(abs(float(low)), abs(float(high)))
-    if not worst <= FP16_MAX:
-        raise BuildError(f"{name}: expected weights within fp16's range (|w| <= {FP16_MAX:g}) for --dtype fp16, found "
-                         f"max |w| {worst:.6g}; build with --dtype fp32 or --dtype bf16")
-
-
 def check_dtype(cfg, dtype: str) -> None:
     """A disabled (FakeLN-style) norm's eps overflows fp16: refuse before any work."""
     from models.checkpoint import DISABLED_NORM_EPS
@@ -287,7 +278,7 @@ def make_graph(source, report: BuildReport, fuse: bool, dtype: str, attention: s
     attention "gqa" also ONNX Runtime's rewrites; fold=False: those alone), quantized. Nothing is read
     but the norms' vectors; the folds and the quantization run on each weight when it is written."""
     from export.emit import emit_graph
-    emitted = emit_graph(source, dtype, "fused" if attention == "gqa" else attention)  # TODO rmsnorm
+    emitted = emit_graph(source, dtype, "fused" if attention == "gqa" else attention, rmsnorm)
     proto, lazy = emitted.proto, emitted.lazy
     graph_stats(report, "emitted", proto)
     if fuse or attention == "gqa":
@@ -455,7 +446,9 @@ def verify_graph(source, path: Path, report: BuildReport, stages: Stages | None,
                       f"{'; and with the graph dequantized weights' if quantize is not None else ''})") if stages else 0
     # the reference computes in the graph's dtype; a bf16 graph is checked widened, so against fp32
     torch_dtype = TORCH_DTYPES["fp32" if dtype == "bf16" else dtype]
-    runs_ref = layerwise_run(source, steps, torch_dtype, log=quiet)
+    agreement = agreement_steps(tokens, iface) if quantize is not None else []
+    runs_ref = layerwise_run(source, steps + agreement, torch_dtype, log=quiet)
+    runs_ref, agreement_ref = runs_ref[:len(steps)], runs_ref[len(steps):]
     runs_deq = None
     if quantize is not None and quantize.algo == "rtn":
         from export.quant_reference import GraphWeights
@@ -470,6 +463,7 @@ def verify_graph(source, path: Path, report: BuildReport, stages: Stages | None,
         if stages else 0
     sess = ort_session(checked)
     runs = [run_onnx(sess, iface, s, trim=used_slots(s)) for s in steps]
+    agreement_runs = [run_onnx(sess, iface, s, trim=used_slots(s)) for s in agreement]
     del sess
     exact = runs_deq is not None                      # against its own dequantized weights
     refs = runs_deq if exact else runs_ref
@@ -488,7 +482,8 @@ def verify_graph(source, path: Path, report: BuildReport, stages: Stages | None,
     if stages is not None:
         stages.done("verify", t0, f": max |d logits| {worst(report.max_abs_diff['graph_vs_torch'], 'logits'):.3g}")
     if quantize is not None:
-        _quantized_quality(report, quantize, runs_ref, runs, exact, trained, path.name, log)
+        text = agreement_ref or runs_ref, agreement_runs or runs       # real text when there is some
+        _quantized_quality(report, quantize, runs_ref, runs, text, exact, trained, path.name, log)
     if checked != path:
         checked.unlink()                # our own temporary graph (the weights are the build's)
 
@@ -504,15 +499,28 @@ def _slack(ref: list[dict], exact: list[dict]) -> dict[str, float]:
     return out
 
 
-def _quantized_quality(report: BuildReport, quantize, runs_ref, runs, exact: bool, trained: bool, name: str,
+def agreement_steps(tokens: list[int] | None, iface) -> list:
+    """The session the top-1 agreement of a quantized graph is taken over: one prefill of real text
+    (AGREEMENT_TOKENS positions, the text repeated to fill them) from slot 0; none without text."""
+    from core.decode import Step
+    from export.quantize import AGREEMENT_TOKENS
+    if not tokens:
+        return []
+    n = max(1, min(AGREEMENT_TOKENS, iface.capacity))
+    ids = np.resize(np.asarray(tokens, np.int64) % iface.vocab_size, n)[None]         # [1, n]
+    return [[Step(ids, np.zeros(1, np.int64))]]
+
+
+def _quantized_quality(report: BuildReport, quantize, runs_ref, runs, text, exact: bool, trained: bool, name: str,
                        log) -> None:
-    """Drift and top-1 agreement against the float model; a trained model below MIN_TOP1 fails (when the
-    graph was not checked against its own dequantized weights, also any model)."""
+    """Drift (on the verification sessions) and top-1 agreement (on `text`: the real-text session's float and
+    quantized runs, else the verification sessions) against the float model; below MIN_TOP1 a graph that
+    could not be checked against its own dequantized weights fails when the model is trained."""
     from export.quantize import MIN_TOP1
     from export.verify import ATOL, DEQUANTIZED, SCALE_TOL, VerificationError
-    agree, n = top1(runs_ref, runs)
-    report.quantized["drift"] = quantized_drift(runs_ref, runs, agree, n,
-                                                "the verification sessions, teacher-forced, vs the float model")
+    agree, n = top1(*text)
+    what = "real text" if text[0] is not runs_ref else "the verification sessions"
+    report.quantized["drift"] = quantized_drift(runs_ref, runs, agree, n, f"{what}, teacher-forced, vs the float model")
     key = DEQUANTIZED if exact else quantize.dtype
     report.quantized["tolerance"] = {"atol": ATOL[key], "scale_tol": SCALE_TOL[key], "min_top1": MIN_TOP1[quantize.dtype],
                                      "checked_against": "dequantized weights" if exact else "float model"}

@@ -197,19 +197,12 @@ class GatherBlocks:
     """GatherBlockQuantized's data and scales of a table [V, d] (quantize_axis 1, gather_axis 0, no zero
     points). `data` is the INT4 tensor's raw bytes, flat uint8 [ceil(V*d/2)]: its dims are `shape`, its
     data_type `data_type` (onnx.TensorProto.INT4 = 22); `scales` [V, ceil(d/block)] is a plain array in
-    the table's dtype. `data_tensor(name)` / `scales_tensor(name)` are the quantizer's initializers."""
+    the table's dtype. As the quantizer's initializers: helper.make_tensor(name, data_type, shape, data.tobytes(),
+    raw=True) and numpy_helper.from_array(scales, name)."""
     data: np.ndarray
     scales: np.ndarray
     shape: tuple[int, int]
     data_type: int = 22                         # onnx.TensorProto.INT4 (signed: is_symmetric=True)
-
-    def data_tensor(self, name: str):
-        from onnx import helper
-        return helper.make_tensor(name, self.data_type, list(self.shape), self.data.tobytes(), raw=True)
-
-    def scales_tensor(self, name: str):
-        from onnx import numpy_helper
-        return numpy_helper.from_array(self.scales, name)
 
 
 @np.errstate(divide="ignore", invalid="ignore", over="ignore")

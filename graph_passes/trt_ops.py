@@ -228,7 +228,7 @@ def _squeeze(node: gs.Node, version: Version) -> list[str]:
     if "axes" in node.attrs or _present(node.inputs, (1,)) or version >= SQUEEZE_WITHOUT_AXES:
         return []
     return [f"Squeeze without axes; TensorRT parses that from {version_str(SQUEEZE_WITHOUT_AXES)} on "
-            f"(this lint targets {version_str(version)}): give it an axes input (export.onnx_export does)"]
+            f"(this lint targets {version_str(version)}): give it an axes input (export/emit.py does)"]
 
 
 RULES = {"TensorScatter": _tensor_scatter, "Attention": _attention, "LayerNormalization": _layer_norm,

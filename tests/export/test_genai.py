@@ -182,7 +182,7 @@ def test_genai_refuses_what_it_cannot_build(tmp_path, flags, expected):
 
 def test_genai_graph_refuses_a_graph_without_group_query_attention():
     from export.genai import GenAIError, genai_graph
-    from export.onnx_export import export_onnx
+    from tests.export.oracle import export_onnx
     from tests.helpers import random_model
     proto = export_onnx(random_model(norm="rmsnorm"), None, "fp32", attention="fused")
     with pytest.raises(GenAIError, match=r"expected every cache read and written by GroupQueryAttention"):

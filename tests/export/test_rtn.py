@@ -95,6 +95,15 @@ def _weights(K: int, block: int, bits: int, rng, extra: int = 0) -> np.ndarray:
     return w
 
 
+def data_tensor(t: rtn.GatherBlocks, name: str) -> TensorProto:
+    """GatherBlocks' data as the quantizer's INT4 initializer."""
+    return helper.make_tensor(name, t.data_type, list(t.shape), t.data.tobytes(), raw=True)
+
+
+def scales_tensor(t: rtn.GatherBlocks, name: str) -> TensorProto:
+    return numpy_helper.from_array(t.scales, name)
+
+
 def assert_same_tensor(mine: TensorProto, theirs: TensorProto, what: str) -> None:
     """Same data type, dims and bytes (and name: the whole serialized TensorProto equal)."""
     assert mine.data_type == theirs.data_type, f"{what}: data type {mine.data_type} != {theirs.data_type}"
@@ -120,8 +129,8 @@ def _check_gather(table: np.ndarray, block: int, what: str) -> None:
     theirs = quantize_one_node("Gather", table, QuantConfig("int4", block, 0))
     assert sorted(theirs) == [0, 2], f"{what}: the quantizer wrote inputs {sorted(theirs)} (zero points?)"
     mine = gather_blocks(table, 4, block)
-    assert_same_tensor(mine.data_tensor(theirs[0].name), theirs[0], f"{what} data")
-    assert_same_tensor(mine.scales_tensor(theirs[2].name), theirs[2], f"{what} scales")
+    assert_same_tensor(data_tensor(mine, theirs[0].name), theirs[0], f"{what} data")
+    assert_same_tensor(scales_tensor(mine, theirs[2].name), theirs[2], f"{what} scales")
 
 
 # --- byte equality with the public quantizer ----------------------------------------------------
@@ -344,7 +353,7 @@ def test_gather_block_quantized_returns_the_dequantized_rows(block):
                                 gather_axis=0, quantize_axis=1, block_size=block)
         sess = _session(node, [helper.make_tensor_value_info("ids", TensorProto.INT64, [None])],
                         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, d])],
-                        [t.data_tensor("data"), t.scales_tensor("scales")])
+                        [data_tensor(t, "data"), scales_tensor(t, "scales")])
         ids = rng.permutation(V).astype(np.int64)
         e = dequantize_gather(t.data, t.scales, t.shape, block)
         np.testing.assert_array_equal(sess.run(None, {"ids": ids})[0], e[ids], err_msg=f"{V} x {d}")

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _in_memory_graph(source_dir: Path, attention: str, quantize, dtype: str = "fp32") -> onnx.ModelProto:
     """What export.build's in-memory route writes: export, the passes, [quantize]."""
-    from export.onnx_export import export_onnx
+    from tests.export.oracle import export_onnx
     from export.pipeline import load_checkpoint_stage
     from graph_passes import passes_for, run_passes
     loaded = load_checkpoint_stage(source_dir, True, dtype)

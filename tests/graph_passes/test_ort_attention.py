@@ -6,8 +6,9 @@ import functools
 import numpy as np
 import pytest
 
-from export.onnx_export import export_onnx
-from export.verify import compare, ort_session, read_interface, run_onnx, run_torch, session_steps, verify_pair
+from tests.export.oracle import export_onnx
+from export.verify import compare, ort_session, read_interface, run_onnx, session_steps, verify_pair
+from tests.export.oracle import run_torch
 from graph_passes import passes_for, run_passes
 from tests.export.exported import _DIR, exported, save
 from tests.helpers import random_model
