@@ -28,8 +28,8 @@ concerned (so that both compute the same values, and the graph passes fold both 
 Where it is not torch's graph node for node, no value changes: a tied head is the table's Lazy transposed
 (torch writes Transpose(table), which fold_constants then folds); names are module paths
 (/blocks.0.attn/MatMul_3), not torch's; a few small nodes torch's optimizer shares (a mask's Not) are
-written per layer. A bf16 graph is the fp16 graph with every fp16 type made bf16 (export/bfloat16.py),
-its matrices computed straight in bf16. tests/export/test_emit.py holds the graph to export_onnx's: the same
+written per layer. A bf16 graph is the fp16 graph with every fp16 type made bf16, its weights kept fp32
+through the passes and rounded to bf16 once, folded or not (export.bfloat16.bf16_graph). tests/export/test_emit.py holds the graph to export_onnx's: the same
 outputs (fp32 within 1e-6) and the same pass results, on every model the reference decoder can be.
 """
 from __future__ import annotations
@@ -68,6 +68,9 @@ WRAPPER_SCOPES, WRAPPER_CLASSES = ["", "model"], ["export.emit.DecodeStep", "mod
 class Emitted:
     proto: onnx.ModelProto          # the unfused decode-step graph; matrices as Lazy placeholders
     lazy: dict[str, Lazy]           # placeholder initializer name -> its Lazy
+    # bf16: the float constants that are fp32 by design (rope frequencies); the graph is the fp16 one with its
+    # weights still fp32, made bf16 after the passes by export.bfloat16.bf16_graph (each weight rounded once)
+    fp32: frozenset = frozenset()
 
 
 def model_metadata(model: Decoder, dtype: str) -> dict[str, str]:
@@ -93,9 +96,14 @@ class _Graph:
 
     def __init__(self, source, dtype: str):
         self.source, self.model, self.cfg = source, source.skeleton, source.cfg
-        self.target, self.storage = dtype, np_dtype(dtype)         # the dtype asked for: the matrices' (and keys')
+        self.target = dtype                                        # the dtype asked for (the matrices' keys)
         self.dtype = "fp16" if dtype == "bf16" else dtype          # the nodes': a bf16 graph is fp16 retyped after
         self.np, self.elem = np_dtype(self.dtype), ELEM[self.dtype]
+        # the weights' and float constants' dtype while the graph is made: a bf16 graph keeps them fp32 until
+        # after the passes (export.bfloat16.bf16_graph), so that each is rounded to bf16 once, folded or not
+        self.weights = np.dtype(np.float32) if dtype == "bf16" else np.dtype(self.np)
+        self.storage = self.weights                                # the matrices'
+        self.fp32: set[str] = set()                                # constants fp32 by design (bf16: kept so)
         self.nodes, self.inits, self.value_info, self.lazy = [], [], [], {}
         self.path, self._count, self._consts, self._provenance = "", {}, {}, {}
         self.shapes: dict = {}            # Reshape targets by their dims, and the batch / step lengths: made once
@@ -147,13 +155,24 @@ class _Graph:
         return self.node(op_type, inputs, [(out, shape, elem)], **attrs)[0]
 
     def const(self, value, dtype=None, name: str | None = None) -> str:
-        """An initializer holding `value` (the graph's float type unless dtype); small ones written once."""
-        value = np.asarray(value, dtype=self.np if dtype is None else dtype)
-        key = (value.dtype.str, value.shape, value.tobytes()) if value.size <= 16 and name is None else None
+        """An initializer holding `value` (the graph's float type unless dtype); small ones written once. In an
+        fp16 graph a finite weight past fp16's range is refused in one line naming it (it would be inf)."""
+        exact, by_design = value, dtype is not None and np.dtype(dtype) == np.float32 and self.dtype != "fp32"
+        with np.errstate(over="ignore" if self.target == "fp16" else "warn"):     # (fp16: refused below instead)
+            value = np.asarray(value, dtype=self.weights if dtype is None else dtype)
+        if dtype is None and self.target == "fp16" and not np.isfinite(value).all():
+            exact = np.abs(np.asarray(exact, np.float64))
+            if np.isfinite(exact).all():            # (a mask's -inf is meant)
+                from export.pipeline import FP16_MAX, BuildError
+                raise BuildError(f"{name or 'a constant'}: expected weights within fp16's range (|w| <= {FP16_MAX:g}) "
+                                 f"for --dtype fp16, found max |w| {exact.max():g}; build with --dtype fp32 or --dtype bf16")
+        key = (by_design, value.dtype.str, value.shape, value.tobytes()) if value.size <= 16 and name is None else None
         if key in self._consts:
             return self._consts[key]
         name = name or f"const_{len(self.inits)}"
         self.inits.append(numpy_helper.from_array(value, name))
+        if by_design:
+            self.fp32.add(name)
         if key is not None:
             self._consts[key] = name
         return name
@@ -235,8 +254,8 @@ def rope_tables(g: _Graph, kind: str, rotary, pos_ids: str, query: str) -> tuple
     inv_freq, long_inv_freq, _, _ = rope_frequencies(rotary.theta, rotary.dim, rotary.scaling)
     half = [B, T, rotary.dim // 2]
 
-    def table(freqs):       # the model's buffer in its dtype (an fp16 model holds fp16 frequencies), read as fp32
-        return g.const(freqs.numpy().astype(g.np).astype(np.float32), np.float32)
+    def table(freqs):       # the model's buffer in its dtype (an fp16 model holds fp16 frequencies; bf16 keeps
+        return g.const(freqs.numpy().astype(g.weights).astype(np.float32), np.float32)      # fp32 ones), read as fp32
     with g.module("rotary" if kind == "global" else "rotary_local"):
         freqs = table(inv_freq)
         if rotary.switch_after is not None:     # longrope: the long set once this call reaches past the switch
@@ -317,7 +336,7 @@ def _taper(g: _Graph, name: str, m: TaperNorm, x: str, shape: list) -> str:
         return g.op("Add", y, g.vector(f"{name}.bias"), shape=shape) if m.affine else y
 
     def linear():
-        scale = g.param(f"{name}.weight_tilde").astype(g.np) * g.np.type(m.c)      # [d], c * gamma~
+        scale = g.param(f"{name}.weight_tilde").astype(g.weights) * g.weights.type(m.c)      # [d], c * gamma~
         y = g.op("Mul", x, g.const(scale, name=f"{name}.scale"), shape=shape)
         return g.op("Add", y, g.vector(f"{name}.bias_tilde"), shape=shape) if m.affine else y
     if gate == 0.0:
@@ -501,7 +520,6 @@ def emit_graph(source, dtype: str = "fp32", attention: str = "plain", rmsnorm: s
     tensor is read (each is a Lazy in Emitted.lazy). attention: "plain" | "fused" (export_onnx's forms).
     rmsnorm: "op" (one RMSNormalization, the strongest baseline) | "naive" (its arithmetic as
     separate ops, what a hand-written RMSNorm exports as: bench's rmsnorm-plain)."""
-    from export.bfloat16 import retype
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; expected one of {', '.join(DTYPES)}")
     if attention not in ATTENTION:
@@ -528,6 +546,4 @@ def emit_graph(source, dtype: str = "fp32", attention: str = "plain", rmsnorm: s
                               producer_name="tapernorm.export.emit")
     for k, v in {**model_metadata(source.skeleton, dtype), META_PREFIX + "attention": attention}.items():
         proto.metadata_props.add(key=k, value=v)
-    if dtype == "bf16":
-        retype(proto)                   # fp16 types -> bf16 (the matrices' placeholders are bf16 already)
-    return Emitted(proto, g.lazy)
+    return Emitted(proto, g.lazy, frozenset(g.fp32) if dtype == "bf16" else frozenset())

@@ -287,6 +287,9 @@ def make_graph(source, report: BuildReport, fuse: bool, dtype: str, attention: s
         from export.quantize import quantize_weights
         proto, summary = quantize_weights(proto, quantize, lazy)
         report.quantized = {"file": quantize.file_name(), **asdict(summary)}
+    if dtype == "bf16":                 # the weights, folded in fp32, rounded to bf16 once
+        from export.bfloat16 import bf16_graph
+        proto = bf16_graph(proto, lazy, emitted.fp32)
     graph_stats(report, report_kind(fuse, quantize), proto)
     return proto, lazy
 
@@ -354,7 +357,8 @@ def write_graph(proto, lazy: dict, path: Path, log=print, groups: int = 0) -> in
             if w.group != group and log is not None and group is not None:
                 _log_group(log, group, groups, out.bytes)
             group = w.group
-            value = w.load()
+            with np.errstate(over="ignore" if w.dtype == np.float16 else "warn"):     # (fp16: refused below instead)
+                value = w.load()
             if value.dtype == np.float16 and not np.isfinite(value).all():
                 raise BuildError(f"{t.name}: expected weights within fp16's range (|w| <= {FP16_MAX:g}) for --dtype "
                                  "fp16, found one past it (after the fold); build with --dtype fp32 or --dtype bf16")

@@ -36,11 +36,12 @@ from models.layerwise import ModelParts
 def initializer_array(folder: Path, t: onnx.TensorProto) -> np.ndarray:
     """An initializer's values (4-bit types: their packed bytes), read from its external data file when it has one."""
     from onnx import numpy_helper
+    packed = t.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4)
     if t.data_location != onnx.TensorProto.EXTERNAL:
-        return _writable(numpy_helper.to_array(t))
+        values = numpy_helper.to_array(t)           # (4-bit types: one value an element, not their bytes)
+        return _packed(values) if packed else _writable(values)
     info = {e.key: e.value for e in t.external_data}
     dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
-    packed = t.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4)
     raw = np.memmap(folder / info["location"], dtype=np.uint8, mode="r", offset=int(info.get("offset", 0)),
                     shape=(int(info["length"]),))
     return np.array(raw) if packed else np.frombuffer(raw, dtype=dtype).reshape(tuple(t.dims)).copy()
@@ -48,6 +49,14 @@ def initializer_array(folder: Path, t: onnx.TensorProto) -> np.ndarray:
 
 def _writable(a: np.ndarray) -> np.ndarray:
     return a if a.flags.writeable else a.copy()
+
+
+def _packed(values: np.ndarray) -> np.ndarray:
+    """4-bit values as ONNX stores them: two a byte, element 2i in the low nibble (a 0 nibble after an odd count)."""
+    nibbles = values.reshape(-1).astype(np.int8).view(np.uint8) & 0x0F
+    if nibbles.size % 2:
+        nibbles = np.append(nibbles, np.uint8(0))
+    return nibbles[0::2] | (nibbles[1::2] << 4)
 
 
 def dequantized_rows(B: np.ndarray, scales: np.ndarray, k: int, bits: int, block: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from models.checkpoint import (CONFIG, WEIGHTS, CheckpointError, all_finite, apply_taper_state,
-                               read_checkpoint_config)
+                               check_checkpoint_tokenizer, read_checkpoint_config)
 from models.decoder import Block, Decoder, DecoderConfig
 
 
@@ -106,6 +106,7 @@ class WeightSource:
 
 def _checkpoint_source(path: Path, max_seq_len: int | None) -> WeightSource:
     raw, cfg = read_checkpoint_config(path, memory_check=False)
+    check_checkpoint_tokenizer(path, raw, cfg)        # as load_checkpoint: ids past the vocabulary crash generation
     where = path / WEIGHTS
     if not where.is_file():
         raise CheckpointError(f"{where}: missing; a checkpoint directory holds {WEIGHTS}")

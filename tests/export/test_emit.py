@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 import torch
 
-from export.emit import ModelWeights, emit_graph
+from export.emit import emit_graph
+from models.weights import model_weights as ModelWeights
 from tests.export.oracle import export_onnx
 from export.verify import compare, interface_mismatches, ort_session, read_interface, run_onnx, session_steps
 from graph_passes import passes_for, run_passes
@@ -222,24 +223,33 @@ def test_fp16_equals_export_sweep(name, attention):
     check_against_export(name, random_case(name), attention, "fp16")
 
 
-def test_bf16_is_the_fp16_graph_retyped_and_runs_widened():
-    """bf16: the fp16 emission retyped (export/bfloat16.py), its matrices bf16; widened, it computes the fp32
-    export's outputs within export.verify's bf16 tolerance (bf16 weights, fp32 arithmetic)."""
+def test_bf16_is_the_fp16_graph_retyped_with_each_weight_rounded_once_and_runs_widened():
+    """bf16: the fp16 emission's structure with every fp16 type bf16 (export.bfloat16.bf16_graph, after the
+    passes), its weights rounded to bf16 once from fp32 (the rope frequencies kept fp32); widened, it computes
+    the fp32 export's outputs within export.verify's bf16 tolerance (bf16 weights, fp32 arithmetic)."""
     import ml_dtypes
     from onnx import TensorProto
-    from export.bfloat16 import retype, widen
+    from export.bfloat16 import bf16_graph, retype, widen
     name = "learned-ln-post"
     model = random_case(name)
     bf16, fp16 = emit_graph(ModelWeights(model), "bf16"), emit_graph(ModelWeights(model), "fp16")
+    bf16_graph(bf16.proto, bf16.lazy, bf16.fp32)
     expected = retype(fp16.proto)
     for p in expected.metadata_props:
         if p.key == "tapernorm.dtype":
             p.value = "bf16"
-    assert bf16.proto.SerializeToString() == expected.SerializeToString()
+    structure = lambda m: [(n.op_type, list(n.input), list(n.output), [a.SerializeToString() for a in n.attribute])
+                           for n in m.graph.node]
+    assert structure(bf16.proto) == structure(expected)
+    assert [(t.name, t.data_type, list(t.dims)) for t in bf16.proto.graph.initializer] == \
+        [(t.name, t.data_type, list(t.dims)) for t in expected.graph.initializer]
     assert bf16.lazy.keys() == fp16.lazy.keys()
+    params = dict(model.named_parameters())
     for k, lazy in bf16.lazy.items():
         assert lazy.dtype == np.dtype(ml_dtypes.bfloat16) and lazy.shape == fp16.lazy[k].shape
-        assert lazy.key[:2] == (fp16.lazy[k].key[0], "bf16") and lazy.key[2:] == fp16.lazy[k].key[2:]
+        exact = params[lazy.key[0]].detach().numpy()          # the fp32 weight, rounded once
+        value = lazy.load()
+        assert np.array_equal(value, (exact.T if "T" in lazy.key else exact).astype(ml_dtypes.bfloat16))
     assert all(t.data_type != TensorProto.FLOAT16 for t in bf16.proto.graph.initializer)
     widened = widen(materialized(bf16.proto, bf16.lazy))
     ref = torch_graph(name, model)
