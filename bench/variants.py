@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core.outputs import replace_file_in, replaced_file_in, sign_onnx
+from core.outputs import replace_file_in
 from models.decoder import Decoder, DecoderConfig
 from models.fold import FOLDED_NORM_CLASSES, fold_norms
 from models.norms import DyT, LayerNorm, RMSNorm, TaperNorm
@@ -414,25 +414,14 @@ class ModelGraphs:
     def build(self, name: str, path: Path, fuse: bool, quantize=None) -> GraphInfo:
         """One graph of the model into the cache (fused, or for ONNX Runtime's attention the rewrite alone;
         quantized), verified unless the bench runs with --no-verify."""
-        import os
-        import shutil
-        import tempfile
-        from core.onnx_writer import data_file_name
+        from core.outputs import replaced_graph_in
         from export.pipeline import build_graph, report_kind
         o = self.options
         t0 = time.perf_counter()
-        # signed, replaced atomically (its weights' file, then the graph); a refused graph leaves no file. It is
-        # written under its own name in a folder of its own: the graph names its weights' file by that name.
-        with replaced_file_in(o.cache, path.name) as tmp, replaced_file_in(o.cache, data_file_name(path)) as tmp_data:
-            work = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=o.cache))
-            try:
-                report = build_graph(self.weights, work / path.name, fuse, o.attention, quantize, fold=fuse,
-                                     verify=o.verify, trained=self.trained, tokens=self.tokens, rmsnorm=self.rmsnorm)
-                info = self.info(report, report_kind(fuse, quantize), work / path.name, path, time.perf_counter() - t0)
-                os.replace(work / data_file_name(path), tmp_data)
-                os.replace(work / path.name, tmp)
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
+        with replaced_graph_in(o.cache, path.name) as tmp:     # signed, replaced atomically; a refused graph leaves none
+            report = build_graph(self.weights, tmp, fuse, o.attention, quantize, fold=fuse, verify=o.verify,
+                                 trained=self.trained, tokens=self.tokens, rmsnorm=self.rmsnorm)
+            info = self.info(report, report_kind(fuse, quantize), tmp, path, time.perf_counter() - t0)
         if quantize is not None:
             info.quantized = report.quantized["config"]
         write_meta(o.cache, path, info)

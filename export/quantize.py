@@ -35,13 +35,12 @@ import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from functools import partial
 
 import numpy as np
 import onnx
 
 from core.build_files import quantized_name
-from core.contract import INPUT_IDS, LOGITS
+from core.contract import LOGITS
 from core.errors import UsageError, UserError
 from core.onnx_writer import initializer_bytes
 

@@ -30,8 +30,7 @@ import onnx
 import onnxruntime as ort
 
 from core.build_files import TOKENIZER
-from core.contract import (CACHE_KINDS, LOGITS, DecodeContract, cache_name, check_external_data_file, contract_of, load_onnx,
-                           np_dtype, present_name)
+from core.contract import check_external_data_file, contract_of, load_onnx
 from core.errors import ArgumentParser, UserError, first_line, float_in, run_cli
 from export.conventions import Step, detect, interface_mismatches, run_onnx, session_steps  # noqa: F401
 
