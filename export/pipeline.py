@@ -126,19 +126,21 @@ class BuildReport:
 
 
 class Stages:
-    """Progress lines `[i/n] what` and per-stage timings, in the report."""
+    """Progress lines `[i/n] what` and per-stage timings, in the report (log None: the timings alone)."""
 
     def __init__(self, report: BuildReport, n: int, log):
         self.report, self.n, self.log, self.i = report, n, log, 0
 
     def start(self, msg: str) -> float:
         self.i += 1
-        self.log(f"[{self.i}/{self.n}] {msg}")
+        if self.log is not None:
+            self.log(f"[{self.i}/{self.n}] {msg}")
         return time.perf_counter()
 
     def done(self, key: str, t0: float, extra: str = "") -> None:
         self.report.timings_s[key] = round(time.perf_counter() - t0, 3)
-        self.log(f"      {self.report.timings_s[key]:.1f} s{extra}")
+        if self.log is not None:
+            self.log(f"      {self.report.timings_s[key]:.1f} s{extra}")
 
 
 # --- checks before any work ----------------------------------------------------------------------
@@ -432,8 +434,8 @@ def quantized_drift(float_runs, runs, agree: float, n: int, prompt: str) -> dict
             "top1_agreement": agree, "top1_positions": n, "top1_prompt": prompt}
 
 
-def verify_graph(source, path: Path, report: BuildReport, stages: Stages | None, dtype: str, quantize,
-                 tokens: list[int] | None, same_start: bool, trained: bool = True, log=print) -> None:
+def verify_graph(source, path: Path, report: BuildReport, stages: Stages, dtype: str, quantize,
+                 tokens: list[int] | None, same_start: bool, trained: bool = True) -> None:
     """The written graph against the torch reference, block by block (see the module doc); into
     report.max_abs_diff["graph_vs_torch"] (and report.quantized for a quantized graph)."""
     from core.contract import contract_of
@@ -441,30 +443,28 @@ def verify_graph(source, path: Path, report: BuildReport, stages: Stages | None,
     from export.verify import DEQUANTIZED, VerificationError, compare_sessions, ort_session
     from models.decoder import TORCH_DTYPES
     from models.layerwise import layerwise_run, used_slots
+    log = stages.log
     checked = checkable(path, report, log)
     iface = contract_of(checked)
     sessions = verification_sessions(iface, tokens, same_start=same_start)
     steps = [s for _, s in sessions]
-    quiet = None if stages is None else stages.log
     t0 = stages.start(f"torch reference, block by block ({len(sessions)} sessions: prefill + decode steps"
-                      f"{'; and with the graph dequantized weights' if quantize is not None else ''})") if stages else 0
+                      f"{'; and with the graph dequantized weights' if quantize is not None else ''})")
     # the reference computes in the graph's dtype; a bf16 graph is checked widened, so against fp32
     torch_dtype = TORCH_DTYPES["fp32" if dtype == "bf16" else dtype]
     agreement = agreement_steps(tokens, iface) if quantize is not None else []
-    runs_ref = layerwise_run(source, steps + agreement, torch_dtype, log=quiet)
+    runs_ref = layerwise_run(source, steps + agreement, torch_dtype, log=log)
     runs_ref, agreement_ref = runs_ref[:len(steps)], runs_ref[len(steps):]
     runs_deq = None
     if quantize is not None and quantize.algo == "rtn":
         from export.quant_reference import GraphWeights
-        if quiet is not None:
-            quiet("      and with the graph's dequantized weights:")
-        runs_deq = layerwise_run(source, steps, parts=GraphWeights(source, checked), log=quiet)
-    if stages is not None:
-        stages.done("reference", t0)
+        if log is not None:
+            log("      and with the graph's dequantized weights:")
+        runs_deq = layerwise_run(source, steps, parts=GraphWeights(source, checked), log=log)
+    stages.done("reference", t0)
     release_freed_memory()
     t0 = stages.start(f"verify {path.name} in ONNX Runtime vs the torch reference"
-                      f"{' with its dequantized weights; drift and top-1 vs the float model' if quantize else ''}") \
-        if stages else 0
+                      f"{' with its dequantized weights; drift and top-1 vs the float model' if quantize else ''}")
     sess = ort_session(checked)
     runs = [run_onnx(sess, iface, s, trim=used_slots(s)) for s in steps]
     agreement_runs = [run_onnx(sess, iface, s, trim=used_slots(s)) for s in agreement]
@@ -480,11 +480,11 @@ def verify_graph(source, path: Path, report: BuildReport, stages: Stages | None,
             raise
         # fp32 past the fixed tolerance: allow what torch's own fp32 rounding is on these inputs (float64 reference)
         exact64 = layerwise_run(source, steps, __import__("torch").float64)
-        results = compare_sessions(sessions, refs, runs, key, what, slacks=[_slack(r, e) for r, e in zip(refs, exact64)])
+        results = compare_sessions(sessions, refs, runs, key, what,
+                                   slacks=[rounding_slack_of(r, e) for r, e in zip(refs, exact64)])
         report.notes.append("fp32: compared with torch's own fp32 rounding as slack (a float64 reference was run)")
     report.max_abs_diff["graph_vs_torch"] = {c.what: c.max_abs_diff for c in results}
-    if stages is not None:
-        stages.done("verify", t0, f": max |d logits| {worst(report.max_abs_diff['graph_vs_torch'], 'logits'):.3g}")
+    stages.done("verify", t0, f": max |d logits| {worst(report.max_abs_diff['graph_vs_torch'], 'logits'):.3g}")
     if quantize is not None:
         text = agreement_ref or runs_ref, agreement_runs or runs       # real text when there is some
         _quantized_quality(report, quantize, runs_ref, runs, text, exact, trained, path.name, log)
@@ -492,8 +492,9 @@ def verify_graph(source, path: Path, report: BuildReport, stages: Stages | None,
         checked.unlink()                # our own temporary graph (the weights are the build's)
 
 
-def _slack(ref: list[dict], exact: list[dict]) -> dict[str, float]:
-    """Per output, FP32_ROUNDING_SLACK x max |reference fp32 - reference float64| over the steps."""
+def rounding_slack_of(ref: list[dict], exact: list[dict]) -> dict[str, float]:
+    """Per output, FP32_ROUNDING_SLACK x max |reference fp32 - reference float64| over a session's steps: what
+    rounding alone can move that output by on these inputs (export/verify.py)."""
     from export.verify import FP32_ROUNDING_SLACK
     out: dict[str, float] = {}
     for r32, r64 in zip(ref, exact):
@@ -614,8 +615,7 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
             report.quantized["weight_bytes_after"] = report.weight_bytes
         del proto, lazy
         stages.done("write", t0, f": {report.weight_bytes / 1e9:.2f} GB of weights")
-        verify_graph(source, tmp / name, report, stages, dtype, quantize, tokens, same_start=attention == "gqa",
-                     log=log)
+        verify_graph(source, tmp / name, report, stages, dtype, quantize, tokens, same_start=attention == "gqa")
         report.eps_approximation = _eps_approximation(source, tmp / name, tokens, attention == "gqa")
         if genai:
             report.genai = genai_files(stages, tmp, name, cfg, checkpoint, tokenizer, tokens)
@@ -702,8 +702,8 @@ def build_graph(source, path: Path, fuse: bool, attention: str = "plain", quanti
     report.timings_s["graph"] = round(time.perf_counter() - t0, 3)
     report.weight_bytes = write_graph(proto, lazy, Path(path), log=None)
     if verify:
-        verify_graph(source, Path(path), report, None, "fp32", quantize, tokens, same_start=attention == "gqa",
-                     trained=trained, log=None)
+        verify_graph(source, Path(path), report, Stages(report, 0, None), "fp32", quantize, tokens,
+                     same_start=attention == "gqa", trained=trained)
     return report
 
 

@@ -42,7 +42,6 @@ from core.contract import (CACHE_KINDS, INPUT_IDS, LOGITS, POSITION, DecodeContr
                            present_name)
 from core.decode import Step
 from export.emit import META_PREFIX, OPSET, model_metadata
-from export.verify import FP32_ROUNDING_SLACK
 from models.decoder import TORCH_DTYPES, Decoder
 
 DTYPES = ("fp32", "fp16")          # what torch exports (a bf16 graph: export/emit.py retypes the fp16 one)
@@ -200,10 +199,5 @@ def rounding_slack(model, iface: DecodeContract, steps: list[Step], fp32_runs: l
     can move that output by on these inputs (a float64 copy of the model, run once)."""
     import copy
     import torch
-    exact = run_torch(copy.deepcopy(model).double(), iface, steps, dtype=torch.float64)
-    out: dict[str, float] = {}
-    for r32, r64 in zip(fp32_runs, exact):
-        for name, value in r32.items():
-            diff = float(np.nanmax(np.abs(value.astype(np.float64) - r64[name]))) if value.size else 0.0
-            out[name] = max(out.get(name, 0.0), FP32_ROUNDING_SLACK * diff)
-    return out
+    from export.pipeline import rounding_slack_of
+    return rounding_slack_of(fp32_runs, run_torch(copy.deepcopy(model).double(), iface, steps, dtype=torch.float64))
