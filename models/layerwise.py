@@ -8,7 +8,7 @@ the memory-mapped checkpoint, models/weights.py) are alive at a time, and what i
 between blocks is the hidden state of every step (a few tokens) and the cache slots the
 steps wrote. The result is the same computation as Decoder.forward over a cache, step by
 step (the steps of a session are fixed in advance, teacher-forced, so they do not depend on
-the outputs). Used by the streamed build's verification (export/stream.py).
+the outputs). Used by every build's verification (export/pipeline.py).
 """
 from __future__ import annotations
 

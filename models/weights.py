@@ -6,8 +6,8 @@
     source.tensor("wte.weight")                # one fp32 tensor, our name
     source.rows("wte.weight", 0, 1024)         # its rows [0, 1024) (our checkpoint: only those are read)
 
-The streamed build (export/stream.py) and the layer-by-layer reference (models/layerwise.py)
-read real-size models through this: safetensors files are opened with safe_open (memory
+The build (export/emit.py's Lazy weights, written by export/pipeline.py) and the layer-by-layer
+reference (models/layerwise.py) read models of every size through this: safetensors files are opened with safe_open (memory
 mapped: a tensor is read when asked for), pytorch_model.bin with torch.load(mmap=True,
 weights_only=True). Hugging Face names and layouts are mapped with models/convert.py's table
 (`expected_params`), checked against the files' headers before any tensor is read (names,
