@@ -54,20 +54,23 @@ def val_metrics(sess, iface, seqs) -> tuple[float, list[np.ndarray]]:
     return nll / n, argmax
 
 
+GREEDY_TOKENS = 128            # length of the greedy run the top-1 agreement is taken over
+
+
 def evaluate_kind(kind: str, dtypes: list[str], stories: int, log=print, **quant) -> dict:
     """`quant`: QuantConfig fields other than dtype (block_size, accuracy_level, algo)."""
-    from export.onnx_export import export_onnx
+    from export.emit import emit_graph
     from export.pipeline import REAL_TEXT
-    from export.quantize import GREEDY_TOKENS, QuantConfig, fit_prompt, quantize_weights, top1_agreement
+    from export.quantize import QuantConfig, quantize_weights
     from export.verify import ort_session, read_interface
     from graph_passes import DEFAULT_PASSES, run_passes
-    from models.checkpoint import load_checkpoint, load_tokenizer
-    import tempfile
+    from graph_passes.lazy import materialized
+    from models.checkpoint import load_tokenizer
+    from models.weights import open_weights
     t0 = time.perf_counter()
-    model = load_checkpoint(ZOO / kind)
+    emitted = emit_graph(open_weights(ZOO / kind))
     tok = load_tokenizer(ZOO / kind)
-    with tempfile.TemporaryDirectory() as tmp:
-        proto = export_onnx(model, Path(tmp) / "model.onnx")
+    proto = materialized(emitted.proto, emitted.lazy)        # a 1M model: its weights in memory
     graphs = {"fused": run_passes(proto, DEFAULT_PASSES)[0], "unfolded": run_passes(proto, ("fold_constants",))[0]}
     iface = read_interface(proto)
     prompt = fit_prompt([i for i in tok.encode(REAL_TEXT).ids if i < iface.vocab_size], iface, GREEDY_TOKENS)
@@ -91,6 +94,19 @@ def evaluate_kind(kind: str, dtypes: list[str], stories: int, log=print, **quant
     out["seconds"] = round(time.perf_counter() - t0, 1)
     log(f"  {kind}: {out['seconds']:.0f} s")
     return out
+
+
+def top1_agreement(ref_sess, sess, iface, prompt: list[int], n: int = GREEDY_TOKENS) -> tuple[float, int]:
+    """core.decode.top1_agreement of two ONNX Runtime sessions: the share of n greedy tokens of
+    the reference after `prompt` whose argmax the other graph agrees with, teacher-forced, and n."""
+    from core.decode import graph_step, top1_agreement as agreement
+    return agreement(graph_step(ref_sess), graph_step(sess), iface, prompt, n)
+
+
+def fit_prompt(tokens: list[int], iface, n: int = GREEDY_TOKENS) -> list[int]:
+    """The real-text prompt, cut so that prompt + n greedy tokens fit the cache (at least 1 token)."""
+    keep = max(1, min(len(tokens), iface.capacity - n))
+    return list(tokens[:keep])
 
 
 def markdown(rows: list[dict]) -> str:

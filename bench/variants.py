@@ -15,9 +15,9 @@
     | all-taper-fused         | all-taper      | graph_passes                             | scales folded, final included       |
     | dyt                     | dyt            | graph_passes (gamma/beta folded)         | tanh(alpha x) left, gamma/beta folded |
 
-ONNX files come from export.pipeline's stages (ModelStages: export, fuse, quantize, each
-verified as export.build verifies it, unless the bench runs with --no-verify), written
-into the build cache by core.outputs and core.onnx_writer. The torch variants fold with
+ONNX files come from export.pipeline's graph stages (build_graph: emitted, folded, quantized,
+written, each verified as export.build verifies it, unless the bench runs with --no-verify),
+written into the build cache by core.outputs and core.onnx_writer. The torch variants fold with
 models.fold.fold_norms.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core.outputs import replace_file_in, replaced_file_in, sign_onnx
+from core.outputs import replace_file_in
 from models.decoder import Decoder, DecoderConfig
 from models.fold import FOLDED_NORM_CLASSES, fold_norms
 from models.norms import DyT, LayerNorm, RMSNorm, TaperNorm
@@ -194,8 +194,10 @@ def naive_rmsnorm(model: Decoder) -> Decoder:
     return model.eval()
 
 
-# Variant.transform -> the model transform (a copy; the trained model is left as it is)
+# Variant.transform -> the model transform (a copy; the trained model is left as it is), for the torch
+# runners; the ONNX graph of a transform is the emitter's form of the same model (export/emit.py `rmsnorm`)
 TRANSFORMS = {"naive-rmsnorm": naive_rmsnorm}
+RMSNORM_FORMS = {"naive-rmsnorm": "naive"}
 
 
 def transformed(variant: Variant, model: Decoder) -> Decoder:
@@ -262,7 +264,7 @@ class GraphInfo:
     nodes: int
     norm_nodes: dict[str, str]
     op_counts: dict[str, int]
-    export_s: float
+    export_s: float                 # emitting the graph (and recording its folds)
     build_s: float
     built_by: str                   # build_fingerprint() of the code that built it
     verified: dict | None = None    # export's checks (verification()); None: built with --no-verify
@@ -276,17 +278,16 @@ class GraphInfo:
         return cls(**{k: data.get(k) for k in cls.__dataclass_fields__ if k in data})
 
 
-def verification(graph, verify: bool) -> dict | None:
-    """What export's checks of one graph found (export.pipeline.StageGraph): the tolerance, the
-    worst logits / any-output diff per compared pair, and a quantized graph's drift (top-1
-    agreement included); None when verification is off."""
+def verification(report, kind: str, verify: bool) -> dict | None:
+    """What export's checks of one graph found (its export.pipeline.BuildReport): the tolerance, the
+    worst logits / any-output diff, and a quantized graph's drift (top-1 agreement included); None
+    when verification is off."""
     from export.pipeline import worst
     from export.quantize import MIN_TOP1
-    from export.verify import ATOL, SCALE_TOL
     if not verify:
         return None
-    r, key = graph.report, graph.kind if graph.kind in MIN_TOP1 else "fp32"
-    tolerance = {"dtype": key, "atol": ATOL[key], "scale_tol": SCALE_TOL[key]}
+    r, key = report, kind if kind in MIN_TOP1 else "fp32"
+    tolerance = {"dtype": key, "atol": r.atol, "scale_tol": r.scale_tol}
     out = {"tolerance": tolerance,
            "logits_max_abs_diff": {pair: worst(per, "logits") for pair, per in r.max_abs_diff.items()},
            "max_abs_diff": {pair: worst(per) for pair, per in r.max_abs_diff.items()}}
@@ -377,16 +378,18 @@ def one_line_errors(label: str):
 
 
 class ModelGraphs:
-    """The graphs of one model (a kind, transformed): one export shared by its variants, each
-    variant's graph from it, the quantized graphs of the fused ones; cache entries reused."""
+    """The graphs of one model (a kind, transformed): each variant's graph and the quantized graphs of the
+    fused ones, each emitted from the model (export.pipeline.build_graph); cache entries reused."""
 
-    def __init__(self, options: BuildOptions, model: Decoder, source: str, tokenizer: Path | None, log):
-        from export.pipeline import ModelStages
+    def __init__(self, options: BuildOptions, model: Decoder, source: str, tokenizer: Path | None, rmsnorm: str,
+                 log):
+        from export.pipeline import real_tokens
+        from models.weights import model_weights
         self.options, self.source, self.log, self.params = options, source, log, model.num_params()
+        self.weights, self.rmsnorm = model_weights(model), rmsnorm
+        self.tokens = real_tokens(tokenizer, model.cfg.vocab_size)
         # a random-init model's int4 top-1 agreement is ~20 % whatever the graph: its floor is reported only
-        self.stages = ModelStages(model, tokenizer, options.attention, options.verify,
-                                  trained=not source.startswith("random:"))
-        self.export = None                       # the export's StageGraph, once made
+        self.trained = not source.startswith("random:")
 
     def path(self, name: str) -> Path:
         o = self.options
@@ -399,58 +402,51 @@ class ModelGraphs:
         path, o = self.path(v.name), self.options
         with one_line_errors(f"{o.size} {v.name}"):
             info = _cached(path.with_suffix(".json"), f"{o.size} {v.name}", self.log, o.verify)
-            proto = None
             if info is None:
-                proto, info = self.build(v, path)
+                info = self.build(v.name, path, v.fuse)
+                self.log(f"  built {o.size} {v.name} ({self.source.split(' ')[0]}): {info.nodes} nodes in "
+                         f"{info.build_s:.1f} s, {verified_line(info.verified)}")
             out = {v.name: info}
             for dtype in [d for d in o.dtypes if d != "fp32" and v.fuse]:
-                out[quantized_name(v.name, dtype)] = self.quantized(v.name, path, proto, dtype, info)
+                out[quantized_name(v.name, dtype)] = self.quantized(v.name, path, dtype)
         return out
 
-    def build(self, v: Variant, path: Path):
-        """The variant's graph: the shared export, then (fused, or for ONNX Runtime's attention) the fuse stage."""
+    def build(self, name: str, path: Path, fuse: bool, quantize=None) -> GraphInfo:
+        """One graph of the model into the cache (fused, or for ONNX Runtime's attention the rewrite alone;
+        quantized), verified unless the bench runs with --no-verify."""
+        from core.outputs import replaced_graph_in
+        from export.pipeline import build_graph, report_kind
+        o = self.options
         t0 = time.perf_counter()
-        if self.export is None:
-            self.export = self.stages.export()
-        export_s = time.perf_counter() - t0
-        graph = self.export
-        if v.fuse or self.options.attention == "gqa":       # gqa: the unfused graphs get ORT's attention too
-            graph = self.stages.fuse(self.export.proto, fold=v.fuse)
-        from core.onnx_writer import save_onnx
-        with replaced_file_in(self.options.cache, path.name) as tmp:      # signed, replaced atomically
-            save_onnx(sign_onnx(graph.proto), tmp)
-        info = self.info(graph, path, export_s, time.perf_counter() - t0)
-        write_meta(self.options.cache, path, info)
-        self.log(f"  built {self.options.size} {v.name} ({self.source.split(' ')[0]}): {info.nodes} nodes in "
-                 f"{info.build_s:.1f} s, {verified_line(info.verified)}")
-        return graph.proto, info
+        with replaced_graph_in(o.cache, path.name) as tmp:     # signed, replaced atomically; a refused graph leaves none
+            report = build_graph(self.weights, tmp, fuse, o.attention, quantize, fold=fuse, verify=o.verify,
+                                 trained=self.trained, tokens=self.tokens, rmsnorm=self.rmsnorm)
+            info = self.info(report, report_kind(fuse, quantize), tmp, path, time.perf_counter() - t0)
+        if quantize is not None:
+            info.quantized = report.quantized["config"]
+        write_meta(o.cache, path, info)
+        return info
 
-    def quantized(self, name: str, path: Path, proto, dtype: str, fp32: GraphInfo) -> GraphInfo:
+    def quantized(self, name: str, path: Path, dtype: str) -> GraphInfo:
         """The fused graph's weights in `dtype` (export.quantize: rtn, block 32, accuracy level 4), built once."""
-        from core.contract import load_onnx
         from export.quantize import QuantConfig
         qname = quantized_name(name, dtype)
         qpath = path.with_name(path.name.replace(f"-{name}-", f"-{qname}-"))
         info = _cached(qpath.with_suffix(".json"), qname, self.log, self.options.verify)
-        if info is not None:
-            return info
-        t0 = time.perf_counter()
-        with replaced_file_in(self.options.cache, qpath.name) as tmp:    # a refused graph leaves no file
-            graph = self.stages.quantize(proto if proto is not None else load_onnx(path), QuantConfig(dtype), tmp)
-        info = self.info(graph, qpath, fp32.export_s, time.perf_counter() - t0)
-        info.quantized = graph.report.quantized["config"]
-        write_meta(self.options.cache, qpath, info)
-        s = graph.report.quantized
-        self.log(f"  built {qname}: {s['matmuls_quantized']} MatMulNBits in {info.build_s:.1f} s, "
-                 f"{verified_line(info.verified)}")
+        if info is None:
+            info = self.build(qname, qpath, True, QuantConfig(dtype))
+            self.log(f"  built {qname}: {info.op_counts.get('MatMulNBits', 0)} MatMulNBits in {info.build_s:.1f} s, "
+                     f"{verified_line(info.verified)}")
         return info
 
-    def info(self, graph, path: Path, export_s: float, build_s: float) -> GraphInfo:
+    def info(self, report, kind: str, written: Path, path: Path, build_s: float) -> GraphInfo:
+        import onnx
         from core.onnx_writer import initializer_bytes
-        return GraphInfo(str(path), self.source, initializer_bytes(graph.proto, per_step=True), self.params,
-                         len(graph.proto.graph.node), norm_nodes(graph.proto), graph.report.op_counts[graph.kind],
-                         round(export_s, 2), round(build_s, 2), build_fingerprint(),
-                         verification(graph, self.options.verify))
+        proto = onnx.load(str(written), load_external_data=False)        # the structure: sizes are in the dims
+        return GraphInfo(str(path), self.source, initializer_bytes(proto, per_step=True), self.params,
+                         len(proto.graph.node), norm_nodes(proto), report.op_counts[kind],
+                         round(report.timings_s.get("graph", 0.0), 2), round(build_s, 2), build_fingerprint(),
+                         verification(report, kind, self.options.verify))
 
 
 def write_meta(cache: Path, path: Path, info: GraphInfo) -> None:
@@ -476,7 +472,7 @@ def build_onnx(size: str, variants: list[str], capacity: int, cache: Path, seed:
         model, source = base(v.kind)
         if v.model_key not in graphs:
             tokenizer = ZOO / v.kind / "tokenizer.json" if source.startswith("zoo:") else None
-            graphs[v.model_key] = ModelGraphs(options, transformed(v, model), source,
-                                              tokenizer if tokenizer and tokenizer.is_file() else None, log)
+            graphs[v.model_key] = ModelGraphs(options, model, source, tokenizer if tokenizer and tokenizer.is_file()
+                                              else None, RMSNORM_FORMS.get(v.transform, "op"), log)
         out.update(graphs[v.model_key].variant(v))
     return out

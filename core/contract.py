@@ -1,6 +1,6 @@
 """The decode-step contract: graph I/O names, dims, dtypes and cache capacity, read in one place.
 
-One graph serves prefill and decode (export/onnx_export.py writes it):
+One graph serves prefill and decode (export/emit.py writes it):
 
     inputs   input_ids   int64 [batch, seq]
              position    int64 [batch]                      cache slot of each sequence's first new token

@@ -1,13 +1,15 @@
 """bf16 graphs: made from the fp16 graph's structure, checked on a CPU that has no bf16 arithmetic.
 
+    bf16_graph(proto, lazy, keep)        # an emitted bf16 graph after its passes: fp16 types -> bf16, weights fp32 -> bf16
     retype(proto, FLOAT16, BFLOAT16)     # every fp16 type, Cast target and constant -> bf16
     widened_copy(path)                   # beside path: the same graph computing in fp32 (for ORT CPU)
 
 Why from fp16: bf16 and fp16 are both 2-byte floats, and the torch model exported at fp16
 already keeps in fp32 what must stay fp32 (softmax statistics, rope angles where the model
 computes them so); exporting bf16 again would trace the same graph with another element type.
-The weights themselves never pass through fp16: the streamed build (export/stream.py) casts each
-folded fp32 matrix straight to bf16 as it writes it.
+The weights themselves never pass through fp16: export/emit.py keeps them fp32 through the passes
+(the folds computed on the checkpoint's values) and bf16_graph rounds each to bf16 once, a matrix
+when it is written.
 
 Why widened: ONNX Runtime's CPU kernels have no bf16 MatMul, Add, Mul, Softmax, ... (checked on
 ORT 1.32: only Cast, Concat and the other data-movement ops take bf16), so a bf16 graph cannot run
@@ -62,10 +64,29 @@ def retype_graph(graph: onnx.GraphProto, src: int, dst: int, initializers: bool)
         for init in graph.initializer:
             if init.data_type != src:
                 continue
-            if init.dims and (init.HasField("raw_data") or len(init.int32_data)):
+            if init.HasField("raw_data") or len(init.int32_data):     # scalars too: their bits are fp16's
                 init.CopyFrom(convert_tensor(init, dst))
             else:
-                init.data_type = dst        # data not written yet (a streamed plan), or empty
+                init.data_type = dst        # data not written yet (a weight computed when written), or empty
+
+
+def bf16_graph(proto: onnx.ModelProto, lazy: dict, keep: frozenset) -> onnx.ModelProto:
+    """An emitted bf16 graph, after its passes (export/emit.py): the fp16 graph's types made bf16, and every
+    float weight and constant, fp32 until now, rounded to bf16 once (`keep`: constants fp32 by design, the rope
+    frequencies); a Lazy weight (its fold included) when it is written. In place; `lazy` updated."""
+    from graph_passes.lazy import Lazy, is_placeholder
+    retype_graph(proto.graph, FLOAT16, BFLOAT16, initializers=True)
+    bf16 = np.dtype(NP[BFLOAT16])
+    for init in proto.graph.initializer:
+        if init.data_type != FLOAT or init.name in keep:
+            continue
+        if is_placeholder(init):
+            w = lazy[init.name]
+            lazy[init.name] = Lazy(w.shape, bf16, lambda w=w: w.load().astype(bf16), w.key + ("bf16",), w.group)
+            init.data_type = BFLOAT16
+        else:
+            init.CopyFrom(convert_tensor(init, BFLOAT16))
+    return proto
 
 
 def retype(proto: onnx.ModelProto, src: int = FLOAT16, dst: int = BFLOAT16) -> onnx.ModelProto:

@@ -1,32 +1,34 @@
 """python -m export.build [--fuse] [--checkpoint DIR] [--out DIR] [--dtype fp32|fp16|bf16] [--triton-repo DIR]
                         [--quantize int8|int4 [--block-size N] [--accuracy-level N] [--algo rtn|hqq] [--head int8|int4|fp32] [--int8-layers NAMES]]
-                        [--target auto|ort-cpu|portable] [--attention plain|fused|gqa] [--genai] [--route auto|in-memory|streamed]
+                        [--target auto|ort-cpu|portable] [--attention plain|fused|gqa] [--genai]
 
 --target picks the graph for the runtime it will run on (export/target.py): by default (auto) the
 ONNX Runtime CPU graph with GroupQueryAttention, the fastest there, where the model and options allow
 it and this machine has no TensorRT; else the portable graph (ONNX ops only, for TensorRT and every
 other runtime). The build's last line says which graph is for which runtime.
 
-checkpoint ──export──▶ model.onnx ──verify vs torch──▶ [graph_passes ──▶ model.fused.onnx ──verify──▶] report.json
+checkpoint ──emit──▶ graph ──[graph_passes: fold ─▶ quantize]──▶ write, weight by weight ──▶ verify vs torch ──▶ report.json
 
-Writes into OUT (default build/<checkpoint name>/):
-    model.onnx         the unfused export (TaperNorm at g=0 as Mul by a constant vector)
+One route for every size (export/pipeline.py): the graph is emitted from the model's spec (export/emit.py),
+the passes fold and quantize each weight as it is written, and the written graph is verified against the
+torch reference run block by block. Writes into OUT (default build/<checkpoint name>/) one graph:
+    model.onnx         without --fuse: the graph as trained (a TaperNorm at g = 0 as a Mul by a constant vector)
     model.fused.onnx   with --fuse: scales and norm gammas folded into the MatMul weights
-    model.int4.onnx    with --fuse --quantize int4 (or model.int8.onnx): the folded weights
-                       quantized (export/quantize.py), verified against model.fused.onnx
-    model.genai.onnx   with --fuse --genai: the folded GroupQueryAttention graph (or its --quantize
-    genai_config.json  graph) with ONNX Runtime GenAI's I/O, the folder then loads in og.Model(OUT)
-    tokenizer_config.json  (export/genai.py); --genai implies --attention gqa
+    model.int4.onnx    with --fuse --quantize int4 (or model.int8.onnx): the folded weights quantized
+                       (ONNX Runtime's MatMulNBits, export/quantize.py) instead
+    model.genai.onnx   with --fuse --genai: that graph with ONNX Runtime GenAI's I/O, the folder then loads in
+    genai_config.json  og.Model(OUT) (export/genai.py); --genai implies --attention gqa
+    tokenizer_config.json
     config.json        copied from the checkpoint (the converted one for a Hugging Face folder)
     tokenizer.json     copied from the checkpoint (absent when it has none)
-    report.json        op counts before/after, folded layers, max diffs, timings (docs/export.md)
+    report.json        op counts, folded layers, max diffs, memory estimate, timings (docs/export.md)
+(a graph whose weights reach 2 GB keeps them in <graph>.data beside it).
 
---checkpoint may name a Hugging Face model folder (gpt2, llama, mistral, qwen2):
-it is converted in memory (models/convert.py; `python -m models.convert` saves
-the checkpoint instead). The stages live in export/pipeline.py. OUT is written into a temporary sibling and
-swapped into place at the end, and replaced only when it is an earlier build.
---triton-repo runs `python -m runtime.triton repo` on the finished build: the
-repository belongs to the runtime layer above, so it is wired here, in the CLI.
+--checkpoint may name a Hugging Face model folder (models/convert.py: its tensors are mapped as they
+are read; `python -m models.convert` saves the checkpoint instead). OUT is written into a temporary
+sibling and swapped into place at the end, and replaced only when it is an earlier build.
+--triton-repo runs `python -m runtime.triton repo` on the finished build: the repository belongs to the
+runtime layer above, so it is wired here, in the CLI.
 """
 from __future__ import annotations
 
@@ -44,7 +46,6 @@ from export.target import TARGETS, resolve_target
 from export.quantize import (ALGOS, BLOCK_SIZES, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, HEAD_DTYPES, QUANT_BITS,
                              QuantConfig)
 
-ROUTES = ("auto", "in-memory", "streamed")
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "models" / "zoo" / "internal-taper"
 
 
@@ -54,10 +55,10 @@ def _parser() -> ArgumentParser:
                     help="checkpoint directory or Hugging Face model folder (default: the bundled models/zoo/internal-taper)")
     ap.add_argument("--out", type=Path, default=None,
                     help="output directory (default: build/<checkpoint name>/); replaced only if it is an earlier build")
-    ap.add_argument("--fuse", action="store_true", help="also fold norms/scales into weights (model.fused.onnx)")
+    ap.add_argument("--fuse", action="store_true", help="fold norms/scales into weights (model.fused.onnx)")
     ap.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32",
-                    help="the graph's float type; bf16 (for GPUs and TensorRT; ONNX Runtime's CPU has no bf16 "
-                         "kernels) is built by the streamed route")
+                    help="the graph's float type; bf16 is for GPUs and TensorRT (ONNX Runtime's CPU has no bf16 "
+                         "kernels: the build verifies it widened)")
     ap.add_argument("--target", choices=TARGETS, default="auto",
                     help="ort-cpu: the graphs get ONNX Runtime's GroupQueryAttention (the fastest CPU graph, ONNX "
                          "Runtime only); portable: ONNX ops only (TensorRT and other runtimes); auto (default): "
@@ -67,8 +68,8 @@ def _parser() -> ArgumentParser:
                          "Attention op per layer (opset 24, portable; ONNX Runtime runs it as one kernel); gqa (with "
                          "--fuse): ONNX Runtime's GroupQueryAttention with Q/K/V in one MatMul (--target ort-cpu)")
     ap.add_argument("--quantize", choices=tuple(QUANT_BITS), default=None,
-                    help="with --fuse: also write model.<int8|int4>.onnx, the folded weights quantized "
-                         "(weight-only, ONNX Runtime MatMulNBits)")
+                    help="with --fuse: write model.<int8|int4>.onnx, the folded weights quantized "
+                         "(weight-only, ONNX Runtime MatMulNBits), instead of model.fused.onnx")
     ap.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=DEFAULT_BLOCK_SIZE,
                     help=f"--quantize: weights per scale (default {DEFAULT_BLOCK_SIZE})")
     ap.add_argument("--accuracy-level", type=int_in(0, 4), default=DEFAULT_ACCURACY_LEVEL,
@@ -82,11 +83,6 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--int8-layers", type=_names, default=(), metavar="NAME[,NAME...]",
                     help="--quantize int4: layers kept in int8, by module name or its last part, e.g. "
                          "v_proj,down_proj (llama.cpp's Q4_K_M keeps attention V and the MLP down in more bits)")
-    ap.add_argument("--route", choices=ROUTES, default="auto",
-                    help="in-memory: the whole model held (every stage on the graph, model.onnx and model.fused.onnx); "
-                         "streamed: weights read, folded and written block by block into one graph "
-                         "(model.fused.onnx, or model.<q>.onnx with --quantize), for models too large to hold; "
-                         "auto (default): in-memory when its memory estimate fits, else streamed")
     ap.add_argument("--genai", action="store_true",
                     help="with --fuse: also make OUT a folder ONNX Runtime GenAI loads as it is (og.Model(OUT)): "
                          "model.genai.onnx (the folded GroupQueryAttention graph, or the --quantize one, with GenAI's "
@@ -114,14 +110,8 @@ def run(argv: list[str]) -> int:
     opened = functools.cache(lambda: _open_weights(ckpt))      # read once, by whichever step needs it first
     target = _target(args, opened)
     check_options(quantize, args.genai, args.fuse, args.dtype, target.attention)
-    source = _streamed(args.route, opened, args.dtype)
-    if source is not None:
-        from export.streamed import build_streamed
-        build_streamed(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=target.attention, source=source,
-                       genai=args.genai, target_why=target.why)
-    else:
-        build(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=target.attention, genai=args.genai,
-              target_why=target.why)
+    build(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=target.attention, genai=args.genai,
+          target_why=target.why, source=opened())
     if args.triton_repo is not None:
         return _write_triton_repo(out, args.triton_repo)
     return 0
@@ -181,28 +171,6 @@ def _quant_config(args) -> QuantConfig | None:
                              "add --quantize int4 (or drop the option)")
         return None
     return QuantConfig(args.quantize, args.block_size, args.accuracy_level, args.algo, args.head, args.int8_layers)
-
-
-def _streamed(route: str, opened, dtype: str):
-    """The opened weights (models.weights.WeightSource) when the build streams: asked for, bf16, or
-    (auto) the in-memory build would not fit here; else None. Opened once: the streamed build reuses them."""
-    if route == "in-memory" and dtype == "bf16":
-        raise UsageError("--dtype bf16: expected --route streamed or auto (bf16 graphs are written by the streamed "
-                         "build, each weight cast from fp32 once); drop --route in-memory")
-    if route == "in-memory":
-        return None
-    from core.inputs import available_memory, human_bytes
-    from export.streamed import in_memory_peak
-    source = opened()
-    if route == "streamed" or dtype == "bf16":
-        return source
-    cfg, avail = source.cfg, available_memory()
-    if avail is None or in_memory_peak(cfg) <= avail:
-        return None
-    print(f"note: {cfg.approx_param_count() / 1e9:.2f}B parameters: the in-memory build would need "
-          f"~{human_bytes(in_memory_peak(cfg))}, {human_bytes(avail)} available; streaming the weights "
-          "(--route streamed)")
-    return source
 
 
 def _names(text: str) -> tuple[str, ...]:

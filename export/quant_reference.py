@@ -1,7 +1,7 @@
 """The torch reference of a quantized graph: the folded model with each quantized weight replaced by
-exactly what the graph's blocks hold (dequantized), read one block at a time.
+exactly what the written graph's blocks hold (dequantized), read one block at a time.
 
-    parts = QuantizedParts(source, plan)                  # plan: export.stream.GraphPlan with --quantize
+    parts = GraphWeights(source, path)                    # path: the written model.<int8|int4>.onnx
     layerwise_run(source, sessions, parts=parts)          # models/layerwise.py
 
 Against the float model a quantized graph drifts by what rounding costs, which depends on the
@@ -9,113 +9,163 @@ model (a trained one keeps its top-1 choices; a random-init one of real size doe
 logits move by half their scale) and so cannot tell a correct graph from a broken one. Against
 this reference the only difference left is how the kernels compute (MatMulNBits' int8
 activations at accuracy level 4, summation order), so a wrong block layout, axis, scale or
-table shows as a difference of the outputs' own size. The blocks are those of ONNX Runtime's
-quantizer run on each matrix alone (export/stream.py `quantize_one`), dequantized here:
+table shows as a difference of the outputs' own size. The blocks are read from the graph file
+itself (its external data, memory-mapped), by the layer each quantized node computes (the node's
+provenance, graph_passes.base.PassContext.layer_name), and dequantized (export/rtn.py):
 
-    MatMulNBits   B [N, K/block, block * bits / 8], scales [N, K/block]: w = (q - 2^(bits-1)) * scale
-    Gather (int4) data [V, d] signed int4, scales [V, d/block]:        e = q * scale
+    MatMulNBits           B [N, K/block, blob], scales [N, K/block]: w = (q - 2^(bits-1)) * scale
+    GatherBlockQuantized  int4 data [V, d] and scales, or the head's MatMulNBits blocks (a tied table)
 
-Zero points (asymmetric, --algo hqq) are not followed: such graphs are checked against the
-float model only (export/streamed.py says so).
+The rest of the model (norms, biases) is folded as the graph passes fold it, by models/fold.py, the
+torch-side reference of those passes. Zero points (asymmetric, --algo hqq) are not followed: such
+graphs are checked against the float model only (export/pipeline.py says so).
 """
 from __future__ import annotations
 
-import numpy as np
-import torch
-from onnx import numpy_helper
+import copy
+from pathlib import Path
 
+import numpy as np
+import onnx
+import torch
+
+from core.contract import INPUT_IDS
 from models.layerwise import ModelParts
 
 
-class UnsupportedDequantization(Exception):
-    """Blocks this module does not dequantize (zero points)."""
+def initializer_array(folder: Path, t: onnx.TensorProto) -> np.ndarray:
+    """An initializer's values (4-bit types: their packed bytes), read from its external data file when it has one."""
+    from onnx import numpy_helper
+    packed = t.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4)
+    if t.data_location != onnx.TensorProto.EXTERNAL:
+        values = numpy_helper.to_array(t)           # (4-bit types: one value an element, not their bytes)
+        return _packed(values) if packed else _writable(values)
+    info = {e.key: e.value for e in t.external_data}
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
+    raw = np.memmap(folder / info["location"], dtype=np.uint8, mode="r", offset=int(info.get("offset", 0)),
+                    shape=(int(info["length"]),))
+    return np.array(raw) if packed else np.frombuffer(raw, dtype=dtype).reshape(tuple(t.dims)).copy()
 
 
-def dequantize(x: np.ndarray, op: str, bits: int, qcfg) -> np.ndarray:
-    """What the graph holds for the float matrix `x` after quantization, in x's own layout for a
-    table (op Gather, MatMulT: x is E [V, d]) and transposed for a MatMul weight (x [K, N] ->
-    [N, K], nn.Linear's layout)."""
-    from export.stream import Quantized, quantize_one
-    out = quantize_one(x, Quantized("", op, 0, bits), qcfg)
-    if 3 in out:
-        raise UnsupportedDequantization("zero points")
-    if op == "Gather":
-        data = numpy_helper.to_array(out[0]).astype(np.float32)                  # [V, d]
-        scales = numpy_helper.to_array(out[2]).astype(np.float32)                # [V, d / block]
-        data *= np.repeat(scales, qcfg.block_size, axis=1)[:, :data.shape[1]]    # in place: a real table is GBs
-        return data
-    blocks = numpy_helper.to_array(out[1])                                        # [N, K/block, blob] uint8
-    n, k_blocks, _ = blocks.shape
-    if bits == 4:      # two values a byte, the low nibble first
-        q = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(n, k_blocks, -1)
-    else:
-        q = blocks
-    scales = numpy_helper.to_array(out[2]).astype(np.float32).reshape(n, k_blocks)
-    w = q.astype(np.float32)                                                      # [N, K/block, block]
-    w -= 1 << (bits - 1)                                  # in place, as (q - 2^(bits-1)) * scale: no more copies
-    w *= scales[:, :, None]
-    k = x.shape[1] if op == "MatMulT" else x.shape[0]
-    return w.reshape(n, -1)[:, :k]                                                # [N, K]
+def _writable(a: np.ndarray) -> np.ndarray:
+    return a if a.flags.writeable else a.copy()
 
 
-class QuantizedParts(ModelParts):
-    """The folded model (as the streamed build writes it) with its quantized weights dequantized."""
+def _packed(values: np.ndarray) -> np.ndarray:
+    """4-bit values as ONNX stores them: two a byte, element 2i in the low nibble (a 0 nibble after an odd count)."""
+    nibbles = values.reshape(-1).astype(np.int8).view(np.uint8) & 0x0F
+    if nibbles.size % 2:
+        nibbles = np.append(nibbles, np.uint8(0))
+    return nibbles[0::2] | (nibbles[1::2] << 4)
 
-    def __init__(self, source, plan):
-        from export.stream import Quantized, Rows
+
+def dequantized_rows(B: np.ndarray, scales: np.ndarray, k: int, bits: int, block: int) -> torch.Tensor:
+    """export.rtn.dequantize_matmul's weight as nn.Linear holds it ([N, K]), computed by torch (its threads):
+    (q - 2^(bits-1)) * scale in fp32, the same products (tests/export/test_quant_reference.py)."""
+    b = torch.from_numpy(B)                                                      # [N, K/block, blob] uint8
+    n, k_blocks, _ = b.shape
+    q = torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(n, k_blocks, block) if bits == 4 else b
+    w = q.to(torch.float32).sub_(1 << (bits - 1)).mul_(torch.from_numpy(scales).reshape(n, k_blocks, 1))
+    return w.reshape(n, k_blocks * block)[:, :k].contiguous()
+
+
+class GraphWeights(ModelParts):
+    """The folded model (as the graph passes fold it) with the weights the graph quantized dequantized."""
+
+    def __init__(self, source, path: Path):
+        from graph_passes.base import PassContext
         super().__init__(source)
-        self.plan = plan
-        self.specs: dict[str, tuple[str, int]] = {}          # our parameter -> (op, bits)
-        for recipe in plan.recipes.values():
-            if isinstance(recipe, Quantized):
-                fp = plan.float_recipes[recipe.source]
-                for p in fp.params if isinstance(fp, Rows) else []:
-                    self.specs[p] = (recipe.op, recipe.bits)
-        self._tied_table = None
+        self.folder = Path(path).parent
+        proto = onnx.load(str(path), load_external_data=False)
+        ctx = PassContext(proto)
+        inits = {t.name: t for t in proto.graph.initializer}
+        made_by = {o: n for n in proto.graph.node for o in n.output}
+        self.inits = inits
+        self.matmuls: dict[str, tuple] = {}           # layer -> (B, scales, K, bits, block)
+        self.table = None                             # the embedding's dequantization recipe
+        nodes = {n.name: n for n in ctx.graph.nodes}
+        for node in proto.graph.node:
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            if node.op_type == "MatMulNBits" and (len(node.input) < 4 or not node.input[3]):     # no zero points
+                self.matmuls[ctx.layer_name(nodes[node.name])] = (node.input[1], node.input[2], attrs["K"],
+                                                                  attrs["bits"], attrs["block_size"])
+            elif node.op_type == "GatherBlockQuantized" and node.input[1] == INPUT_IDS:
+                data, scales = (self._through_reshape(made_by, n) for n in (node.input[0], node.input[2]))
+                self.table = (data, scales, attrs.get("bits", 4), attrs["block_size"])
 
-    def _weight(self, name: str, w: torch.Tensor) -> torch.Tensor:
-        """w (nn.Linear [out, in] or a table [V, d]) as the graph holds it."""
-        op, bits = self.specs.get(name, (None, 0))
-        if op is None:
-            return w
-        from export.stream import transposed
-        x = w.detach().float().numpy()
-        x = transposed(x) if op == "MatMul" else x
-        return torch.from_numpy(np.ascontiguousarray(dequantize(x, op, bits, self.plan.quantize)))
+    def _through_reshape(self, made_by: dict, name: str) -> str:
+        node = made_by.get(name)
+        return node.input[0] if node is not None and node.op_type == "Reshape" else name
+
+    def _matmul(self, layer: str) -> torch.Tensor | None:
+        """The dequantized weight of `layer`'s MatMulNBits, nn.Linear's layout [N, K]; None: not quantized."""
+        if layer not in self.matmuls:
+            return None
+        b, scales, k, bits, block = self.matmuls[layer]
+        return dequantized_rows(self._array(b), self._array(scales), k, bits, block)
+
+    def _array(self, name: str) -> np.ndarray:
+        return initializer_array(self.folder, self.inits[name])
 
     def block(self, i: int) -> torch.nn.Module:
         from models.fold import fold_block_norms
-        block = self.source.block(i)
-        fold_block_norms(block)
-        with torch.no_grad():
-            for name, p in block.named_parameters():
-                p.copy_(self._weight(f"blocks.{i}.{name}", p))
-        return block
+        cfg = self.cfg
+        packed = self._matmul(f"blocks.{i}.attn.qkv_proj")          # Q, K, V in one MatMul (--attention gqa)
+        if packed is not None:
+            sizes = [cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim]
+            graph = dict(zip(("attn.q_proj", "attn.k_proj", "attn.v_proj"), torch.split(packed, sizes)))
+        else:
+            graph = {}
+        skeleton = self.skeleton.blocks[i]
+        for name, module in skeleton.named_modules():
+            if isinstance(module, torch.nn.Linear) and name not in graph:
+                w = self._matmul(f"blocks.{i}.{name}")
+                if w is not None:
+                    graph[name] = w
+        if self._shifts():                  # a fold's shift reads the float weights (b' = b + W shift)
+            block = self.source.block(i)
+            fold_block_norms(block)         # the norms and biases as the graph passes fold them
+        else:                               # the weights the graph quantized are not read: they are replaced
+            block = copy.deepcopy(skeleton).to_empty(device="cpu")
+            with torch.no_grad():
+                for name, p in block.named_parameters():
+                    if name.removesuffix(".weight") not in graph:
+                        p.copy_(self.source.tensor(f"blocks.{i}.{name}"))
+            fold_block_norms(block, weights=False)
+        for name, w in graph.items():       # the weights: what the graph holds (already folded there)
+            block.get_submodule(name).weight.data = w.contiguous()
+        return block.eval()
+
+    def _shifts(self) -> bool:
+        """Whether a norm has a shift, which a fold moves into the bias through the float weights."""
+        return self.cfg.norm in ("layernorm", "dyt") or (self.cfg.norm == "taper" and self.cfg.taper_affine)
 
     def _top(self):
-        """The model's embedding, positions, final norm and head (folded); read when asked for, not
-        kept: each table of a real model is a GB."""
-        from export.stream import load_top
-        return load_top(self.source, fuse=self.plan.fuse)
-
-    def _tied(self, top) -> bool:
-        # a tied head is the embedding's tensor: its blocks were traced under the embedding's name
-        return top.lm_head.weight is top.wte.weight and "lm_head.weight" not in self.specs
+        """The model without its blocks (embedding, positions, final norm, head), the final norm folded as the
+        graph passes fold it; read when asked for, not kept: each table of a real model is a GB."""
+        from models.fold import fold_final_norm
+        top = copy.deepcopy(self.skeleton)
+        top.blocks = torch.nn.ModuleList()
+        top = self.source.fill(top, "")
+        for rotary in top.rotaries().values():       # non-persistent buffers: to_empty left them unset
+            rotary.reset_parameters()
+        fold_final_norm(top, keep_tied=True)
+        return top
 
     def embedding(self) -> torch.Tensor:
-        top = self._top()
-        table = self._weight("wte.weight", top.wte.weight)
-        self._tied_table = table if self._tied(top) else None      # the head is the same matrix: kept once
-        return table
-
-    def positions(self) -> torch.Tensor:
-        return self._top().wpe.weight
+        from export.rtn import dequantize_gather, dequantize_matmul
+        if self.table is None:
+            return super().embedding()
+        data, scales, bits, block = self.table
+        t = self.inits[data]
+        if t.data_type == onnx.TensorProto.INT4:                                     # int4 codes [V, d]
+            v, d = t.dims
+            table = dequantize_gather(self._array(data), self._array(scales), (v, d), block)
+        else:                                                # MatMulNBits blocks [V, d/block, blob] of E^T
+            table = dequantize_matmul(self._array(data), self._array(scales), self.cfg.d_model, bits, block).T  # [V, d]
+        return torch.from_numpy(np.ascontiguousarray(table))
 
     def final(self):
         top = self._top()
-        bias = top.lm_head.bias                     # a final norm's shift folded into the head (None: none)
-        if self._tied(top):
-            head = self._tied_table if self._tied_table is not None else self._weight("wte.weight", top.lm_head.weight)
-            self._tied_table = None
-            return top.ln_f, head, bias
-        return top.ln_f, self._weight("lm_head.weight", top.lm_head.weight), bias
+        head = self._matmul("lm_head")
+        return top.ln_f, top.lm_head.weight.detach() if head is None else head, top.lm_head.bias

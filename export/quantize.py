@@ -35,13 +35,12 @@ import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from functools import partial
 
 import numpy as np
 import onnx
 
 from core.build_files import quantized_name
-from core.contract import INPUT_IDS, LOGITS
+from core.contract import LOGITS
 from core.errors import UsageError, UserError
 from core.onnx_writer import initializer_bytes
 
@@ -62,9 +61,9 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)
 # kernel's default (fp32), 1 fp32, 2 fp16, 3 bf16.
 DEFAULT_ACCURACY_LEVEL = 4
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
-GREEDY_TOKENS = 128            # length of the greedy run the top-1 agreement is taken over
-# The build fails when the quantized graph's greedy choices agree with the fp32 graph's less
-# often than this (teacher-forced, over GREEDY_TOKENS tokens). Measured on the 1M zoo models:
+AGREEMENT_TOKENS = 128         # positions of real text the top-1 agreement is taken over
+# The build fails when the quantized graph's top-1 choices agree with the float model's less
+# often than this (teacher-forced on real text, AGREEMENT_TOKENS positions). Measured on the 1M zoo models:
 # int8 98%, int4 ~90% (d_model 128 is small for 4 bits). A broken quantization (wrong axis
 # or block layout) agrees about as often as chance (~1/vocab); the floors sit far above that
 # and below what a working quantization of a small model gives.
@@ -146,25 +145,25 @@ def quantized_config(proto: onnx.ModelProto) -> QuantConfig | None:
     return None
 
 
-def head_name(proto: onnx.ModelProto) -> str:
-    """Node name of the LM head (graph_passes.quantized.head_matmul), or a one-line error."""
-    from graph_passes.quantized import head_matmul
-    head = head_matmul(proto)
+def head_name(graph) -> str:
+    """Node name of the LM head (the MatMul the logits come from) of a ModelProto or a PassContext, or a
+    one-line error."""
+    from graph_passes.quantized import head_matmul, head_node
+    head = head_matmul(graph) if isinstance(graph, onnx.ModelProto) else head_node(graph)
     if head is None:
         raise QuantizeError("quantize: expected the logits to come from a MatMul with a constant weight (the LM head), "
                             "found none; quantize a graph exported by export.build")
     return head.name
 
 
-def _int8_layer_matmuls(proto: onnx.ModelProto, names: tuple[str, ...]) -> list[str]:
-    """Node names of the constant-weight MatMuls whose layer (torch module, from the exporter's
+def _int8_layer_matmuls(ctx, names: tuple[str, ...]) -> list[str]:
+    """Node names of the constant-weight MatMuls whose layer (torch module, from the graph's
     provenance: graph_passes.base.PassContext.layer_name) is one of `names` or ends in ".<name>"
     (v_proj selects blocks.*.attn.v_proj). A name that selects none is an error that lists the
     layers there are: a misspelt name must not quietly leave the layer in int4."""
-    from graph_passes.base import PassContext
-    ctx = PassContext(proto)
-    inits = {i.name for i in proto.graph.initializer}
-    linear = [(n.name, ctx.layer_name(n)) for n in ctx.graph.nodes if n.op == "MatMul" and n.inputs[1].name in inits]
+    from graph_passes.base import const_value
+    linear = [(n.name, ctx.layer_name(n)) for n in ctx.graph.nodes
+              if n.op == "MatMul" and const_value(n.inputs[1]) is not None and const_value(n.inputs[0]) is None]
     picked = []
     for want in names:
         hits = [node for node, layer in linear if layer == want or layer.endswith("." + want)]
@@ -199,21 +198,103 @@ def algo_config(cfg: QuantConfig, op_types: tuple[str, ...]):
                                            op_types_to_quantize=op_types, quant_axes=axes)
 
 
-def quantize_weights(proto: onnx.ModelProto, cfg: QuantConfig) -> tuple[onnx.ModelProto, QuantSummary]:
-    """A copy of `proto` with its constant-weight MatMuls (and, in int4 with rtn, the token
-    embedding) quantized; the graph's inputs and outputs are unchanged."""
+class BlockQuantizer:
+    """graph_passes.quantized.Quantizer of a QuantConfig: rtn by export/rtn.py (byte for byte ONNX Runtime's
+    quantizer), hqq by ONNX Runtime's public quantizer on a one-node graph (it computes with torch). Each
+    weight is quantized alone when the graph is written."""
+
+    def __init__(self, cfg: QuantConfig):
+        self.cfg = cfg
+
+    def layout(self, op: str, shape: tuple, bits: int):
+        block = self.cfg.block_size
+        if op == "Gather":                       # a table [V, d], int4, blocks along d
+            v, d = shape
+            import ml_dtypes
+            return ("GatherBlockQuantized", {"block_size": block, "gather_axis": 0, "quantize_axis": 1},
+                    [("_Q4", (v, d), np.dtype(ml_dtypes.int4)), ("_scales", (v, -(-d // block)), np.float32)])
+        k, n = shape                             # W [K, N], blocks along K
+        k_blocks = -(-k // block)
+        attrs = {"K": k, "N": n, "bits": bits, "block_size": block}
+        data = (f"_Q{bits}", (n, k_blocks, block * bits // 8), np.uint8)
+        if self.cfg.algo == "hqq" and bits == 4:     # its scales and zero points flat, one per block
+            return "MatMulNBits", attrs, [data, ("_scales", (n * k_blocks,), np.float32),
+                                          ("_zero_points", (n * k_blocks,), np.float32)]
+        return "MatMulNBits", {**attrs, "accuracy_level": self.cfg.accuracy_level}, \
+            [data, ("_scales", (n, k_blocks), np.float32)]
+
+    def blocks(self, op: str, w: np.ndarray, bits: int) -> list[np.ndarray]:
+        from export import rtn
+        if op == "Gather":
+            t = rtn.gather_blocks(np.ascontiguousarray(w, np.float32), 4, self.cfg.block_size)   # a table: rows
+            return [t.data, t.scales]
+        if self.cfg.algo == "hqq" and bits == 4:
+            from onnx import numpy_helper
+            out = quantize_one_node("MatMul", w, self.cfg)
+            return [numpy_helper.to_array(out[i]) for i in (1, 2, 3)]
+        return list(_by_columns(w.astype(np.float32, copy=False), bits, self.cfg.block_size))
+
+    def head_blocks(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """An embedding table E [V, d] in the int8 head's format: E^T quantized as a MatMul weight (the head's
+        rounding; ORT has no int8 Gather): its blocks [V, d/block, blob] and scales. On the 1M DyT zoo model
+        (head int8, body int4) an int8 instead of int4 embedding lifts greedy top-1 agreement from 85.9 % to ~91 %."""
+        from export import rtn
+        return rtn.matmul_blocks(table.T.astype(np.float32, copy=False), QUANT_BITS[self.cfg.head_dtype],
+                                 self.cfg.block_size)
+
+
+def _by_columns(w: np.ndarray, bits: int, block: int, min_columns: int = 1024) -> tuple[np.ndarray, np.ndarray]:
+    """export.rtn.matmul_blocks of w [K, N], its columns split over this machine's cores (numpy lets go of the
+    GIL in its loops): each column's blocks are its own, so the parts' blocks side by side are the whole's
+    (tests/export/test_quantize.py); 1.7x faster on 2 cores on a real LM head."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+    from export import rtn
+    n = w.shape[1]
+    parts = max(1, min(os.cpu_count() or 1, n // min_columns))
+    if parts == 1:
+        return rtn.matmul_blocks(w, bits, block)
+    cuts = [n * i // parts for i in range(parts + 1)]
+    with ThreadPoolExecutor(parts) as pool:
+        done = list(pool.map(lambda i: rtn.matmul_blocks(w[:, cuts[i]:cuts[i + 1]], bits, block), range(parts)))
+    return np.concatenate([b for b, _ in done]), np.concatenate([s for _, s in done])
+
+
+def quantize_weights(proto: onnx.ModelProto, cfg: QuantConfig,
+                     lazy: dict | None = None) -> tuple[onnx.ModelProto, QuantSummary]:
+    """`proto` with its constant-weight MatMuls (and, in int4 with rtn, the token embedding) quantized
+    (graph_passes/quantized.py); the graph's inputs and outputs are unchanged. `lazy`: the graph's weights
+    computed when written (export/emit.py), replaced in place by the quantized graph's, whose blocks are
+    computed when written too; without it, a graph in memory, returned with its blocks computed."""
     from graph_passes.base import load_graph, save_graph
-    from graph_passes.quantized import find_tie
+    from graph_passes.lazy import materialized
+    from graph_passes.quantized import QuantizeWeights, find_tie
     cfg.validate()
     t0 = time.perf_counter()
     summary = QuantSummary(asdict(cfg), head=cfg.head_dtype, weight_bytes_before=initializer_bytes(proto))
-    tie = find_tie(proto)               # on the float graph: the quantizer rewrites both tables
-    with quiet_quantizer():
-        out = _run_quantizer(proto, cfg, summary)
-        ctx = load_graph(out)
-        results = [p.run(ctx) for p in _passes(cfg, tie)]
-        out = save_graph(ctx, out)
-    _record_passes(summary, results, cfg)
+    ctx = load_graph(proto, lazy)
+    tie = find_tie(ctx)                 # on the float graph: `quantize` rewrites both tables
+    head = head_name(ctx)
+    int8 = set(_int8_layer_matmuls(ctx, cfg.int8_layers)) if cfg.int8_layers else set()
+    if int8:
+        summary.notes.append(f"{len(int8)} MatMul(s) of --int8-layers {','.join(cfg.int8_layers)} in int8")
+    gathers = cfg.bits == 4 and cfg.algo == "rtn" and cfg.head_dtype != "int8"
+
+    def bits_of(layer: str, node) -> int | None:
+        if node.op == "Gather":
+            return 4 if gathers else None
+        if node.name == head:
+            return {"fp32": None, "int8": 8, "int4": 4}[cfg.head_dtype]
+        return 8 if node.name in int8 else cfg.bits
+    quantizer = BlockQuantizer(cfg)
+    results = [p.run(ctx) for p in [QuantizeWeights(quantizer, bits_of), *_passes(cfg, tie, quantizer)]]
+    out = save_graph(ctx, proto)
+    if lazy is None:
+        out = materialized(out, ctx.lazy_weights())
+    else:
+        lazy.clear()
+        lazy.update(ctx.lazy_weights())
+    _record_passes(summary, results[1:], cfg, gathers)
     ops = [n.op_type for n in out.graph.node]
     summary.matmuls_quantized = ops.count("MatMulNBits")
     summary.matmuls_left = ops.count("MatMul")
@@ -227,72 +308,30 @@ def quantize_weights(proto: onnx.ModelProto, cfg: QuantConfig) -> tuple[onnx.Mod
     return out, summary
 
 
-def _quantizer_ops(cfg: QuantConfig) -> tuple[str, ...]:
-    """The op types ONNX Runtime's quantizer is asked to quantize. The token embedding is stored like
-    the head: int4 by the quantizer (it quantizes a Gather only in int4 with rtn), int8 after it
-    (graph_passes.quantized.EmbeddingLikeHead); one table when tied. Under an fp32 head it stays int4
-    (memory only: one row a token), under hqq fp32."""
-    return ("MatMul", "Gather") if cfg.bits == 4 and cfg.algo == "rtn" and cfg.head_dtype != "int8" else ("MatMul",)
-
-
-def _run_quantizer(proto: onnx.ModelProto, cfg: QuantConfig, summary: QuantSummary) -> onnx.ModelProto:
-    """ONNX Runtime's quantizer over a copy of `proto`: every constant MatMul in cfg's bits, then
-    (a second pass, int8) an int8 head and the --int8-layers; an fp32 head stays fp32."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-    own_head = cfg.head_dtype != cfg.dtype         # the head in other bits: left out of the first pass
-    head = head_name(proto) if own_head else None
-    int8 = _int8_layer_matmuls(proto, cfg.int8_layers) if cfg.int8_layers else []
-    # Gathers that are not the token embedding (which reads input_ids): the position table
-    positions = [n.name for n in proto.graph.node if n.op_type == "Gather" and INPUT_IDS not in n.input]
-    model = onnx.ModelProto()
-    model.CopyFrom(proto)
-    q = MatMulNBitsQuantizer(model, nodes_to_exclude=positions + ([head] if own_head else []) + int8,
-                             algo_config=algo_config(cfg, _quantizer_ops(cfg)))
-    q.process()
-    if (own_head and cfg.head_dtype == "int8") or int8:
-        q = MatMulNBitsQuantizer(q.model.model, nodes_to_exclude=[head] if cfg.head_dtype == "fp32" else [],
-                                 algo_config=algo_config(QuantConfig("int8", cfg.block_size, cfg.accuracy_level),
-                                                         ("MatMul",)))
-        q.process()
-    if int8:
-        summary.notes.append(f"{len(int8)} MatMul(s) of --int8-layers {','.join(cfg.int8_layers)} in int8")
-    return q.model.model
-
-
-def _passes(cfg: QuantConfig, tie) -> list:
-    """The rewrites of the quantizer's output (graph_passes/quantized.py), in order: the tied table
-    first (an embedding it shares is no longer an fp32 Gather for EmbeddingLikeHead)."""
+def _passes(cfg: QuantConfig, tie, quantizer: BlockQuantizer) -> list:
+    """The rewrites after `quantize` (graph_passes/quantized.py), in order: the tied table first (an
+    embedding it shares is no longer an fp32 Gather for EmbeddingLikeHead)."""
     from graph_passes.quantized import BiasIntoMatMulNBits, EmbeddingLikeHead, ShareTiedTable
     passes = [ShareTiedTable(tie)]
     if cfg.head_dtype == "int8":
-        passes.append(EmbeddingLikeHead(partial(_head_blocks, cfg=cfg), QUANT_BITS[cfg.head_dtype], cfg.block_size))
+        passes.append(EmbeddingLikeHead(quantizer.head_blocks, QUANT_BITS[cfg.head_dtype], cfg.block_size))
     return passes + [BiasIntoMatMulNBits()]
 
 
-def _record_passes(summary: QuantSummary, results: list, cfg: QuantConfig) -> None:
+def _record_passes(summary: QuantSummary, results: list, cfg: QuantConfig, gathers: bool) -> None:
     """The passes' rewrites and the candidates they left alone, in the summary (as a build reports its folds)."""
     from graph_passes.quantized import UNTIED
     tied = results[0]
     summary.tied_table = next((f.detail for f in tied.folded), next((f.why for f in tied.skipped), UNTIED))
     summary.rewritten += [{"pass": r.name, "layer": f.where, "detail": f.detail} for r in results for f in r.folded]
     summary.notes += [f"{r.name}: {f.where} left alone: {f.why}" for r in results[1:] for f in r.skipped]
-    if "Gather" not in _quantizer_ops(cfg) and cfg.head_dtype != "int8" and not tied.folded:
+    if not gathers and cfg.head_dtype != "int8" and not tied.folded:
         summary.notes.append("token embedding kept fp32 (" + ("ONNX Runtime's hqq quantizes MatMuls only)"
                              if cfg.algo == "hqq" else "like the fp32 head; ORT quantizes a Gather in int4 only)"))
 
 
-def _head_blocks(table: np.ndarray, cfg: QuantConfig) -> tuple[np.ndarray, np.ndarray]:
-    """An embedding table E [V, d] quantized in the int8 head's format: ORT's quantizer has no int8
-    Gather, so it quantizes a one-MatMul graph whose weight is E^T (the head's rounding); returns its
-    blocks [V, d/block, blob] and scales. On the 1M DyT zoo model (head int8, body int4) an int8
-    instead of int4 embedding lifts greedy top-1 agreement from 85.9 % to ~91 %."""
-    from onnx import numpy_helper
-    out = quantize_one_node("MatMul", table.T, QuantConfig(cfg.head_dtype, cfg.block_size, cfg.accuracy_level))
-    return numpy_helper.to_array(out[1]), numpy_helper.to_array(out[2])
-
-
 def quantize_one_node(op: str, w: np.ndarray, cfg: QuantConfig) -> dict[int, onnx.TensorProto]:
-    """ONNX Runtime's quantizer on a graph of one node alone: `op` "MatMul" (x @ w, w [K, N]) or
+    """ONNX Runtime's public quantizer on a graph of one node alone: `op` "MatMul" (x @ w, w [K, N]) or
     "Gather" (rows of the table w [V, d]). Returns input index of the quantized node -> its tensor."""
     from onnx import TensorProto, helper, numpy_helper
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
@@ -322,16 +361,3 @@ def logits_diff(ref_runs: list, runs: list) -> tuple[float, float, float]:
              for r, g in zip(rs, gs)]
     refmax = max(float(np.abs(r[LOGITS]).max()) for rs in ref_runs for r in rs)
     return (max(float(d.max()) for d in diffs), float(np.mean([d.mean() for d in diffs])), refmax)
-
-
-def top1_agreement(ref_sess, sess, iface, prompt: list[int], n: int = GREEDY_TOKENS) -> tuple[float, int]:
-    """core.decode.top1_agreement of two ONNX Runtime sessions: the share of n greedy tokens of
-    the reference after `prompt` whose argmax the other graph agrees with, teacher-forced, and n."""
-    from core.decode import graph_step, top1_agreement as agreement
-    return agreement(graph_step(ref_sess), graph_step(sess), iface, prompt, n)
-
-
-def fit_prompt(tokens: list[int], iface, n: int = GREEDY_TOKENS) -> list[int]:
-    """The real-text prompt, cut so that prompt + n greedy tokens fit the cache (at least 1 token)."""
-    keep = max(1, min(len(tokens), iface.capacity - n))
-    return list(tokens[:keep])

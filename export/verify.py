@@ -3,7 +3,7 @@ decode session and compare every output.
 
 A session is a prefill of a few tokens followed by several one-token decode
 steps, the present caches of each step fed back as the next step's past. The
-graphs may follow our contract (export/onnx_export.py), Optimum's / ONNX Runtime
+graphs may follow our contract (core/contract.py, export/emit.py), Optimum's / ONNX Runtime
 GenAI's (past_key_values.N -> present.N, merged or not, with or without past) or
 return logits only: export/conventions.py detects which and drives it. Every
 output of every step is compared; each failure is collected and one
@@ -30,8 +30,7 @@ import onnx
 import onnxruntime as ort
 
 from core.build_files import TOKENIZER
-from core.contract import (CACHE_KINDS, LOGITS, DecodeContract, cache_name, check_external_data_file, contract_of, load_onnx,
-                           np_dtype, present_name)
+from core.contract import check_external_data_file, contract_of, load_onnx
 from core.errors import ArgumentParser, UserError, first_line, float_in, run_cli
 from export.conventions import Step, detect, interface_mismatches, run_onnx, session_steps  # noqa: F401
 
@@ -130,39 +129,6 @@ def ort_session(path_or_proto, optimize: bool = False) -> ort.InferenceSession:
 # zoo's All-Taper Gemma 3 on random tokens: logits up to 4630, torch fp32 0.007-0.018 from float64,
 # ONNX Runtime (its own MatMul blocking and Gelu) up to 0.29 from torch, i.e. 16 x torch's deviation.
 FP32_ROUNDING_SLACK = 32.0
-
-
-def run_torch(model, iface: DecodeContract, steps: list[Step], dtype=None) -> list[dict[str, np.ndarray]]:
-    """The reference: the torch Decoder on the same session (cache written in place); `dtype` (a torch
-    dtype) the model's and caches' when the model was cast (float64: rounding_slack), else the graph's."""
-    import torch
-    from models.decoder import TORCH_DTYPES
-    dtype = dtype or TORCH_DTYPES[iface.dtype]
-    batch = steps[0].input_ids.shape[0]
-    cache = model.cfg.cache_layout().allocate(batch, dtype=dtype)
-    results = []
-    with torch.no_grad():
-        for step in steps:
-            logits, cache = model(torch.from_numpy(step.input_ids), torch.from_numpy(step.position), cache)
-            results.append({LOGITS: logits.float().numpy().astype(np_dtype(iface.dtype)) if dtype != torch.float64
-                            else logits.numpy(),
-                            **{present_name(cache_name(i, kind)): c.numpy().copy()
-                               for i, kv in enumerate(cache) for kind, c in zip(CACHE_KINDS, kv)}})
-    return results
-
-
-def rounding_slack(model, iface: DecodeContract, steps: list[Step], fp32_runs: list[dict]) -> dict[str, float]:
-    """Per output, FP32_ROUNDING_SLACK x max |torch fp32 - torch float64| over the steps: what rounding alone
-    can move that output by on these inputs (a float64 copy of the model, run once)."""
-    import copy
-    import torch
-    exact = run_torch(copy.deepcopy(model).double(), iface, steps, dtype=torch.float64)
-    out: dict[str, float] = {}
-    for r32, r64 in zip(fp32_runs, exact):
-        for name, value in r32.items():
-            diff = float(np.nanmax(np.abs(value.astype(np.float64) - r64[name]))) if value.size else 0.0
-            out[name] = max(out.get(name, 0.0), FP32_ROUNDING_SLACK * diff)
-    return out
 
 
 @dataclass

@@ -20,6 +20,11 @@ so the same input always gives the same output file.
 
 onnx-graphsurgeon drops `metadata_props` on import, so the context keeps them
 (model-level, and per node name, subgraphs included) and `save_graph` writes them back.
+
+A graph emitted from a checkpoint (export/emit.py) comes with its large weights unread: a dict
+initializer name -> graph_passes.lazy.Lazy. The context puts each Lazy in its constant, `const_value`
+hands it out as it is, and the folds record their arithmetic on it (graph_passes/lazy.py);
+`lazy_weights` gives the Lazies of the rewritten graph, which the build computes when it writes them.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from core.errors import UserError
+from graph_passes.lazy import Lazy, put, stored_lazy
 
 NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 CLASS_HIERARCHY = "pkg.torch.onnx.class_hierarchy"
@@ -127,7 +133,7 @@ class PassContext:
     output" and new nodes refer to the right scope.
     """
 
-    def __init__(self, proto: onnx.ModelProto):
+    def __init__(self, proto: onnx.ModelProto, lazy: dict[str, Lazy] | None = None):
         self.model_meta = {p.key: p.value for p in proto.metadata_props}
         self.node_meta: dict[str, dict[str, str]] = {}
         for node in _all_nodes(proto.graph):
@@ -135,6 +141,11 @@ class PassContext:
                 self.node_meta.setdefault(node.name, {p.key: p.value for p in node.metadata_props})
         self.root = gs.import_onnx(_with_shapes(proto))
         self.graph = self.root
+        if lazy:
+            for g in self.graphs():
+                for t in g.tensors().values():
+                    if isinstance(t, gs.Constant) and t.name in lazy:
+                        put(t, lazy[t.name])
         self._naming = _Naming()            # shared by every scoped view
 
     def scoped(self, graph: gs.Graph) -> "PassContext":
@@ -171,9 +182,14 @@ class PassContext:
                 naming.used.add(name)
                 return name
 
-    def const(self, base: str, value: np.ndarray) -> gs.Constant:
-        """A NEW constant (never an edit of a shared one)."""
-        return gs.Constant(self.fresh_name(base), np.ascontiguousarray(value))
+    def const(self, base: str, value) -> gs.Constant:
+        """A NEW constant (never an edit of a shared one): an array, or a Lazy computed when written."""
+        return gs.Constant(self.fresh_name(base), value if isinstance(value, Lazy) else np.ascontiguousarray(value))
+
+    def lazy_weights(self) -> dict[str, Lazy]:
+        """The constants of the (rewritten) graph whose values are computed when written, by name."""
+        return {t.name: stored_lazy(t) for g in self.graphs() for t in g.tensors().values()
+                if isinstance(t, gs.Constant) and stored_lazy(t) is not None}
 
     def is_graph_output(self, t: gs.Tensor) -> bool:
         return any(o is t for o in self.graph.outputs)
@@ -247,8 +263,8 @@ def op_counts(proto: onnx.ModelProto) -> dict[str, int]:
     return dict(sorted(Counter(n.op_type for n in _all_nodes(proto.graph)).items()))
 
 
-def load_graph(proto: onnx.ModelProto) -> PassContext:
-    return PassContext(proto)
+def load_graph(proto: onnx.ModelProto, lazy: dict[str, Lazy] | None = None) -> PassContext:
+    return PassContext(proto, lazy)
 
 
 def save_graph(ctx: PassContext, template: onnx.ModelProto | None = None) -> onnx.ModelProto:
@@ -320,10 +336,12 @@ class GraphPass:
 
 # --- helpers shared by the passes ---------------------------------------------
 
-def const_value(t: gs.Tensor) -> np.ndarray | None:
-    """The value of a constant tensor (initializer or Constant node output), else None."""
+def const_value(t: gs.Tensor) -> np.ndarray | Lazy | None:
+    """The value of a constant tensor (initializer or Constant node output), else None. A weight
+    computed when written comes as its Lazy, unread (gs's `values` would load and keep it)."""
     if isinstance(t, gs.Constant):
-        return np.asarray(t.values)
+        lazy = stored_lazy(t)
+        return lazy if lazy is not None else np.asarray(t.values)
     if isinstance(t, gs.Variable) and len(t.inputs) == 1 and t.inputs[0].op == "Constant":
         node = t.inputs[0]
         value = node.attrs.get("value")
@@ -336,13 +354,19 @@ def producer(t: gs.Tensor) -> gs.Node | None:
     return t.inputs[0] if len(t.inputs) == 1 else None
 
 
+def is_float(dtype) -> bool:
+    """A floating-point element type, bfloat16 (ml_dtypes: numpy kind 'V') included."""
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" or dtype.name == "bfloat16"
+
+
 def channel_vector(value: np.ndarray | None) -> np.ndarray | None:
     """A per-channel vector from a value that broadcasts along the LAST axis only.
 
     Accepts shapes [d], [1, ..., 1, d] (and scalars, as length-1 vectors);
     rejects [d, 1] and anything else that would scale another axis.
     """
-    if value is None or value.dtype.kind != "f":
+    if value is None or not is_float(value.dtype):
         return None
     if value.ndim == 0:
         return value.reshape(1)

@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from graph_passes.base import Match, PassContext, Skip, channel_vector, const_value, producer, static_last_dim
+from graph_passes.base import (Match, PassContext, Skip, channel_vector, const_value, is_float, producer,
+                               static_last_dim)
+from graph_passes.lazy import Lazy, digest, lazy_map, same_values, transposed
 
 RESHAPES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")
 SHAPE_READERS = ("Shape", "Size")
@@ -43,7 +45,7 @@ SHAPE_READERS = ("Shape", "Size")
 @dataclass
 class LinearUse:
     node: gs.Node          # the MatMul or Gemm
-    weight: np.ndarray     # effective weight [in, out] (a view of the original: never written)
+    weight: np.ndarray     # effective weight [in, out] (a view of the original, or its Lazy: never written)
     label: str             # short name for the log ('q_proj', 'lm_head' or the node name)
 
 
@@ -92,13 +94,14 @@ def short_label(ctx: PassContext, node: gs.Node) -> str:
     return name.rsplit(".", 1)[-1] if name != node.name else name
 
 
-def linear_weight(node: gs.Node) -> np.ndarray | None:
-    """The effective weight [in, out] a MatMul (constant, or Transpose of a constant) or Gemm holds now,
-    or None. Rewrites read it again rather than what their match saw: two folds may rewrite one
-    matrix (a pre-norm into W_q's rows, a QK-norm into its columns)."""
+def linear_weight(node: gs.Node):
+    """The effective weight [in, out] a MatMul (constant, or Transpose of a constant) or Gemm holds now
+    (an array, or the Lazy of a weight computed when written), or None. Rewrites read it again rather than
+    what their match saw: two folds may rewrite one matrix (a pre-norm into W_q's rows, a QK-norm into its
+    columns)."""
     if node.op == "Gemm":
         b = const_value(node.inputs[1])
-        return None if b is None else (b.T if node.attrs.get("transB", 0) else b)
+        return None if b is None else (transposed(b) if node.attrs.get("transB", 0) else b)
     w_in = node.inputs[1]
     w = const_value(w_in)
     if w is None:
@@ -106,7 +109,7 @@ def linear_weight(node: gs.Node) -> np.ndarray | None:
         perm = None if src is None else src.attrs.get("perm")
         if src is not None and src.op == "Transpose" and (perm is None or list(perm) == [1, 0]):
             w = const_value(src.inputs[0])
-            w = None if w is None or w.ndim != 2 else w.T
+            w = None if w is None or w.ndim != 2 else transposed(w)
     return w
 
 
@@ -116,7 +119,7 @@ def match_linear(ctx: PassContext, y: gs.Tensor, node: gs.Node) -> LinearUse | S
         if len(node.inputs) != 2 or node.inputs[0] is not y or node.inputs[1] is y:
             return Skip(f"{node.name} uses it as a MatMul weight, not as the data input")
         w = linear_weight(node)
-        if w is None or w.ndim != 2 or w.dtype.kind != "f":
+        if w is None or w.ndim != 2 or not is_float(w.dtype):
             return Skip(f"{node.name} is a MatMul without a constant 2-D weight")
         return LinearUse(node, w, short_label(ctx, node))
     if node.op == "Gemm":
@@ -125,11 +128,11 @@ def match_linear(ctx: PassContext, y: gs.Tensor, node: gs.Node) -> LinearUse | S
         if node.attrs.get("transA", 0):
             return Skip(f"{node.name} is a Gemm with transA = 1")
         b = const_value(node.inputs[1])
-        if b is None or b.ndim != 2 or b.dtype.kind != "f":
+        if b is None or b.ndim != 2 or not is_float(b.dtype):
             return Skip(f"{node.name} is a Gemm without a constant 2-D weight")
         if len(node.inputs) > 2 and node.inputs[2].name and const_value(node.inputs[2]) is None:
             return Skip(f"{node.name} is a Gemm with a non-constant bias")
-        w = b.T if node.attrs.get("transB", 0) else b
+        w = transposed(b) if node.attrs.get("transB", 0) else b
         return LinearUse(node, w, short_label(ctx, node))
     return Skip(f"{node.name} is a {node.op}, not a MatMul/Gemm")
 
@@ -185,7 +188,7 @@ def tied_embedding(ctx: PassContext, use: LinearUse) -> str | None:
         if node.op != "Gather" or node.attrs.get("axis", 0) != 0 or len(node.inputs) != 2:
             continue
         table = const_value(node.inputs[0])
-        if table is not None and table.shape == w.shape[::-1] and np.array_equal(table, w.T):
+        if table is not None and table.shape == w.shape[::-1] and same_values(table, transposed(w)):
             return node.inputs[0].name
     return None
 
@@ -311,41 +314,63 @@ def fold_affine(ctx: PassContext, x: gs.Tensor, consumers: Consumers, affine: Ch
 
 
 def _fold_weight(ctx: PassContext, use: LinearUse, affine: ChannelAffine) -> None:
+    """W' = C diag(scale) W and, with a shift, b' = b + shift @ W (float64, cast back to W's dtype), as new
+    constants: computed now for an array, when written for a Lazy (graph_passes/lazy.py)."""
     node, w = use.node, linear_weight(use.node)
-    rows = w.shape[0]
-    w64 = w.astype(np.float64)
+    rows, dtype = w.shape[0], w.dtype
     s = np.ones(rows) if affine.scale is None else np.broadcast_to(affine.scale.astype(np.float64), (rows,))
-    w_new = s[:, None] * w64                                               # [in, out]
-    if affine.center:                                                      # C diag(s) W
-        w_new = w_new - w_new.mean(axis=0, keepdims=True)
-    w_new = w_new.astype(w.dtype)
-    delta = None if affine.shift is None else \
-        np.broadcast_to(affine.shift.astype(np.float64), (rows,)) @ w64      # [out]
+
+    def fold(a: np.ndarray) -> np.ndarray:
+        out = np.multiply(a, s[:, None], dtype=np.float64)                  # [in, out], in a's layout
+        if affine.center:                                                  # C diag(s) W
+            out -= out.mean(axis=0, keepdims=True)
+        return out.astype(dtype)
+    w_new = lazy_map(w, fold, tag=("rows", digest(s), affine.center))
+    delta = None
+    if affine.shift is not None:
+        shift = np.broadcast_to(affine.shift.astype(np.float64), (rows,))
+        delta = lazy_map(w, lambda a: shift @ a.astype(np.float64), (w.shape[1],), np.float64,
+                         tag=("shift@", digest(shift)))                    # [out]
     base = node.name or "linear"
     if node.op == "MatMul":
         node.inputs[1] = ctx.const(f"{base}.weight", w_new)
         if delta is not None:
-            _add_bias(ctx, node, delta.astype(w.dtype))
+            _add_bias(ctx, node, lazy_map(delta, lambda d: d.astype(dtype), dtype=dtype, tag=("as", str(dtype))))
         return
     trans_b = node.attrs.get("transB", 0)                                  # Gemm
-    node.inputs[1] = ctx.const(f"{base}.weight", w_new.T if trans_b else w_new)
+    node.inputs[1] = ctx.const(f"{base}.weight", transposed(w_new) if trans_b else w_new)
     if delta is not None:
         alpha = float(node.attrs.get("alpha", 1.0))
         beta = float(node.attrs.get("beta", 1.0))
         c_in = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2].name else None
         c = None if c_in is None else const_value(c_in)
         if c is None or beta == 0.0:
-            c_new, node.attrs["beta"] = alpha * delta, 1.0
+            c_new, node.attrs["beta"] = lazy_map(delta, lambda d: (alpha * d).astype(dtype), dtype=dtype,
+                                                 tag=("times", alpha, str(dtype))), 1.0
         else:
-            c_new = c.astype(np.float64) + (alpha / beta) * delta
-        c_const = ctx.const(f"{base}.bias", np.asarray(c_new).astype(w.dtype))
+            c_new = plus(c, delta, alpha / beta, dtype)
+        c_const = ctx.const(f"{base}.bias", c_new)
         if len(node.inputs) > 2:
             node.inputs[2] = c_const
         else:
             node.inputs.append(c_const)
 
 
-def _add_bias(ctx: PassContext, matmul: gs.Node, delta: np.ndarray) -> None:
+def plus(b, delta, times: float, dtype):
+    """b + times * delta in float64, cast to dtype (either may be a Lazy: then computed when written)."""
+    if not isinstance(b, Lazy):
+        b64 = np.asarray(b, np.float64)
+        return lazy_map(delta, lambda d: np.asarray(b64 + times * d).astype(dtype), dtype=dtype,
+                        tag=("plus", digest(b64), times, str(dtype)))
+    d64 = delta if not isinstance(delta, Lazy) else None
+    if d64 is not None:
+        return lazy_map(b, lambda a: np.asarray(a.astype(np.float64) + times * d64).astype(dtype), dtype=dtype,
+                        tag=("plus", digest(np.asarray(d64)), times, str(dtype)))
+    return lazy_map(b, lambda a: np.asarray(a.astype(np.float64) + times * delta.load()).astype(dtype),
+                    dtype=dtype, tag=("plus",) + delta.key + (times, str(dtype)))
+
+
+def _add_bias(ctx: PassContext, matmul: gs.Node, delta) -> None:
     """MatMul ▶ Add(b) becomes MatMul ▶ Add(b + delta); a MatMul without one gets Add(delta)."""
     out = matmul.outputs[0]
     if len(out.outputs) == 1 and out.outputs[0].op == "Add" and not ctx.is_graph_output(out):
@@ -354,10 +379,11 @@ def _add_bias(ctx: PassContext, matmul: gs.Node, delta: np.ndarray) -> None:
         if len(add.inputs) == 2 and len(others) == 1:
             i, b_in = others[0]
             b = const_value(b_in)
-            if b is not None and b.dtype.kind == "f" and b.reshape(-1).shape[0] in (1, delta.shape[0]) \
+            if b is not None and is_float(b.dtype) and int(np.prod(b.shape)) in (1, delta.shape[0]) \
                     and all(s == 1 for s in b.shape[:-1]):
-                b_new = np.broadcast_to(b.reshape(-1).astype(np.float64), delta.shape) + delta
-                add.inputs[i] = ctx.const(f"{add.name or 'bias'}.bias", b_new.astype(b.dtype))
+                n = delta.shape[0]
+                b_flat = lazy_map(b, lambda a: np.broadcast_to(a.reshape(-1), (n,)), (n,), tag=("flat", n))
+                add.inputs[i] = ctx.const(f"{add.name or 'bias'}.bias", plus(b_flat, delta, 1.0, b.dtype))
                 return
     # no bias Add of its own: put one between the MatMul and its consumers
     mid = gs.Variable(ctx.fresh_name(out.name), dtype=out.dtype, shape=out.shape)

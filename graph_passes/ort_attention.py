@@ -1,7 +1,7 @@
 """Rewrite each layer's opset-24 Attention + TensorScatter cache writes into one ONNX Runtime
 com.microsoft GroupQueryAttention (GQA) op, Q/K/V projections packed into one MatMul.
 
-What export.onnx_export writes per layer with --attention fused (x: the block's input):
+What export/emit.py writes per layer with --attention fused (x: the block's input):
 
     q = Transpose(Reshape(Add(MatMul(x, Wq), bq)))            [B, H, S, D]
     present_k = TensorScatter(key_i, Transpose(Reshape(Add(MatMul(x, Wk), bk))), position, axis=-2)
@@ -27,7 +27,7 @@ Limits, from ORT's kernel (contrib_ops/cpu/bert/group_query_attention_helper.h):
     our runtimes prefill at slot 0, and DecoderSession refuses the other case up front;
   * head size a multiple of 8; fp32 on the CPU (fp16 needs a GPU provider);
   * the mask is not an input: the pass only matches the causal-by-position mask that
-    export.onnx_export writes (a LessOrEqual of slots against positions), alone or with a
+    export/emit.py writes (a LessOrEqual of slots against positions), alone or with a
     sliding layer's window (And slot > position - W: GQA's local_window_size = W, the keys
     p - W < j <= p, as transformers' sliding_window), and a build verifies the rewritten graph
     against the graph before, on the same inputs.
@@ -48,7 +48,8 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from core.contract import INPUT_IDS, POSITION
-from graph_passes.base import NAME_SCOPES, GraphPass, Match, PassContext, Skip, const_value, producer
+from graph_passes.base import NAME_SCOPES, GraphPass, Match, PassContext, Skip, const_value, is_float, producer
+from graph_passes.lazy import concat
 
 MS_DOMAIN = "com.microsoft"
 TO_BHSD = [0, 2, 1, 3]          # [B, S, H, D] <-> [B, H, S, D]
@@ -174,7 +175,7 @@ def _inv_freq(angles: gs.Tensor) -> np.ndarray | None:
         return None
     for t in mul.inputs:
         v = const_value(t)
-        if v is not None and v.ndim == 1 and v.dtype.kind == "f":
+        if v is not None and v.ndim == 1 and is_float(v.dtype):
             return v
     return None
 
@@ -216,7 +217,7 @@ def _rotary(t: gs.Tensor):
 
 
 def _is_position_mask(t: gs.Tensor, depth: int = 6) -> bool:
-    """The mask export.onnx_export writes: (Unsqueeze of) a LessOrEqual of slots against positions."""
+    """The mask export/emit.py writes: (Unsqueeze of) a LessOrEqual of slots against positions."""
     return _mask_op(t, "LessOrEqual", depth) is not None
 
 
@@ -234,7 +235,7 @@ def _mask_op(t: gs.Tensor, op: str, depth: int = 6) -> gs.Node | None:
 
 
 def _mask_window(t: gs.Tensor) -> int | None:
-    """0 for export.onnx_export's slot <= position mask, W for a sliding layer's (that mask And slot >
+    """0 for export/emit.py's slot <= position mask, W for a sliding layer's (that mask And slot >
     position - W: models/decoder.py's step_inputs), None for any other mask."""
     if _is_position_mask(t):
         return 0
@@ -281,7 +282,7 @@ class OrtGroupQueryAttention(GraphPass):
         q, k, v, mask = att.inputs
         window = _mask_window(mask)
         if window is None:
-            return Skip(f"{att.name}: the mask is not export.onnx_export's slot <= position mask (with or without "
+            return Skip(f"{att.name}: the mask is not export/emit.py's slot <= position mask (with or without "
                         "a sliding window)")
         writes = (producer(k), producer(v))
         caches = []
@@ -386,14 +387,14 @@ class OrtGroupQueryAttention(GraphPass):
         present_k, present_v = k_write.outputs[0], v_write.outputs[0]
         if m.packed is not None:
             x, ws, bs = m.packed
-            weight = ctx.const("qkv_weight", np.concatenate(ws, axis=1))
-            shape = [*x.shape[:-1], weight.values.shape[1]] if x.shape else None
-            qkv = gs.Variable(ctx.fresh_name("qkv"), dtype=np.float32, shape=shape)
+            weight = ctx.const("qkv_weight", concat(ws, axis=1))
+            shape = [*x.shape[:-1], weight.shape[1]] if x.shape else None
+            qkv = gs.Variable(ctx.fresh_name("qkv"), dtype=x.dtype, shape=shape)
             g.nodes.append(gs.Node("MatMul", ctx.fresh_name("qkv_MatMul"), inputs=[x, weight], outputs=[qkv]))
             _name_like_q(ctx, g.nodes[-1], m.inputs_3d[0])
             if any(b is not None for b in bs):       # a missing bias is zeros: x + 0.0 is exact
-                bias = np.concatenate([np.zeros(w.shape[1], w.dtype) if b is None else b for w, b in zip(ws, bs)])
-                summed = gs.Variable(ctx.fresh_name("qkv_biased"), dtype=np.float32, shape=shape)
+                bias = concat([np.zeros(w.shape[1], w.dtype) if b is None else b for w, b in zip(ws, bs)], axis=0)
+                summed = gs.Variable(ctx.fresh_name("qkv_biased"), dtype=x.dtype, shape=shape)
                 g.nodes.append(gs.Node("Add", ctx.fresh_name("qkv_Add"), inputs=[qkv, ctx.const("qkv_bias", bias)],
                                        outputs=[summed]))
                 qkv = summed

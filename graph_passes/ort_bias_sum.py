@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
 
-from graph_passes.base import GraphPass, Match, PassContext, Skip, const_value, producer
+from graph_passes.base import GraphPass, Match, PassContext, Skip, const_value, is_float, producer
 
 
 @dataclass
@@ -62,7 +62,7 @@ class OrtBiasSum(GraphPass):
                 value = const_value(bias)
                 if mm is None or mm.op != "MatMul" or not _used_only_by(ctx, mm_out, inner):
                     continue
-                if value is None or value.ndim != 1 or value.dtype.kind != "f":
+                if value is None or value.ndim != 1 or not is_float(value.dtype):
                     return Skip(f"{inner.name}: the Add after {mm.name} is not a constant bias vector")
                 return BiasSumMatch(ctx.layer_name(mm), node, residual, mm_out, bias)
         return None

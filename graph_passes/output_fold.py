@@ -31,6 +31,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from graph_passes.base import Match, PassContext, Skip, const_value, producer, static_last_dim
+from graph_passes.lazy import digest, lazy_map, transposed
 from graph_passes.linear_fold import ChannelAffine, linear_weight, match_linear, short_label
 
 
@@ -165,13 +166,15 @@ def fold_into_producer(ctx: PassContext, match: OutputFold) -> None:
     if affine.scale is not None:
         cols[p.start:p.stop] = np.tile(affine.scale.astype(np.float64), reps) if affine.scale.size > 1 else \
             float(affine.scale.reshape(-1)[0])
-    new_w = (w.astype(np.float64) * cols[None, :]).astype(w.dtype)              # [in, out]
+    dtype = w.dtype
+    new_w = lazy_map(w, lambda a: np.multiply(a, cols[None, :], dtype=np.float64).astype(dtype),   # [in, out]
+                     tag=("cols", digest(cols)))
     node = p.linear
     base = node.name or "linear"
     if node.op == "MatMul":
         node.inputs[1] = ctx.const(f"{base}.weight", new_w)
     else:
-        node.inputs[1] = ctx.const(f"{base}.weight", new_w.T if node.attrs.get("transB", 0) else new_w)
+        node.inputs[1] = ctx.const(f"{base}.weight", transposed(new_w) if node.attrs.get("transB", 0) else new_w)
     shift = np.zeros(w.shape[1])
     if affine.shift is not None:
         shift[p.start:p.stop] = np.tile(affine.shift.astype(np.float64), reps) if affine.shift.size > 1 else \
@@ -201,17 +204,18 @@ def _rewrite_bias(ctx: PassContext, p: Producer, cols: np.ndarray, shift: np.nda
     The bias is looked up now: a pre-norm's shift folded since the match may have added one."""
     node = p.linear
     add = _bias_add(node)
+    def scaled(b, times: float):           # b * times * cols + shift (b may be a Lazy: a folded shift's)
+        return lazy_map(b, lambda a: (np.broadcast_to(a.astype(np.float64).reshape(-1) * times, cols.shape) * cols
+                                      + shift).astype(dtype), cols.shape, dtype,
+                        tag=("bias_cols", times, digest(cols, shift), str(dtype)))
     if add is not None:
         i, b_in = next((i, t) for i, t in enumerate(add.inputs) if const_value(t) is not None)
-        b = np.broadcast_to(const_value(b_in).astype(np.float64).reshape(-1), cols.shape)
-        add.inputs[i] = ctx.const(f"{add.name or 'bias'}.bias", (b * cols + shift).astype(dtype))
+        add.inputs[i] = ctx.const(f"{add.name or 'bias'}.bias", scaled(const_value(b_in), 1.0))
         return
     if node.op == "Gemm" and len(node.inputs) > 2 and node.inputs[2].name:
-        c = const_value(node.inputs[2])
         beta = float(node.attrs.get("beta", 1.0))
-        c_new = np.broadcast_to(c.astype(np.float64) * beta, cols.shape) * cols + shift
         node.attrs["beta"] = 1.0
-        node.inputs[2] = ctx.const(f"{node.name}.bias", c_new.astype(dtype))
+        node.inputs[2] = ctx.const(f"{node.name}.bias", scaled(const_value(node.inputs[2]), beta))
         return
     if not shift.any():
         return

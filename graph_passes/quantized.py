@@ -1,12 +1,16 @@
-"""Rewrites of a quantized graph (after ONNX Runtime's weight quantizer, export/quantize.py).
+"""Weight-only quantization as graph rewrites (export/quantize.py picks the options and the quantizer).
 
+    quantize              MatMul(x, W) -> MatMulNBits(x, blocks of W); the token embedding's
+                          Gather(E, ids) -> GatherBlockQuantized(blocks of E, ids)
     tied_table            the token embedding reads the LM head's MatMulNBits blocks: one table
     embedding_like_head   an untied fp32 embedding reads blocks quantized like an int8 head
     mnb_bias              Sum(x, MatMulNBits(h), b) -> Add(x, MatMulNBits(h, bias=b))
 
-They are not in the registry: the first two need what only the quantizing caller knows (the
-tie, found on the float graph before the quantizer changed both tables; the quantizer call
-that makes the blocks), and none of them has anything to do on a float graph.
+They are not in the registry: they need what only the quantizing caller knows (the quantizer that
+makes the blocks and which bits each layer gets; the tie, found on the float graph before `quantize`
+changed both tables), and none of them has anything to do on a float graph. The blocks of a weight
+computed when written (graph_passes/lazy.py) are Lazies too: the quantizer runs on each matrix when
+it is written, once for all the tensors it makes.
 
 A table read as rows of MatMulNBits blocks: the head's MatMulNBits packs W [d, V] as V rows
 of d values in blocks along d, which is E [V, d] quantized along d, symmetric (zero point
@@ -23,7 +27,8 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from core.contract import INPUT_IDS, LOGITS
-from graph_passes.base import GraphPass, Match, PassContext, Skip, const_value, producer
+from graph_passes.base import GraphPass, Match, PassContext, Skip, const_value, is_float, producer
+from graph_passes.lazy import Lazy, digest, parts, same_values, transposed
 
 UNTIED = "untied: the LM head's weight is not the token embedding's table (or a fold scaled one of them)"
 
@@ -53,24 +58,115 @@ class Tie:
     head: str
 
 
-def find_tie(proto: onnx.ModelProto) -> Tie | None:
+def find_tie(ctx: PassContext) -> Tie | None:
     """The tie when the token embedding's table E [V, d] equals the LM head's weight transposed (a
-    tied head no fold touched), else None. Read on the float graph: the quantizer rewrites both."""
-    from onnx import numpy_helper
-    inits = {i.name: i for i in proto.graph.initializer}
-    head = head_matmul(proto)
-    emb = next((n for n in proto.graph.node if n.op_type == "Gather" and INPUT_IDS in n.input[1:]
-                and n.input[0] in inits), None)
-    if head is None or emb is None or any(a.name == "axis" and a.i != 0 for a in emb.attribute):
+    tied head no fold touched), else None. Read on the float graph: `quantize` rewrites both."""
+    head = head_node(ctx)
+    emb = next((n for n in ctx.graph.nodes if n.op == "Gather" and is_token_embedding(n)), None)
+    if head is None or emb is None or emb.attrs.get("axis", 0) != 0:
         return None
-    w, e = inits[head.input[1]], inits[emb.input[0]]
-    if list(w.dims)[::-1] != list(e.dims) or not np.array_equal(numpy_helper.to_array(w).T, numpy_helper.to_array(e)):
+    w, e = const_value(head.inputs[1]), const_value(emb.inputs[0])
+    if e is None or tuple(w.shape)[::-1] != tuple(e.shape) or not same_values(transposed(w), e):
         return None
-    return Tie(emb.output[0], head.output[0])
+    return Tie(emb.outputs[0].name, head.outputs[0].name)
+
+
+def head_node(ctx: PassContext) -> gs.Node | None:
+    """The LM head MatMul (head_matmul, on the graph being rewritten)."""
+    t = next((o for o in ctx.graph.outputs if o.name == LOGITS), None)
+    for _ in range(8):
+        node = producer(t) if t is not None else None
+        if node is None:
+            return None
+        if node.op == "MatMul" and const_value(node.inputs[1]) is not None:
+            return node
+        t = next((i for i in node.inputs if const_value(i) is None), None)
+    return None
 
 
 def is_token_embedding(node: gs.Node) -> bool:
     return node.op in ("Gather", "GatherBlockQuantized") and len(node.inputs) > 1 and node.inputs[1].name == INPUT_IDS
+
+
+# --- quantize: the weights into blocks --------------------------------------------------------------
+
+class Quantizer:
+    """What the `quantize` pass asks of the caller's quantizer (export/quantize.py): the quantized node
+    of a weight and the tensors it reads, and those tensors' values."""
+
+    def layout(self, op: str, shape: tuple, bits: int) -> tuple[str, dict, list[tuple[str, tuple, object]]]:
+        """For a weight of `shape` read by `op` (MatMul: W [K, N]; Gather: a table [V, d]): the quantized op,
+        its attributes, and (name suffix, shape, dtype) of each tensor it reads after its data input."""
+        raise NotImplementedError
+
+    def blocks(self, op: str, w: np.ndarray, bits: int) -> list[np.ndarray]:
+        """Those tensors' values for the weight w, in layout's order."""
+        raise NotImplementedError
+
+
+@dataclass
+class QuantizeMatch(Match):
+    node: gs.Node                  # the MatMul or the token embedding's Gather
+    bits: int
+
+    @property
+    def detail(self) -> str:
+        return f"{self.node.op} -> int{self.bits} blocks"
+
+
+class QuantizeWeights(GraphPass):
+    name = "quantize"
+    summary = "constant-weight MatMuls -> MatMulNBits, the token embedding -> GatherBlockQuantized (weight-only)"
+    anchors = ("MatMul", "Gather")
+
+    # Pattern (`bits_of(layer, node)` says each weight's bits, None: left float; the quantizer makes the blocks):
+    #
+    #     x ──▶ MatMul(x, W) ──▶ y          W: a constant [K, N]
+    #   ==>
+    #     x ──▶ MatMulNBits(x, W_Q<bits>, W_scales[, W_zero_points]) ──▶ y
+    #
+    #     input_ids ──▶ Gather(E, axis 0) ──▶ e          E: a constant [V, d]
+    #   ==>
+    #     input_ids ──▶ GatherBlockQuantized(E_Q4, input_ids, E_scales) ──▶ e
+    #
+    # Left alone: a MatMul of two activations (attention), a weight that is not 2-D float, a Gather that
+    # is not the token embedding (the position table: one row a token), a layer bits_of leaves float.
+
+    def __init__(self, quantizer: Quantizer, bits_of: Callable[[str, gs.Node], int | None]):
+        self.quantizer, self.bits_of = quantizer, bits_of
+
+    def match(self, ctx: PassContext, node: gs.Node) -> QuantizeMatch | Skip | None:
+        if node.op == "Gather" and (not is_token_embedding(node) or node.attrs.get("axis", 0) != 0):
+            return None
+        w = const_value(node.inputs[0 if node.op == "Gather" else 1])
+        if w is None or (node.op == "MatMul" and const_value(node.inputs[0]) is not None):
+            return None
+        if w.ndim != 2 or not is_float(w.dtype):
+            return Skip(f"{node.name}: a weight of {w.ndim} dims, {w.dtype}: left float")
+        bits = self.bits_of(ctx.layer_name(node), node)
+        return None if bits is None else QuantizeMatch(ctx.layer_name(node), node, bits)
+
+    def rewrite(self, ctx: PassContext, m: QuantizeMatch) -> None:
+        node, q = m.node, self.quantizer
+        source = node.inputs[0 if node.op == "Gather" else 1]
+        w = const_value(source)
+        op, attrs, specs = q.layout(node.op, tuple(w.shape), m.bits)
+        if not isinstance(w, Lazy):       # a weight in memory: its blocks too are computed when written
+            w = Lazy(w.shape, w.dtype, lambda a=np.asarray(w): a, ("array", digest(np.asarray(w))))
+        values = parts(lambda: q.blocks(node.op, w.load(), m.bits), [(s, d) for _, s, d in specs],
+                       w.key + ("quantized", node.op, m.bits), w.group)
+        tensors = [gs.Constant(f"{source.name}{suffix}", v) for (suffix, _, _), v in zip(specs, values)]
+        data = node.inputs[1] if node.op == "Gather" else node.inputs[0]
+        inputs = [tensors[0], data, *tensors[1:]] if node.op == "Gather" else [data, *tensors]
+        name = f"{node.name}_Q{m.bits}"
+        if node.name in ctx.node_meta:          # the layer keeps its name in reports and --int8-layers
+            ctx.node_meta[name] = ctx.node_meta[node.name]
+        out = node.outputs[0]
+        node.outputs.clear()                    # the float node lets go of its output; cleanup drops it
+        ctx.graph.nodes.append(gs.Node(op, name, domain="com.microsoft", attrs=attrs, inputs=inputs, outputs=[out]))
+        if not any(getattr(d, "domain", None) == "com.microsoft" for d in (ctx.root.import_domains or [])):
+            domains = list(ctx.root.import_domains or [onnx.helper.make_opsetid("", ctx.root.opset)])
+            ctx.root.import_domains = domains + [onnx.helper.make_opsetid("com.microsoft", 1)]
 
 
 # --- tied_table and embedding_like_head: the token embedding read from blocks ------------------------
@@ -171,11 +267,17 @@ class EmbeddingLikeHead(TableFromBlocks):
             return None
         if table.ndim != 2 or table.shape[1] % self.block:
             return Skip(f"token embedding kept fp32: its width is not a multiple of the block size {self.block}")
-        data, scales = self.blocks_of(table)          # new constants, not yet in the graph
+        if isinstance(table, Lazy):                   # computed when written, once for both tensors
+            v, k_blocks = table.shape[0], table.shape[1] // self.block
+            data, scales = parts(lambda: self.blocks_of(table.load()),
+                                 [((v, k_blocks, self.block * self.bits // 8), np.uint8), ((v, k_blocks), np.float32)],
+                                 table.key + ("head blocks", self.bits, self.block), table.group)
+        else:
+            data, scales = self.blocks_of(table)      # new constants, not yet in the graph
         source = node.inputs[0].name
         # ONNX Runtime's names for a quantizer's outputs: the streamed build traces them by name (export/stream.py)
         return BlocksTableMatch(ctx.layer_name(node), node, gs.Constant(f"{source}_Q{self.bits}", data),
-                                gs.Constant(f"{source}_scales", scales), len(table), self.bits, self.block,
+                                gs.Constant(f"{source}_scales", scales), table.shape[0], self.bits, self.block,
                                 f"token embedding int{self.bits} like the head (GatherBlockQuantized)")
 
 

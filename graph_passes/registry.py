@@ -48,12 +48,18 @@ def resolve(names) -> list[GraphPass]:
     return [PASSES[n]() for n in names]
 
 
-def run_passes(proto: onnx.ModelProto, names=DEFAULT_PASSES) -> tuple[onnx.ModelProto, list[PassResult]]:
+def run_passes(proto: onnx.ModelProto, names=DEFAULT_PASSES,
+               lazy: dict | None = None) -> tuple[onnx.ModelProto, list[PassResult]]:
     """Apply the named passes in order; returns the rewritten model and one result per pass.
+    `lazy`: the graph's weights computed when written (graph_passes/lazy.py), by initializer name;
+    replaced in place by those of the rewritten graph.
 
     Raises graph_passes.PassError for a graph a pass refuses (e.g. a TaperNorm gate above 0).
     """
     passes = resolve(names)
-    ctx = load_graph(proto)
+    ctx = load_graph(proto, lazy)
     results = [p.run(ctx) for p in passes]
+    if lazy is not None:
+        lazy.clear()
+        lazy.update(ctx.lazy_weights())
     return save_graph(ctx, proto), results

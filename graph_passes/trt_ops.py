@@ -22,6 +22,8 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from graph_passes.lazy import stored_lazy
+
 Version = tuple[int, int]
 
 TABLE_VERSION: Version = (10, 15)
@@ -115,7 +117,7 @@ def _rank(t) -> int | None:
 
 def _elem_type(t) -> int | None:
     """ONNX element type of a graphsurgeon tensor, or None where it is unknown."""
-    dtype = t.dtype if isinstance(t, gs.Variable) else getattr(t.values, "dtype", None)
+    dtype = getattr(t, "dtype", None)       # a Constant's without loading its values
     if dtype is None:
         return None
     if isinstance(dtype, int):
@@ -127,9 +129,10 @@ def _elem_type(t) -> int | None:
 
 
 def _constant(t) -> np.ndarray | None:
-    """The value of an initializer or a Constant node's output, else None."""
+    """The value of an initializer or a Constant node's output, else None (also for a weight computed when
+    written, graph_passes/lazy.py: the lint reads shapes and small constants, never weights)."""
     if isinstance(t, gs.Constant):
-        return np.asarray(t.values)
+        return None if stored_lazy(t) is not None else np.asarray(t.values)
     if isinstance(t, gs.Variable) and len(t.inputs) == 1 and t.inputs[0].op == "Constant":
         value = t.inputs[0].attrs.get("value")
         if isinstance(value, gs.Constant):
@@ -225,7 +228,7 @@ def _squeeze(node: gs.Node, version: Version) -> list[str]:
     if "axes" in node.attrs or _present(node.inputs, (1,)) or version >= SQUEEZE_WITHOUT_AXES:
         return []
     return [f"Squeeze without axes; TensorRT parses that from {version_str(SQUEEZE_WITHOUT_AXES)} on "
-            f"(this lint targets {version_str(version)}): give it an axes input (export.onnx_export does)"]
+            f"(this lint targets {version_str(version)}): give it an axes input (export/emit.py does)"]
 
 
 RULES = {"TensorScatter": _tensor_scatter, "Attention": _attention, "LayerNormalization": _layer_norm,

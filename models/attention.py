@@ -9,7 +9,7 @@
 Eager torch (training, the reference) always computes it with plain ops. When exporting,
 the graph gets either those plain ops (MatMul, Mul, Where, Softmax, MatMul and the
 Transpose of k: the portable form, which every runtime and TensorRT's parser read) or,
-inside `fused_attention_export()`, one custom op that export/onnx_export.py translates to
+inside `fused_attention_export()`, one custom op that the torch export (tests/export/oracle.py, the test oracle) translates to
 the opset-24 ONNX Attention op (ONNX Runtime's CPU provider runs it as one kernel). The
 cache write (models/kv_cache.py, TensorScatter in place) is the same in both forms.
 """
@@ -39,7 +39,7 @@ def attend_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 @torch.library.custom_op("tapernorm::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                  scale: float = 0.0, softcap: float = 0.0) -> torch.Tensor:
-    """The fused form's op (exported only; export/onnx_export.py maps it to ONNX Attention).
+    """The fused form's op (exported only; tests/export/oracle.py maps it to ONNX Attention).
     scale 0: 1 / sqrt(D); softcap 0: none (ONNX Attention's own defaults)."""
     return attend_plain(q, k, v, mask, scale or None, softcap or None)
 

@@ -201,14 +201,19 @@ def load_checkpoint(path: str | os.PathLike) -> Decoder:
     """Validated model in eval mode, gate and per-layer c applied."""
     path = Path(path)
     raw, cfg = read_checkpoint_config(path)
-    if raw["has_tokenizer"]:
-        if not (path / TOKENIZER).is_file():
-            raise CheckpointError(f"{path / TOKENIZER}: missing; {NEEDS}")
-        check_tokenizer_fits(path, cfg.vocab_size)
+    check_checkpoint_tokenizer(path, raw, cfg)
     model = Decoder(cfg)
     apply_taper_state(path / CONFIG, model, raw)
     _load_weights(path, model)
     return model.eval()
+
+
+def check_checkpoint_tokenizer(path: Path, raw: dict, cfg: DecoderConfig) -> None:
+    """The tokenizer.json config.json says the checkpoint has: there, and within the model's vocabulary."""
+    if raw["has_tokenizer"]:
+        if not (path / TOKENIZER).is_file():
+            raise CheckpointError(f"{path / TOKENIZER}: missing; {NEEDS}")
+        check_tokenizer_fits(path, cfg.vocab_size)
 
 
 def load_tokenizer(path: str | os.PathLike):

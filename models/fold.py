@@ -37,7 +37,7 @@ class ScalelessRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         # an explicit unit gamma (not None): the export then carries it as an initializer, as the
-        # norm_gamma graph pass leaves it, so both routes give the same graph (export/stream.py)
+        # norm_gamma graph pass leaves it
         self.register_buffer("ones", torch.ones(d), persistent=False)
 
     def forward(self, x):
@@ -97,11 +97,16 @@ def _split_norm(norm: nn.Module) -> NormSplit:
 
 
 @torch.no_grad()
-def _fold_into(linear: nn.Linear, split: NormSplit) -> None:
+def _fold_into(linear: nn.Linear, split: NormSplit, weights: bool = True) -> None:
     """linear(core(x) * scale + shift) == linear'(core(x)): W' = W diag(scale), b' = b + W shift;
-    with centering, W' minus its mean over the input axis (W' C, C = I - 11^T/d)."""
+    with centering, W' minus its mean over the input axis (W' C, C = I - 11^T/d). weights=False: W holds
+    the fold already (a quantized graph's weights); only the bias changes (no shift: it would read W)."""
     scale, shift = split.scale, split.shift
     w = linear.weight                                   # [out, in]
+    if not weights:
+        if shift is not None:
+            raise ValueError("a shift folds through the float weights: fold with weights=True")
+        return
     if shift is not None:
         extra = w @ shift.detach()
         if linear.bias is None:
@@ -114,24 +119,25 @@ def _fold_into(linear: nn.Linear, split: NormSplit) -> None:
         w.sub_(w.mean(dim=1, keepdim=True))
 
 
-def _fold(parent: nn.Module, attr: str, linears: list[nn.Linear]) -> None:
+def _fold(parent: nn.Module, attr: str, linears: list[nn.Linear], weights: bool = True) -> None:
     split = _split_norm(getattr(parent, attr))
     for lin in linears:
-        _fold_into(lin, split)
+        _fold_into(lin, split, weights)
     setattr(parent, attr, split.core)
 
 
 @torch.no_grad()
-def _fold_output(parent: nn.Module, attr: str, linear: nn.Linear) -> None:
+def _fold_output(parent: nn.Module, attr: str, linear: nn.Linear, weights: bool = True) -> None:
     """A g = 0 TaperNorm after `linear` (norm(linear(x)) == linear'(x)) into its output rows, in place;
-    any other norm stays."""
+    any other norm stays. weights=False: the bias alone (W holds the fold already)."""
     norm = getattr(parent, attr)
     if not isinstance(norm, TaperNorm):
         return
     split = _split_norm(norm)
     reps = linear.out_features // split.scale.shape[0]              # the heads of a per-head QK-norm
     scale = split.scale.detach().repeat(reps)                       # [out]
-    linear.weight.mul_(scale[:, None])
+    if weights:
+        linear.weight.mul_(scale[:, None])
     shift = None if split.shift is None else split.shift.detach().repeat(reps)
     if linear.bias is not None:
         linear.bias.mul_(scale)
@@ -143,22 +149,23 @@ def _fold_output(parent: nn.Module, attr: str, linear: nn.Linear) -> None:
 
 
 @torch.no_grad()
-def fold_block_norms(block: nn.Module) -> None:
-    """Fold one block's norms, in place (the streamed build folds block by block: export/stream.py): the
-    pre-norms into the q/k/v and MLP input projections, the g = 0 TaperNorms no matrix follows (QK-norms,
-    post-sublayer norms) into the matrices before them."""
+def fold_block_norms(block: nn.Module, weights: bool = True) -> None:
+    """Fold one block's norms, in place (the reference of a quantized graph folds block by block:
+    export/quant_reference.py): the pre-norms into the q/k/v and MLP input projections, the g = 0
+    TaperNorms no matrix follows (QK-norms, post-sublayer norms) into the matrices before them.
+    weights=False: the norms and biases alone, for weights that hold the fold already."""
     mlp_in = [block.mlp.up_proj] + ([block.mlp.gate_proj] if hasattr(block.mlp, "gate_proj") else [])
     if block.ln_1 is not None:
-        _fold(block, "ln_1", [block.attn.q_proj, block.attn.k_proj, block.attn.v_proj])
+        _fold(block, "ln_1", [block.attn.q_proj, block.attn.k_proj, block.attn.v_proj], weights)
     if block.ln_2 is not None:
-        _fold(block, "ln_2", mlp_in)
+        _fold(block, "ln_2", mlp_in, weights)
     if block.attn.qk_norm:
-        _fold_output(block.attn, "q_norm", block.attn.q_proj)
-        _fold_output(block.attn, "k_norm", block.attn.k_proj)
+        _fold_output(block.attn, "q_norm", block.attn.q_proj, weights)
+        _fold_output(block.attn, "k_norm", block.attn.k_proj, weights)
     if block.post_attn_norm is not None:
-        _fold_output(block, "post_attn_norm", block.attn.out_proj)
+        _fold_output(block, "post_attn_norm", block.attn.out_proj, weights)
     if block.post_mlp_norm is not None:
-        _fold_output(block, "post_mlp_norm", block.mlp.down_proj)
+        _fold_output(block, "post_mlp_norm", block.mlp.down_proj, weights)
 
 
 def keeps_tied_final_norm(model: Decoder) -> bool:

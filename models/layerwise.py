@@ -8,11 +8,12 @@ the memory-mapped checkpoint, models/weights.py) are alive at a time, and what i
 between blocks is the hidden state of every step (a few tokens) and the cache slots the
 steps wrote. The result is the same computation as Decoder.forward over a cache, step by
 step (the steps of a session are fixed in advance, teacher-forced, so they do not depend on
-the outputs). Used by the streamed build's verification (export/stream.py).
+the outputs). Used by every build's verification (export/pipeline.py).
 """
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -52,20 +53,51 @@ class ModelParts:
         return ln_f, self.source.tensor("lm_head.weight"), None
 
 
+def _batched(sessions) -> tuple[list, list[tuple[int, int, int]]]:
+    """The sessions as few as possible: those with the same steps' lengths side by side in one batch (each
+    sequence has its own positions, so they stay independent), and where each session's rows are:
+    (group, first row, rows). Each step then reads every block's weights once for all of them."""
+    from core.decode import Step
+    groups: dict[tuple, list[int]] = {}
+    for s, steps in enumerate(sessions):
+        groups.setdefault(tuple(st.input_ids.shape[1] for st in steps), []).append(s)
+    merged, where = [], [None] * len(sessions)
+    for g, members in enumerate(groups.values()):
+        row = 0
+        for s in members:
+            where[s] = (g, row, sessions[s][0].input_ids.shape[0])
+            row += sessions[s][0].input_ids.shape[0]
+        merged.append([Step(np.concatenate([sessions[s][t].input_ids for s in members]),
+                            np.concatenate([sessions[s][t].position for s in members]))
+                       for t in range(len(sessions[members[0]]))])
+    return merged, where
+
+
 @torch.no_grad()
 def layerwise_run(source, sessions, dtype: torch.dtype = torch.float32, parts: ModelParts | None = None,
                   log=None) -> list[list[dict[str, np.ndarray]]]:
     """Outputs of the decode steps of each session (Step lists, export/conventions.py): logits of
     every step and, on the last step, present_key_i / present_value_i cut to the slots written
     ([B, H_kv, used_slots, D]). `parts`: where the weights come from (default: the checkpoint's).
-    `log`: called with one progress line per block (a 1B model's reference takes a minute)."""
-    parts = parts or ModelParts(source)
-    cfg, skel = source.cfg, source.skeleton
-    layout = cfg.cache_layout()
+    `log`: called with one progress line per block (a 1B model's reference takes a minute).
+    Sessions run side by side (_batched), over caches as long as the slots they write (attention over
+    the slots past them, always masked, would cost as much as the rest)."""
+    merged, where = _batched(sessions)
+    outs = _run(source, merged, dtype, parts or ModelParts(source), log, len(sessions))
+    return [[{name: np.ascontiguousarray(value[row:row + rows] if name == "logits" else
+                                         value[row:row + rows, :, :used_slots(steps)])
+              for name, value in step.items()} for step in outs[g]]
+            for (g, row, rows), steps in zip(where, sessions)]
+
+
+def _run(source, sessions, dtype, parts: ModelParts, log, labelled: int) -> list[list[dict[str, np.ndarray]]]:
+    cfg = source.cfg
+    short = replace(cfg, max_seq_len=max(used_slots(steps) for steps in sessions))    # masks and caches
+    layout = short.cache_layout()
     ids = [[torch.from_numpy(s.input_ids) for s in steps] for steps in sessions]
     pos = [[torch.from_numpy(s.position) for s in steps] for steps in sessions]
-    rotaries = rotary_embeddings(cfg)       # built here: the skeleton's buffers may be on the meta device
-    inputs = [[step_inputs(cfg, rotaries, i, p) for i, p in zip(ii, pp)] for ii, pp in zip(ids, pos)]
+    rotaries = rotary_embeddings(cfg)       # the model's (longrope's switch reads its capacity); the skeleton's
+    inputs = [[step_inputs(short, rotaries, i, p) for i, p in zip(ii, pp)] for ii, pp in zip(ids, pos)]
     table = parts.embedding()                                                # [V, d]
     xs = [[embed_tokens(cfg, F.embedding(i, table).to(dtype)) for i in ii] for ii in ids]   # [B, T, d] per step
     del table
@@ -88,7 +120,7 @@ def layerwise_run(source, sessions, dtype: torch.dtype = torch.float32, parts: M
                 outs[s][-1][present_name(cache_name(i, kind))] = c[:, :, :used].float().numpy().copy()
         del block
         if log is not None:
-            log(f"      [{i + 1}/{cfg.n_layer}] block {i + 1} through {len(sessions)} session(s)")
+            log(f"      [{i + 1}/{cfg.n_layer}] block {i + 1} through {labelled} session(s)")
     ln_f, head, bias = parts.final()
     ln_f, head = ln_f.to(dtype), head.to(dtype)                                 # head [V, d]
     for s, xx in enumerate(xs):

@@ -6,8 +6,8 @@
     source.tensor("wte.weight")                # one fp32 tensor, our name
     source.rows("wte.weight", 0, 1024)         # its rows [0, 1024) (our checkpoint: only those are read)
 
-The streamed build (export/stream.py) and the layer-by-layer reference (models/layerwise.py)
-read real-size models through this: safetensors files are opened with safe_open (memory
+The build (export/emit.py's Lazy weights, written by export/pipeline.py) and the layer-by-layer
+reference (models/layerwise.py) read models of every size through this: safetensors files are opened with safe_open (memory
 mapped: a tensor is read when asked for), pytorch_model.bin with torch.load(mmap=True,
 weights_only=True). Hugging Face names and layouts are mapped with models/convert.py's table
 (`expected_params`), checked against the files' headers before any tensor is read (names,
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from models.checkpoint import (CONFIG, WEIGHTS, CheckpointError, all_finite, apply_taper_state,
-                               read_checkpoint_config)
+                               check_checkpoint_tokenizer, read_checkpoint_config)
 from models.decoder import Block, Decoder, DecoderConfig
 
 
@@ -106,6 +106,7 @@ class WeightSource:
 
 def _checkpoint_source(path: Path, max_seq_len: int | None) -> WeightSource:
     raw, cfg = read_checkpoint_config(path, memory_check=False)
+    check_checkpoint_tokenizer(path, raw, cfg)        # as load_checkpoint: ids past the vocabulary crash generation
     where = path / WEIGHTS
     if not where.is_file():
         raise CheckpointError(f"{where}: missing; a checkpoint directory holds {WEIGHTS}")
@@ -139,6 +140,20 @@ def _hf_source(path: Path, max_seq_len: int | None) -> WeightSource:
     plan = hf_weight_plan(path, max_seq_len)
     places = {ours: _Place(stored.file, ours, stored.read, fn) for ours, (stored, fn) in plan.places.items()}
     return WeightSource(path, plan.cfg, places, plan.raw, f"hf:{plan.raw['model_type']}", plan.notes)
+
+
+def model_weights(model: Decoder) -> WeightSource:
+    """A Decoder held in memory as a WeightSource (small builds, bench, tests): its tensors as they are, its
+    gate and every TaperNorm's c on the skeleton."""
+    where = Path("(in memory)")
+    places = {k: _Place(where, k, lambda t=t: t.detach(), lambda t: t)
+              for k, t in model.named_parameters(remove_duplicate=False)}
+    source = WeightSource(where, model.cfg, places, {}, "in-memory")
+    if model.cfg.norm == "taper":
+        source.skeleton.set_gate(model.gate.value)
+        for name, layer in source.skeleton.taper_layers().items():
+            layer.c = model.get_submodule(name).c
+    return source
 
 
 def open_weights(path: str | os.PathLike, max_seq_len: int | None = None) -> WeightSource:

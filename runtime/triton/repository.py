@@ -400,7 +400,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 def _link_external_data(proto, src: Path, dst: Path) -> None:
     """The external-data files `src`'s graph names, linked beside `dst` under the same names (a
-    streamed build keeps its weights in `<graph>.data`: neither read nor copied when linkable)."""
+    build keeps its weights in `<graph>.data`: neither read nor copied when linkable)."""
     for location in external_files(proto):
         if not (dst.parent / location).exists():
             _link_or_copy(src.parent / location, dst.parent / location)
@@ -529,7 +529,7 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
         raise RepositoryError(f"{build}: expected a build directory from python -m export.build, found "
                               f"{'a file' if build.exists() else 'nothing'}; build one first")
     try:
-        onnx_path = resolve_onnx(build)     # fused, unfused, or a streamed build's quantized graph: TensorRT's
+        onnx_path = resolve_onnx(build)     # fused, unfused, or a --quantize build's quantized graph: TensorRT's
         ort_path = resolve_onnx(build, quantized_first=True)    # ONNX Runtime's: a --quantize build's quantized graph
     except ModelFileError as e:
         raise RepositoryError(str(e)) from None

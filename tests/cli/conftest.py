@@ -76,6 +76,16 @@ def tiny_build(tiny_ckpt, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_unfused_build(tiny_ckpt, tmp_path_factory) -> Path:
+    """A real build of tiny_ckpt without --fuse: its one graph is model.onnx (a fused build holds only
+    model.fused.onnx), the graph graph_passes folds and export.verify compares with the fused one."""
+    from export.pipeline import build
+    out = tmp_path_factory.mktemp("cli_unfused_build") / "build"
+    build(tiny_ckpt, out, fuse=False, log=lambda _: None)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> Path:
     """A finished 4-step training run (python -m train's --out), for copying into a test."""
     from train.loop import train

@@ -161,6 +161,7 @@ def _big_tokenizer(s: Path) -> Path:
 
 
 def _external_data_missing(s: Path, build: Path) -> Path:
+    """The unfused build's model.onnx re-saved with its weights in m.onnx.data, then that file deleted."""
     import onnx
     d = s / "ext"
     d.mkdir()
@@ -197,7 +198,8 @@ class _Garbage:
         self.sock.close()
 
 
-# (id, command, argv; {s} scratch, {ckpt}, {build}, {run}; setup(s, fx) -> None, exit code, needle in the error line)
+# (id, command, argv; {s} scratch, {ckpt}, {build} (fused), {unfused}, {run}; setup(s, fx) -> None, exit code,
+#  needle in the error line)
 CASES = [
     # --- data loss: refused, the user's files unchanged -----------------------------------------
     ("triton-repo-over-checkpoint", "runtime.triton", ["repo", "--build", "{build}", "--out", "{s}/ck"],
@@ -228,8 +230,8 @@ CASES = [
     ("build-over-its-checkpoint", "export.build", ["--checkpoint", "{s}/ck", "--out", "{s}/ck"],
      lambda s, fx: copy_tree(fx["ckpt"], s / "ck"), 1, "own input"),
     ("graph-passes-over-its-input", "graph_passes", ["{s}/m.onnx", "-o", "{s}/m.onnx"],
-     lambda s, fx: shutil.copy(fx["build"] / "model.onnx", s / "m.onnx"), 1, "own input"),
-    ("graph-passes-over-users-file", "graph_passes", ["{build}/model.onnx", "-o", "{s}/X"],
+     lambda s, fx: shutil.copy(fx["unfused"] / "model.onnx", s / "m.onnx"), 1, "own input"),
+    ("graph-passes-over-users-file", "graph_passes", ["{unfused}/model.onnx", "-o", "{s}/X"],
      lambda s, fx: _plain_file(s), 1, "not written by tapernorm-deploy"),
     ("bench-report-into-users-folder", "bench.report", ["{s}/project"],
      lambda s, fx: _project(s), 1, "results.json"),
@@ -238,7 +240,7 @@ CASES = [
     # --- wrong output with exit 0, before ---------------------------------------------------------
     ("graph-passes-empty-onnx", "graph_passes", ["{s}/e.onnx", "-o", "{s}/o.onnx"],
      lambda s, fx: (s / "e.onnx").write_bytes(b""), 1, "empty file"),
-    ("verify-empty-onnx", "export.verify", ["{s}/e.onnx", "{build}/model.onnx"],
+    ("verify-empty-onnx", "export.verify", ["{s}/e.onnx", "{unfused}/model.onnx"],
      lambda s, fx: (s / "e.onnx").write_bytes(b""), 1, "empty file"),
     ("generate-empty-onnx", "runtime.generate", ["--model", "{s}/e.onnx", "--prompt", "hi"],
      lambda s, fx: (s / "e.onnx").write_bytes(b""), 1, "e.onnx"),
@@ -250,11 +252,11 @@ CASES = [
      lambda s, fx: _ckpt_with(s, fx["ckpt"], "ck", _weights_dtype("int32")), 1, "dtype int32"),
     ("checkpoint-bool-weight", "models.checkpoint", ["{s}/ck"],
      lambda s, fx: _ckpt_with(s, fx["ckpt"], "ck", _weights_dtype("bool")), 1, "dtype bool"),
-    ("verify-unknown-io-convention", "export.verify", ["{s}/relu.onnx", "{build}/model.onnx"],
+    ("verify-unknown-io-convention", "export.verify", ["{s}/relu.onnx", "{unfused}/model.onnx"],
      lambda s, fx: _foreign_graph(s), 1, "unknown decoder I/O convention"),
-    ("verify-reference-missing", "export.verify", ["{build}/model.onnx", "{build}/model.fused.onnx", "--reference",
+    ("verify-reference-missing", "export.verify", ["{unfused}/model.onnx", "{build}/model.fused.onnx", "--reference",
                                                    "{s}/none.onnx"], None, 1, "no such file"),
-    ("verify-negative-atol", "export.verify", ["{build}/model.onnx", "{build}/model.fused.onnx", "--atol", "-1"],
+    ("verify-negative-atol", "export.verify", ["{unfused}/model.onnx", "{build}/model.fused.onnx", "--atol", "-1"],
      None, 2, "--atol"),
     ("triton-repo-negative-max-new-tokens", "runtime.triton",
      ["repo", "--build", "{build}", "--out", "{s}/r", "--max-new-tokens", "-5"], None, 2, "--max-new-tokens"),
@@ -288,12 +290,12 @@ CASES = [
      1, "UTF-8"),
     ("checkpoint-capacity-1e9", "models.checkpoint", ["{s}/ck"],
      lambda s, fx: _ckpt_with(s, fx["ckpt"], "ck", _config_edit("max_seq_len", 1_000_000_000)), 1, "needs"),
-    ("graph-passes-output-is-a-directory", "graph_passes", ["{build}/model.onnx", "-o", "{s}"],
+    ("graph-passes-output-is-a-directory", "graph_passes", ["{unfused}/model.onnx", "-o", "{s}"],
      None, 1, "found a directory"),
     ("graph-passes-missing-external-data", "graph_passes", ["{s}/ext/m.onnx", "-o", "{s}/o.onnx"],
-     lambda s, fx: _external_data_missing(s, fx["build"]), 1, "external-data file m.onnx.data"),
-    ("verify-missing-external-data", "export.verify", ["{s}/ext/m.onnx", "{build}/model.onnx"],
-     lambda s, fx: _external_data_missing(s, fx["build"]), 1, "external-data file m.onnx.data"),
+     lambda s, fx: _external_data_missing(s, fx["unfused"]), 1, "external-data file m.onnx.data"),
+    ("verify-missing-external-data", "export.verify", ["{s}/ext/m.onnx", "{unfused}/model.onnx"],
+     lambda s, fx: _external_data_missing(s, fx["unfused"]), 1, "external-data file m.onnx.data"),
     ("train-binary-corpus", "train", ["--preset", "baseline", "--out", "{s}/new", "--corpus", "{s}/bin.dat",
                                       *TINY_TRAIN], lambda s, fx: _binary(s), 1, "binary data"),
     ("triton-check-binary-config", "runtime.triton", ["check", "--repo", "{s}/repo"],
@@ -503,8 +505,8 @@ CASES = [
 
 
 @pytest.fixture
-def fx(tiny_ckpt, tiny_build, tiny_run):
-    return {"ckpt": tiny_ckpt, "build": tiny_build, "run": tiny_run}
+def fx(tiny_ckpt, tiny_build, tiny_unfused_build, tiny_run):
+    return {"ckpt": tiny_ckpt, "build": tiny_build, "unfused": tiny_unfused_build, "run": tiny_run}
 
 
 @pytest.fixture(scope="module")
@@ -524,7 +526,8 @@ def test_bad_input_one_line_nothing_changed(tmp_path, fx, ports, case_id, comman
     if setup is not None:
         setup(s, fx)
     before = snapshot(tmp_path)
-    args = [a.format(s=s, ckpt=fx["ckpt"], build=fx["build"], run=fx["run"], **ports) for a in argv]
+    args = [a.format(s=s, ckpt=fx["ckpt"], build=fx["build"], unfused=fx["unfused"], run=fx["run"], **ports)
+            for a in argv]
     r = cli(command, args)
     assert "Traceback" not in r.err, r.err
     assert r.code == code, (r.code, r.err)

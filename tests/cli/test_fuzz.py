@@ -125,7 +125,7 @@ def _sentinels(root):
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, tiny_ckpt, tiny_build, tiny_run):
+def world(tmp_path_factory, tiny_ckpt, tiny_build, tiny_unfused_build, tiny_run):
     root = tmp_path_factory.mktemp("fuzz")
     user = _sentinels(root / "user")
     ours = root / "ours"                     # our own outputs, copied: commands may replace those
@@ -134,7 +134,8 @@ def world(tmp_path_factory, tiny_ckpt, tiny_build, tiny_run):
         "user": [user, user / "project", user / "hf", user / ".out.old", user / "notes.txt", user / "blob.bin",
                  user / "user.onnx", user / "user.json", user / "missing", user / "project" / "model.onnx"],
         "ours": [copy_tree(tiny_ckpt, ours / "ckpt"), copy_tree(tiny_build, ours / "build"),
-                 copy_tree(tiny_run, ours / "run"), ours / "build" / "model.onnx", ours / "build" / "model.fused.onnx"],
+                 copy_tree(tiny_run, ours / "run"), ours / "build" / "model.fused.onnx",
+                 copy_tree(tiny_unfused_build, ours / "unfused") / "model.onnx"],
         "scratch": [root / "scratch" / n for n in ("out", "o.onnx", "r.json", "f.png", "a" * 300)],
     }
     (root / "scratch").mkdir()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import onnx
 
-from export.onnx_export import export_onnx
+from tests.export.oracle import export_onnx
 from graph_passes import run_passes
 from tests.helpers import random_model
 

@@ -4,8 +4,9 @@ with the cache still written in place by TensorScatter."""
 import numpy as np
 import torch
 
-from export.onnx_export import export_onnx
-from export.verify import ort_session, read_interface, run_onnx, run_torch, session_steps, verify_pair, compare
+from tests.export.oracle import export_onnx
+from export.verify import ort_session, read_interface, run_onnx, session_steps, verify_pair, compare
+from tests.export.oracle import run_torch
 from graph_passes import run_passes
 from models.attention import attend, attend_plain
 from tests.export.exported import _DIR, exported

@@ -34,35 +34,45 @@ def ckpts(tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("target", ["auto", "portable"])
-def test_build_fuse_end_to_end(ckpts, tmp_path, target):
-    """The default (auto) build is the ONNX Runtime CPU graph here (no TensorRT installed); both say so."""
+@pytest.mark.parametrize("target, fuse", [("auto", True), ("portable", True), ("auto", False)])
+def test_build_end_to_end(ckpts, tmp_path, target, fuse):
+    """One graph a build: model.fused.onnx (--fuse) or model.onnx. The default (auto) fused build is the ONNX
+    Runtime CPU graph here (no TensorRT installed); both targets say so. Verified against torch (every stage
+    in the progress lines and the report)."""
     out = tmp_path / "out"
-    r = _build("--fuse", "--checkpoint", ckpts["taper"], "--out", out, "--target", target)
+    r = _build(*(["--fuse"] if fuse else []), "--checkpoint", ckpts["taper"], "--out", out, "--target", target)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.startswith("[1/6] load checkpoint") and "[6/6] write" in r.stdout
+    stages = [line.split("]")[0] + "]" for line in r.stdout.splitlines() if line.startswith("[")]
+    assert stages == [f"[{i}/5]" for i in range(1, 6)], r.stdout
+    assert r.stdout.startswith("[1/5] open") and "[2/5] graph" in r.stdout and "[3/5] write" in r.stdout
+    assert "[4/5] torch reference" in r.stdout and "[5/5] verify" in r.stdout
+    graph, kind = ("model.fused.onnx", "fused") if fuse else ("model.onnx", "unfused")
     files = {p.name for p in out.iterdir()}
-    assert files == {"model.onnx", "model.fused.onnx", "config.json", "tokenizer.json", "report.json",
-                     ".tapernorm-output.json"}
+    assert files == {graph, graph + ".data", "config.json", "tokenizer.json", "report.json", ".tapernorm-output.json"}
     assert all(p.stat().st_mode & 0o777 == 0o644 for p in out.iterdir()) and out.stat().st_mode & 0o777 == 0o755
     report = json.loads((out / "report.json").read_text())
-    assert report["norm_ops"] == {"unfused": 1, "fused": 1}
-    assert [f["layer"] for f in report["folded"] if f["pass"] == "taper_scale"] == \
-        ["blocks.0.ln_1", "blocks.0.ln_2", "blocks.1.ln_1", "blocks.1.ln_2"]
-    if target == "auto":      # the taper Muls and the attention's scale Muls all gone into GroupQueryAttention
+    assert report["graph"] == graph and report["fuse"] == fuse
+    assert set(report["files"]) == files - {".tapernorm-output.json"}
+    assert report["norm_ops"] == {"emitted": 1, kind: 1}                # ln_f's RMSNorm (TaperNorm at g = 0: a Mul)
+    assert 0 < report["weight_bytes"] <= (out / (graph + ".data")).stat().st_size + 64 * 1024
+    assert report["memory_estimate"]["peak_bytes"] > 0
+    taper = [f["layer"] for f in report["folded"] if f["pass"] == "taper_scale"]
+    assert taper == (["blocks.0.ln_1", "blocks.0.ln_2", "blocks.1.ln_1", "blocks.1.ln_2"] if fuse else [])
+    if fuse and target == "auto":  # the taper Muls and the attention's scale Muls all gone into GroupQueryAttention
         assert report["target"] == "ort-cpu" and report["attention"] == "gqa"
         assert report["op_counts"]["fused"]["GroupQueryAttention"] == 2 and "Mul" not in report["op_counts"]["fused"]
         assert "  target   ort-cpu (auto: the fastest graph on this CPU): model.fused.onnx for ONNX Runtime on the CPU" \
             in r.stdout and "--target portable" in r.stdout
     else:
         assert report["target"] == "portable" and report["attention"] == "plain"
-        assert report["op_counts"]["unfused"]["Mul"] - report["op_counts"]["fused"]["Mul"] == 4
-        assert "  target   portable: model.fused.onnx, model.onnx for TensorRT and any ONNX runtime" in r.stdout
-    for key in ("unfused_vs_torch", "fused_vs_torch", "fused_vs_unfused"):
-        worst = max(v for per in report["max_abs_diff"][key].values() for v in per.values())
-        assert worst <= report["atol"] == 1e-4
-    assert any("real tokens" in k for k in report["max_abs_diff"]["fused_vs_torch"])
-    assert set(report["timings_s"]) >= {"load", "export", "verify_unfused", "fuse", "verify_fused", "total"}
+        assert report["op_counts"]["emitted"]["Mul"] - report["op_counts"][kind]["Mul"] == (4 if fuse else 0)
+        because = " (auto: no --fuse (the rewrite runs after the fold))" if target == "auto" else ""
+        assert f"  target   portable{because}: {graph} for TensorRT and any ONNX runtime" in r.stdout
+    assert set(report["max_abs_diff"]) == {"graph_vs_torch"}
+    worst = max(v for per in report["max_abs_diff"]["graph_vs_torch"].values() for v in per.values())
+    assert 0 < worst <= report["atol"] == 1e-4
+    assert any("real tokens" in k for k in report["max_abs_diff"]["graph_vs_torch"])
+    assert set(report["timings_s"]) == {"open", "graph", "write", "reference", "verify", "total"}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]   # no temp dir left
 
 
@@ -120,11 +130,31 @@ def test_interrupted_build_leaves_nothing(ckpts, tmp_path, monkeypatch):
     (out / "model.onnx").write_text("previous build")
     write_marker(out, BUILD)                                                 # an earlier build of ours
 
-    def interrupted_export(model, path, dtype="fp32", **options):
+    def interrupted_write(proto, lazy, path, *args, **kwargs):
         Path(path).write_bytes(b"half a model")     # a partial file in the temp dir, then Ctrl-C
         raise KeyboardInterrupt
-    monkeypatch.setattr("export.onnx_export.export_onnx", interrupted_export)
+    monkeypatch.setattr("export.pipeline.write_graph", interrupted_write)
     assert build_mod.main(["--checkpoint", str(ckpts["taper"]), "--out", str(out)]) == 130
     assert sorted(p.name for p in out.iterdir()) == [".tapernorm-output.json", "model.onnx"]   # untouched
     assert (out / "model.onnx").read_text() == "previous build"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]                   # no temp dir left
+
+
+def test_there_is_one_route():
+    """--route (in-memory | streamed | auto) is gone: every build takes export/pipeline.py's one route."""
+    from tests.cli.conftest import cli
+    r = cli("export.build", ["--route", "streamed", "--fuse"])
+    assert r.code == 2 and "--route" in r.err and "unrecognized arguments" in r.err
+
+
+def test_every_option_a_build_message_names_is_one_export_build_has():
+    """The build's refusals and hints name their fix as an option (a cheaper --quantize, --dtype fp32, --target
+    portable, ...): each such option exists (the streamed route once named `--stream`, which never did)."""
+    import re
+    from tests.cli.conftest import cli
+    sources = ["export/pipeline.py", "export/quantize.py", "export/genai.py", "export/target.py", "export/emit.py",
+               "export/bfloat16.py"]
+    named = {o for f in sources for o in re.findall(r"--[a-z][a-z0-9-]*", (ROOT / f).read_text())}
+    assert {"--quantize", "--dtype", "--fuse", "--attention", "--target"} <= named
+    helped = cli("export.build", ["--help"]).out
+    assert [o for o in sorted(named) if not re.search(rf"{o}\b", helped)] == [], helped

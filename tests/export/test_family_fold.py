@@ -7,7 +7,7 @@ RMSNorm model keeps each QK-norm and post norm as an op, said per norm in the pa
 import numpy as np
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
-from export.onnx_export import export_onnx
+from tests.export.oracle import export_onnx
 from export.verify import ort_session, read_interface, run_onnx, session_steps
 from graph_passes import run_passes
 from tests.graph_passes.fixtures import ops

@@ -2,10 +2,11 @@
 import numpy as np
 import pytest
 
-from export.verify import ATOL_FP32, compare, ort_session, read_interface, run_onnx, run_torch, session_steps
+from export.verify import ATOL_FP32, compare, ort_session, read_interface, run_onnx, session_steps
+from tests.export.oracle import run_torch
 from graph_passes import PassError, run_passes
 from graph_passes.base import PassContext
-from export.onnx_export import export_onnx
+from tests.export.oracle import export_onnx
 from tests.export.exported import KINDS, exported
 from tests.helpers import random_model
 

@@ -3,7 +3,7 @@
 Checked with GenAI's own API: og.Model on the build folder, og.Generator greedy for a fixed
 number of tokens, against runtime.generate on the same build's graph (our contract, our loop);
 the two must pick the same tokens (ties handled as in tests/runtime/greedy.py). Every norm kind
-of the zoo, a converted HF Llama and an LN-free GPT-2, fp32 and int4, both build routes; the
+of the zoo, a converted HF Llama and an LN-free GPT-2 and the 2026 families, fp32 and int4; the
 default run covers each of those features once, the rest is slow.
 """
 from __future__ import annotations
@@ -93,40 +93,37 @@ def genai_batch_greedy(folder: Path, texts: list[str], n: int) -> list[list[int]
 
 
 CASES = [
-    # (source, --quantize or None, route): each of fp32 / int4, in-memory / streamed, zoo / HF once by default.
-    # A random-init HF model quantizes to int4 only in the streamed route: the in-memory build checks the
-    # int4 graph against the float one (random weights at std 0.2 drift past that bound), the streamed
-    # one against the graph's own dequantized weights.
-    # (zoo:internal-taper int4 streamed: test_genai_folder_layout_and_tokenizer; in-memory: the batch test)
-    ("zoo:dyt", None, "streamed"),
-    ("hf:llama", "int4", "streamed"),
-    ("hf:gpt2-fakeln", None, "in-memory"),
+    # (source, --quantize or None): each of fp32 / int4, zoo / HF once by default. An int4 graph is checked
+    # against its own dequantized weights (export/quant_reference.py), so a random-init HF model quantizes too.
+    # (zoo:internal-taper int4: test_genai_folder_layout_and_tokenizer and the batch test)
+    ("zoo:dyt", None),
+    ("hf:llama", "int4"),
+    ("hf:gpt2-fakeln", None),
     # the 2026 families (GenAI's generic decoder type: positions, norms and head are inside our graph):
     # Gemma 3's live QK-norms (kept on q and k), sandwich norms, sliding windows and local rope base
-    ("hf:gemma3", "int4", "streamed"),
-    pytest.param("hf:qwen3", None, "in-memory", marks=pytest.mark.slow),
-    pytest.param("hf:gemma2", None, "streamed", marks=pytest.mark.slow),         # soft-caps
-    pytest.param("hf:qwen3-yarn-sliding", "int4", "streamed", marks=pytest.mark.slow),
-    pytest.param("zoo:baseline", None, "in-memory", marks=pytest.mark.slow),          # RMSNorm
-    pytest.param("zoo:baseline", "int4", "streamed", marks=pytest.mark.slow),
-    pytest.param("zoo:all-taper", None, "streamed", marks=pytest.mark.slow),
-    pytest.param("zoo:all-taper", "int4", "in-memory", marks=pytest.mark.slow),
-    pytest.param("zoo:internal-taper", None, "streamed", marks=pytest.mark.slow),
-    pytest.param("zoo:internal-taper", "int4", "in-memory", marks=pytest.mark.slow),
-    pytest.param("zoo:dyt", "int4", "in-memory", marks=pytest.mark.slow),
-    pytest.param("hf:llama", None, "in-memory", marks=pytest.mark.slow),
-    pytest.param("hf:gpt2-fakeln", "int4", "streamed", marks=pytest.mark.slow),
+    ("hf:gemma3", "int4"),
+    pytest.param("hf:qwen3", None, marks=pytest.mark.slow),
+    pytest.param("hf:gemma2", None, marks=pytest.mark.slow),         # soft-caps
+    pytest.param("hf:qwen3-yarn-sliding", "int4", marks=pytest.mark.slow),
+    pytest.param("zoo:baseline", None, marks=pytest.mark.slow),          # RMSNorm
+    pytest.param("zoo:baseline", "int4", marks=pytest.mark.slow),
+    pytest.param("zoo:all-taper", None, marks=pytest.mark.slow),
+    pytest.param("zoo:all-taper", "int4", marks=pytest.mark.slow),
+    pytest.param("zoo:internal-taper", None, marks=pytest.mark.slow),
+    pytest.param("zoo:dyt", "int4", marks=pytest.mark.slow),
+    pytest.param("hf:llama", None, marks=pytest.mark.slow),
+    pytest.param("hf:gpt2-fakeln", "int4", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("name,quantize,route", CASES)
-def test_genai_greedy_equals_runtime_generate(tmp_path, name, quantize, route):
+@pytest.mark.parametrize("name,quantize", CASES)
+def test_genai_greedy_equals_runtime_generate(tmp_path, name, quantize):
     _og()
     ckpt = _source(name, tmp_path)
     out = tmp_path / "build"
-    report = _build(ckpt, out, "--route", route, *(["--quantize", quantize] if quantize else []))
+    report = _build(ckpt, out, *(["--quantize", quantize] if quantize else []))
     graph = out / (f"model.{quantize}.onnx" if quantize else "model.fused.onnx")
-    assert report["genai"]["from"] == graph.name and report["attention"] == "gqa"
+    assert report["graph"] == graph.name and report["genai"]["from"] == graph.name and report["attention"] == "gqa"
     assert report["genai"]["logits_max_abs_diff"] <= report["genai"]["atol"]
     config = json.loads((out / "genai_config.json").read_text())
     assert config["model"]["decoder"]["filename"] == "model.genai.onnx"
@@ -138,15 +135,24 @@ def test_genai_greedy_equals_runtime_generate(tmp_path, name, quantize, route):
     assert compare_greedy(ours, logits, theirs) >= NEW_TOKENS // 2, (ours, theirs)
 
 
-def test_genai_folder_layout_and_tokenizer(tmp_path):
+@pytest.fixture(scope="module")
+def taper_int4(tmp_path_factory):
+    """The zoo's TaperNorm model built --fuse --genai --quantize int4 (once for the two tests below)."""
+    _og()
+    root = tmp_path_factory.mktemp("genai")
+    out = root / "build"
+    report = _build(_source("zoo:internal-taper", root), out, "--quantize", "int4")
+    return out, report
+
+
+def test_genai_folder_layout_and_tokenizer(taper_int4):
     """What GenAI's builder writes for a Llama (I/O names and dims, config keys), and og.Tokenizer
-    reading our tokenizer gives the ids ours gives; a streamed build's GenAI graph shares the weights file;
-    GenAI's greedy tokens on it are runtime.generate's (the zoo's TaperNorm model, int4, streamed)."""
+    reading our tokenizer gives the ids ours gives; the GenAI graph shares the build's weights file;
+    GenAI's greedy tokens on it are runtime.generate's (the zoo's TaperNorm model, int4)."""
     og = _og()
     import onnx
-    ckpt = _source("zoo:internal-taper", tmp_path)
-    out = tmp_path / "build"
-    _build(ckpt, out, "--route", "streamed", "--quantize", "int4")
+    out, report = taper_int4
+    assert report["graph"] == "model.int4.onnx" and not (out / "model.fused.onnx").exists()
     proto = onnx.load(str(out / "model.genai.onnx"), load_external_data=False)
     dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
             for v in (*proto.graph.input, *proto.graph.output)}
@@ -182,23 +188,21 @@ def test_genai_refuses_what_it_cannot_build(tmp_path, flags, expected):
 
 def test_genai_graph_refuses_a_graph_without_group_query_attention():
     from export.genai import GenAIError, genai_graph
-    from export.onnx_export import export_onnx
+    from tests.export.oracle import export_onnx
     from tests.helpers import random_model
     proto = export_onnx(random_model(norm="rmsnorm"), None, "fp32", attention="fused")
     with pytest.raises(GenAIError, match=r"expected every cache read and written by GroupQueryAttention"):
         genai_graph(proto, "model.fused.onnx")
 
 
-def test_genai_batch_of_different_lengths_equals_batch_1(tmp_path):
+def test_genai_batch_of_different_lengths_equals_batch_1(taper_int4):
     """A batch GenAI pads itself (prompts of 4, 9 and 10 tokens, right-padded) picks, row by row, the
     tokens each prompt gets alone (GenAI at batch 1 and runtime.generate). A padded row's past length
     is its own, not the padded length: ReduceSum(mask) - sequence_length made the position of a padded
     row's prefill negative, and the learned positional embedding's Gather read rows from the end.
-    (int4, in-memory route: the default run's only in-memory int4 GenAI folder.)"""
+    (int4: the default run's int4 zoo GenAI folder.)"""
     _og()
-    ckpt = _source("zoo:internal-taper", tmp_path)
-    out = tmp_path / "build"
-    _build(ckpt, out, "--route", "in-memory", "--quantize", "int4")
+    out, _ = taper_int4
     texts = ["Once upon a time", PROMPT, "The little dog ran to the park and saw"]
     from models.checkpoint import load_tokenizer
     prompts = [load_tokenizer(out).encode(t).ids for t in texts]
@@ -237,8 +241,7 @@ def test_genai_refuses_a_tokenizer_file_genai_cannot_read_before_any_work(hf_lla
     src = tmp_path / "hf"
     shutil.copytree(hf_llama, src)
     (src / name).write_text(text)
-    for route in ("in-memory", "streamed"):
-        r = cli("export.build", ["--fuse", "--genai", "--checkpoint", src, "--out", tmp_path / "o", "--route", route])
-        err = r.err.strip().splitlines()
-        assert r.code == 1 and len(err) == 1 and str(src / name) in err[0] and said in err[0], (route, r.err[-2000:])
-        assert not (tmp_path / "o").exists() and r.out == ""
+    r = cli("export.build", ["--fuse", "--genai", "--checkpoint", src, "--out", tmp_path / "o"])
+    err = r.err.strip().splitlines()
+    assert r.code == 1 and len(err) == 1 and str(src / name) in err[0] and said in err[0], r.err[-2000:]
+    assert not (tmp_path / "o").exists() and r.out == ""

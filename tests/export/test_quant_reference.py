@@ -1,58 +1,139 @@
-"""export.quant_reference.dequantize against ONNX Runtime's own kernels on the quantizer's output.
+"""export/quant_reference.py: the torch reference of a quantized graph (GraphWeights: the folded model with the
+graph's own blocks dequantized), read from the written graph, and dequantized_rows against export/rtn.py.
 
-The streamed build verifies a quantized graph against a torch model holding dequantize()'s weights,
-so dequantize() must be what MatMulNBits / GatherBlockQuantized compute from the same blocks. Each
-kernel is run on a one-node graph that ONNX Runtime's quantizer made, with inputs that read every
-weight back: the identity matrix through MatMulNBits (accuracy level 0: fp32 arithmetic), every
-row index through GatherBlockQuantized.
+A quantized build is verified against this reference (export/pipeline.py verify_graph), so it must be what the
+written graph computes: with MatMulNBits at accuracy level 0 (fp32 arithmetic) the two agree to fp32 rounding,
+on a zoo model (DyT's shifts folded through the float weights, its own int4 table) and on a tiny Hugging Face
+family (Q/K/V packed into one MatMulNBits under --attention gqa, the embedding in the int8 head's blocks); the
+slow run adds Qwen2 in int8, GPT-2 (LayerNorm, the tied table stored once) and --int8-layers. It must also read
+the graph, not quantize the float model again: a graph whose scales are doubled fails against the reference of
+the graph it came from, and passes against its own.
 """
+from pathlib import Path
+
 import numpy as np
-import onnxruntime as ort
+import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
-from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+import torch
 
-from export.quant_reference import dequantize
-from export.quantize import QuantConfig, algo_config, quiet_quantizer
+from export.quant_reference import GraphWeights, dequantized_rows
+from export.quantize import QuantConfig
+from export.rtn import dequantize_matmul, matmul_blocks
 
-
-def _quantized_graph_output(op: str, w: np.ndarray, cfg: QuantConfig) -> np.ndarray:
-    """What ONNX Runtime computes from its quantizer's blocks of w: MatMul x @ w with x = I [K, K]
-    (-> w as the kernel sees it, [K, N]); Gather of every row of the table w [V, d]."""
-    if op == "Gather":
-        node, feed = helper.make_node("Gather", ["W", "ids"], ["y"], name="one"), np.arange(w.shape[0])
-        x = helper.make_tensor_value_info("ids", TensorProto.INT64, [w.shape[0]])
-    else:
-        node, feed = helper.make_node("MatMul", ["x", "W"], ["y"], name="one"), np.eye(w.shape[0], dtype=np.float32)
-        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, list(feed.shape))
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
-    g = helper.make_graph([node], "one", [x], [y], [numpy_helper.from_array(w, "W")])
-    with quiet_quantizer():
-        q = MatMulNBitsQuantizer(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]),
-                                 algo_config=algo_config(cfg, (op,)))
-        q.process()
-    assert {n.op_type for n in q.model.model.graph.node} & {"MatMulNBits", "GatherBlockQuantized"}
-    sess = ort.InferenceSession(q.model.model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return sess.run(None, {sess.get_inputs()[0].name: feed})[0]
+ZOO = Path(__file__).resolve().parents[2] / "models" / "zoo"
 
 
-@pytest.mark.parametrize("dtype,k", [("int4", 96), ("int4", 100), ("int8", 64)])
-def test_dequantized_matmul_weight_is_what_matmulnbits_computes(dtype, k):
-    w = np.random.default_rng(0).standard_normal((k, 48)).astype(np.float32)           # [K, N]
-    cfg = QuantConfig(dtype, 32, accuracy_level=0)
-    ours = dequantize(w, "MatMul", cfg.bits, cfg)                                        # [N, K]
-    kernel = _quantized_graph_output("MatMul", w, cfg)                                  # [K, N]
-    assert ours.shape == (48, k)
-    np.testing.assert_allclose(ours.T, kernel, rtol=0, atol=1e-6 * np.abs(w).max())
-    assert np.abs(ours.T - w).max() > 1e-3            # quantized: not the float weight handed back
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("k, block", [(96, 32), (100, 32), (99, 16), (64, 64)])
+def test_dequantized_rows_are_rtns_dequantized_weight(bits, k, block):
+    """torch's (q - 2^(bits-1)) * scale in nn.Linear's layout [N, K] is dequantize_matmul's [K, N] transposed, bit
+    for bit (whole and partial last blocks, an odd K's stale nibble past row K-1 ignored)."""
+    w = np.random.default_rng(k + bits).standard_normal((k, 48)).astype(np.float32)
+    B, scales = matmul_blocks(w, bits, block)
+    rows = dequantized_rows(B, scales, k, bits, block)
+    assert rows.dtype == torch.float32 and tuple(rows.shape) == (48, k) and rows.is_contiguous()
+    expected = np.ascontiguousarray(dequantize_matmul(B, scales, k, bits, block).T)
+    np.testing.assert_array_equal(rows.numpy(), expected)
+    step = np.abs(w).max(axis=0) / (1 << (bits - 1))                     # one code's step per column, at most
+    assert 0 < np.abs(rows.numpy() - w.T).max() <= step.max()             # quantized, within a step of w
 
 
-def test_dequantized_tied_table_as_a_matmul_weight_and_as_a_gather_table():
-    table = np.random.default_rng(1).standard_normal((40, 64)).astype(np.float32)     # E [V, d]
-    cfg = QuantConfig("int4", 32, accuracy_level=0)
-    as_head = dequantize(table, "MatMulT", 4, cfg)                                       # E's layout [V, d]
-    np.testing.assert_allclose(as_head, _quantized_graph_output("MatMul", np.ascontiguousarray(table.T), cfg).T,
-                               rtol=0, atol=1e-6 * np.abs(table).max())
-    as_table = dequantize(table, "Gather", 4, cfg)                                       # [V, d]
-    np.testing.assert_allclose(as_table, _quantized_graph_output("Gather", table, cfg),
-                               rtol=0, atol=1e-6 * np.abs(table).max())
+def _folder(source: str, tmp_path: Path) -> Path:
+    kind, name = source.split(":")
+    if kind == "zoo":
+        return ZOO / name
+    from tests.hf_models import hf_model, save_hf
+    # ONNX Runtime's GroupQueryAttention rotates heads of a multiple of 16: the tiny Llama's and Qwen2's 8 doubled
+    return save_hf(hf_model(name, **(dict(hidden_size=64) if name in ("llama", "qwen2") else {})), tmp_path / name)
+
+
+def _runs(source, path: Path, parts=None):
+    """(torch reference runs, with `parts`; ONNX Runtime's runs of `path`) on the build's verification sessions."""
+    from core.contract import contract_of
+    from export.conventions import run_onnx, verification_sessions
+    from export.verify import ort_session
+    from models.layerwise import layerwise_run, used_slots
+    iface = contract_of(path)
+    sessions = verification_sessions(iface, None)          # (a graph of plain attention: any start)
+    steps = [s for _, s in sessions]
+    refs = layerwise_run(source, steps, parts=parts)
+    sess = ort_session(path)
+    return sessions, refs, [run_onnx(sess, iface, s, trim=used_slots(s)) for s in steps]
+
+
+CASES = [
+    # (source, attention, quantize): at accuracy level 0 the graph computes in fp32, so what is left is rounding
+    ("zoo:dyt", "plain", QuantConfig("int4", accuracy_level=0)),                # shifts; its own int4 table
+    ("hf:llama", "gqa", QuantConfig("int4", head="int8", accuracy_level=0)),    # packed Q/K/V, int8 head blocks
+    pytest.param("hf:qwen2", "gqa", QuantConfig("int8", accuracy_level=0), marks=pytest.mark.slow),   # q/k/v biases
+    pytest.param("hf:gpt2", "plain", QuantConfig("int4", accuracy_level=0), marks=pytest.mark.slow),  # the tied table
+    pytest.param("zoo:all-taper", "plain", QuantConfig("int4", int8_layers=("v_proj",), accuracy_level=0),
+                 marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("source, attention, cfg", CASES)
+def test_a_quantized_build_equals_its_dequantized_reference(tmp_path, source, attention, cfg):
+    from export.pipeline import build
+    from export.verify import ATOL, DEQUANTIZED, SCALE_TOL
+    out = tmp_path / "out"
+    report = build(_folder(source, tmp_path), out, True, quantize=cfg, attention=attention, log=lambda *a: None)
+    assert report.quantized["tolerance"]["checked_against"] == "dequantized weights"
+    assert (report.atol, report.scale_tol) == (ATOL[DEQUANTIZED], SCALE_TOL[DEQUANTIZED])
+    per = report.max_abs_diff["graph_vs_torch"]
+    worst = max(v for d in per.values() for v in d.values())
+    # fp32 MatMulNBits against fp32 torch on the same weights: fp32 rounding, far inside the build's bound
+    assert 0 < worst < 1e-4, per
+    assert report.quantized["drift"]["logits_max_abs_diff"] > 100 * worst      # the float model is another one
+
+
+def test_a_graph_whose_scales_are_doubled_fails_against_the_reference(tmp_path):
+    """The reference is read from the graph's own blocks: a graph with doubled scales fails against the reference
+    of the graph it was made from, by far, and passes against its own (the reference follows the graph). The zoo's
+    TaperNorm model: its tied table stored once, the embedding reading the head's blocks through a Reshape."""
+    from core.onnx_writer import save_onnx
+    from export.pipeline import build
+    from export.verify import DEQUANTIZED, VerificationError, compare_sessions
+    from models.weights import open_weights
+    out = tmp_path / "out"
+    build(ZOO / "internal-taper", out, True, quantize=QuantConfig("int4"), log=lambda *a: None)
+    good = out / "model.int4.onnx"
+    proto = onnx.load(str(good))
+    doubled = 0
+    for t in proto.graph.initializer:
+        if t.name.endswith("_scales"):
+            t.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(t) * np.float32(2), t.name))
+            doubled += 1
+    assert doubled == 4 * 6 + 1               # 6 MatMulNBits a block and the head's (the table reads the head's)
+    bad = tmp_path / "doubled" / "model.int4.onnx"
+    bad.parent.mkdir()
+    save_onnx(proto, bad)
+    source = open_weights(ZOO / "internal-taper")
+    sessions, refs, runs = _runs(source, bad, GraphWeights(source, good))
+    with pytest.raises(VerificationError, match="logits: max abs diff"):
+        compare_sessions(sessions, refs, runs, DEQUANTIZED, "doubled scales vs the graph's reference")
+    own = GraphWeights(source, bad)                         # (the copy's weights are inline, not external)
+    assert torch.equal(own.embedding(), 2 * GraphWeights(source, good).embedding())
+    sessions, refs, runs = _runs(source, bad, own)
+    compare_sessions(sessions, refs, runs, DEQUANTIZED, "doubled scales vs its own reference")
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_a_4_bit_initializer_is_read_as_its_packed_bytes(tmp_path, external):
+    """GatherBlockQuantized's int4 table, inline (a graph saved whole) or in external data (a build's): its bytes
+    as ONNX packs them, which export.rtn.dequantize_gather reads (an inline one was read as one value a byte)."""
+    from onnx import helper
+    from core.onnx_writer import StreamedWeights
+    from export.quant_reference import initializer_array
+    from export.rtn import dequantize_gather, gather_blocks
+    table = np.random.default_rng(0).standard_normal((51, 41)).astype(np.float32)      # an odd count: a pad nibble
+    q = gather_blocks(table, 4, 16)
+    t = helper.make_tensor("table_Q4", q.data_type, q.shape, q.data.tobytes(), raw=True)
+    if external:
+        with StreamedWeights(tmp_path / "g.onnx") as out:
+            out.put_raw(t, q.data.tobytes())            # (over core.onnx_writer.INLINE_BELOW: to g.onnx.data)
+        assert t.data_location == onnx.TensorProto.EXTERNAL
+    data = initializer_array(tmp_path, t)
+    np.testing.assert_array_equal(data, q.data)
+    np.testing.assert_array_equal(dequantize_gather(data, q.scales, q.shape, 16),
+                                  dequantize_gather(q.data, q.scales, q.shape, 16))

@@ -1,5 +1,6 @@
-"""export/quantize.py: weight-only int8 / int4 of a fused graph, checked against the fp32 graph
-with the per-dtype tolerance of export.verify; and the --quantize stage of export.build."""
+"""export/quantize.py: weight-only int8 / int4 of a fused graph (the graph passes of graph_passes/quantized.py, the
+blocks export/rtn.py's), checked against the fp32 graph with the per-dtype tolerance of export.verify; the top-1
+agreement a quantized build reports; and the --quantize stage of export.build."""
 import json
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 
-from export.quantize import (QuantConfig, QuantizeError, quantize_weights, quantized_config, top1_agreement)
+from export.quantize import QuantConfig, QuantizeError, quantize_weights, quantized_config
 from export.verify import (SCALE_TOL, VerificationError, ort_session, read_interface, tolerance_key, verify_pair)
 from tests.export.exported import exported
 from tests.helpers import random_model, write_checkpoint
@@ -165,14 +166,55 @@ def test_a_broken_quantization_fails_verification():
 
 
 def test_top1_agreement_is_one_against_itself_and_measures_drift():
+    """export.pipeline.top1 over the agreement session a quantized build runs (agreement_steps: one prefill of
+    real text, AGREEMENT_TOKENS positions or the capacity): 1 against itself, between 0 and 1 for int4, and
+    about 0 for logits negated (argmax becomes argmin)."""
+    from export.conventions import run_onnx
+    from export.pipeline import agreement_steps, top1
+    from export.quantize import AGREEMENT_TOKENS
     _, _, fused, _ = exported("baseline")
     iface = read_interface(fused)
-    prompt = [5, 9, 11, 200, 3]
-    same, n = top1_agreement(ort_session(fused), ort_session(fused), iface, prompt, 20)
-    assert same == 1.0 and n == 20
+    assert agreement_steps(None, iface) == []                           # no text: no agreement session
+    sessions = agreement_steps([5, 9, 11, 200, 3], iface)              # the text repeated to fill it
+    n = min(AGREEMENT_TOKENS, iface.capacity)
+    assert len(sessions) == 1 and len(sessions[0]) == 1 and sessions[0][0].input_ids.shape == (1, n)
+
+    def runs(proto):
+        return [run_onnx(ort_session(proto), iface, steps) for steps in sessions]
+    ref = runs(fused)
+    assert top1(ref, ref) == (1.0, n)
     q, _ = quantize_weights(fused, QuantConfig("int4"))
-    agree, n = top1_agreement(ort_session(fused), ort_session(q), iface, prompt, 200)
-    assert n == iface.capacity - len(prompt) and 0.0 <= agree <= 1.0
+    agree, positions = top1(ref, runs(q))
+    assert positions == n and 0.0 < agree <= 1.0
+    negated = onnx.ModelProto()
+    negated.CopyFrom(fused)
+    last = next(node for node in negated.graph.node if "logits" in node.output)
+    last.output[list(last.output).index("logits")] = "logits_before_neg"
+    negated.graph.node.append(onnx.helper.make_node("Neg", ["logits_before_neg"], ["logits"]))
+    agree, _ = top1(ref, runs(negated))
+    assert agree < 0.05
+
+
+@pytest.mark.parametrize("bits,k", [(4, 96), (4, 100), (8, 64)])
+def test_block_quantization_split_over_cores_equals_onnx_runtimes_quantizer(monkeypatch, bits, k):
+    """BlockQuantizer quantizes a MatMul weight by export/rtn.py directly (no one-node graph, so no copies of a
+    GB head), its columns split over the cores (_by_columns): the parts' blocks side by side are byte for byte
+    what ONNX Runtime's quantizer writes for the whole weight in a graph."""
+    from export.quantize import BlockQuantizer, _by_columns, quantize_one_node
+    w = np.random.default_rng(0).standard_normal((k, 50)).astype(np.float32)
+    cfg = QuantConfig("int4" if bits == 4 else "int8", 32)
+    theirs = quantize_one_node("MatMul", w, cfg)
+    assert sorted(theirs) == [1, 2]                                     # symmetric: no zero points
+    from export import rtn
+    monkeypatch.setattr("os.cpu_count", lambda: 3)
+    widths, matmul_blocks = [], rtn.matmul_blocks
+    monkeypatch.setattr(rtn, "matmul_blocks", lambda part, *a: widths.append(part.shape[1]) or matmul_blocks(part, *a))
+    split = _by_columns(w, bits, 32, min_columns=16)
+    assert widths == [16, 17, 17]                                       # 3 parts: columns 0-16, 16-33, 33-50
+    whole = BlockQuantizer(cfg).blocks("MatMul", w, bits)
+    for role, mine in ((1, split[0]), (2, split[1])):
+        np.testing.assert_array_equal(mine, onnx.numpy_helper.to_array(theirs[role]))
+        np.testing.assert_array_equal(whole[role - 1], mine)
 
 
 @pytest.mark.parametrize("cfg, match", [
@@ -191,6 +233,9 @@ def test_bad_configs_are_one_line_user_errors(cfg, match):
 
 
 def test_build_quantize_and_gqa_attention_end_to_end(tmp_path):
+    """One graph, model.int4.onnx (no model.fused.onnx beside it), verified against torch with its own dequantized
+    weights; its drift and top-1 agreement over 128 positions of real text against the float model reported; within
+    the int4 tolerance of the float graph (export.verify's command, on the fused graph built in memory)."""
     ckpt = write_checkpoint(tmp_path / "ckpt", random_model(seed=3, norm="taper", taper_scope="internal", gate=0.0,
                                                             max_seq_len=160))
     out = tmp_path / "out"
@@ -198,17 +243,21 @@ def test_build_quantize_and_gqa_attention_end_to_end(tmp_path):
                         "--int8-layers", "qkv_proj", "--attention", "gqa", "--checkpoint", str(ckpt), "--out", str(out)],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "[8/8] write" in r.stdout and "top-1 agreement" in r.stdout
-    assert (out / "model.int4.onnx").is_file() and (out / "model.fused.onnx").is_file()
+    assert "[5/5] verify model.int4.onnx" in r.stdout and "top-1 agreement" in r.stdout
+    assert (out / "model.int4.onnx").is_file() and not (out / "model.fused.onnx").exists()
     report = json.loads((out / "report.json").read_text())
+    assert report["graph"] == "model.int4.onnx"
     q = report["quantized"]
     assert q["file"] == "model.int4.onnx" and q["config"]["dtype"] == "int4" and q["matmuls_quantized"] == 9
     assert q["config"]["head"] == "int8" and q["head"] == "int8"            # 2 x (qkv, out, up, down) in 4 bits, the head in 8
+    assert q["weight_bytes_after"] == report["weight_bytes"] < q["weight_bytes_before"]
     assert q["drift"]["top1_positions"] == 128 and q["drift"]["top1_agreement"] >= q["tolerance"]["min_top1"]
+    assert q["drift"]["top1_prompt"].startswith("real text")
     assert q["drift"]["logits_mean_abs_diff"] <= q["drift"]["logits_max_abs_diff"]
-    assert "int4_vs_fused" in report["max_abs_diff"] and "int4" in report["op_counts"]
+    assert q["tolerance"]["checked_against"] == "dequantized weights" and report["atol"] == q["tolerance"]["atol"]
+    assert set(report["max_abs_diff"]) == {"graph_vs_torch"} and set(report["op_counts"]) == {"emitted", "int4"}
     assert report["attention"] == "gqa"                                    # verified against torch by the build
-    assert report["op_counts"]["unfused"]["Attention"] == 2                # model.onnx: the portable fused-attention graph
+    assert report["op_counts"]["emitted"]["Attention"] == 2                # emitted as the portable fused-attention graph
     ops = report["op_counts"]["int4"]
     assert ops["GroupQueryAttention"] == 2 and not {"Attention", "Softmax", "TensorScatter"} & set(ops)
     assert sorted(_bits(onnx.load(str(out / "model.int4.onnx")))) == [4] * 6 + [8] * 3   # the packed Q/K/V, the head
@@ -217,6 +266,11 @@ def test_build_quantize_and_gqa_attention_end_to_end(tmp_path):
     with OrtSession(out / "model.int4.onnx") as s:
         s.reset(1)
         assert s.prefill(np.array([[1, 2, 3]])).shape == (1, 3, 320)
-    r = subprocess.run([sys.executable, "-m", "export.verify", str(out / "model.fused.onnx"), str(out / "model.int4.onnx")],
+    from export.pipeline import build_graph
+    from models.weights import open_weights
+    fused = tmp_path / "float" / "model.fused.onnx"
+    fused.parent.mkdir()
+    build_graph(open_weights(ckpt), fused, fuse=True, attention="gqa", verify=False)
+    r = subprocess.run([sys.executable, "-m", "export.verify", str(fused), str(out / "model.int4.onnx")],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0 and "EQUAL" in r.stdout, r.stdout + r.stderr

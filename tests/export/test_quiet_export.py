@@ -4,7 +4,7 @@ bench.decode's build workers printed hundreds of onnxscript / onnx_ir lines)."""
 import io
 import logging
 
-from export.onnx_export import export_onnx
+from tests.export.oracle import export_onnx
 from tests.helpers import random_model
 
 

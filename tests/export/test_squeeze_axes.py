@@ -4,7 +4,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from export.onnx_export import explicit_squeeze_axes
+from tests.export.oracle import explicit_squeeze_axes
 from tests.export.exported import exported
 from tests.graph_passes.fixtures import run
 

@@ -4,8 +4,9 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from export.onnx_export import export_onnx
-from export.verify import ATOL_FP32, compare, ort_session, read_interface, run_onnx, run_torch, session_steps
+from tests.export.oracle import export_onnx
+from export.verify import ATOL_FP32, compare, ort_session, read_interface, run_onnx, session_steps
+from tests.export.oracle import run_torch
 from graph_passes import run_passes
 from tests.graph_passes.fixtures import ops
 from tests.helpers import random_model

@@ -33,9 +33,9 @@ def test_zoo_fused_structure_and_logits(name):
     if name == "gpt2-fakeln" and not _has_pass("disabled_norm"):
         pytest.skip("graph_passes has no 'disabled_norm' pass in its default passes yet (issue 12 writes it): "
                     "the FakeLN model's eps-1e12 LayerNorms stay")
-    from export.onnx_export import export_onnx
-    from export.verify import (ATOL_FP32, compare, ort_session, read_interface, rounding_slack, run_onnx, run_torch,
-                               session_steps)
+    from tests.export.oracle import export_onnx
+    from export.verify import ATOL_FP32, compare, ort_session, read_interface, run_onnx, session_steps
+    from tests.export.oracle import rounding_slack, run_torch
     from graph_passes import run_passes
     from graph_passes.base import PassContext
     from models.checkpoint import load_checkpoint, load_tokenizer

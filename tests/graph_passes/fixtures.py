@@ -40,10 +40,10 @@ def model(nodes, inits, outputs=("y",), inputs=(("x", [2, 3, D]),), meta=None, n
 
 
 def taper_meta(layer: str, cls: str = "models.norms.TaperNorm", op: str = "mul") -> dict:
-    """Node metadata as torch's exporter writes it for a module `layer`."""
+    """Node metadata as torch's exporter (and export/emit.py) writes it for a module `layer`."""
     scopes = ["", "model"] + [f"model.{'.'.join(layer.split('.')[:i + 1])}" for i in range(len(layer.split('.')))] + [op]
     return {"pkg.torch.onnx.name_scopes": repr(scopes),
-            "pkg.torch.onnx.class_hierarchy": repr(["export.onnx_export._DecodeStep", cls, "aten.mul.Tensor"])}
+            "pkg.torch.onnx.class_hierarchy": repr(["export.emit.DecodeStep", cls, "aten.mul.Tensor"])}
 
 
 def run(m: onnx.ModelProto, feeds: dict) -> dict:

@@ -6,8 +6,9 @@ import functools
 import numpy as np
 import pytest
 
-from export.onnx_export import export_onnx
-from export.verify import compare, ort_session, read_interface, run_onnx, run_torch, session_steps, verify_pair
+from tests.export.oracle import export_onnx
+from export.verify import compare, ort_session, read_interface, run_onnx, session_steps, verify_pair
+from tests.export.oracle import run_torch
 from graph_passes import passes_for, run_passes
 from tests.export.exported import _DIR, exported, save
 from tests.helpers import random_model
@@ -99,15 +100,17 @@ def test_fold_then_rewrite_is_what_a_gqa_build_runs():
 
 
 def test_partial_rotary_layers_are_left_alone_and_a_gqa_build_refuses_them():
-    from export.pipeline import BuildError, BuildReport, fuse_stage
+    from export.pipeline import BuildError, BuildReport, make_graph
+    from models.weights import model_weights
     model = random_model(seed=1, norm="rmsnorm", pos_embedding="rope", rotary_dim=8, d_model=64, n_head=4)
     proto = export_onnx(model, _DIR / "partial-rope.att.onnx", attention="fused")
     out, (result,) = run_passes(proto, ["ort_gqa"])
     assert not result.folded and len(result.skipped) == model.cfg.n_layer
     assert "rotary" in result.skipped[0].why
     assert [n.op_type for n in out.graph.node].count("Attention") == model.cfg.n_layer
-    with pytest.raises(BuildError, match="--attention gqa: 2 layer"):
-        fuse_stage(proto, BuildReport("ckpt", "out", "fp32", True), "gqa")
+    # the build's own graph (emitted from the model's spec, export/emit.py) is refused before anything is written
+    with pytest.raises(BuildError, match=r"--attention gqa: 2 layer.*rotary.*build with --attention fused or plain"):
+        make_graph(model_weights(model), BuildReport("ckpt", "out", "fp32", True), True, "fp32", "gqa")
 
 
 def test_plain_attention_graphs_have_nothing_to_rewrite():

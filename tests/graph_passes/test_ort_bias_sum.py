@@ -6,7 +6,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from export.quantize import QuantConfig, quantize_weights
-from export.verify import compare, ort_session, read_interface, run_onnx, run_torch, session_steps, verify_pair
+from export.verify import compare, ort_session, read_interface, run_onnx, session_steps, verify_pair
+from tests.export.oracle import run_torch
 from graph_passes import passes_for, run_passes
 from tests.graph_passes.test_ort_attention import _fused_attention_graphs
 

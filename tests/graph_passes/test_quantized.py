@@ -8,6 +8,7 @@ from onnx import TensorProto, helper
 from onnxruntime.quantization import matmul_nbits_quantizer as mq
 
 from graph_passes.base import load_graph, save_graph
+from graph_passes.lazy import Lazy, lazy_map, transposed
 from graph_passes.quantized import (UNTIED, BiasIntoMatMulNBits, EmbeddingLikeHead, ShareTiedTable, Tie, find_tie,
                                     head_matmul)
 from tests.graph_passes.fixtures import init, rng_mat, run
@@ -60,7 +61,7 @@ def test_a_tied_table_reads_the_head_blocks_and_changes_no_value(bits):
     so against the fp32 table rounded the head's way, which is what an int8 table read gives)."""
     e = rng_mat(0, (V, D))
     fp = tied(e)
-    tie = find_tie(fp)
+    tie = find_tie(load_graph(fp))
     assert tie == Tie("emb", "logits") and head_matmul(fp).name == "head"
     twice = quantized(fp, ("MatMul", "Gather") if bits == 4 else ("MatMul",), bits)
     once, result = apply(ShareTiedTable(tie), twice)
@@ -83,11 +84,26 @@ def test_a_table_that_is_not_the_head_transposed_is_untied_and_left_alone():
     w = e.T.copy()
     w[3, 5] += 1e-3                                    # one value apart: a fold scaled one of them
     fp = tied(e, w)
-    assert find_tie(fp) is None
+    assert find_tie(load_graph(fp)) is None
     q = quantized(fp, ("MatMul", "Gather"))
     out, result = apply(ShareTiedTable(None), q)
     assert not result.folded and [f.why for f in result.skipped] == [UNTIED]
     assert ops(out) == ops(q)
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_the_tie_of_weights_computed_when_written_is_found_by_what_they_are_made_of_unread(scaled):
+    """An emitted graph's tables are Lazies (graph_passes/lazy.py): the head's weight is the embedding's
+    table transposed (tied), unless a fold scaled it; neither is read to tell."""
+    def never():
+        raise AssertionError("a Lazy read to find the tie")
+    e = rng_mat(0, (V, D))
+    table = Lazy((V, D), np.float32, never, ("model.embed.weight",))
+    head = transposed(table)
+    if scaled:
+        head = lazy_map(head, lambda a: a * 2, tag=("scale", "2"))
+    tie = find_tie(load_graph(tied(e), {"E": table, "W": head}))
+    assert tie == (None if scaled else Tie("emb", "logits"))
 
 
 @pytest.mark.parametrize("case, why", [
@@ -98,7 +114,7 @@ def test_a_table_that_is_not_the_head_transposed_is_untied_and_left_alone():
 def test_a_tied_head_whose_blocks_cannot_serve_as_the_table_is_left_alone_with_a_note(case, why):
     e = rng_mat(1, (V, 24 if case == "width" else D))
     fp = tied(e)
-    tie = find_tie(fp)
+    tie = find_tie(load_graph(fp))
     assert tie is not None
     q = quantized(fp, ("Gather",)) if case == "fp32 head" else quantized(fp, symmetric=case != "zero points")
     out, result = apply(ShareTiedTable(tie), q)
@@ -134,7 +150,7 @@ def test_an_untied_embedding_reads_int8_blocks_and_only_it():
     out, result = apply(EmbeddingLikeHead(int8_rows, 8, BLOCK), fp)
     assert [f.detail for f in result.folded] == ["token embedding int8 like the head (GatherBlockQuantized)"]
     assert not result.skipped and ops(out) == ["Add", "Gather", "GatherBlockQuantized", "Reshape", "Reshape"]
-    # ONNX Runtime's names for its outputs: export/stream.py traces them
+    # ONNX Runtime's names for its outputs, as the quantize pass names its own (export/quantize.py BlockQuantizer)
     assert {i.name for i in out.graph.initializer} >= {"E_Q8", "E_scales", "P"}
     feeds = {**IDS, "pos": np.array([[0, 1, 2, 3, 4]], np.int64)}
     data, scales = int8_rows(onnx.numpy_helper.to_array(fp.graph.initializer[0]))

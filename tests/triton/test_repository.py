@@ -138,9 +138,11 @@ def test_errors_are_one_line_and_leave_the_old_repository(triton_build, tmp_path
     before = sorted(str(p.relative_to(repo)) for p in repo.rglob("*"))
     broken = tmp_path / "broken"
     broken.mkdir()
-    (broken / "model.fused.onnx").write_bytes((triton_build / "model.fused.onnx").read_bytes()
-                                             if (triton_build / "model.fused.onnx").is_file()
-                                             else (triton_build / "model.onnx").read_bytes())
+    graph = triton_build / "model.fused.onnx" if (triton_build / "model.fused.onnx").is_file() \
+        else triton_build / "model.onnx"
+    (broken / "model.fused.onnx").write_bytes(graph.read_bytes())
+    if graph.with_name(graph.name + ".data").is_file():      # its weights, under the name the graph gives them
+        shutil.copyfile(graph.with_name(graph.name + ".data"), broken / f"{graph.name}.data")
     # no tokenizer.json: refused before anything is written; the old repository is untouched
     assert main(["repo", "--build", str(broken), "--out", str(repo)]) == 1
     err = capsys.readouterr().err
@@ -262,19 +264,19 @@ def test_engine_found_beside_the_graph_it_was_built_from(triton_build, tmp_path)
     assert (repo / "decoder_trt/1/model.plan").read_bytes() == b"ftrt engine of the served graph"
 
 
-def test_a_streamed_quantized_build_is_linked_not_read(triton_build, tmp_path, monkeypatch):
-    """A streamed --quantize build holds only model.int4.onnx with its weights in model.int4.onnx.data:
-    the repository finds that graph, links the .data file beside each graph that names it (the same
-    inode: neither read nor copied), never loads the weights, and its decoder graph computes what
-    the build's does."""
+def test_a_quantized_build_is_linked_not_read(triton_build, tmp_path, monkeypatch):
+    """A --quantize build holds only model.int4.onnx (no fused graph beside it) with its weights in
+    model.int4.onnx.data: the repository finds that graph, links the .data file beside each graph that
+    names it (the same inode: neither read nor copied), never loads the weights, and its decoder graph
+    computes what the build's does."""
     import onnx
     import onnxruntime as ort
+    from export.pipeline import build as export_build
     from export.quantize import QuantConfig
-    from export.streamed import build_streamed
     from runtime.triton import write_triton_repository
     ckpt = triton_build.parent / "ckpt"
     build = tmp_path / "int4"
-    build_streamed(ckpt, build, True, quantize=QuantConfig("int4"), log=lambda *a: None)
+    export_build(ckpt, build, True, quantize=QuantConfig("int4"), log=lambda *a: None)
     assert sorted(p.name for p in build.glob("model*")) == ["model.int4.onnx", "model.int4.onnx.data"]
     loads = []
     real_load = onnx.load
@@ -297,9 +299,10 @@ def test_a_streamed_quantized_build_is_linked_not_read(triton_build, tmp_path, m
 
 
 def test_a_quantized_build_serves_its_quantized_graph_in_onnx_runtime(triton_build, tmp_path):
-    """A --quantize build holds model.fused.onnx and model.int4.onnx: the ONNX Runtime models (decoder_onnx,
-    generate's ort backends) get the int4 graph, the one the user built to run, as runtime.generate does;
-    an engine would come from the fused graph (resolve_onnx's TensorRT order)."""
+    """A folder holding model.fused.onnx and model.int4.onnx (a fused build with the int4 graph put beside it; a
+    --quantize build itself holds the int4 graph alone: test_a_quantized_build_is_linked_not_read): the ONNX
+    Runtime models (decoder_onnx, generate's ort backends) get the int4 graph, the one the user built to run,
+    as runtime.generate does; an engine would come from the fused graph (resolve_onnx's TensorRT order)."""
     import onnx
     from core.onnx_writer import save_onnx
     from export.quantize import QuantConfig, quantize_weights
@@ -370,7 +373,7 @@ def test_ctrl_c_after_the_triton_repo_is_written_names_it(tmp_path):
 
 @pytest.fixture(scope="module")
 def bf16_build(tmp_path_factory):
-    """export.build --fuse --dtype bf16 of a tiny checkpoint (the streamed route writes bf16 graphs)."""
+    """export.build --fuse --dtype bf16 of a tiny checkpoint."""
     from tests.cli.conftest import cli
     from tests.helpers import random_model, write_checkpoint
     root = tmp_path_factory.mktemp("bf16")

@@ -1,4 +1,9 @@
-"""torch -> ONNX of the reference decoder with its fixed-capacity KV cache.
+"""The test oracle: torch.onnx.export of the reference decoder with its fixed-capacity KV cache.
+
+export.build emits its graphs from the model's spec (export/emit.py); tests/export/test_emit.py holds
+them to this export, torch's own, on every model the decoder can be, and tests that want a graph the
+way torch writes it (graph passes on foreign exporters' structure) use it too.
+
 
 The graph's decode-step contract (one graph serves prefill and decode):
 
@@ -33,13 +38,13 @@ import torch
 from onnx import numpy_helper
 from onnxscript.onnx_opset import opset24 as op
 
-from core.contract import INPUT_IDS, POSITION, io_names
+from core.contract import (CACHE_KINDS, INPUT_IDS, LOGITS, POSITION, DecodeContract, cache_name, io_names, np_dtype,
+                           present_name)
+from core.decode import Step
+from export.emit import META_PREFIX, OPSET, model_metadata
 from models.decoder import TORCH_DTYPES, Decoder
 
-OPSET = 24
-DTYPES = ("fp32", "fp16")          # what torch exports (a bf16 graph: the streamed build, export/stream.py)
-# model-level metadata that graph passes and runtimes read back (all values are strings)
-META_PREFIX = "tapernorm."
+DTYPES = ("fp32", "fp16")          # what torch exports (a bf16 graph: export/emit.py retypes the fp16 one)
 
 
 ATTENTION = ("plain", "fused")     # plain ops (portable) | one opset-24 Attention op per layer
@@ -75,19 +80,6 @@ def example_inputs(model: Decoder, batch: int = 2, seq: int = 3, dtype=torch.flo
     position = torch.zeros(batch, dtype=torch.long)
     cache = tuple(cfg.cache_layout().allocate(batch, dtype=dtype))
     return ids, position, cache
-
-
-def model_metadata(model: Decoder, dtype: str) -> dict[str, str]:
-    cfg = model.cfg
-    meta = {"norm": cfg.norm, "taper_scope": str(cfg.taper_scope), "dtype": dtype,
-            "n_layer": str(cfg.n_layer), "n_head": str(cfg.n_head), "n_kv_head": str(cfg.kv_heads),
-            "head_dim": str(cfg.head_dim), "pos_embedding": cfg.pos_embedding,
-            "capacity": str(cfg.max_seq_len), "vocab_size": str(cfg.vocab_size),
-            "tie_embeddings": str(cfg.tie_embeddings).lower()}
-    if cfg.norm == "taper":
-        meta["gate"] = repr(model.gate.value)
-        meta["taper_layers"] = ",".join(model.taper_layers())
-    return {META_PREFIX + k: v for k, v in meta.items()}
 
 
 def explicit_squeeze_axes(proto: onnx.ModelProto) -> int:
@@ -179,3 +171,33 @@ def export_onnx(model: Decoder, path: str | Path | None, dtype: str = "fp32",
         from core.onnx_writer import save_onnx
         save_onnx(proto, path)
     return proto
+
+
+# --- the torch reference run on a decode session (a whole model in memory) ---------------------------
+
+def run_torch(model, iface: DecodeContract, steps: list[Step], dtype=None) -> list[dict[str, np.ndarray]]:
+    """The reference: the torch Decoder on the same session (cache written in place); `dtype` (a torch
+    dtype) the model's and caches' when the model was cast (float64: rounding_slack), else the graph's."""
+    import torch
+    from models.decoder import TORCH_DTYPES
+    dtype = dtype or TORCH_DTYPES[iface.dtype]
+    batch = steps[0].input_ids.shape[0]
+    cache = model.cfg.cache_layout().allocate(batch, dtype=dtype)
+    results = []
+    with torch.no_grad():
+        for step in steps:
+            logits, cache = model(torch.from_numpy(step.input_ids), torch.from_numpy(step.position), cache)
+            results.append({LOGITS: logits.float().numpy().astype(np_dtype(iface.dtype)) if dtype != torch.float64
+                            else logits.numpy(),
+                            **{present_name(cache_name(i, kind)): c.numpy().copy()
+                               for i, kv in enumerate(cache) for kind, c in zip(CACHE_KINDS, kv)}})
+    return results
+
+
+def rounding_slack(model, iface: DecodeContract, steps: list[Step], fp32_runs: list[dict]) -> dict[str, float]:
+    """Per output, FP32_ROUNDING_SLACK x max |torch fp32 - torch float64| over the steps: what rounding alone
+    can move that output by on these inputs (a float64 copy of the model, run once)."""
+    import copy
+    import torch
+    from export.pipeline import rounding_slack_of
+    return rounding_slack_of(fp32_runs, run_torch(copy.deepcopy(model).double(), iface, steps, dtype=torch.float64))
