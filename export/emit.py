@@ -94,15 +94,14 @@ def _qualname(cls) -> str:
 class _Graph:
     """Nodes, initializers and value_info being written, with the module the next nodes belong to."""
 
-    def __init__(self, source, dtype: str):
+    def __init__(self, source, dtype: str, rmsnorm: str = "op"):
         self.source, self.model, self.cfg = source, source.skeleton, source.cfg
-        self.target = dtype                                        # the dtype asked for (the matrices' keys)
+        self.target, self.rmsnorm = dtype, rmsnorm                 # the dtype asked for (the matrices' keys); RMSNorm's form
         self.dtype = "fp16" if dtype == "bf16" else dtype          # the nodes': a bf16 graph is fp16 retyped after
         self.np, self.elem = np_dtype(self.dtype), ELEM[self.dtype]
         # the weights' and float constants' dtype while the graph is made: a bf16 graph keeps them fp32 until
         # after the passes (export.bfloat16.bf16_graph), so that each is rounded to bf16 once, folded or not
         self.weights = np.dtype(np.float32) if dtype == "bf16" else np.dtype(self.np)
-        self.storage = self.weights                                # the matrices'
         self.fp32: set[str] = set()                                # constants fp32 by design (bf16: kept so)
         self.nodes, self.inits, self.value_info, self.lazy = [], [], [], {}
         self.path, self._count, self._consts, self._provenance = "", {}, {}, {}
@@ -188,9 +187,9 @@ class _Graph:
     def matrix(self, param: str, group: int) -> Lazy:
         """A 2-D parameter as torch stores it ([out, in], a table [rows, d]), read only when written."""
         shape = tuple(self.model.get_parameter(param).shape)
-        source, storage = self.source, self.storage
-        return Lazy(shape, storage, lambda: source.tensor(param).numpy().astype(storage, copy=False), key=(param, self.target),
-                    group=group)
+        source, dtype = self.source, self.weights
+        return Lazy(shape, dtype, lambda: source.tensor(param).numpy().astype(dtype, copy=False),
+                    key=(param, self.target), group=group)
 
     def placeholder(self, name: str, lazy: Lazy) -> str:
         t = lazy.tensor
@@ -311,7 +310,7 @@ def _rms_norm(g: _Graph, name: str, x: str, shape: list, eps: float) -> str:
     """F.rms_norm: one RMSNormalization (opset 23+); naive: x * 1 / sqrt(mean(x^2) + eps) * w, separate ops
     (Pow / ReduceMean / Add / Sqrt / Reciprocal / Mul / Mul, as torch exports a hand-written one)."""
     w = g.vector(f"{name}.weight")
-    if getattr(g, "rmsnorm", "op") == "op" or name.endswith(("q_norm", "k_norm")):
+    if g.rmsnorm == "op" or name.endswith(("q_norm", "k_norm")):
         return g.op("RMSNormalization", x, w, shape=shape, axis=-1, epsilon=eps, stash_type=1)
     stat = shape[:-1] + [1]
     mean = g.op("ReduceMean", g.op("Pow", x, g.const(2.0), shape=shape), g.ints(-1), shape=stat, keepdims=1)
@@ -527,8 +526,7 @@ def emit_graph(source, dtype: str = "fp32", attention: str = "plain", rmsnorm: s
     if rmsnorm not in RMSNORM_FORMS:
         raise ValueError(f"rmsnorm {rmsnorm!r}; expected one of {', '.join(RMSNORM_FORMS)}")
     cfg = source.cfg
-    g = _Graph(source, dtype)
-    g.rmsnorm = rmsnorm
+    g = _Graph(source, dtype, rmsnorm)
     steps = step_inputs(g)
     x = embed(g, steps.pos_ids)
     for i in range(cfg.n_layer):

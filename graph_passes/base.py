@@ -194,6 +194,14 @@ class PassContext:
     def is_graph_output(self, t: gs.Tensor) -> bool:
         return any(o is t for o in self.graph.outputs)
 
+    def import_domain(self, domain: str, version: int = 1) -> None:
+        """Declare `domain` in the model's opset imports (once): a rewrite that writes its ops
+        (com.microsoft: MatMulNBits, GroupQueryAttention) calls this."""
+        g = self.root
+        if not any(getattr(d, "domain", None) == domain for d in (g.import_domains or [])):
+            domains = list(g.import_domains or [onnx.helper.make_opsetid("", g.opset)])
+            g.import_domains = domains + [onnx.helper.make_opsetid(domain, version)]
+
     def cleanup(self) -> None:
         self.root.cleanup(recurse_subgraphs=True).toposort(recurse_subgraphs=True)
 

@@ -102,18 +102,23 @@ def transposed(value):
     return Lazy(value.shape[::-1], value.dtype, lambda: value.load().T, key, value.group)
 
 
+def combine(values: Sequence, fn: Callable[..., np.ndarray], shape: Sequence[int], dtype, tag: tuple):
+    """fn(*values): now when every value is an array, else a Lazy that reads the Lazy ones when written (its key:
+    `tag` and what each value is made of)."""
+    if not any(isinstance(v, Lazy) for v in values):
+        return fn(*values)
+    key = tag + tuple(v.key if isinstance(v, Lazy) else ("array", digest(np.asarray(v))) for v in values)
+    group = max(v.group for v in values if isinstance(v, Lazy))
+    return Lazy(shape, dtype, lambda: fn(*[v.load() if isinstance(v, Lazy) else v for v in values]), key, group)
+
+
 def concat(values: Sequence, axis: int):
     """np.concatenate(values, axis): now when every part is an array, else a Lazy that reads each part when written."""
-    if not any(isinstance(v, Lazy) for v in values):
-        return np.concatenate(values, axis=axis)
     axis = axis % values[0].ndim
     shape = list(values[0].shape)
     shape[axis] = sum(v.shape[axis] for v in values)
-    dtype = np.result_type(*[v.dtype for v in values])
-    key = ("concat", axis) + tuple(v.key if isinstance(v, Lazy) else ("array", id(v)) for v in values)
-    group = max(v.group for v in values if isinstance(v, Lazy))
-    return Lazy(shape, dtype, lambda: _concatenated([v.load() if isinstance(v, Lazy) else v for v in values], axis),
-                key, group)
+    return combine(values, lambda *parts: _concatenated(list(parts), axis), shape,
+                   np.result_type(*[v.dtype for v in values]), ("concat", axis))
 
 
 def _concatenated(parts: list[np.ndarray], axis: int) -> np.ndarray:

@@ -36,7 +36,7 @@ import onnx_graphsurgeon as gs
 
 from graph_passes.base import (Match, PassContext, Skip, channel_vector, const_value, is_float, producer,
                                static_last_dim)
-from graph_passes.lazy import Lazy, digest, lazy_map, same_values, transposed
+from graph_passes.lazy import combine, digest, lazy_map, same_values, transposed
 
 RESHAPES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")
 SHAPE_READERS = ("Shape", "Size")
@@ -358,16 +358,8 @@ def _fold_weight(ctx: PassContext, use: LinearUse, affine: ChannelAffine) -> Non
 
 def plus(b, delta, times: float, dtype):
     """b + times * delta in float64, cast to dtype (either may be a Lazy: then computed when written)."""
-    if not isinstance(b, Lazy):
-        b64 = np.asarray(b, np.float64)
-        return lazy_map(delta, lambda d: np.asarray(b64 + times * d).astype(dtype), dtype=dtype,
-                        tag=("plus", digest(b64), times, str(dtype)))
-    d64 = delta if not isinstance(delta, Lazy) else None
-    if d64 is not None:
-        return lazy_map(b, lambda a: np.asarray(a.astype(np.float64) + times * d64).astype(dtype), dtype=dtype,
-                        tag=("plus", digest(np.asarray(d64)), times, str(dtype)))
-    return lazy_map(b, lambda a: np.asarray(a.astype(np.float64) + times * delta.load()).astype(dtype),
-                    dtype=dtype, tag=("plus",) + delta.key + (times, str(dtype)))
+    return combine([b, delta], lambda x, y: np.asarray(np.asarray(x, np.float64) + times * y).astype(dtype),
+                   np.broadcast_shapes(tuple(b.shape), tuple(delta.shape)), dtype, ("plus", times, str(dtype)))
 
 
 def _add_bias(ctx: PassContext, matmul: gs.Node, delta) -> None:

@@ -44,7 +44,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 
 from core.contract import INPUT_IDS, POSITION
@@ -418,7 +417,5 @@ class OrtGroupQueryAttention(GraphPass):
         g.nodes.append(gs.Node("GroupQueryAttention", ctx.fresh_name("GroupQueryAttention"), domain=MS_DOMAIN,
                                attrs=attrs, inputs=[*qkv_inputs, key_cache, value_cache, seqlens_k, total, *rotary],
                                outputs=[m.output_3d, present_k, present_v]))
-        if not any(getattr(d, "domain", None) == MS_DOMAIN for d in (g.import_domains or [])):
-            domains = list(g.import_domains or [onnx.helper.make_opsetid("", g.opset)])
-            g.import_domains = domains + [onnx.helper.make_opsetid(MS_DOMAIN, 1)]
+        ctx.import_domain(MS_DOMAIN)
         ctx.model_meta["tapernorm.attention"] = "ort-gqa"

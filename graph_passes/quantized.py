@@ -164,9 +164,7 @@ class QuantizeWeights(GraphPass):
         out = node.outputs[0]
         node.outputs.clear()                    # the float node lets go of its output; cleanup drops it
         ctx.graph.nodes.append(gs.Node(op, name, domain="com.microsoft", attrs=attrs, inputs=inputs, outputs=[out]))
-        if not any(getattr(d, "domain", None) == "com.microsoft" for d in (ctx.root.import_domains or [])):
-            domains = list(ctx.root.import_domains or [onnx.helper.make_opsetid("", ctx.root.opset)])
-            ctx.root.import_domains = domains + [onnx.helper.make_opsetid("com.microsoft", 1)]
+        ctx.import_domain("com.microsoft")
 
 
 # --- tied_table and embedding_like_head: the token embedding read from blocks ------------------------
