@@ -578,4 +578,4 @@ def run(argv) -> int:
 
 if __name__ == "__main__":
     from core.errors import exit_after
-    exit_after(main())
+    exit_after(main)

@@ -154,4 +154,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from core.errors import exit_after
+    exit_after(main)

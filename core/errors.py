@@ -10,6 +10,9 @@
     def main(argv=None) -> int:
         return run_cli(run, argv)
 
+    # and at the module's end, under the __main__ check: exit_after(main)  (sys.exit(main()), whenever
+    # the Ctrl-C lands)
+
 An entry module's first statements, before its own imports (torch takes seconds to load):
 
     from core.errors import guard_startup
@@ -37,6 +40,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import traceback
 
 EXIT_OK, EXIT_USER, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -187,6 +191,31 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+# A Ctrl-C that lands while Python runs a weakref callback or a __del__ (importlib's module-lock
+# callback runs in every import, and our commands import lazily) raises its KeyboardInterrupt
+# there, where CPython prints it as "Exception ignored ... Traceback" and drops it: the command ran
+# on, deaf to it, and wrote its output (CI, runtime.triton repo). run_cli keeps such an interrupt
+# here instead of printing it; the atomic writers raise it again before they replace anything
+# (raise_if_dropped_interrupt), and run_cli answers it as the interrupt it was.
+_dropped_interrupt = threading.Event()
+
+
+def _keeping_dropped_interrupts(previous_hook):
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            _dropped_interrupt.set()
+        else:
+            previous_hook(unraisable)
+    return hook
+
+
+def raise_if_dropped_interrupt() -> None:
+    """Raise (once) the KeyboardInterrupt of a Ctrl-C that CPython dropped; a no-op otherwise."""
+    if _dropped_interrupt.is_set():
+        _dropped_interrupt.clear()
+        raise KeyboardInterrupt
+
+
 def interrupted_message() -> str:
     return "interrupted; " + written_so_far()
 
@@ -221,18 +250,31 @@ def _end_startup_guard() -> None:
             signal.signal(sig, default)
 
 
-def exit_after(code: int):
-    """sys.exit(code) for a `python -m` entry point, deaf to Ctrl-C from here on.
+def exit_after(main):
+    """Run a `python -m` entry point's main() (run_cli inside it) and sys.exit with its code, deaf to
+    Ctrl-C from then on (the last line of every entry module, under its __main__ check).
 
-    The command is done (its outputs complete, its message printed); interpreter shutdown
-    resets SIGINT to the default action, so a Ctrl-C in that last fraction of a second
-    would otherwise kill the process by signal and hide the real exit code.
+    A Ctrl-C in the few instructions between run_cli's answer and the exit would otherwise escape as
+    a top-level KeyboardInterrupt traceback (seen in CI's interrupt tests); it is answered here as any
+    other: the interrupt line (which lists the outputs already complete), exit 130. After main,
+    interpreter shutdown resets SIGINT to the default action, so a Ctrl-C in that last fraction of
+    a second would otherwise kill the process by signal and hide the real exit code.
     """
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        _ignore_interrupts()
+        print(f"error: {interrupted_message()}", file=sys.stderr)
+        code = EXIT_INTERRUPTED
+    _ignore_interrupts()
     if code == EXIT_INTERRUPTED:
         _forget_interrupt_seen_by_c_code()
     sys.exit(code)
+
+
+def _ignore_interrupts():
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _forget_interrupt_seen_by_c_code():
@@ -278,6 +320,8 @@ def run_cli(run, argv: list[str] | None = None, speaks: bool = True) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     forget_committed()          # the interrupt message lists what this command completed
     _end_startup_guard()
+    _dropped_interrupt.clear()
+    previous_hook, sys.unraisablehook = sys.unraisablehook, _keeping_dropped_interrupts(sys.unraisablehook)
     previous = None
     try:
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -287,7 +331,10 @@ def run_cli(run, argv: list[str] | None = None, speaks: bool = True) -> int:
         bad = next((i for i, a in enumerate(argv) if "\0" in a), None)
         if bad is not None:     # an OS command line cannot carry one; a caller building argv by hand can
             raise UsageError(f"argument {bad + 1} contains a NUL byte; pass text without one")
-        return run(argv)
+        code = run(argv)
+        if code != EXIT_INTERRUPTED:    # (a command that answered the Ctrl-C itself has said so)
+            raise_if_dropped_interrupt()    # it finished deaf to a Ctrl-C: exit as interrupted
+        return code
     except UserError as e:
         if speaks or e.own_process:
             print(f"error: {e}", file=sys.stderr)
@@ -328,6 +375,7 @@ def run_cli(run, argv: list[str] | None = None, speaks: bool = True) -> int:
         print(f"error: {REPORT_BUG}", file=sys.stderr)
         return EXIT_USER
     finally:
+        sys.unraisablehook = previous_hook
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         sys.stdout.flush()

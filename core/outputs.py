@@ -53,7 +53,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.errors import NO_ROOM, NoRoomError, UserError, io_errno
+from core.errors import NO_ROOM, NoRoomError, UserError, io_errno, raise_if_dropped_interrupt
 
 WRITER = "tapernorm-deploy"
 VERSION = "0.2.0"
@@ -383,7 +383,9 @@ def _exchange(a: Path, b: Path) -> bool:
 
 @contextlib.contextmanager
 def _signals_blocked():
-    """Hold SIGINT/SIGTERM until the block ends (main thread only; a no-op elsewhere)."""
+    """Hold SIGINT/SIGTERM until the block ends (main thread only; a no-op elsewhere). A Ctrl-C that
+    CPython dropped before is raised first: it, too, comes before the swap."""
+    raise_if_dropped_interrupt()
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
         yield
         return

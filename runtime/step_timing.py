@@ -90,4 +90,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     from core.errors import exit_after
-    exit_after(main())
+    exit_after(main)

@@ -631,34 +631,38 @@ def _train(run: TrainConfig, out: Path, work: Path | None, t0: float, command: s
     ev = r.log["evals"][-1] if state is not None else r.checkpoint(0, None, write=False)   # step 0: logged, not written
     bar = _progress(run, start) if par.is_main else None
     loss_acc, n_acc = 0.0, 0
-    for step in range(start, run.steps):
-        raise_if_interrupted()
-        r.recipe.before_step(step, model, r.data, r.log, par)
-        if sched and step == sched.calibration_step:
-            r.log["calibration"] = {"step": step, **_calibrate(model, r.data.calib, r.micro, run, r.aux, par)}
-        g = sched.gate_at(step) if sched else None
-        if sched:
-            model.set_gate(g)
-        lr = lr_at(step, run.steps, run.lr, run.lr_warmup)
-        for group in r.opt.param_groups:
-            group["lr"] = lr
-        starts = _draw_starts(r.data.train, run.batch_size, run.seq_len, r.gen)[par.rank * per_rank:(par.rank + 1) * per_rank]
-        r.opt.zero_grad(set_to_none=True)
-        ce_mean = _accumulate_gradients(ddp, r.data.train, starts, r.micro, run, r.aux, par, r.autocast,
-                                        where=f"at step {step} (gate {g})")
-        torch.nn.utils.clip_grad_norm_(model.parameters(), run.grad_clip)
-        r.opt.step()
-        loss_acc, n_acc = loss_acc + ce_mean, n_acc + 1
-        done = step + 1
-        if done % run.eval_every == 0 or done == run.steps:
-            ev = r.checkpoint(done, par.sum([loss_acc])[0] / (n_acc * par.world_size))
-            loss_acc, n_acc = 0.0, 0
+    try:
+        for step in range(start, run.steps):
+            raise_if_interrupted()
+            r.recipe.before_step(step, model, r.data, r.log, par)
+            if sched and step == sched.calibration_step:
+                r.log["calibration"] = {"step": step, **_calibrate(model, r.data.calib, r.micro, run, r.aux, par)}
+            g = sched.gate_at(step) if sched else None
+            if sched:
+                model.set_gate(g)
+            lr = lr_at(step, run.steps, run.lr, run.lr_warmup)
+            for group in r.opt.param_groups:
+                group["lr"] = lr
+            starts = _draw_starts(r.data.train, run.batch_size, run.seq_len, r.gen)
+            starts = starts[par.rank * per_rank:(par.rank + 1) * per_rank]
+            r.opt.zero_grad(set_to_none=True)
+            ce_mean = _accumulate_gradients(ddp, r.data.train, starts, r.micro, run, r.aux, par, r.autocast,
+                                            where=f"at step {step} (gate {g})")
+            torch.nn.utils.clip_grad_norm_(model.parameters(), run.grad_clip)
+            r.opt.step()
+            loss_acc, n_acc = loss_acc + ce_mean, n_acc + 1
+            done = step + 1
+            if done % run.eval_every == 0 or done == run.steps:
+                ev = r.checkpoint(done, par.sum([loss_acc])[0] / (n_acc * par.world_size))
+                loss_acc, n_acc = 0.0, 0
+            if bar is not None:
+                bar.update(1)
+                gate = '-' if g is None else f'{g:.3f}'
+                bar.set_postfix_str(f"loss {ce_mean:.3f} val {ev['val_loss']:.3f} gate {gate} rms {ev['prelogit_rms']:.2f}",
+                                    refresh=False)
+    finally:            # an error or a Ctrl-C prints its line below the bar, not at its end
         if bar is not None:
-            bar.update(1)
-            bar.set_postfix_str(f"loss {ce_mean:.3f} val {ev['val_loss']:.3f} gate {'-' if g is None else f'{g:.3f}'} "
-                                f"rms {ev['prelogit_rms']:.2f}", refresh=False)
-    if bar is not None:
-        bar.close()
+            bar.close()
     return r.log
 
 

@@ -291,14 +291,16 @@ def build_shards(source: str | Path, out: str | Path, tokenizer_json: str | Path
                 bar.update(len(pending))
                 bar.set_postfix_str(f"{total:,} tokens", refresh=False)
             pending.clear()
-        for pair in _split_of(iter_source_stories(source), SPLIT_EVERY, str(source)):
-            pending.append(pair)
-            if len(pending) == ENCODE_BATCH:
-                raise_if_interrupted()
-                flush()
-        flush()
-        if bar is not None:
-            bar.close()
+        try:
+            for pair in _split_of(iter_source_stories(source), SPLIT_EVERY, str(source)):
+                pending.append(pair)
+                if len(pending) == ENCODE_BATCH:
+                    raise_if_interrupted()
+                    flush()
+            flush()
+        finally:                # an error or a Ctrl-C prints its line below the bar, not at its end
+            if bar is not None:
+                bar.close()
         for w in writers.values():
             w.close()
         meta = {"format": VERSION, "tokenizer_sha256": tokenizer_sha256(tokenizer_json), "vocab_size": vocab,
@@ -315,7 +317,9 @@ def _bar(progress: bool, source: Path):
     if not progress:
         return None
     from tqdm import tqdm
-    return tqdm(desc=f"tokenizing {source.name}", unit=" stories", mininterval=2.0, file=sys.stderr, dynamic_ncols=True)
+    # delay: a corpus refused at once (too few stories) says so in one line, with no bar before it
+    return tqdm(desc=f"tokenizing {source.name}", unit=" stories", mininterval=2.0, delay=1.0, file=sys.stderr,
+                dynamic_ncols=True)
 
 
 # --- what a run uses ---------------------------------------------------------------------
@@ -392,5 +396,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     from core.errors import exit_after
-    exit_after(main())
+    exit_after(main)
 

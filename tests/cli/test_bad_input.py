@@ -418,6 +418,9 @@ CASES = [
     ("shards-source-missing", "train.shards", ["{s}/nope", "--out", "{s}/t"], None, 1, "not found"),
     ("shards-too-few-stories", "train.shards", ["{s}/X", "--out", "{s}/t", "--quiet"],
      lambda s, fx: _plain_file(s), 1, "expected at least 3"),
+    # with its progress bar: the one error line, no bar before it (the fuzz test found that)
+    ("shards-too-few-stories-bar", "train.shards", ["{s}/X", "--out", "{s}/t"],
+     lambda s, fx: _plain_file(s), 1, "expected at least 3"),
     ("shards-tiny-shard-size", "train.shards", ["{s}/X", "--out", "{s}/t", "--shard-tokens", "10"], None, 2,
      "--shard-tokens"),
     # --- bring your own model (issue 11) -----------------------------------------------------------------

@@ -37,6 +37,35 @@ def test_interrupt_is_130_and_says_nothing_was_written(capsys):
     assert code == 130 and out.err.strip() == "error: interrupted; nothing was written"
 
 
+class _DropsAnInterrupt:
+    """What a Ctrl-C during an import looks like: its KeyboardInterrupt raised in a finalizer (importlib's
+    module-lock weakref callback), where CPython prints "Exception ignored" and carries on."""
+    def __del__(self):
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("writes", [False, True])
+def test_an_interrupt_that_cpython_dropped_still_stops_the_command(capsys, tmp_path, writes):
+    import sys
+    from core.outputs import BUILD, output_dir
+    hook = sys.unraisablehook
+    ran_on = []
+
+    def body(argv):
+        _DropsAnInterrupt()             # dropped at once (refcount 0): the command runs on
+        ran_on.append(True)
+        if writes:
+            with output_dir(tmp_path / "b", BUILD) as tmp:
+                (tmp / "x").write_text("x")
+        return 0
+    code, out = _run(capsys, body)
+    assert ran_on and code == 130, out.err
+    assert out.err.strip() == "error: interrupted; nothing was written" and "Traceback" not in out.err
+    assert list(tmp_path.iterdir()) == []           # the swap never came: no output, no temporary
+    assert sys.unraisablehook is hook               # restored after the command
+    assert run_cli(lambda argv: 0, []) == 0         # and forgotten: the next command is not interrupted
+
+
 def test_a_bug_prints_the_traceback_and_asks_for_a_report(capsys):
     def body(argv):
         return {}["missing"]
@@ -87,7 +116,7 @@ def test_exit_code_130_survives_an_interrupt_that_c_code_saw(tmp_path):
         "import ctypes\n"
         "from core.errors import exit_after\n"
         "ctypes.pythonapi.PyRun_SimpleString(b'raise KeyboardInterrupt')\n"   # caught in C, flag set
-        "exit_after(130)\n")
+        "exit_after(lambda: 130)\n")
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(root)]))
     done = subprocess.run([sys.executable, "-m", "interrupted_cmd"], cwd=tmp_path, env=env,
