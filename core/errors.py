@@ -251,8 +251,13 @@ def _end_startup_guard() -> None:
 
 
 def exit_after(main):
-    """Run a `python -m` entry point's main() (run_cli inside it) and sys.exit with its code, deaf to
-    Ctrl-C from then on (the last line of every entry module, under its __main__ check).
+    """sys.exit with a `python -m` entry point's exit code (command_code), deaf to Ctrl-C from then on
+    (the last line of every entry module, under its __main__ check)."""
+    sys.exit(command_code(main))
+
+
+def command_code(main) -> int:
+    """Run main() (run_cli inside it) and return its exit code, ignoring SIGINT / SIGTERM from then on.
 
     A Ctrl-C in the few instructions between run_cli's answer and the exit would otherwise escape as
     a top-level KeyboardInterrupt traceback (seen in CI's interrupt tests); it is answered here as any
@@ -269,7 +274,7 @@ def exit_after(main):
     _ignore_interrupts()
     if code == EXIT_INTERRUPTED:
         _forget_interrupt_seen_by_c_code()
-    sys.exit(code)
+    return code
 
 
 def _ignore_interrupts():

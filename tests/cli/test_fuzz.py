@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -230,6 +231,10 @@ def test_fuzz_every_command(world, zygote, part):
         assert r["code"] in (0, 1, 2, 130), where
         if r["code"] in (1, 2):
             assert r["err"].startswith("error: ") or "NOT EQUAL" in r["out"], where
+        fresh = user / "missing"            # a new path in the user's folder: an output may be written there
+        if fresh.exists():
+            assert str(fresh) in argv, ("wrote a path it was not given", *where)
+            shutil.rmtree(fresh) if fresh.is_dir() else fresh.unlink()
         assert snapshot(user) == before, where
         assert _temporaries(root) == [], where
     check()

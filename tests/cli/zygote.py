@@ -31,8 +31,9 @@ def _child(main, argv, out_path, err_path):
     sys.stdout = open(1, "w", closefd=False)
     sys.stderr = open(2, "w", closefd=False)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    from core.errors import command_code
     try:
-        code = main(argv)
+        code = command_code(lambda: main(argv))    # as `python -m` runs it (exit_after)
     except BaseException:           # what escapes run_cli is itself a finding: print it, exit 99
         import traceback
         traceback.print_exc()

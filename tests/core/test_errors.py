@@ -124,6 +124,27 @@ def test_exit_code_130_survives_an_interrupt_that_c_code_saw(tmp_path):
     assert done.returncode == 130, (done.returncode, done.stderr)
 
 
+def test_a_ctrl_c_after_run_cli_answered_is_one_line_and_130(tmp_path):
+    """The Ctrl-C that lands between run_cli's return and the exit (seen in CI: a top-level
+    KeyboardInterrupt traceback, exit -2) is answered by exit_after like any other."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.helpers import default_sigint
+    (tmp_path / "late_interrupt_cmd.py").write_text(
+        "from core.errors import exit_after, run_cli\n"
+        "def main():\n"
+        "    run_cli(lambda argv: 0, [])\n"
+        "    raise KeyboardInterrupt          # where the signal lands: after run_cli, before the exit\n"
+        "exit_after(main)\n")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(__import__("os").environ, PYTHONPATH=f"{tmp_path}:{root}")
+    done = subprocess.run([sys.executable, "-m", "late_interrupt_cmd"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60, preexec_fn=default_sigint)
+    assert (done.returncode, done.stderr) == (130, "error: interrupted; nothing was written\n")
+
+
 def test_no_option_is_matched_by_a_prefix(capsys):
     """`--check DIR` is not `--checkpoint DIR` (argparse's allow_abbrev), in a sub-command's parser too: a
     wrapper that screens a child's options by name (bench.scale --options) sees what the child reads."""
