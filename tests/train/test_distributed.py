@@ -42,7 +42,7 @@ def _argv(cfg: dict) -> list[str]:
 
 
 def _torchrun(out: Path, cfg: dict, **popen):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")   # a rank that aborts shows where
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "train",
            "--out", str(out), *_argv(cfg)]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)

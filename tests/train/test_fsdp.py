@@ -39,7 +39,7 @@ METHOD_ARGS = {"fakeln": ["--fakeln-every", "1"], "all-taper": [], "internal-tap
 
 
 def _torchrun(module: str, argv: list, nproc: int = 2) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")   # a rank that aborts shows where
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
            module, *[str(a) for a in argv]]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
