@@ -305,7 +305,11 @@ def verified_line(v: dict | None) -> str:
     floor = "floor" if v["tolerance"].get("min_top1_enforced", True) else "random weights: a trained model's floor"
     top1 = (f", top-1 {v['drift']['top1_agreement']:.1%} ({floor} {v['tolerance']['min_top1']:.0%})"
             if "drift" in v else "")
-    return f"verified ({v['tolerance']['dtype']} tolerance): max |d logits| {diffs}{top1}"
+    t = v["tolerance"]
+    # a quantized graph is checked against its own dequantized weights, within that check's bound
+    against = f"{t['dtype']} vs its dequantized weights" if "min_top1" in t else t["dtype"]
+    bound = f", atol {t['atol']:g} + {t['scale_tol']:g} x max|ref|" if "atol" in t and "scale_tol" in t else ""
+    return f"verified ({against}{bound}): max |d logits| {diffs}{top1}"
 
 
 # --- ONNX builds --------------------------------------------------------------------------------

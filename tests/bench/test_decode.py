@@ -178,7 +178,8 @@ def test_quantized_bench_graphs_are_verified_and_cache_entries_of_other_code_reb
     fp32 = info["rmsnorm-strong"].verified
     assert set(fp32["logits_max_abs_diff"]) == {"graph_vs_torch"}
     assert all(d <= ATOL["fp32"] for d in fp32["max_abs_diff"].values())
-    assert any("verified (int8 tolerance)" in line and "top-1" in line for line in lines), lines
+    assert any(f"verified (int8 vs its dequantized weights, atol {ATOL[DEQUANTIZED]:g} + {SCALE_TOL[DEQUANTIZED]:g} x "
+               "max|ref|)" in line and "top-1" in line for line in lines), lines
     assert {i.built_by for i in info.values()} == {build_fingerprint()}
     metas = sorted(tmp_path.glob("*rmsnorm-strong*.json"))
     stamps = {m: m.stat().st_mtime_ns for m in metas}
