@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core.outputs import replace_file_in
+from core.outputs import replace_file_in, replaced_graph_in
 from models.decoder import Decoder, DecoderConfig
 from models.fold import FOLDED_NORM_CLASSES, fold_norms
 from models.norms import DyT, LayerNorm, RMSNorm, TaperNorm
@@ -308,8 +308,7 @@ def verified_line(v: dict | None) -> str:
     t = v["tolerance"]
     # a quantized graph is checked against its own dequantized weights, within that check's bound
     against = f"{t['dtype']} vs its dequantized weights" if "min_top1" in t else t["dtype"]
-    bound = f", atol {t['atol']:g} + {t['scale_tol']:g} x max|ref|" if "atol" in t and "scale_tol" in t else ""
-    return f"verified ({against}{bound}): max |d logits| {diffs}{top1}"
+    return f"verified ({against}, atol {t['atol']:g} + {t['scale_tol']:g} x max|ref|): max |d logits| {diffs}{top1}"
 
 
 # --- ONNX builds --------------------------------------------------------------------------------
@@ -418,7 +417,6 @@ class ModelGraphs:
     def build(self, name: str, path: Path, fuse: bool, quantize=None) -> GraphInfo:
         """One graph of the model into the cache (fused, or for ONNX Runtime's attention the rewrite alone;
         quantized), verified unless the bench runs with --no-verify."""
-        from core.outputs import replaced_graph_in
         from export.pipeline import build_graph, report_kind
         o = self.options
         t0 = time.perf_counter()

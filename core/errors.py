@@ -268,10 +268,11 @@ def command_code(main) -> int:
     try:
         code = main()
     except KeyboardInterrupt:
-        _ignore_interrupts()
+        code = None
+    _ignore_interrupts()
+    if code is None:
         print(f"error: {interrupted_message()}", file=sys.stderr)
         code = EXIT_INTERRUPTED
-    _ignore_interrupts()
     if code == EXIT_INTERRUPTED:
         _forget_interrupt_seen_by_c_code()
     return code

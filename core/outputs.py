@@ -609,7 +609,6 @@ def replaced_graph_in(directory: Path, name: str):
     """replaced_file_in for a graph whose weights are in `<name>.data` beside it (the graph records that name,
     so it is written under its own name, in a temporary folder inside `directory`): yields that path; on
     success its weights' file, then the graph, replace those in `directory`; nothing is left otherwise."""
-    import shutil
     from core.onnx_writer import data_file_name
     with replaced_file_in(directory, name) as tmp, replaced_file_in(directory, data_file_name(name)) as tmp_data:
         work = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=directory))

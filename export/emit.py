@@ -29,8 +29,9 @@ Where it is not torch's graph node for node, no value changes: a tied head is th
 (torch writes Transpose(table), which fold_constants then folds); names are module paths
 (/blocks.0.attn/MatMul_3), not torch's; a few small nodes torch's optimizer shares (a mask's Not) are
 written per layer. A bf16 graph is the fp16 graph with every fp16 type made bf16, its weights kept fp32
-through the passes and rounded to bf16 once, folded or not (export.bfloat16.bf16_graph). tests/export/test_emit.py holds the graph to export_onnx's: the same
-outputs (fp32 within 1e-6) and the same pass results, on every model the reference decoder can be.
+through the passes and rounded to bf16 once, folded or not (export.bfloat16.bf16_graph).
+tests/export/test_emit.py holds the graph to export_onnx's: the same outputs (fp32 within 1e-6) and the
+same pass results, on every model the reference decoder can be.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from core.contract import INPUT_IDS, LOGITS, POSITION, cache_name, cache_names, np_dtype, present_name
+from core.errors import UserError
 from graph_passes.base import CLASS_HIERARCHY, NAME_SCOPES
 from graph_passes.lazy import Lazy, transposed
 from models.decoder import Decoder, StepInputs
@@ -62,6 +64,17 @@ INT64, BOOL = TensorProto.INT64, TensorProto.BOOL
 ELEM = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}
 # the export wrapper torch's provenance starts with (tests/export/oracle.py's _DecodeStep holding `model`)
 WRAPPER_SCOPES, WRAPPER_CLASSES = ["", "model"], ["export.emit.DecodeStep", "models.decoder.Decoder"]
+
+
+FP16_MAX = float(np.finfo(np.float16).max)      # 65504: a larger finite weight is inf once cast to fp16
+
+
+class Fp16RangeError(UserError):
+    """A weight an fp16 graph would hold as inf (refused where it is made, and where a fold makes it)."""
+
+    def __init__(self, name: str, found: str):
+        super().__init__(f"{name}: expected weights within fp16's range (|w| <= {FP16_MAX:g}) for --dtype fp16, "
+                         f"found {found}; build with --dtype fp32 or --dtype bf16")
 
 
 @dataclass
@@ -162,9 +175,7 @@ class _Graph:
         if dtype is None and self.target == "fp16" and not np.isfinite(value).all():
             exact = np.abs(np.asarray(exact, np.float64))
             if np.isfinite(exact).all():            # (a mask's -inf is meant)
-                from export.pipeline import FP16_MAX, BuildError
-                raise BuildError(f"{name or 'a constant'}: expected weights within fp16's range (|w| <= {FP16_MAX:g}) "
-                                 f"for --dtype fp16, found max |w| {exact.max():g}; build with --dtype fp32 or --dtype bf16")
+                raise Fp16RangeError(name or "a constant", f"max |w| {exact.max():g}")
         key = (by_design, value.dtype.str, value.shape, value.tobytes()) if value.size <= 16 and name is None else None
         if key in self._consts:
             return self._consts[key]

@@ -152,9 +152,6 @@ def check_gate(model, fuse: bool) -> None:
                          "(finish the taper, or build without --fuse)")
 
 
-FP16_MAX = float(np.finfo(np.float16).max)      # 65504: a larger finite weight is inf once cast to fp16
-
-
 def check_dtype(cfg, dtype: str) -> None:
     """A disabled (FakeLN-style) norm's eps overflows fp16: refuse before any work."""
     from models.checkpoint import DISABLED_NORM_EPS
@@ -342,6 +339,7 @@ def write_graph(proto, lazy: dict, path: Path, log=print, groups: int = 0) -> in
     by block in the model's order, then let go. Returns the bytes of weights written."""
     import onnx
     from core.onnx_writer import StreamedWeights
+    from export.emit import Fp16RangeError
     from graph_passes.lazy import is_placeholder, raw_bytes
     sign_onnx(proto)
     inits = list(proto.graph.initializer)
@@ -362,8 +360,7 @@ def write_graph(proto, lazy: dict, path: Path, log=print, groups: int = 0) -> in
             with np.errstate(over="ignore" if w.dtype == np.float16 else "warn"):     # (fp16: refused below instead)
                 value = w.load()
             if value.dtype == np.float16 and not np.isfinite(value).all():
-                raise BuildError(f"{t.name}: expected weights within fp16's range (|w| <= {FP16_MAX:g}) for --dtype "
-                                 "fp16, found one past it (after the fold); build with --dtype fp32 or --dtype bf16")
+                raise Fp16RangeError(t.name, "one past it (after the fold)")
             out.put_raw(t, raw_bytes(w, row_order(value)))
             del value
         if log is not None and group is not None:
