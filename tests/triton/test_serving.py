@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from runtime.triton.python_model import METRICS_PERIOD_S
 from tests.runtime.greedy import compare_greedy
 from tests.triton.conftest import CAPACITY, REPO, infer_input as _input, local_and_remote, require
 
@@ -104,7 +105,10 @@ def solo(triton_build):
 
 
 def _metrics(server, model: str = "generate") -> dict[str, float]:
-    """This model's tapernorm metrics, names shortened: running, waiting, finished.cancelled, ..."""
+    """This model's tapernorm metrics, names shortened: running, waiting, finished.cancelled, ...
+    as of now: the model publishes them every METRICS_PERIOD_S, so a read waits two periods first
+    (a pool that was read as empty could otherwise be a snapshot taken before the last request came)."""
+    time.sleep(2 * METRICS_PERIOD_S)
     out = {}
     for key, value in server.metrics().items():
         if key.startswith("tapernorm_generate_") and f'instance="{model}_0_0"' in key:
@@ -120,7 +124,6 @@ def _wait_pool_empty(server, model: str = "generate", timeout_s: float = 10.0) -
         m = _metrics(server, model)
         if m.get("running") == 0 and m.get("waiting") == 0 or time.monotonic() > deadline:
             return m
-        time.sleep(0.1)
 
 
 def _stream_raw(server, model: str, inputs_of):
