@@ -68,6 +68,11 @@ from models.rope import ROPE_NEEDS, YARN_OPTIONAL
 
 SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "smollm3",
              "granite")
+# model types people pass by mistake, and what to do instead (said in the refusal)
+UNSUPPORTED_WHY = {
+    "gemma3": "the multimodal Gemma 3; its text decoder alone is supported: a folder whose config.json has model_type "
+              "gemma3_text (as the 1B Gemma 3 checkpoints ship), the text_config and the language model's weights",
+}
 DEFAULT_CAPACITY = 2048   # KV-cache capacity when --max-seq-len is not given (and the model allows more)
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 TORCH_BIN, TORCH_BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -182,10 +187,18 @@ def read_hf_config(path: Path) -> dict:
         raise ConvertError(f"{where}: expected a Hugging Face config.json, found one of our checkpoints "
                            f"(format {raw['format']!r}, norm {raw['norm']!r}); this is already a checkpoint: "
                            f"use it directly (export.build --checkpoint {path})")
-    kind = raw.get("model_type")
-    if kind not in SUPPORTED:
-        raise ConvertError(f"{where}: model_type {kind!r} is not supported; supported: {', '.join(SUPPORTED)}")
+    _require_supported(raw.get("model_type"), where)
     return raw
+
+
+def _require_supported(kind, where) -> None:
+    if kind in SUPPORTED:
+        return
+    why = UNSUPPORTED_WHY.get(kind)
+    if why is None and isinstance(kind, str) and ("moe" in kind or kind == "mixtral"):
+        why = "a mixture-of-experts model; the converter takes dense decoders only"
+    raise ConvertError(f"{where}: model_type {kind!r} is not supported{f' ({why})' if why else ''}; "
+                       f"supported: {', '.join(SUPPORTED)}")
 
 
 def is_hf_folder(path: str | os.PathLike) -> bool:
@@ -627,9 +640,7 @@ def expected_params(f: _Fields, cfg: DecoderConfig, head_stored: bool) -> tuple[
 
 
 def _config_fields(raw: dict, where: str) -> _Fields:
-    if raw.get("model_type") not in SUPPORTED:
-        raise ConvertError(f"{where}: model_type {raw.get('model_type')!r} is not supported; "
-                           f"supported: {', '.join(SUPPORTED)}")
+    _require_supported(raw.get("model_type"), where)
     return _Fields(Path(where), raw)
 
 

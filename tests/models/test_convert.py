@@ -226,8 +226,12 @@ BAD = {
                                "model_type 'bert' is not supported; supported: gpt2, llama, mistral, qwen2, qwen3, "
                                "gemma, gemma2, gemma3_text, phi3, olmo2, smollm3, granite"),
     # what stays out of the families: mixture-of-experts and the multimodal Gemma 3
-    "qwen3 mixture of experts": (lambda p: _edit_config(p, model_type="qwen3_moe"), "model_type 'qwen3_moe' is not"),
-    "multimodal gemma 3": (lambda p: _edit_config(p, model_type="gemma3"), "model_type 'gemma3' is not supported"),
+    "qwen3 mixture of experts": (lambda p: _edit_config(p, model_type="qwen3_moe"),
+                                 "model_type 'qwen3_moe' is not supported (a mixture-of-experts model; the converter "
+                                 "takes dense decoders only); supported:"),
+    "multimodal gemma 3": (lambda p: _edit_config(p, model_type="gemma3"),
+                           "model_type 'gemma3' is not supported (the multimodal Gemma 3; its text decoder alone is "
+                           "supported: a folder whose config.json has model_type gemma3_text"),
     "no weights": (lambda p: (p / "model.safetensors").unlink(), "no weights found; expected model.safetensors"),
     "missing shard": ("sharded", lambda p: sorted(p.glob("model-*.safetensors"))[0].unlink(), "missing; model.safetensors.index.json lists it"),
     "shape mismatch in a shard": ("sharded", _mismatched_shard, "has shape [3, 5]; config.json implies"),
