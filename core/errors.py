@@ -266,13 +266,12 @@ def command_code(main) -> int:
     a second would otherwise kill the process by signal and hide the real exit code.
     """
     try:
-        code = main()
+        code, interrupted = main(), False
     except KeyboardInterrupt:
-        code = None
+        code, interrupted = EXIT_INTERRUPTED, True
     _ignore_interrupts()
-    if code is None:
+    if interrupted:
         print(f"error: {interrupted_message()}", file=sys.stderr)
-        code = EXIT_INTERRUPTED
     if code == EXIT_INTERRUPTED:
         _forget_interrupt_seen_by_c_code()
     return code

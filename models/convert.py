@@ -191,7 +191,8 @@ def read_hf_config(path: Path) -> dict:
     return raw
 
 
-def _require_supported(kind, where) -> None:
+def _require_supported(kind: object, where: str) -> None:
+    """Refuse a model_type outside SUPPORTED in one line, saying why where we know (UNSUPPORTED_WHY, MoE)."""
     if kind in SUPPORTED:
         return
     why = UNSUPPORTED_WHY.get(kind)
