@@ -381,19 +381,64 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
+HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 @contextlib.contextmanager
 def _signals_blocked():
-    """Hold SIGINT/SIGTERM until the block ends (main thread only; a no-op elsewhere). A Ctrl-C that
-    CPython dropped before is raised first: it, too, comes before the swap."""
+    """Hold SIGINT/SIGTERM until the block ends, then deliver what came meanwhile (main thread only, where
+    Python runs signal handlers; a no-op elsewhere). A Ctrl-C that CPython dropped before is raised first:
+    it, too, comes before the swap.
+
+    Blocking the signals in this thread is not enough: a signal sent to the process goes to any thread
+    that does not block it (a library's worker, pytest-xdist's I/O thread), and CPython then runs the
+    handler in the main thread all the same. So the handlers, too, are swapped for one that only notes
+    the signal; the noted one is raised again once the old handlers are back."""
     raise_if_dropped_interrupt()
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    held = []
+    old_handlers = {sig: signal.signal(sig, lambda sig, frame: held.append(sig)) for sig in HELD_SIGNALS}
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, set(HELD_SIGNALS)) if hasattr(signal, "pthread_sigmask") else None
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        if old_mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        for sig in dict.fromkeys(held):
+            signal.raise_signal(sig)
+
+
+def _made_whole(make, remove):
+    """make() a temporary with SIGINT/SIGTERM held, and return it. A Ctrl-C that lands meanwhile (the
+    test suite's lands the instant the temporary shows up: inside mkdtemp, after its mkdir) is raised
+    once make() is done, after remove(what it made): a name lost to the interrupt would be a folder
+    nothing ever removes."""
+    made = None
+    try:
+        with _signals_blocked():
+            made = make()
+    except BaseException:
+        if made is not None:
+            remove(made)
+        raise
+    return made
+
+
+def _remove_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _new_file(prefix: str, directory: Path) -> Path:
+    """A new, unique, empty file in `directory` (mkstemp), made whole (_made_whole)."""
+    def make():
+        fd, name = tempfile.mkstemp(prefix=prefix, dir=directory)
+        os.close(fd)
+        return Path(name)
+    return _made_whole(make, lambda path: path.unlink(missing_ok=True))
 
 
 def _commit_dir(tmp: Path, out: Path) -> None:
@@ -482,14 +527,17 @@ def temporary_dir(out: Path, role: str, kind: OutputKind) -> Path:
     (remove_stale_temporaries, called first)."""
     out = Path(out)
     remove_stale_temporaries(out)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{role}-", dir=out.parent))      # unique, empty
-    try:            # a Ctrl-C here must not leave the folder unmarked (nothing would ever remove it)
-        os.chmod(tmp, dir_mode())
-        write_marker(tmp, kind, {"temporary_of": out.name, "pid": os.getpid(), "host": socket.gethostname()})
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return tmp
+
+    def make():
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{role}-", dir=out.parent))      # unique, empty
+        try:        # an error here must not leave the folder unmarked (nothing would ever remove it)
+            os.chmod(tmp, dir_mode())
+            write_marker(tmp, kind, {"temporary_of": out.name, "pid": os.getpid(), "host": socket.gethostname()})
+        except BaseException:
+            _remove_dir(tmp)
+            raise
+        return tmp
+    return _made_whole(make, _remove_dir)
 
 
 @contextlib.contextmanager
@@ -504,10 +552,11 @@ def output_dir(out: str | os.PathLike, kind: OutputKind, inputs=(), marker: dict
     """
     out = Path(out)
     check_output_dir(out, kind, inputs, option)
-    with naming_output(out, option=option):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = temporary_dir(out, "tmp", kind)
+    tmp = None
     try:
+        with naming_output(out, option=option):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = temporary_dir(out, "tmp", kind)
         with naming_output(out, tmp, option):
             os.chmod(tmp, dir_mode())
             yield tmp
@@ -517,7 +566,8 @@ def output_dir(out: str | os.PathLike, kind: OutputKind, inputs=(), marker: dict
             check_output_dir(out, kind, inputs, option)
             _commit_dir(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            _remove_dir(tmp)
         raise
 
 
@@ -530,11 +580,10 @@ def output_file(out: str | os.PathLike, kind: OutputKind, inputs=()):
     """
     out = Path(out)
     check_output_file(out, kind, inputs)
-    with naming_output(out, option=FILE_OPTION):
-        fd, name = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
-        os.close(fd)
-    tmp = Path(name)
+    tmp = None
     try:
+        with naming_output(out, option=FILE_OPTION):
+            tmp = _new_file(f".{out.name}.tmp-", out.parent)
         with naming_output(out, tmp, FILE_OPTION):
             yield tmp
             os.chmod(tmp, file_mode())
@@ -546,9 +595,10 @@ def output_file(out: str | os.PathLike, kind: OutputKind, inputs=()):
                 with _lock:
                     _committed.append(out)
     except BaseException:
-        tmp.unlink(missing_ok=True)
-        for extra in out.parent.glob(f"{tmp.name}*"):   # e.g. external data written beside it
-            extra.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+            for extra in out.parent.glob(f"{tmp.name}*"):   # e.g. external data written beside it
+                extra.unlink(missing_ok=True)
         raise
 
 
@@ -586,12 +636,12 @@ def replaced_file_in(directory: Path, name: str):
     location, so this is for graphs kept inline (below core.onnx_writer.EXTERNAL_AT)."""
     directory = Path(directory)
     option = _claimed.get(os.path.abspath(directory), FILE_OPTION)
-    with naming_output(directory / name, option=option):
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=directory)
-        os.close(fd)
+    tmp = None
     try:
-        with naming_output(directory / name, Path(tmp), option):
-            yield Path(tmp)
+        with naming_output(directory / name, option=option):
+            tmp = _new_file(f".{name}.tmp-", directory)
+        with naming_output(directory / name, tmp, option):
+            yield tmp
             _fsync(tmp)
             os.chmod(tmp, file_mode())
             with _signals_blocked():
@@ -600,7 +650,8 @@ def replaced_file_in(directory: Path, name: str):
                     if os.path.abspath(directory) in _claimed and directory / name not in _committed:
                         _committed.append(directory / name)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
         raise
 
 
@@ -611,7 +662,7 @@ def replaced_graph_in(directory: Path, name: str):
     success its weights' file, then the graph, replace those in `directory`; nothing is left otherwise."""
     from core.onnx_writer import data_file_name
     with replaced_file_in(directory, name) as tmp, replaced_file_in(directory, data_file_name(name)) as tmp_data:
-        work = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=directory))
+        work = _made_whole(lambda: Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=directory)), _remove_dir)
         try:
             yield work / name
             os.replace(work / data_file_name(name), tmp_data)
