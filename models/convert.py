@@ -195,9 +195,10 @@ def _require_supported(kind: object, where: str) -> None:
     """Refuse a model_type outside SUPPORTED in one line, saying why where we know (UNSUPPORTED_WHY, MoE)."""
     if kind in SUPPORTED:
         return
-    why = UNSUPPORTED_WHY.get(kind)
-    if why is None and isinstance(kind, str) and ("moe" in kind or kind == "mixtral"):
-        why = "a mixture-of-experts model; the converter takes dense decoders only"
+    why = None
+    if isinstance(kind, str):       # (any JSON value may stand here: a list is not a dict key)
+        why = UNSUPPORTED_WHY.get(kind) or ("a mixture-of-experts model; the converter takes dense decoders only"
+                                            if "moe" in kind or kind == "mixtral" else None)
     raise ConvertError(f"{where}: model_type {kind!r} is not supported{f' ({why})' if why else ''}; "
                        f"supported: {', '.join(SUPPORTED)}")
 

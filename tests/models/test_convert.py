@@ -226,6 +226,7 @@ BAD = {
                                "model_type 'bert' is not supported; supported: gpt2, llama, mistral, qwen2, qwen3, "
                                "gemma, gemma2, gemma3_text, phi3, olmo2, smollm3, granite"),
     # what stays out of the families: mixture-of-experts and the multimodal Gemma 3
+    "model_type not a string": (lambda p: _edit_config(p, model_type=[]), "model_type [] is not supported; supported:"),
     "qwen3 mixture of experts": (lambda p: _edit_config(p, model_type="qwen3_moe"),
                                  "model_type 'qwen3_moe' is not supported (a mixture-of-experts model; the converter "
                                  "takes dense decoders only); supported:"),
