@@ -187,7 +187,7 @@ def test_32_concurrent_streamed_requests_equal_their_solo_runs(serving, solo):
         "prompt over capacity": (lambda: generate_remote(serving.grpc_url, _prompt(CAPACITY), 4, protocol="grpc"),
                                  "(the cache capacity)"),
         "prompt + new tokens over capacity": (lambda: generate_remote(serving.http_url, "Once", CAPACITY, on_text=print),
-                                              f"max-new-tokens: expected prompt + new tokens <= {CAPACITY}"),
+                                              f"input max_tokens: expected prompt + new tokens <= {CAPACITY}"),
         "top_p out of range": (lambda: generate_remote(serving.grpc_url, "Once", 4, protocol="grpc", top_p=2.0),
                                "top_p is 2.0"),
         "unknown model": (lambda: generate_remote(serving.grpc_url, "Once", 4, protocol="grpc", model="nope"),
@@ -202,7 +202,7 @@ def test_32_concurrent_streamed_requests_equal_their_solo_runs(serving, solo):
             with pytest.raises(ClientError) as e:
                 call()
             assert needle in str(e.value) and "\n" not in str(e.value), f"{what}: {e.value}"
-        result, error = _stream_raw(serving, "generate", lambda g: [_input(g, "prompt", np.array([1], np.int32), "INT32")])
+        result, error = _stream_raw(serving, "generate", lambda g: [_input(g, "text_input", np.array([[1]], np.int32), "INT32")])
         assert isinstance(error, InferenceServerException) and "expects 'BYTES'" in str(error)
         results = {i: f.result(timeout=300) for i, f in futures.items()}
         assert [len(c.result(timeout=300)) for c in cancels] == [3, 3]
