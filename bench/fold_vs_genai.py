@@ -224,10 +224,11 @@ def bench_shape(shape: str, work: Path, args, log=print) -> dict:
     genai = places["genai"][0]
     if not is_earlier_output(genai, BENCH_CACHE, made_after=folder):
         log(f"{shape}: GenAI's model builder -p int4 -e cpu")
-        row = genai_build(genai_input(folder, places["genai_input"][0]), genai, work / "genai-cache")
-        if row["rc"] != 0:
-            raise UserError(f"{genai}: GenAI's model builder failed on {shape} ({row['error']}); see its message, "
-                            "or run it alone: python -m bench.genai_builder")
+        inp = genai_input(folder, places["genai_input"][0])
+        row = genai_build(inp, genai, work / "genai-cache")
+        if row["rc"] != 0:          # GenAI's own tool: its last line, and how to see the rest
+            raise UserError(f"{genai}: expected GenAI's model builder to build {shape}, found it failed ({row['error']}); "
+                            f"run python -m bench.genai_builder -i {inp} -o DIR -p int4 -e cpu for its whole output")
         out["steps"]["genai_build"] = {k: row[k] for k in ("wall_s", "peak_rss_bytes")}
     ckpt = places["taper"][0]
     if not is_earlier_output(ckpt, CHECKPOINT, made_after=folder):
