@@ -66,3 +66,18 @@ def test_the_smallest_capacity_converts_and_builds(hf, tmp_path, capsys):
     assert convert_main([str(hf / "llama"), "--out", str(tmp_path / "ck"), "--max-seq-len", str(MIN_CAPACITY)]) == 0
     assert build_main(["--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "build")]) == 0, \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("capacity", [1, 3])
+def test_export_build_refuses_our_own_checkpoint_of_a_too_small_capacity(tmp_path, capsys, capacity):
+    """A checkpoint of ours (python -m train --max-seq-len 3, or an older convert) is refused by export.build
+    in one line before the export; it crashed the verification in ONNX Runtime's TensorScatter."""
+    from export.build import main as build_main
+    from tests.helpers import random_model, write_checkpoint
+    ckpt = write_checkpoint(tmp_path / "ckpt", random_model(seed=3, n_layer=1, max_seq_len=capacity))
+    assert build_main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "build")]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"error: {ckpt}: expected a KV-cache capacity (max_seq_len) of at least {MIN_CAPACITY} (a prompt "
+                   f"and 3 decode steps, what the build verifies), found {capacity}; write the checkpoint again with "
+                   f"--max-seq-len {MIN_CAPACITY} or more\n"), err
+    assert not (tmp_path / "build").exists()
