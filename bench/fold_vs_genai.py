@@ -24,7 +24,9 @@ SimplifiedLayerNormalization / SkipSimplifiedLayerNormalization, the QK-norms' i
 the fold can take away on this CPU); then --pairs interleaved pairs (bench.stats.round_order: the
 two alternate going first) of `python -m bench.scale decode` children, tokens/s over the decode
 steps; the ratio ours / GenAI per pair, min / median / max. Target: median ratio >= 1 + 0.8 x share.
-Each step reuses what an earlier run left in DIR (the same shape and seed).
+Each step reuses what an earlier run left in DIR (the same shape and seed) when its marker
+(.tapernorm-output.json) says it is that step's output, made after its input; a folder there that is
+not ours is refused before anything runs, whatever files it holds.
 """
 from __future__ import annotations
 
@@ -36,8 +38,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from core.errors import ArgumentParser, UserError, int_in, run_cli
+
+if TYPE_CHECKING:
+    from core.outputs import OutputKind
 
 CALIB_BATCH, CALIB_TOKENS = 4, 64          # one random-token batch [4, 64] for the least-squares c
 RANDOM_CHECKS = 8                           # other random batches [2, 64] whose logits must stay finite
@@ -99,7 +105,7 @@ def all_taper_checkpoint(folder: Path, out: Path, seed: int = 0, log=print) -> d
                 raise UserError(f"{folder}: expected the All-Taper model to stay finite at g = 0, found non-finite "
                                 "logits on random tokens; the shape needs a smaller finite_init")
             worst = max(worst, float(logits.abs().max()))
-    save_checkpoint(model, out, None)
+    save_checkpoint(model, out, None, inputs=[folder])      # never into (or over) the folder it reads
     log(f"  {out}: all-taper, {len(c)} norms calibrated (c {min(c.values()):.3g} .. {max(c.values()):.3g}), "
         f"finite on {RANDOM_CHECKS} random batches (max |logit| {worst:.3g}), {time.perf_counter() - t0:.0f} s")
     return {"norms": len(c), "c_min": min(c.values()), "c_max": max(c.values()), "max_abs_logit": worst}
@@ -165,41 +171,73 @@ def _genai_profile(folder: Path, tmp: Path, prompt, steps: int, threads: int) ->
 # --- run -------------------------------------------------------------------------------------------
 
 def _child(cmd: list[str], what: str) -> dict:
+    """Run a child command to its end (bench.scale.measured); its row. A child's refusal (its one
+    `error: ...` line: a folder it may not replace, a full disk) is this command's one line, naming the
+    step; an interrupted child is this command's interrupt; only a child's bug is raised as one."""
     from bench.scale import measured
+    from core.errors import EXIT_INTERRUPTED, REPORT_BUG
     row = measured(cmd)
-    if row["rc"] != 0:
-        raise RuntimeError(f"{what} failed: {row['error']}")
-    return row
+    if row["rc"] == 0:
+        return row
+    error = row["error"] or f"exit code {row['rc']}, no output"
+    if row["rc"] in (EXIT_INTERRUPTED, -2):
+        raise KeyboardInterrupt
+    if error.startswith("error: ") and REPORT_BUG not in error:
+        raise UserError(f"{what}: {error[len('error: '):]}")
+    raise RuntimeError(f"{what} failed: {error}")
+
+
+def work_folders(work: Path, shape: str) -> dict[str, tuple[Path, OutputKind]]:
+    """The folders a run writes under --work for one shape: step -> (path, the kind it carries)."""
+    from core.outputs import BENCH_CACHE, BUILD, CHECKPOINT, SCALE_FOLDER
+    return {"folder": (work / shape, SCALE_FOLDER), "genai_input": (work / f"genai-input-{shape}", SCALE_FOLDER),
+            "genai": (work / f"genai-{shape}-int4", BENCH_CACHE), "taper": (work / f"{shape}-all-taper", CHECKPOINT),
+            "ours": (work / f"build-{shape}-all-taper-int4", BUILD)}
+
+
+def check_work(work: Path, shapes: list[str]) -> None:
+    """Every folder the run writes, checked before it writes the first (one line, not a failed step later):
+    a folder there that is not ours (no marker of its kind) is refused, whatever files it holds."""
+    from bench.shapes import resolve_shape
+    from core.outputs import check_output_dir
+    for spec in shapes:
+        for path, kind in work_folders(work, resolve_shape(spec)[0]).values():
+            check_output_dir(path, kind, option="--work")
 
 
 def bench_shape(shape: str, work: Path, args, log=print) -> dict:
     from bench import stats
     from bench.scale import genai_build, genai_input
     from bench.shapes import folder_matches, resolve_shape, write_random_folder
-    from core.outputs import read_marker
+    from core.outputs import BENCH_CACHE, BUILD, CHECKPOINT, is_earlier_output
     py = sys.executable
     spec, shape = shape, resolve_shape(shape)[0]          # a SHAPES name or a config .json path
-    folder = work / shape
+    places = work_folders(work, shape)
+    folder = places["folder"][0]
     if folder_matches(folder, spec):
         log(f"{shape}: reusing {folder}")
     else:
         write_random_folder(spec, folder, log=log)
     out = {"shape": shape, "folder": str(folder), "steps": {}}
-    genai = work / f"genai-{shape}-int4"
-    if not (genai / "genai_config.json").is_file():
+    # an earlier step's output is reused only when its marker says it is one, of the kind that step writes,
+    # made after what it was made from (is_earlier_output); never for the file names a folder holds
+    genai = places["genai"][0]
+    if not is_earlier_output(genai, BENCH_CACHE, made_after=folder):
         log(f"{shape}: GenAI's model builder -p int4 -e cpu")
-        row = genai_build(genai_input(folder, work / f"genai-input-{shape}"), genai, work / "genai-cache")
-        if row["rc"] != 0:
-            raise RuntimeError(f"GenAI's builder failed on {shape}: {row['error']}")
+        inp = genai_input(folder, places["genai_input"][0])
+        row = genai_build(inp, genai, work / "genai-cache")
+        if row["rc"] != 0:          # GenAI's own tool: its last line, and how to see the rest
+            raise UserError(f"{genai}: expected GenAI's model builder to build {shape}, found it failed ({row['error']}); "
+                            f"run python -m bench.genai_builder -i {inp} -o DIR -p int4 -e cpu for its whole output")
         out["steps"]["genai_build"] = {k: row[k] for k in ("wall_s", "peak_rss_bytes")}
-    ckpt = work / f"{shape}-all-taper"
-    if read_marker(ckpt) is None:
+    ckpt = places["taper"][0]
+    if not is_earlier_output(ckpt, CHECKPOINT, made_after=folder):
         log(f"{shape}: the All-Taper checkpoint")
         row = _child([py, "-m", "bench.fold_vs_genai", "taper", str(folder), "--out", str(ckpt)], "the taper checkpoint")
         out["steps"]["taper"] = {"line": row["stdout"].strip().splitlines()[-1], "wall_s": row["wall_s"],
                                  "peak_rss_bytes": row["peak_rss_bytes"]}
-    ours = work / f"build-{shape}-all-taper-int4"
-    if not (ours / "model.int4.onnx").is_file():
+    ours = places["ours"][0]
+    if not (is_earlier_output(ours, BUILD, made_after=ckpt) and (ours / "model.int4.onnx").is_file()):
         log(f"{shape}: export.build --fuse --quantize int4 of the All-Taper checkpoint")
         row = _child([py, "-m", "export.build", "--fuse", "--quantize", "int4", "--checkpoint", str(ckpt),
                       "--out", str(ours)], "our build")
@@ -271,15 +309,19 @@ def run(argv: list[str]) -> int:
     pf.add_argument("--threads", type=int_in(1, 256), default=2)
     a = p.parse_args(argv)
     if a.cmd == "taper":
+        from core.outputs import CHECKPOINT, check_output_dir
+        check_output_dir(a.out, CHECKPOINT, inputs=[a.folder])      # before minutes of calibration
         all_taper_checkpoint(a.folder, a.out)
         return 0
     if a.cmd == "profile":
         print(json.dumps(profile_graph(a.graph, a.steps, a.threads, a.genai)))
         return 0
     check_output_file(a.json, REPORT_JSON)
+    shapes = [s.strip() for s in a.shape.split(",") if s.strip()]
+    check_work(a.work, shapes)
     a.work.mkdir(parents=True, exist_ok=True)
     results = []
-    for shape in [s.strip() for s in a.shape.split(",") if s.strip()]:
+    for shape in shapes:
         results.append(bench_shape(shape, a.work, a))
         write_json(a.json, {"results": results, "table": table(results)})   # a finished shape is kept
     print(table(results))

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.runners import Runner, Timing
-from core.outputs import BENCH_CACHE, output_dir, replace_file_in
+from core.outputs import BENCH_CACHE, is_earlier_output, output_dir, replace_file_in
 
 PRECISIONS = ("fp32", "int4")          # what the builder's -p takes that we compare (int8 is not a CPU option)
 OURS_VARIANT = "all-taper-fused"       # every norm folded away: the graph GenAI's own builder cannot make
@@ -74,7 +74,7 @@ def build_genai(size: str, shape: dict, capacity: int, precision: str, cache: Pa
     from graph_passes.base import op_counts
     out = cache / f"genai-{size}-cap{capacity}-{precision}-seed{seed}-og{version('onnxruntime-genai')}"
     info_path = out.with_name(out.name + ".json")          # (with_suffix would cut the version's ".0")
-    if info_path.is_file() and (out / "genai_config.json").is_file():
+    if is_earlier_output(out, BENCH_CACHE) and info_path.is_file():     # its marker, not its genai_config.json
         return json.loads(info_path.read_text())
     t0 = time.perf_counter()
     hf = cache / f"hf-llama-{size}-cap{capacity}-seed{seed}"
@@ -107,7 +107,7 @@ def build_ours_genai(size: str, capacity: int, precision: str, cache: Path, seed
     from export.genai import GENAI_CONFIG, GENAI_GRAPH, genai_config, genai_graph
     out = cache / f"ours-genai-{size}-cap{capacity}-{OURS_VARIANT}-{precision}-seed{seed}"
     info_path = out.with_name(out.name + ".json")
-    if info_path.is_file() and (out / GENAI_CONFIG).is_file():
+    if is_earlier_output(out, BENCH_CACHE) and info_path.is_file():     # its marker, not its genai_config.json
         return json.loads(info_path.read_text())
     t0 = time.perf_counter()
     built = build_onnx(size, [OURS_VARIANT], capacity, cache, seed, log, dtypes=(precision,), attention="gqa",

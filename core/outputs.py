@@ -152,6 +152,25 @@ def marker_kind(path: Path) -> str | None:
     return None if m is None else m.get("kind")
 
 
+def is_earlier_output(path: str | os.PathLike, kind: OutputKind, made_after: str | os.PathLike | None = None) -> bool:
+    """Whether `path` is a finished output of `kind` that this project wrote: the one test a command makes
+    before it reuses (skips rebuilding) something it finds at one of its own paths. Only the marker
+    decides, never a file name inside: a folder of the user's that happens to hold a `model.int4.onnx` or a
+    `genai_config.json` is not ours (issue 42: a benchmark timed someone else's graph). A temporary
+    (a marker with `temporary_of`) or a symbolic link is never one.
+
+    made_after: the marked output this one was made from; `path` counts only when its marker is at least
+    as new as that one's (an input written again since leaves its derived outputs stale)."""
+    p = Path(path)
+    m = read_marker(p)
+    if p.is_symlink() or not p.is_dir() or m is None or m.get("kind") != kind.name or "temporary_of" in m:
+        return False
+    if made_after is None:
+        return True
+    mine, theirs = marker_stamp(p), marker_stamp(Path(made_after))
+    return mine is not None and theirs is not None and mine[1] >= theirs[1]
+
+
 def _check_related(out: Path, inputs, what: str, option: str) -> None:
     """Refuse (UserError `<out>: <why>; <fix>`) an `out` the command's inputs rule out.
 

@@ -110,6 +110,7 @@ def run(argv: list[str]) -> int:
     opened = functools.cache(lambda: _open_weights(ckpt))      # read once, by whichever step needs it first
     target = _target(args, opened)
     check_options(quantize, args.genai, args.fuse, args.dtype, target.attention)
+    _check_capacity(ckpt, opened().cfg.max_seq_len)
     build(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=target.attention, genai=args.genai,
           target_why=target.why, source=opened())
     if args.triton_repo is not None:
@@ -142,6 +143,17 @@ def _write_triton_repo(build: Path, repo: Path) -> int:
         raise
     sys.stderr.write(err)
     return proc.returncode
+
+
+def _check_capacity(ckpt: Path, capacity: int) -> None:
+    """A KV cache too small for the build's verification (a prompt and 3 decode steps) is refused before the
+    export: our own checkpoint's (python -m train --max-seq-len 3) crashed ONNX Runtime's TensorScatter there.
+    A Hugging Face folder's is refused by models.convert as its config is read (MIN_CAPACITY)."""
+    from models.convert import MIN_CAPACITY
+    if capacity < MIN_CAPACITY:
+        raise UserError(f"{ckpt}: expected a KV-cache capacity (max_seq_len) of at least {MIN_CAPACITY} (a prompt and "
+                        f"3 decode steps, what the build verifies), found {capacity}; write the checkpoint again "
+                        f"with --max-seq-len {MIN_CAPACITY} or more")
 
 
 def _open_weights(ckpt: Path):

@@ -37,6 +37,7 @@ from core.errors import UserError, first_line, run_cli
 from core.inputs import check_memory
 from core.outputs import CHECKPOINT, OutputKind, output_dir, writing
 from models.decoder import Decoder, DecoderConfig
+from models.rope import check_rope
 from models.disabled_norm import DISABLED_NORM_EPS  # noqa: F401  (re-exported: export and graph_passes' test read it here)
 
 FORMAT_VERSION = 3
@@ -111,6 +112,8 @@ def _validate_config(path: Path, raw: dict, memory: bool = True) -> DecoderConfi
     try:
         cfg = DecoderConfig.from_dict(raw)
         cfg.validate()
+        if cfg.pos_embedding == "rope":      # what validate's key check cannot see (models/rope.py check_rope)
+            check_rope(cfg.rope_theta, cfg.rotary_dim or cfg.head_dim, cfg.rope_scaling)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: field {e}") from None
     # weights in the model plus the loaded tensors, fp32: refuse before allocating (not when

@@ -260,8 +260,21 @@ class _Fields:
         return HF_ACTIVATIONS[act]
 
 
+# The smallest KV-cache capacity a converted model may have: export.build verifies a graph on a prefill and 3
+# decode steps (export/conventions.session_steps), 4 positions; a smaller cache crashed that check in ONNX Runtime.
+MIN_CAPACITY = 4
+
+
 def _capacity(f: _Fields, key: str, max_seq_len: int | None) -> int:
-    return min(f.int(key), max_seq_len or DEFAULT_CAPACITY)
+    capacity = min(f.int(key), max_seq_len or DEFAULT_CAPACITY)
+    if capacity < MIN_CAPACITY:
+        given = f"--max-seq-len {max_seq_len}" if max_seq_len is not None and max_seq_len < f.int(key) else \
+            f"{f.where}: {key} {f.int(key)}"
+        raise ConvertError(f"{given}: expected a KV-cache capacity of at least {MIN_CAPACITY} (a prompt and 3 decode "
+                           f"steps, what export.build verifies), found {capacity}; "
+                           + (f"pass --max-seq-len {MIN_CAPACITY} or more" if given.startswith("--") else
+                              f"this model cannot hold a prompt and a reply (fix {key} in config.json)"))
+    return capacity
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")

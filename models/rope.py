@@ -77,8 +77,33 @@ def _longrope_attention(s: dict) -> float:
     max_position_embeddings / original_max_position_embeddings when a config leaves it out)."""
     if s.get("attention_factor") is not None:
         return float(s["attention_factor"])
-    factor = s["factor"]
+    factor = s.get("factor")
+    if factor is None:      # transformers' own default needs the model's max_position_embeddings, not kept here
+        raise ValueError(LONGROPE_NEEDS)
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(s["original_max_position_embeddings"]))
+
+
+LONGROPE_NEEDS = ("a longrope scaling with 'factor' or 'attention_factor' (its attention factor comes from one of "
+                  "them; transformers' factor is max_position_embeddings / original_max_position_embeddings)")
+
+
+def check_rope(theta: float, dim: int, scaling: dict | None) -> None:
+    """The rope's frequencies computed once, as a model built from these settings would: ValueError
+    `rope_scaling = {...}; expected ...` (DecoderConfig.validate's form) for settings they cannot be computed
+    from, e.g. a longrope with neither 'factor' nor 'attention_factor', or a parameter that is not a number.
+    Without it such a config.json passed validation and raised a KeyError (a traceback) where the model was
+    built (issue 42)."""
+    try:
+        inv_freq, long_inv_freq, _, _ = rope_frequencies(theta, dim, scaling)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError, RuntimeError) as e:
+        why = str(e) if isinstance(e, ValueError) and str(e) == LONGROPE_NEEDS else \
+            f"numbers its rope_type can be computed from ({type(e).__name__}: {e})"
+        raise ValueError(f"rope_scaling = {scaling!r}; expected {why}") from None
+    lengths = [len(scaling[k]) for k in ("short_factor", "long_factor")] if inv_freq is not None and \
+        long_inv_freq is not None else []
+    if any(n != dim // 2 for n in lengths):        # a list of one number broadcasts silently
+        raise ValueError(f"rope_scaling = {scaling!r}; expected short_factor and long_factor of {dim // 2} "
+                         f"numbers each (half the rotary width {dim}), found {' and '.join(map(str, lengths))}")
 
 
 def rope_frequencies(theta: float, dim: int, scaling: dict | None):

@@ -16,7 +16,10 @@ block (plus the tensor being converted), whatever the model's size.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -27,6 +30,42 @@ from torch import nn
 from models.checkpoint import (CONFIG, WEIGHTS, CheckpointError, all_finite, apply_taper_state,
                                check_checkpoint_tokenizer, read_checkpoint_config)
 from models.decoder import Block, Decoder, DecoderConfig
+
+
+_STOPS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def interruptible():
+    """Around a read whose errors become "cannot be read": yields `interrupted()`, whether a Ctrl-C or SIGTERM
+    came meanwhile; and a stop that came is raised (KeyboardInterrupt) at the end even when the read returned.
+
+    The stop's KeyboardInterrupt can be lost inside the read: raised by the handler in the middle of C code,
+    safetensors' get_tensor (torch building the tensor from its storage) answers it with a ValueError "could
+    not determine the shape of object type 'torch.storage.UntypedStorage'", no trace of the interrupt left
+    (found by sending SIGINT at random moments: 1 read in 5). Turned into a CheckpointError, that was a corrupt
+    file and exit 1 for a Ctrl-C (issue 42; 3 of 6 tries during export.build's reads). So the handlers of
+    both signals are wrapped for the read's duration to note the signal, then do what they did (raise
+    KeyboardInterrupt). A signal that is ignored or left to its default action is left alone, and so is a
+    read outside the main thread (where Python runs no handler)."""
+    noted: list[int] = []
+    wrapped = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in _STOPS:
+            previous = signal.getsignal(sig)
+            if callable(previous):
+                def note(signum, frame, previous=previous):
+                    noted.append(signum)
+                    previous(signum, frame)
+                wrapped[sig] = previous
+                signal.signal(sig, note)
+    try:
+        yield lambda: bool(noted)
+    finally:
+        for sig, previous in wrapped.items():
+            signal.signal(sig, previous)
+    if noted:       # the read returned (or raised what was caught) with the interrupt lost inside it
+        raise KeyboardInterrupt
 
 
 @dataclass
@@ -70,13 +109,17 @@ class WeightSource:
 
     @staticmethod
     def _checked(place: _Place, read: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """read()'s raw tensor through place.fn, fp32; CheckpointError for unreadable, non-float or non-finite."""
-        try:
-            raw = read()
-        except Exception as e:      # a file damaged past its header
-            from core.errors import first_line
-            raise CheckpointError(f"{place.file}: tensor {place.name!r} cannot be read ({first_line(e)}); "
-                                  "re-save the weights") from None
+        """read()'s raw tensor through place.fn, fp32; CheckpointError for unreadable, non-float or non-finite.
+        A Ctrl-C or SIGTERM during the read is the interrupt it is, never "cannot be read" (interruptible)."""
+        with interruptible() as interrupted:
+            try:
+                raw = read()
+            except Exception as e:      # a file damaged past its header
+                if interrupted():
+                    raise KeyboardInterrupt from None
+                from core.errors import first_line
+                raise CheckpointError(f"{place.file}: tensor {place.name!r} cannot be read ({first_line(e)}); "
+                                      "re-save the weights") from None
         if not raw.is_floating_point():
             raise CheckpointError(f"{place.file}: tensor {place.name!r} has dtype {str(raw.dtype).replace('torch.', '')}; "
                                   "expected floating-point weights")
@@ -111,12 +154,16 @@ def _checkpoint_source(path: Path, max_seq_len: int | None) -> WeightSource:
     if not where.is_file():
         raise CheckpointError(f"{where}: missing; a checkpoint directory holds {WEIGHTS}")
     from safetensors import safe_open
-    try:
-        with safe_open(str(where), framework="pt") as handle:
-            shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
-    except Exception as e:  # safetensors raises several types on a damaged header
-        from core.errors import first_line
-        raise CheckpointError(f"{where}: not a readable safetensors file ({first_line(e)}); re-save the checkpoint") from None
+    with interruptible() as interrupted:
+        try:
+            with safe_open(str(where), framework="pt") as handle:
+                shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
+        except Exception as e:  # safetensors raises several types on a damaged header
+            if interrupted():
+                raise KeyboardInterrupt from None
+            from core.errors import first_line
+            raise CheckpointError(f"{where}: not a readable safetensors file ({first_line(e)}); "
+                                  "re-save the checkpoint") from None
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in Decoder(cfg).state_dict().items()}
     if cfg.tie_embeddings:

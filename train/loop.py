@@ -261,7 +261,10 @@ class Recipe:
         if run.embed_std is None:
             return []
         draw = functools.partial(torch.nn.init.normal_, mean=0.0, std=run.embed_std)
-        return [("wte.weight", draw), ("wpe.weight", draw)]
+        # the learned position table only where the model has one: a rope model (--arch qwen3 / gemma3 / llama)
+        # has no wpe (it raised "Decoder has no attribute 'wpe'" for --preset dyt, whose embed_std draws here)
+        tables = ("wte.weight", "wpe.weight") if run.decoder_config().pos_embedding == "learned" else ("wte.weight",)
+        return [(name, draw) for name in tables]
 
     def source_weights(self, run: TrainConfig):
         """Where a fresh run's weights are read from when --fsdp fills each rank's shards: a

@@ -42,6 +42,7 @@ from pathlib import Path
 from core.build_files import TOKENIZER
 from core.contract import (CACHE_PREFIX, INPUT_IDS, LOGITS, POSITION, ContractError, cache_names, external_files,
                            load_onnx, onnx_io as _proto_io, present_name, read_contract)
+from core.errors import NO_ROOM
 from core.outputs import TRITON_REPOSITORY, output_dir
 from runtime.model_files import ORT_ONLY_GRAPH, is_ort_only, resolve_onnx
 from runtime.session import MissingExtraError, ModelFileError, RuntimeUserError
@@ -131,7 +132,7 @@ def add_control_inputs(src: Path, dst: Path) -> OnnxIO:
     reaches the model for a ready sequence.
     """
     from onnx import TensorProto, helper
-    proto = _graph_of(src)         # external weights: linked below, not read
+    proto = _graph_of(src)         # external weights: cloned below, not read
     batch = proto.graph.input[0].type.tensor_type.shape.dim[0]
     inputs = {i.name for i in proto.graph.input}
     for name in (c for c in CONTROLS if c not in inputs):
@@ -312,7 +313,7 @@ def check_repository(repo: str | Path, load: bool = True) -> dict[str, object]:
     """Parse every config.pbtxt into ModelConfig and verify each decoder config against its ONNX, and load
     what the server would load where this machine can (_load_errors: ONNX Runtime CPU graphs; a plan's tag).
     load=False (write_repository's own check): the configs only, no graph read (a real model's weights are
-    linked into the repository, never read: loading them twice would cost minutes and their size in memory).
+    put into the repository without being read: loading them twice would cost minutes and their size in memory).
 
     Returns model name -> ModelConfig; raises RepositoryError listing every disagreement.
     A tensorrt_plan config is checked against <model>/1/source.onnx (the graph the engine
@@ -392,18 +393,57 @@ def find_engine(onnx_path: Path) -> Path | None:
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
+    """A graph file, the tokenizer or an engine (never a graph's external data: _clone_or_copy) at `dst`:
+    a hard link on the same file system (no second copy of an engine), else a copy."""
     try:
-        os.link(src, dst)          # same file system: no second copy of the weights
+        os.link(src, dst)
     except OSError:
         shutil.copyfile(src, dst)
 
 
+_FICLONE = 0x40049409       # linux/fs.h: _IOW(0x94, 9, int)
+
+
+def _clone_or_copy(src: Path, dst: Path) -> None:
+    """`src`'s bytes as a new file `dst` of its own: a reflink clone where the file system shares blocks
+    (btrfs, XFS: instant, no space taken), else an in-kernel copy (copy_file_range: no pass through this
+    process's memory; server-side on NFS), else a plain copy.
+
+    Never a hard link, nor a symbolic link: onnx's external-data loader refuses a data file with more
+    than one link ("multiple hard links, indicating a potential hardlink attack") and one that is a
+    symbolic link, so a linked `<graph>.data` made both the build and the repository unreadable to
+    onnx.load(load_external_data=True): export.verify, graph_passes (issue 42)."""
+    with open(src, "rb") as fin, open(dst, "xb") as fout:      # "x": a new file, never one already there
+        try:
+            import fcntl
+            fcntl.ioctl(fout.fileno(), _FICLONE, fin.fileno())
+            return
+        except (ImportError, OSError):
+            pass
+        size, done = os.fstat(fin.fileno()).st_size, 0
+        try:
+            while done < size:
+                n = os.copy_file_range(fin.fileno(), fout.fileno(), size - done)
+                if n == 0:
+                    break
+                done += n
+        except (AttributeError, OSError) as e:
+            if getattr(e, "errno", None) in NO_ROOM:
+                raise
+        if done == size and size == os.fstat(fout.fileno()).st_size:
+            return
+        fin.seek(0)                 # unsupported here (another file system's pair, an old kernel): copy it
+        fout.seek(0)
+        fout.truncate()
+        shutil.copyfileobj(fin, fout, 16 << 20)
+
+
 def _link_external_data(proto, src: Path, dst: Path) -> None:
-    """The external-data files `src`'s graph names, linked beside `dst` under the same names (a
-    build keeps its weights in `<graph>.data`: neither read nor copied when linkable)."""
+    """The external-data files `src`'s graph names, put beside `dst` under the same names, each a file of
+    its own (_clone_or_copy; a build keeps its weights in `<graph>.data`, never read into this process)."""
     for location in external_files(proto):
         if not (dst.parent / location).exists():
-            _link_or_copy(src.parent / location, dst.parent / location)
+            _clone_or_copy(src.parent / location, dst.parent / location)
 
 
 def _link_graph(src: Path, dst: Path) -> None:

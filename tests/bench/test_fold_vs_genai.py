@@ -63,3 +63,66 @@ def test_a_whole_run_against_genai_builds_profiles_and_pairs(folder, tmp_path):
     assert len(r["pairs"]) == 2 and {p["first"] for p in r["pairs"]} == {"ours", "genai"}      # alternating
     assert r["profile"]["ours"]["f"] == 0.0 and r["profile"]["genai"]["f"] > 0                # GenAI's norms stay
     assert r["target_ratio"] == pytest.approx(1 + 0.8 * r["genai_norm_share"])
+
+
+# --- issue 42: what the run reuses, refuses and reports ----------------------------------------------
+
+def _no_children(monkeypatch):
+    """bench.scale.measured (every child of a run) made to fail the test: a refusal comes before any child."""
+    import bench.scale
+
+    def measured(cmd, cap_bytes=0):
+        raise AssertionError(f"a child ran: {cmd}")
+    monkeypatch.setattr(bench.scale, "measured", measured)
+
+
+@pytest.mark.parametrize("name, file", [("build-tiny-qwen3-all-taper-int4", "model.int4.onnx"),
+                                        ("genai-tiny-qwen3-int4", "genai_config.json"),
+                                        ("tiny-qwen3-all-taper", "model.safetensors")])
+def test_a_users_folder_in_work_is_refused_whatever_files_it_holds(tmp_path, monkeypatch, capsys, name, file):
+    """A folder at one of the run's paths that holds the file a step writes, but no marker, is the user's: it
+    was reused as our build (its graph profiled and timed, exit 0); now the run refuses it in one line before
+    any step runs, and leaves it as it was."""
+    from bench.fold_vs_genai import main
+    _no_children(monkeypatch)
+    shape = tmp_path / "tiny-qwen3.json"
+    shape.write_text(json.dumps(TINY_QWEN3))
+    theirs = tmp_path / "work" / name
+    theirs.mkdir(parents=True)
+    (theirs / file).write_text("someone else's")
+    code = main(["run", "--shape", str(shape), "--work", str(tmp_path / "work"), "--json", str(tmp_path / "r.json"),
+                 "--pairs", "1"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err, err
+    assert err.startswith(f"error: {theirs}: exists and holds files tapernorm-deploy did not write") and \
+        "--work" in err and len(err.strip().splitlines()) == 1, err
+    assert [p.name for p in theirs.iterdir()] == [file] and (theirs / file).read_text() == "someone else's"
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_a_childs_one_line_refusal_is_the_commands_one_line():
+    """A child that refuses (its `error: ...` line, exit 1) was wrapped in a RuntimeError: a traceback and a
+    request to report a bug. Now it is this command's user error, naming the step; a child's bug stays a bug."""
+    from bench.fold_vs_genai import _child
+    from core.errors import REPORT_BUG, UserError
+    refuse = [sys.executable, "-c", "import sys; print('error: x: expected y, found z; do w', file=sys.stderr); "
+                                    "sys.exit(1)"]
+    with pytest.raises(UserError) as e:
+        _child(refuse, "our build")
+    assert str(e.value) == "our build: x: expected y, found z; do w"
+    crash = [sys.executable, "-c", f"import sys; print('error: {REPORT_BUG}', file=sys.stderr); sys.exit(1)"]
+    with pytest.raises(RuntimeError, match="our build failed"):
+        _child(crash, "our build")
+
+
+def test_taper_refuses_an_out_inside_its_input_folder(folder, capsys):
+    """`taper HF --out HF/taper` wrote the checkpoint into the Hugging Face folder it reads (models.convert
+    refuses the same); now one line, before any work, and the folder is left as it was."""
+    from bench.fold_vs_genai import main
+    from tests.helpers import snapshot
+    before = snapshot(folder)
+    code = main(["taper", str(folder), "--out", str(folder / "taper")])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err, err
+    assert err.startswith(f"error: {folder / 'taper'}: it is inside the command's input {folder}"), err
+    assert snapshot(folder) == before

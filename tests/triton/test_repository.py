@@ -268,10 +268,11 @@ def test_engine_found_beside_the_graph_it_was_built_from(triton_build, tmp_path)
     assert (repo / "decoder_trt/1/model.plan").read_bytes() == b"ftrt engine of the served graph"
 
 
-def test_a_quantized_build_is_linked_not_read(triton_build, tmp_path, monkeypatch):
+def test_a_quantized_build_is_cloned_not_read(triton_build, tmp_path, monkeypatch):
     """A --quantize build holds only model.int4.onnx (no fused graph beside it) with its weights in
-    model.int4.onnx.data: the repository finds that graph, links the .data file beside each graph that
-    names it (the same inode: neither read nor copied), never loads the weights, and its decoder graph
+    model.int4.onnx.data: the repository finds that graph, puts a file of its own with the .data file's
+    bytes beside each graph that names it (a clone or an in-kernel copy, never a hard link: onnx's loader
+    refuses a data file with two links), never loads the weights in Python, and its decoder graph
     computes what the build's does."""
     import onnx
     import onnxruntime as ort
@@ -288,9 +289,12 @@ def test_a_quantized_build_is_linked_not_read(triton_build, tmp_path, monkeypatc
                         or real_load(f, *a, **k))
     repo = write_triton_repository(build, tmp_path / "repo", intra_op_threads=1, validate=False)
     assert loads and not any(loads)                                    # graphs read, weights never
-    data = (build / "model.int4.onnx.data").stat().st_ino
+    data = build / "model.int4.onnx.data"
+    assert data.stat().st_nlink == 1
     for graph in (repo / "decoder_onnx/1/model.onnx", repo / "generate/1/model.int4.onnx"):
-        assert (graph.parent / "model.int4.onnx.data").stat().st_ino == data
+        copy = graph.parent / "model.int4.onnx.data"
+        assert copy.stat().st_ino != data.stat().st_ino and copy.stat().st_nlink == 1
+        assert copy.read_bytes() == data.read_bytes()
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     a = ort.InferenceSession(str(build / "model.int4.onnx"), so, providers=["CPUExecutionProvider"])
@@ -304,7 +308,7 @@ def test_a_quantized_build_is_linked_not_read(triton_build, tmp_path, monkeypatc
 
 def test_a_quantized_build_serves_its_quantized_graph_in_onnx_runtime(triton_build, tmp_path):
     """A folder holding model.fused.onnx and model.int4.onnx (a fused build with the int4 graph put beside it; a
-    --quantize build itself holds the int4 graph alone: test_a_quantized_build_is_linked_not_read): the ONNX
+    --quantize build itself holds the int4 graph alone: test_a_quantized_build_is_cloned_not_read): the ONNX
     Runtime models (decoder_onnx, generate's ort backends) get the int4 graph, the one the user built to run,
     as runtime.generate does; an engine would come from the fused graph (resolve_onnx's TensorRT order)."""
     import onnx
@@ -431,3 +435,33 @@ def test_a_file_that_is_no_tensorrt_plan_is_refused_as_an_engine(triton_build, t
     assert main(["check", "--repo", str(tmp_path / "r")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "decoder_trt: model.plan: expected a serialized TensorRT engine, found JSON text" in err[0]
+
+
+def test_a_repository_leaves_its_build_and_its_graphs_loadable(tmp_path):
+    """export.build --triton-repo (and runtime.triton repo on the build) hard-linked the build's <graph>.data
+    into the repository: onnx's external-data loader then refused the build's graph and the repository's
+    alike ("multiple hard links, indicating a potential hardlink attack"), so export.verify of the build
+    failed. Now both are loadable with their weights, and export.verify finds them equal."""
+    import subprocess
+    import sys
+    import onnx
+    from tests.helpers import random_model, write_checkpoint
+    ckpt = write_checkpoint(tmp_path / "ckpt", random_model(seed=3, n_layer=2, max_seq_len=32))
+    build, repo = tmp_path / "build", tmp_path / "repo"
+
+    def run(*args):
+        proc = subprocess.run([sys.executable, "-m", *map(str, args)], capture_output=True, text=True, cwd=REPO)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        return proc
+    run("export.build", "--fuse", "--checkpoint", ckpt, "--out", build, "--triton-repo", repo)
+    run("runtime.triton", "repo", "--build", build, "--out", tmp_path / "repo2")      # a second repository of it
+    data = sorted(build.glob("*.onnx.data"))
+    assert data and all(d.stat().st_nlink == 1 for d in data)
+    graphs = [build / d.name[:-len(".data")] for d in data]
+    for r in (repo, tmp_path / "repo2"):
+        graphs += sorted(r.glob("*/1/*.onnx"))
+    assert len(graphs) >= 5
+    for graph in graphs:
+        onnx.load(str(graph), load_external_data=True)
+    served = repo / "generate" / "1" / graphs[0].name
+    assert "EQUAL" in run("export.verify", graphs[0], served).stdout
