@@ -25,11 +25,13 @@ guard_startup(__name__)     # before the imports below: a Ctrl-C while they load
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
-from runtime.sampling import SamplingConfig, sample
-from core.errors import ArgumentParser, float_in, nonnegative_int, positive_int, run_cli, seed_int
+from runtime.sampling import SamplingConfig, log_softmax, penalize, sample, top_logprobs
+from runtime.text_stream import TextStream
+from core.errors import ArgumentParser, float_in, int_in, nonnegative_int, positive_int, run_cli, seed_int
 from runtime.session import CapacityError, DecoderSession, RuntimeUsageError, RuntimeUserError
 
 
@@ -40,6 +42,8 @@ class GenerationConfig:
     seed: int = 0
     stop_tokens: tuple[int, ...] = ()
     keep_logits: bool = False      # keep a copy of each step's logits [B, V] (tests, debugging)
+    logprobs: int | None = None    # per new token: its logprob and the k = logprobs most likely (None: off)
+    prompt_logprobs: bool = False  # the prompt tokens' logprobs (NaN for the first, which has none)
 
 
 @dataclass
@@ -51,6 +55,9 @@ class GenerationResult:
     total_s: float
     engine_s: list[float] = field(default_factory=list)   # of each decode step, the session's engine call
     logits: list[np.ndarray] = field(default_factory=list)   # [B, V] per new token, with keep_logits
+    # with config.logprobs: per prompt, per new token (logprob, top ids, their logprobs) of the raw logits
+    logprobs: list[list[tuple[float, list[int], list[float]]]] = field(default_factory=list)
+    prompt_logprobs: list[list[float]] = field(default_factory=list)   # with config.prompt_logprobs
 
     @property
     def new_tokens(self) -> int:
@@ -94,79 +101,113 @@ def pad_right(prompts: list[list[int]], pad_id: int = 0) -> tuple[np.ndarray, np
     return ids, lengths
 
 
-def prefill(session: DecoderSession, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Run all prompts at position 0; next-token logits [B, V] and prompt lengths [B]."""
+def prefill(session: DecoderSession, prompts: list[list[int]],
+            prompt_logprobs: list[list[float]] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Run all prompts at position 0; next-token logits [B, V] and prompt lengths [B]. With a list
+    prompt_logprobs, each prompt's token logprobs are appended to it (see prompt_token_logprobs)."""
     ids, lengths = pad_right(prompts)
     logits = session.prefill(ids, np.zeros(len(prompts), np.int64))                          # [B, T, V]
+    if prompt_logprobs is not None:
+        prompt_logprobs.extend(prompt_token_logprobs(logits[b, :len(p)], p) for b, p in enumerate(prompts))
     return logits[np.arange(len(prompts)), lengths - 1], lengths
+
+
+def prompt_token_logprobs(logits: np.ndarray, prompt: list[int]) -> list[float]:
+    """Logprob of each prompt token given the ones before it, from the prefill's logits [T, V];
+    NaN for the first token (nothing predicts it)."""
+    lp = log_softmax(logits[:-1])                                                              # [T - 1, V]
+    return [float("nan")] + lp[np.arange(len(prompt) - 1), prompt[1:]].tolist()
 
 
 # Not core.decode's driver: its decode step is checked, wrapped in a feeds dict and sliced each call, and greedy
 # only; this loop checks the whole run once (decode_step_unchecked), samples, stops, and times every engine call.
 def decode_n_tokens(session: DecoderSession, first: np.ndarray, lengths: np.ndarray, n: int,
-                    config: GenerationConfig, rng: np.random.Generator, result: GenerationResult) -> None:
-    """Feed `first` and n - 1 more tokens; appends to result.tokens / step_s / logits.
+                    config: GenerationConfig, rng: np.random.Generator, result: GenerationResult,
+                    stop_when: list[Callable[[int], bool]] | None = None) -> None:
+    """Feed `first` and n - 1 more tokens; appends to result.tokens / step_s / logits / logprobs.
 
     The loop's own work per token (what bench.decode reports as "loop us/token") is kept
     to a few cheap operations: the positions of every step are computed and checked once
     up front, greedy is a bare argmax, stop tokens are looked up in a Python set only when
     there are some, each step's tokens go to a list that becomes result.tokens at the end,
     and one clock read per step gives step_s (the whole step, loop included); engine_s is the
-    session's own timing of its engine call (last_inference_time).
+    session's own timing of its engine call (last_inference_time). Only a run that asks for
+    them pays for penalties, logprobs (a log-softmax per row) or stop_when (per sequence, called
+    with each of its new tokens: True ends it there, e.g. a stop string completed).
     """
     steps = n - 1
     batch = len(first)
     stop = frozenset(config.stop_tokens)
-    done = [t in stop for t in first.tolist()]                       # per sequence: a stop token was emitted
-    if steps < 1 or all(done):
-        return
-    positions = lengths.astype(np.int64)[None, :] + np.arange(steps, dtype=np.int64)[:, None]   # [steps, B]
-    session.check_decode_run(batch, positions[0], steps)
-    greedy, keep = config.sampling.greedy, config.keep_logits
-    step_s, engine_s, emitted, kept = result.step_s, result.engine_s, [], result.logits   # emitted: tokens [B] as a list
-    tokens = first
-    t_prev = time.perf_counter()
-    for step in range(steps):
-        logits = session.decode_step_unchecked(tokens, positions[step])                    # [B, V]
-        engine_s.append(session.last_inference_time())
-        tokens = logits.argmax(axis=-1) if greedy else sample(logits, config.sampling, rng)   # [B] int64
-        listed = tokens.tolist()
-        emitted.append(listed)
-        if keep:
-            kept.append(logits.copy())
-        now = time.perf_counter()
-        step_s.append(now - t_prev)
-        t_prev = now
-        if stop and not stop.isdisjoint(listed):
-            done = [d or t in stop for d, t in zip(done, listed)]
-            if all(done):
-                break
-    # each step's tokens appended to each sequence, up to and including its first stop token
-    # (result.tokens[b] already holds the first new token, which may itself be a stop token)
+    listed0 = first.tolist()
+    done = [t in stop or (stop_when is not None and stop_when[b](t)) for b, t in enumerate(listed0)]
+    ends = [0 if d else None for d in done]          # per sequence: how many decode steps are its tokens
+    history = [[t] for t in listed0] if config.sampling.penalized else None     # new tokens so far (penalties)
+    extras = stop_when is not None or config.logprobs is not None or history is not None
+    emitted: list[list[int]] = []                   # each step's tokens [B] as a list
+    if steps >= 1 and not all(done):
+        positions = lengths.astype(np.int64)[None, :] + np.arange(steps, dtype=np.int64)[:, None]   # [steps, B]
+        session.check_decode_run(batch, positions[0], steps)
+        greedy, keep = config.sampling.greedy, config.keep_logits
+        step_s, engine_s, kept = result.step_s, result.engine_s, result.logits
+        tokens = first
+        t_prev = time.perf_counter()
+        for step in range(steps):
+            logits = session.decode_step_unchecked(tokens, positions[step])                # [B, V]
+            engine_s.append(session.last_inference_time())
+            scores = logits if history is None else penalize(logits, config.sampling, history)
+            tokens = scores.argmax(axis=-1) if greedy else sample(scores, config.sampling, rng)   # [B] int64
+            listed = tokens.tolist()
+            emitted.append(listed)
+            if keep:
+                kept.append(logits.copy())
+            now = time.perf_counter()
+            step_s.append(now - t_prev)
+            t_prev = now
+            if extras:
+                for b, t in enumerate(listed):
+                    if done[b]:
+                        continue
+                    if history is not None:
+                        history[b].append(t)
+                    if config.logprobs is not None:
+                        result.logprobs[b].append(top_logprobs(logits[b], t, config.logprobs))
+                    if t in stop or (stop_when is not None and stop_when[b](t)):
+                        done[b], ends[b] = True, step + 1
+                if all(done):
+                    break
+            elif stop and not stop.isdisjoint(listed):
+                for b, t in enumerate(listed):
+                    if not done[b] and t in stop:
+                        done[b], ends[b] = True, step + 1
+                if all(done):
+                    break
+    # each step's tokens appended to each sequence, up to and including the one that ended it
+    # (result.tokens[b] already holds the first new token, which may itself have ended it)
     for b, seq in enumerate(result.tokens):
-        if seq and seq[-1] in stop:
-            continue
-        for listed in emitted:
-            seq.append(listed[b])
-            if listed[b] in stop:
-                break
+        seq.extend(listed[b] for listed in emitted[:ends[b] if ends[b] is not None else len(emitted)])
 
 
-def generate(session: DecoderSession, prompts: list[list[int]], config: GenerationConfig) -> GenerationResult:
-    """New tokens for each prompt; the session must be active. Seeded: reproducible."""
+def generate(session: DecoderSession, prompts: list[list[int]], config: GenerationConfig,
+             stop_when: list[Callable[[int], bool]] | None = None) -> GenerationResult:
+    """New tokens for each prompt; the session must be active. Seeded: reproducible.
+    stop_when: per prompt, called with each new token; True ends that sequence (decode_n_tokens)."""
     config.sampling.validate()
     lengths = [len(p) for p in prompts]
     check_capacity(session.spec.capacity, lengths, config.max_new_tokens)
     rng = np.random.default_rng(config.seed)
     session.reset(len(prompts))
     t0 = time.perf_counter()
-    logits, lens = prefill(session, prompts)
-    first = sample(logits, config.sampling, rng)
+    prompt_lps: list[list[float]] | None = [] if config.prompt_logprobs else None
+    logits, lens = prefill(session, prompts, prompt_lps)
+    first = sample(logits, config.sampling, rng)       # no new tokens yet: nothing to penalize
     ttft = time.perf_counter() - t0
     result = GenerationResult(tokens=[[int(t)] for t in first], prompt_lengths=lengths, ttft_s=ttft, step_s=[], total_s=0.0)
     if config.keep_logits:
         result.logits.append(logits.copy())
-    decode_n_tokens(session, first, lens, config.max_new_tokens, config, rng, result)
+    if config.logprobs is not None:
+        result.logprobs = [[top_logprobs(logits[b], int(t), config.logprobs)] for b, t in enumerate(first)]
+    result.prompt_logprobs = prompt_lps or []
+    decode_n_tokens(session, first, lens, config.max_new_tokens, config, rng, result, stop_when)
     result.total_s = time.perf_counter() - t0
     return result
 
@@ -192,9 +233,14 @@ def _parser():
     p.add_argument("--top-k", type=nonnegative_int, default=0)
     p.add_argument("--top-p", type=float_in(0.0, 1.0), default=1.0, help="in (0, 1]")
     p.add_argument("--seed", type=seed_int, default=0)
-    p.add_argument("--stop", action="append", default=None,
-                   help="stop token (text of one token, or id:N); repeatable; default: <|endoftext|> if the tokenizer has it")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop string: the text ends just before it (repeatable); id:N is the stop token N instead. "
+                        "<|endoftext|> stops too if the tokenizer has it (unless --ignore-eos)")
     p.add_argument("--ignore-eos", action="store_true", help="no stop tokens: always generate --max-new-tokens")
+    p.add_argument("--frequency-penalty", type=float_in(-2.0, 2.0), default=0.0, help="OpenAI's, in [-2, 2]")
+    p.add_argument("--presence-penalty", type=float_in(-2.0, 2.0), default=0.0, help="OpenAI's, in [-2, 2]")
+    p.add_argument("--logprobs", type=int_in(0, 20), default=None, metavar="K",
+                   help="print each new token's logprob and the K most likely tokens on stderr")
     p.add_argument("--compile", action="store_true", help="torch: torch.compile the forward")
     return p
 
@@ -216,26 +262,36 @@ def default_stop_tokens(tok, ignore_eos: bool) -> tuple[int, ...]:
     return () if eos is None else (eos,)
 
 
-def parse_stop_tokens(tok, stops: list[str] | None, ignore_eos: bool, vocab_size: int) -> tuple[int, ...]:
-    """--stop values (token text or id:N) as ids; default: default_stop_tokens."""
-    if ignore_eos or stops is None:
-        return default_stop_tokens(tok, ignore_eos)
-    ids = []
-    for s in stops:
-        if s.startswith("id:"):
-            try:
-                i = int(s[3:])
-            except ValueError:
-                raise RuntimeUsageError(f"--stop {s!r}: expected id:N with N an integer token id, found {s[3:]!r}; "
-                                        "e.g. --stop id:0") from None
-            if not 0 <= i < vocab_size:
-                raise RuntimeUserError(f"--stop {s!r}: expected a token id in [0, {vocab_size}), found {i}; pick another")
-        else:
-            i = tok.token_to_id(s)
-            if i is None:
-                raise RuntimeUserError(f"--stop {s!r}: expected one token of the tokenizer (or id:N), found none; pick another")
+def parse_stops(tok, stops: list[str] | None, ignore_eos: bool, vocab_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """--stop values: (stop token ids, stop strings). id:N is a stop token; any other value a stop string
+    (matched on the decoded text: runtime/text_stream.py). The default stop tokens (default_stop_tokens)
+    stay unless --ignore-eos, as an OpenAI server's stop strings add to the end-of-text token."""
+    ids, strings = list(default_stop_tokens(tok, ignore_eos)), []
+    for s in stops or ():
+        if not s.startswith("id:"):
+            strings.append(s)
+            continue
+        try:
+            i = int(s[3:])
+        except ValueError:
+            raise RuntimeUsageError(f"--stop {s!r}: expected id:N with N an integer token id, found {s[3:]!r}; "
+                                    "e.g. --stop id:0") from None
+        if not 0 <= i < vocab_size:
+            raise RuntimeUserError(f"--stop {s!r}: expected a token id in [0, {vocab_size}), found {i}; pick another")
         ids.append(i)
-    return tuple(ids)
+    return tuple(ids), tuple(strings)
+
+
+def logprobs_lines(rows, tok=None) -> list[str]:
+    """One line per new token: its index, id (and text with a tokenizer), logprob, then the top
+    alternatives best first. rows: (token, logprob, [(id, logprob), ...]) per token."""
+    def name(t: int) -> str:
+        return f"{t}" if tok is None else f"{t} {tok.decode([t])!r}"
+    lines = []
+    for i, (t, lp, top) in enumerate(rows):
+        alts = ", ".join(f"{name(a)} {b:.4f}" for a, b in top)
+        lines.append(f"logprobs {i}: {name(t)} {lp:.4f}" + (f" | top: {alts}" if alts else ""))
+    return lines
 
 
 def read_prompts(args) -> list[str]:
@@ -260,7 +316,7 @@ def run(argv: list[str] | None = None) -> int:
     from core.inputs import check_memory
     from runtime.backends import open_session
     texts = read_prompts(args)
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.frequency_penalty, args.presence_penalty)
     try:
         sampling.validate()
     except ValueError as e:
@@ -271,17 +327,26 @@ def run(argv: list[str] | None = None) -> int:
         spec = session.spec
         tok = _load_tokenizer(args.backend, args.model, spec.vocab_size)
         prompts = [tok.encode(t).ids for t in texts]
+        stop_tokens, stop_strings = parse_stops(tok, args.stop, args.ignore_eos, spec.vocab_size)
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed, sampling=sampling,
-                                  stop_tokens=parse_stop_tokens(tok, args.stop, args.ignore_eos, spec.vocab_size))
+                                  stop_tokens=stop_tokens, logprobs=args.logprobs)
+        # the text of each prompt, ended by the stop strings (the generate model's matcher)
+        streams = [TextStream(tok, stop_tokens, stop_strings) for _ in prompts]
+        stop_when = [lambda t, s=s: (s.push(t), s.stopped)[1] for s in streams] if stop_strings else None
         check_capacity(spec.capacity, [len(p) for p in prompts], args.max_new_tokens)
         longest = max(len(p) for p in prompts)
         check_memory(len(prompts) * longest * spec.vocab_size * 4, f"prefill logits of {len(prompts)} prompts",
                      "use fewer or shorter prompts")
-        result = generate(session, prompts, config)
+        result = generate(session, prompts, config, stop_when)
     stop = set(config.stop_tokens)
-    for new in result.tokens:
-        text = tok.decode([t for t in new if t not in stop])
+    for b, (new, stream) in enumerate(zip(result.tokens, streams)):
+        stream.flush()
+        text = stream.text() if stop_when is not None else tok.decode([t for t in new if t not in stop])
         print(text.replace("\\", "\\\\").replace("\n", "\\n") if len(texts) > 1 else text)
+        if config.logprobs is not None:
+            rows = [(t, lp, list(zip(ids, lps))) for t, (lp, ids, lps) in zip(new, result.logprobs[b])]
+            for line in logprobs_lines(rows, tok):
+                print(line if len(texts) == 1 else f"prompt {b} {line}", file=sys.stderr)
     graph = getattr(session, "path", None)          # which graph of a build ran (a --quantize build: int4)
     ran = f" {graph.name}" if graph is not None and graph.suffix == ".onnx" else ""
     print(f"{args.backend}{ran}: {result.metrics_line()}", file=sys.stderr)

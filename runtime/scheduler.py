@@ -55,8 +55,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from runtime.generate import GenerationConfig, check_capacity
-from runtime.sampling import sample
+from runtime.generate import GenerationConfig, check_capacity, prompt_token_logprobs
+from runtime.sampling import penalize, sample, top_logprobs
 from runtime.session import DecoderSession, RuntimeUserError
 
 STOP, LENGTH, CANCELLED, ERROR = "stop", "length", "cancelled", "error"   # why a sequence finished
@@ -81,17 +81,24 @@ class Sequence:
     listener: Callable[["Sequence", int | None], None] | None = None   # (seq, new token or None at a
                                                                        # finish without one); from the loop thread
     cancelled_by: Callable[[], bool] | None = None                     # polled: True cancels the sequence
+    stop_when: Callable[[int], bool] | None = None                     # given each new token: True ends the
+                                                                       # sequence there (STOP: a stop string)
     tokens: list[int] = field(default_factory=list)                    # new tokens, a stop token included
     logits: list[np.ndarray] = field(default_factory=list)             # [V] per new token, with config.keep_logits
     finish: str | None = None                                          # STOP | LENGTH | CANCELLED | ERROR
     error: str | None = None                                           # for ERROR and CANCELLED: why
     slot: int | None = None
     position: int = 0                                                  # where the next decode writes its token
+    # with config.logprobs: per new token (logprob, top ids, their logprobs) of the step's raw logits; else None
+    logprobs: list[tuple[float, list[int], list[float]]] | None = None
+    prompt_logprobs: list[float] = field(default_factory=list)        # with config.prompt_logprobs
     done: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.config.seed)           # as runtime.generate: one generator, seeded
         self.stop = frozenset(self.config.stop_tokens)
+        if self.config.logprobs is not None:
+            self.logprobs = []
         self._events: queue.SimpleQueue | None = queue.SimpleQueue() if self.listener is None else None
         self._cancel = threading.Event()
         self._polled_s = 0.0
@@ -180,8 +187,10 @@ class BatchScheduler:
 
     def submit(self, prompt: list[int], config: GenerationConfig,
                listener: Callable[[Sequence, int | None], None] | None = None,
-               cancelled_by: Callable[[], bool] | None = None) -> Sequence:
-        """Queue one prompt (token ids); it joins the running batch at a coming step.
+               cancelled_by: Callable[[], bool] | None = None,
+               stop_when: Callable[[int], bool] | None = None) -> Sequence:
+        """Queue one prompt (token ids); it joins the running batch at a coming step. stop_when, if
+        given, sees each new token before the scheduler decides whether it ends the sequence.
 
         Raises RuntimeUserError for bad settings, CapacityError when prompt + max_new_tokens
         does not fit the cache, ServerBusy when slots + max_queued sequences are held.
@@ -191,7 +200,7 @@ class BatchScheduler:
         except ValueError as e:
             raise RuntimeUserError(f"sampling: {e}; fix the request") from None
         check_capacity(self.session.spec.capacity, [len(prompt)], config.max_new_tokens)
-        seq = Sequence(list(prompt), config, listener=listener, cancelled_by=cancelled_by)
+        seq = Sequence(list(prompt), config, listener=listener, cancelled_by=cancelled_by, stop_when=stop_when)
         with self._lock:
             if self._closed:
                 raise SchedulerClosed("generate: expected a running scheduler, found it closed (server shutting "
@@ -287,7 +296,10 @@ class BatchScheduler:
         t0 = time.perf_counter()
         try:
             ids = np.array([seq.prompt], np.int64)                                             # [1, T]
-            logits = self.session.prefill_rows(seq.slot, ids)[:, -1]                           # [1, V]
+            full = self.session.prefill_rows(seq.slot, ids)                                    # [1, T, V]
+            logits = full[:, -1]                                                               # [1, V]
+            if seq.config.prompt_logprobs:
+                seq.prompt_logprobs = prompt_token_logprobs(full[0], seq.prompt)
         except Exception as e:  # a backend failure ends this sequence only
             seq.error = f"internal error in prefill: {type(e).__name__}: {e}"
             self._finish(seq, ERROR)
@@ -295,9 +307,9 @@ class BatchScheduler:
         seq.position = len(seq.prompt)
         if seq.config.keep_logits:
             seq.logits.append(logits[0].copy())
-        token = int(sample(logits, seq.config.sampling, seq.rng)[0])
+        token = int(sample(logits, seq.config.sampling, seq.rng)[0])     # no new tokens yet: nothing to penalize
         self._stats.prefill_s += time.perf_counter() - t0
-        self._deliver(seq, token)
+        self._deliver(seq, token, logits[0])
 
     def _decode(self) -> None:
         rows = [i for i, s in enumerate(self._running) if s is not None]
@@ -318,26 +330,40 @@ class BatchScheduler:
                 self._finish(self._running[i], ERROR)
             return
         self._stats.decode_s += time.perf_counter() - t0
-        greedy = [i for i in rows if self._running[i].config.sampling.greedy]
-        picked = dict(zip(greedy, logits[greedy].argmax(axis=-1).tolist())) if greedy else {}
+        plain = [i for i in rows if self._running[i].config.sampling.greedy
+                 and not self._running[i].config.sampling.penalized]                          # a bare argmax
+        picked = dict(zip(plain, logits[plain].argmax(axis=-1).tolist())) if plain else {}
         for i in rows:
             seq = self._running[i]
             seq.position += 1
             if seq.config.keep_logits:
                 seq.logits.append(logits[i].copy())
-            token = picked[i] if i in picked else int(sample(logits[i:i + 1], seq.config.sampling, seq.rng)[0])
-            self._deliver(seq, token)
+            if i in picked:
+                token = picked[i]
+            else:
+                sampling = seq.config.sampling
+                scores = penalize(logits[i:i + 1], sampling, [seq.tokens]) if sampling.penalized else logits[i:i + 1]
+                token = int(scores[0].argmax()) if sampling.greedy else int(sample(scores, sampling, seq.rng)[0])
+            self._deliver(seq, token, logits[i])
         self._stats.steps += 1
         self._stats.rows_run += hi
         self._stats.rows_running += len(rows)
 
-    def _deliver(self, seq: Sequence, token: int) -> None:
-        """Append a token, decide whether it ends the sequence, then hand it to the client."""
-        seq.tokens.append(token)
-        if token in seq.stop:
-            seq.finish = STOP
-        elif len(seq.tokens) >= seq.config.max_new_tokens:
-            seq.finish = LENGTH
+    def _deliver(self, seq: Sequence, token: int, logits: np.ndarray) -> None:
+        """Append a token (and its logprobs from the step's raw logits [V], when asked), decide whether
+        it ends the sequence, then hand it to the client."""
+        try:
+            if seq.logprobs is not None:
+                seq.logprobs.append(top_logprobs(logits, token, seq.config.logprobs))
+            seq.tokens.append(token)
+            if token in seq.stop or (seq.stop_when is not None and seq.stop_when(token)):
+                seq.finish = STOP
+            elif len(seq.tokens) >= seq.config.max_new_tokens:
+                seq.finish = LENGTH
+        except Exception as e:  # the request's own hook failed: this sequence ends, the others go on
+            seq.error = f"internal error after a token: {type(e).__name__}: {e}"
+            self._finish(seq, ERROR)
+            return
         try:
             seq._emit(token)
         except Exception as e:  # the client's sink failed (e.g. it disconnected): drop the sequence

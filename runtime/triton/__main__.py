@@ -8,7 +8,7 @@
                                     [--metrics-port 8002] [--openai-port 9000 [--openai-host 127.0.0.1]
                                     [--chat-template FILE]]
     python -m runtime.triton client --url HOST:PORT --prompt TEXT [--max-new-tokens N] [--protocol http|grpc]
-                                    [--stream]
+                                    [--stream] [--stop TEXT ...] [--logprobs K]
 
 repo writes the repository for an existing build (what export.build --triton-repo does);
 check parses every config.pbtxt into ModelConfig and verifies the decoder configs
@@ -89,6 +89,12 @@ def _parser() -> ArgumentParser:
     k.add_argument("--seed", type=seed_int, default=None)
     k.add_argument("--timeout", type=float_in(0.1, 3600.0), default=120.0, help="seconds to wait for the answer")
     k.add_argument("--ignore-eos", action="store_true", help="no stop token: always generate --max-new-tokens")
+    k.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop string: the text ends just before it (repeatable)")
+    k.add_argument("--frequency-penalty", type=float_in(-2.0, 2.0), default=None, help="OpenAI's, in [-2, 2]")
+    k.add_argument("--presence-penalty", type=float_in(-2.0, 2.0), default=None, help="OpenAI's, in [-2, 2]")
+    k.add_argument("--logprobs", type=int_in(0, 20), default=None, metavar="K",
+                   help="print each new token's logprob and the K most likely tokens on stderr")
     k.add_argument("--tokens", action="store_true", help="also print the token ids on stderr")
     k.add_argument("--stream", action="store_true", help="print the text as the tokens arrive (gRPC streaming, or "
                                                           "HTTP server-sent events)")
@@ -169,14 +175,20 @@ def run(argv: list[str] | None = None) -> int:
     from core.inputs import check_text
     from runtime.triton.client import generate_remote
     check_text(args.prompt, "--prompt")
-    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
-                "ignore_eos": True if args.ignore_eos else None}
+    options = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
+               "frequency_penalty": args.frequency_penalty, "presence_penalty": args.presence_penalty,
+               "ignore_eos": True if args.ignore_eos else None, "stop": args.stop, "logprobs": args.logprobs}
     on_text = (lambda piece: print(piece, end="", flush=True)) if args.stream else None
+    info: dict = {}
     text, tokens = generate_remote(args.url, args.prompt, args.max_new_tokens, protocol=args.protocol,
-                                   model=args.model, timeout_s=args.timeout, on_text=on_text, **sampling)
+                                   model=args.model, timeout_s=args.timeout, on_text=on_text, info=info, **options)
     print("" if args.stream else text)
     if args.tokens:
         print(" ".join(map(str, tokens)), file=sys.stderr)
+    if args.logprobs is not None:
+        from runtime.generate import logprobs_lines
+        for line in logprobs_lines(info.get("logprobs", []), None):
+            print(line, file=sys.stderr)
     return 0
 
 

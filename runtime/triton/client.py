@@ -31,13 +31,17 @@ import urllib.request
 import numpy as np
 
 from core.contract import INPUT_IDS, LOGITS, POSITION
+from runtime.triton import llm_tensors as T
 from core.errors import first_line
 from runtime.session import MissingExtraError, RuntimeUserError
 
 PROTOCOLS = ("http", "grpc")
-SAMPLING_INPUTS = (("max_new_tokens", "INT32", np.int32), ("temperature", "FP32", np.float32),
-                   ("top_k", "INT32", np.int32), ("top_p", "FP32", np.float32), ("seed", "INT64", np.int64),
-                   ("ignore_eos", "BOOL", np.bool_), ("stream", "BOOL", np.bool_))
+# the client's keyword -> the generate model's input (runtime/triton/llm_tensors.py) and its numpy type
+SAMPLING_INPUTS = (("max_new_tokens", T.MAX_TOKENS, np.int32), ("temperature", T.TEMPERATURE, np.float32),
+                   ("top_k", T.TOP_K, np.int32), ("top_p", T.TOP_P, np.float32), ("seed", T.SEED, np.uint64),
+                   ("frequency_penalty", T.FREQUENCY_PENALTY, np.float32),
+                   ("presence_penalty", T.PRESENCE_PENALTY, np.float32),
+                   ("ignore_eos", T.IGNORE_EOS, np.bool_), ("stream", T.STREAM, np.bool_))
 
 
 class ClientError(RuntimeUserError):
@@ -53,16 +57,44 @@ def _module(protocol: str):
         raise MissingExtraError("runtime.triton client", "triton", f"tritonclient.{protocol}") from None
 
 
-def build_inputs(m, prompt: str, max_new_tokens: int | None = None, temperature: float | None = None,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 ignore_eos: bool | None = None, stream: bool | None = None):
-    """InferInputs of module m (tritonclient.grpc or .http); options left None are not sent."""
-    given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
-             "seed": seed, "ignore_eos": ignore_eos, "stream": stream}
-    values = [("prompt", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES")]
-    values += [(name, np.array([given[name]], dtype=np_dt), dt) for name, dt, np_dt in SAMPLING_INPUTS
-               if given[name] is not None]
-    return [m.InferInput(name, list(array.shape), dt).set_data_from_numpy(array) for name, array, dt in values]
+def request_values(prompt: str, max_new_tokens: int | None = None, stop: list[str] | None = None,
+                   logprobs: int | None = None, details: bool = False, **sampling) -> dict:
+    """The generate model's inputs for one request, name -> value (a list for stop_words); options left
+    None are not sent. logprobs k: the chosen tokens' logprobs and the k most likely (0: the chosen only);
+    details: the token counts too."""
+    unknown = set(sampling) - {key for key, _, _ in SAMPLING_INPUTS}
+    if unknown:
+        raise TypeError(f"request_values: unexpected keyword {sorted(unknown)[0]!r}")
+    given = {"max_new_tokens": max_new_tokens, **sampling}
+    values: dict = {T.TEXT_INPUT: prompt}
+    values.update((name, np_dt(given[key]).item()) for key, name, np_dt in SAMPLING_INPUTS
+                  if given.get(key) is not None)
+    if stop:
+        values[T.STOP_WORDS] = list(stop)
+    if logprobs is not None:
+        values[T.RETURN_LOG_PROBS] = True
+        if logprobs > 0:
+            values[T.TOP_LOGPROBS] = int(logprobs)
+    if details:
+        values[T.RETURN_NUM_INPUT_TOKENS] = values[T.RETURN_NUM_OUTPUT_TOKENS] = True
+    return values
+
+
+def build_inputs(m, prompt: str, max_new_tokens: int | None = None, **options):
+    """InferInputs of module m (tritonclient.grpc or .http) in the shapes of the model's config: [1, 1]
+    each, stop_words [1, n] (request_values says which are sent)."""
+    np_types = {name: np_dt for _, name, np_dt in SAMPLING_INPUTS}
+    np_types.update({T.RETURN_LOG_PROBS: np.bool_, T.TOP_LOGPROBS: np.int32, T.RETURN_NUM_INPUT_TOKENS: np.bool_,
+                     T.RETURN_NUM_OUTPUT_TOKENS: np.bool_})
+    inputs = []
+    for name, value in request_values(prompt, max_new_tokens, **options).items():
+        if name in (T.TEXT_INPUT, T.STOP_WORDS):
+            words = [value] if name == T.TEXT_INPUT else value
+            array = np.array([[w.encode("utf-8") for w in words]], dtype=np.object_)             # [1, n]
+        else:
+            array = np.array([[value]], dtype=np_types[name])                                    # [1, 1]
+        inputs.append(m.InferInput(name, list(array.shape), T.CLIENT_DTYPES[name]).set_data_from_numpy(array))
+    return inputs
 
 
 def check_url(url: str) -> str:
@@ -77,19 +109,72 @@ def check_url(url: str) -> str:
 
 
 def generate_remote(url: str, prompt: str, max_new_tokens: int | None = None, protocol: str = "http",
-                    model: str = "generate", timeout_s: float = 120.0, on_text=None,
-                    **sampling) -> tuple[str, list[int]]:
+                    model: str = "generate", timeout_s: float = 120.0, on_text=None, info: dict | None = None,
+                    **options) -> tuple[str, list[int]]:
     """(text, new tokens) from the server's generate model; raises ClientError with the server's message.
 
     on_text: called with each piece of text as its token arrives (streamed); the pieces
-    concatenated are the returned text."""
+    concatenated are the returned text. options: temperature, top_k, top_p, seed, frequency_penalty,
+    presence_penalty, ignore_eos, stop (a list of stop strings), logprobs (k), details (the counts):
+    see request_values. info, a dict, receives finish_reason, and logprobs / num_input_tokens /
+    num_output_tokens where asked (Answer.into)."""
     _module(protocol)
     check_url(url)
     if protocol == "http":
-        return _generate_http(url, prompt, max_new_tokens, model, timeout_s, on_text, **sampling)
+        return _generate_http(url, prompt, max_new_tokens, model, timeout_s, on_text, info, **options)
     with StreamingClient(url, model=model, timeout_s=timeout_s) as client:
         on_piece = None if on_text is None else (lambda text, tokens: on_text(text))
-        return client.generate(prompt, max_new_tokens, on_piece=on_piece, **sampling)
+        return client.generate(prompt, max_new_tokens, on_piece=on_piece, info=info, **options)
+
+
+class Answer:
+    """The responses of one request, gathered: text pieces, tokens, finish_reason, logprobs, counts."""
+
+    def __init__(self):
+        self.texts: list[str] = []
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []   # (token, logprob, top (id, logprob))
+        self.counts: dict[str, int] = {}
+
+    def take(self, get) -> tuple[str, list[int]]:
+        """Add one response; get(name) is its output as a numpy array or None. The piece and its tokens."""
+        def one(name):
+            a = get(name)
+            if a is None:
+                return None
+            v = np.asarray(a).reshape(-1)[0]
+            return v.decode("utf-8") if isinstance(v, bytes) else v
+        piece = one(T.TEXT_OUTPUT)
+        piece = "" if piece is None else str(piece)
+        ids = get(T.OUTPUT_IDS)
+        new = [] if ids is None else [int(t) for t in np.asarray(ids).reshape(-1)]
+        self.texts.append(piece)
+        self.tokens += new
+        lps = get(T.OUTPUT_LOG_PROBS)
+        if lps is not None:
+            top_ids, top_lps = get(T.TOP_LOG_PROBS_IDS), get(T.TOP_LOG_PROBS)
+            n = len(new)
+            top_ids = np.zeros((n, 0), np.int64) if top_ids is None else np.asarray(top_ids).reshape(n, -1)
+            top_lps = np.zeros((n, 0)) if top_lps is None else np.asarray(top_lps, np.float64).reshape(n, -1)
+            for t, lp, ti, tl in zip(new, np.asarray(lps, np.float64).reshape(-1), top_ids, top_lps):
+                self.logprobs.append((t, float(lp), [(int(a), float(b)) for a, b in zip(ti, tl)]))
+        reason = one(T.FINISH_REASON)
+        if reason is not None:
+            self.finish_reason = str(reason)
+        for name in (T.NUM_INPUT_TOKENS, T.NUM_OUTPUT_TOKENS):
+            count = one(name)
+            if count is not None:
+                self.counts[name] = int(count)
+        return piece, new
+
+    def into(self, info: dict | None) -> tuple[str, list[int]]:
+        if info is not None:
+            info["finish_reason"] = self.finish_reason
+            if self.logprobs:
+                info["logprobs"] = self.logprobs
+            info.update(self.counts)
+        return "".join(self.texts), self.tokens
 
 
 class StreamingClient:
@@ -141,15 +226,15 @@ class StreamingClient:
             self._responses = responses
         return self._responses
 
-    def generate(self, prompt: str, max_new_tokens: int | None = None, on_piece=None,
-                 **sampling) -> tuple[str, list[int]]:
-        """(text, new tokens); see the class docstring."""
+    def generate(self, prompt: str, max_new_tokens: int | None = None, on_piece=None, info: dict | None = None,
+                 **options) -> tuple[str, list[int]]:
+        """(text, new tokens); see the class docstring and generate_remote (options, info)."""
         from tritonclient.utils import InferenceServerException
         self._n += 1
         finished = False
         try:
             responses = self._start()
-            inputs = build_inputs(self.m, prompt, max_new_tokens, stream=True if on_piece else None, **sampling)
+            inputs = build_inputs(self.m, prompt, max_new_tokens, stream=True if on_piece else None, **options)
             try:
                 self.client.async_stream_infer(self.model, inputs, request_id=str(self._n),
                                                enable_empty_final_response=True)
@@ -161,7 +246,7 @@ class StreamingClient:
                                       "start one with python -m runtime.triton serve --repo REPO") from None
                 raise error or ClientError(f"triton {self.url}: the stream broke without a reason") from None
             deadline = time.monotonic() + self.timeout_s
-            texts, tokens = [], []
+            answer = Answer()
             while True:
                 try:
                     result, error = responses.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -171,18 +256,13 @@ class StreamingClient:
                 if error is not None:
                     raise error
                 response = result.get_response()
-                text = result.as_numpy("text")
-                if text is not None:
-                    piece = text.reshape(-1)[0]
-                    piece = piece.decode("utf-8") if isinstance(piece, bytes) else str(piece)
-                    new = [int(t) for t in result.as_numpy("tokens").reshape(-1)]
-                    texts.append(piece)
-                    tokens += new
+                if response.outputs:
+                    piece, new = answer.take(result.as_numpy)
                     if on_piece is not None:
                         on_piece(piece, new)
                 if response.parameters["triton_final_response"].bool_param:
                     finished = True
-                    return "".join(texts), tokens
+                    return answer.into(info)
         except InferenceServerException as e:
             finished = "StatusCode" not in str(e.status())     # a request error: the stream itself is fine
             if e.status() == "StatusCode.UNAVAILABLE" and "server busy" not in str(e):
@@ -194,25 +274,21 @@ class StreamingClient:
                 self._stop(cancel=True)      # frees the request's slot on the server
 
 
-def _generate_http(url: str, prompt: str, max_new_tokens, model: str, timeout_s: float, on_text,
-                   **sampling) -> tuple[str, list[int]]:
-    """Triton's generate extension: JSON in, one JSON answer (or server-sent events with on_text) out."""
-    body = {"prompt": prompt, **{k: v for k, v in (("max_new_tokens", max_new_tokens), *sampling.items())
-                                 if v is not None}}
-    if on_text is not None:
-        body["stream"] = True
+def _generate_http(url: str, prompt: str, max_new_tokens, model: str, timeout_s: float, on_text, info=None,
+                   **options) -> tuple[str, list[int]]:
+    """Triton's generate extension: JSON text_input + parameters in (each parameter becomes the input of
+    that name), one JSON answer (or server-sent events with on_text) out."""
+    values = request_values(prompt, max_new_tokens, stream=True if on_text is not None else None, **options)
+    body = {T.TEXT_INPUT: values.pop(T.TEXT_INPUT), "parameters": values}
     endpoint = "generate_stream" if on_text is not None else "generate"
     request = urllib.request.Request(f"http://{url}/v2/models/{model}/{endpoint}", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-    texts, tokens = [], []
+    answer = Answer()
 
-    def take(answer: dict) -> None:
-        if "error" in answer:
-            raise ClientError(f"triton {url} model {model!r}: {' '.join(str(answer['error']).split())}")
-        piece = answer.get("text", "")
-        texts.append(piece)
-        new = answer.get("tokens", [])
-        tokens.extend(int(t) for t in (new if isinstance(new, list) else [new]))
+    def take(response: dict) -> None:
+        if "error" in response:
+            raise ClientError(f"triton {url} model {model!r}: {' '.join(str(response['error']).split())}")
+        piece, _ = answer.take(response.get)
         if on_text is not None:
             on_text(piece)
     try:
@@ -226,10 +302,10 @@ def _generate_http(url: str, prompt: str, max_new_tokens, model: str, timeout_s:
     except urllib.error.HTTPError as e:      # the body is {"error": ...}, or one event "data: {"error": ...}"
         body = e.read().decode("utf-8", errors="replace").strip()
         try:
-            answer = json.loads(body[5:] if body.startswith("data:") else body)
+            refusal = json.loads(body[5:] if body.startswith("data:") else body)
         except ValueError:
-            answer = {}
-        take(answer if isinstance(answer, dict) and "error" in answer else {"error": f"HTTP {e.code} {e.reason}"})
+            refusal = {}
+        take(refusal if isinstance(refusal, dict) and "error" in refusal else {"error": f"HTTP {e.code} {e.reason}"})
     except TimeoutError:                     # the server is there, the answer is not
         raise ClientError(f"triton {url} model {model!r}: expected the answer within {timeout_s:g} s, found none; "
                           "raise --timeout") from None
@@ -241,7 +317,7 @@ def _generate_http(url: str, prompt: str, max_new_tokens, model: str, timeout_s:
         raise ClientError(f"triton {url}: expected a Triton http endpoint, found an answer the http client cannot "
                           f"read ({type(e).__name__}: {first_line(e)}); check --url and --protocol "
                           "(the HTTP and gRPC ports differ)") from None
-    return "".join(texts), tokens
+    return answer.into(info)
 
 
 def _one_line(e) -> str:

@@ -4,17 +4,30 @@ batch scheduler (runtime/scheduler.py) and a decode session of the backend its c
 and ort-cpu its graph with ONNX Runtime; `open_decode_session`). It logs which at initialize,
 and a backend that cannot load here fails initialize with one line naming it and the fix.
 
-One request is one prompt: inputs prompt (BYTES [1]) and, optional, max_new_tokens,
-temperature, top_k, top_p, seed, ignore_eos, stream ([1] each). Outputs text (BYTES [1]) and
-tokens (INT64 [n]). Defaults are runtime.generate's: greedy, seed 0, stop at <|endoftext|>
-when the tokenizer has it, max_new_tokens from the config's parameters (32).
+One request is one prompt, in the tensors of Triton's LLM conventions (runtime/triton/llm_tensors.py,
+what Triton's OpenAI frontend and its generate extension send): text_input (BYTES [1, 1]) and,
+optional, max_tokens, stream, stop_words ([1, n]), temperature, top_k, top_p, seed,
+frequency_penalty, presence_penalty, return_num_input_tokens, return_num_output_tokens,
+exclude_input_in_output, return_log_probs, top_logprobs, return_prompt_log_probs, ignore_eos
+([1, 1] each). Outputs text_output, output_ids, finish_reason ("stop" | "length", on the last
+response), num_input_tokens / num_output_tokens, output_log_probs, top_log_probs_ids /
+top_log_probs and prompt_ids / prompt_log_probs (each when asked). Defaults are runtime.generate's:
+greedy, seed 0, stop at <|endoftext|> when the tokenizer has it, max_tokens from the config's
+parameters (32). An input or request parameter the model does not take is refused by name
+(INVALID_ARG: HTTP 400), never ignored.
 
     stream false (default)  one response: the whole text and every new token (a stop token
                             included), as runtime.generate returns them
     stream true             one response per new token: the text it adds (possibly "" while a
-                            UTF-8 character is incomplete, or for a stop token) and [token];
-                            the last one carries the final flag. The texts concatenated are
-                            the non-streamed text.
+                            UTF-8 character is incomplete, for a stop token, or while the text
+                            could still be the start of a stop string) and [token]; the last
+                            one carries the final flag, finish_reason and the counts. The texts
+                            concatenated are the non-streamed text.
+
+Stop strings (stop_words) end the text just before the first one, matched on the decoded text
+across tokens (runtime/text_stream.py, runtime.generate --stop's matcher). Logprobs are the
+log-softmax of the step's raw logits (before temperature, top-k/p and penalties), computed by the
+scheduler only for requests that ask.
 
 Transaction policy decoupled: `execute` only queues requests and returns; one scheduler
 per model instance (one backend process, one decode session whose caches are the slot pool)
@@ -43,8 +56,10 @@ import numpy as np
 
 from runtime.generate import GenerationConfig, default_stop_tokens
 from runtime.sampling import SamplingConfig
-from runtime.scheduler import CANCELLED, ERROR, BatchScheduler, ServerBusy
+from runtime.scheduler import CANCELLED, ERROR, STOP, BatchScheduler, ServerBusy
 from runtime.session import RuntimeUserError
+from runtime.text_stream import TextStream
+from runtime.triton import llm_tensors as T
 
 METRICS_PERIOD_S = 0.1
 # Prometheus metrics of each instance: (name, kind, description, labels, value from (running, waiting, stats))
@@ -65,68 +80,128 @@ METRICS = [
 ]
 
 
+_KINDS = {"STRING": str, "INT32": int, "UINT64": int, "FP32": float, "BOOL": bool}   # Python type per dtype
+
+
+def _utf8(value, name: str) -> str:
+    try:
+        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    except UnicodeDecodeError:
+        raise RuntimeUserError(f"input {name}: expected UTF-8 text, found undecodable bytes") from None
+
+
 @dataclass(frozen=True)
 class Request:
-    prompt: str
-    max_new_tokens: int
+    """One request's inputs (runtime/triton/llm_tensors.py), each field named after its tensor."""
+    text_input: str
+    max_tokens: int
+    stream: bool = False
+    stop_words: tuple[str, ...] = ()
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+    exclude_input_in_output: bool = True
+    return_log_probs: bool = False
+    top_logprobs: int = 0
+    return_prompt_log_probs: bool = False
     ignore_eos: bool = False
-    stream: bool = False
+
+    def check(self) -> None:
+        """Refuse values the model cannot serve, naming the input (sampling values: the scheduler's submit)."""
+        if not 0 <= self.top_logprobs <= T.MAX_TOP_LOGPROBS:
+            raise RuntimeUserError(f"input {T.TOP_LOGPROBS}: expected 0 to {T.MAX_TOP_LOGPROBS}, found "
+                                   f"{self.top_logprobs}; fix the request")
+        if self.seed < 0:
+            raise RuntimeUserError(f"input {T.SEED}: expected >= 0, found {self.seed}; fix the request")
+
+    def generation_config(self, tokenizer) -> GenerationConfig:
+        wants_logprobs = self.return_log_probs or self.top_logprobs > 0
+        return GenerationConfig(max_new_tokens=self.max_tokens, seed=self.seed,
+                                sampling=SamplingConfig(self.temperature, self.top_k, self.top_p,
+                                                        self.frequency_penalty, self.presence_penalty),
+                                stop_tokens=default_stop_tokens(tokenizer, self.ignore_eos),
+                                logprobs=self.top_logprobs if wants_logprobs else None,
+                                prompt_logprobs=self.return_prompt_log_probs)
 
 
-class TextStream:
-    """Text of a growing token list, handed out in pieces whose concatenation is the text
-    runtime.generate prints (stop tokens left out). Byte-level tokens can split a UTF-8
-    character: the decoder shows an incomplete one as U+FFFD, so trailing U+FFFD is held
-    back until a later token completes it (or the sequence ends)."""
-
-    def __init__(self, tokenizer, stop: tuple[int, ...]):
-        self.tokenizer, self.stop = tokenizer, frozenset(stop)
-        self.ids: list[int] = []
-        self.sent = ""
-
-    def text(self) -> str:
-        return self.tokenizer.decode(self.ids)
-
-    def push(self, token: int, last: bool = False) -> str:
-        """The text `token` adds (everything left, with last=True)."""
-        if token not in self.stop:
-            self.ids.append(token)
-        text = self.text()
-        ready = text if last else text.rstrip("\ufffd")
-        if not ready.startswith(self.sent):      # the decoder revised text already sent: hold until the end
-            return ""
-        piece, self.sent = ready[len(self.sent):], ready
-        return piece
+def _text(value: str) -> np.ndarray:
+    return np.array([[value.encode("utf-8")]], dtype=np.object_)                            # [1, 1]
 
 
 class ResponseStream:
     """What one request's client receives, from the scheduler's events (see the module docstring).
 
-    send(text, tokens, error, final): text str | None, tokens list[int] | None, error an exception
-    or None; final True on the last response. Triton's response sender sits behind it."""
+    send(outputs, error, final): outputs a dict tensor name -> numpy array (llm_tensors.OUTPUTS) or
+    None, error an exception or None; final True on the last response. Triton's response sender sits
+    behind it. `stop_when` is the scheduler's hook: it is given each new token before the scheduler
+    decides whether the sequence ends, and says whether a stop string completed."""
 
-    def __init__(self, send: Callable, tokenizer, stop: tuple[int, ...], stream: bool):
-        self.send, self.stream = send, stream
-        self.text = TextStream(tokenizer, stop)
+    def __init__(self, send: Callable, tokenizer, request: Request, stop: tuple[int, ...], prompt: list[int]):
+        self.send, self.request, self.prompt = send, request, prompt
+        self.text = TextStream(tokenizer, stop, request.stop_words)
+        # whole responses without stop strings decode once, at the end
+        self.incremental = request.stream or bool(request.stop_words)
+        self._piece = ""
+        self._first = True
+
+    def stop_when(self, token: int) -> bool:
+        self._piece += self.text.push(token)
+        return self.text.stopped
 
     def on_event(self, seq, token: int | None) -> None:
         last = seq.finish is not None
         if token is None:                          # ended without a token: cancelled, error, shutdown
             if seq.finish == ERROR:
-                self.send(None, None, RuntimeError(seq.error), True)
+                self.send(None, RuntimeError(seq.error), True)
             elif seq.finish == CANCELLED:
-                self.send(None, None, None, True)   # nobody may be listening; close the request
+                self.send(None, None, True)         # nobody may be listening; close the request
             return
-        if self.stream:
-            self.send(self.text.push(token, last), [token], None, last)
+        r = self.request
+        if r.stream:
+            piece, self._piece = self._piece, ""
+            if last:
+                piece += self.text.flush()
+            outputs = self._outputs(seq, piece, [token], len(seq.tokens) - 1)
         elif last:
-            for t in seq.tokens:
-                self.text.push(t)
-            self.send(self.text.text(), list(seq.tokens), None, True)
+            if not self.incremental:
+                for t in seq.tokens:
+                    self.text.push(t)
+            self.text.flush()
+            outputs = self._outputs(seq, self.text.text(), list(seq.tokens), 0)
+        else:
+            return
+        if last:
+            outputs[T.FINISH_REASON] = _text(T.FINISH_STOP if seq.finish == STOP else T.FINISH_LENGTH)
+            if r.return_num_input_tokens:
+                outputs[T.NUM_INPUT_TOKENS] = np.array([[len(seq.prompt)]], np.int32)
+            if r.return_num_output_tokens:
+                outputs[T.NUM_OUTPUT_TOKENS] = np.array([[len(seq.tokens)]], np.int32)
+        self.send(outputs, None, last)
+
+    def _outputs(self, seq, text: str, tokens: list[int], first: int) -> dict:
+        """text_output, output_ids and the logprobs of tokens (seq.tokens[first:]); on the first response
+        the prompt (text when exclude_input_in_output is false, its logprobs when asked)."""
+        r = self.request
+        if self._first and not r.exclude_input_in_output:
+            text = r.text_input + text
+        outputs = {T.TEXT_OUTPUT: _text(text), T.OUTPUT_IDS: np.array(tokens, np.int64)}
+        if seq.logprobs is not None:
+            rows = seq.logprobs[first:first + len(tokens)]
+            if r.return_log_probs:
+                outputs[T.OUTPUT_LOG_PROBS] = np.array([lp for lp, _, _ in rows], np.float32)
+            if r.top_logprobs > 0:
+                outputs[T.TOP_LOG_PROBS_IDS] = np.array([ids for _, ids, _ in rows], np.int64).reshape(len(rows), -1)
+                outputs[T.TOP_LOG_PROBS] = np.array([lps for _, _, lps in rows], np.float32).reshape(len(rows), -1)
+        if self._first and r.return_prompt_log_probs:
+            outputs[T.PROMPT_IDS] = np.array(seq.prompt, np.int64)
+            outputs[T.PROMPT_LOG_PROBS] = np.array(seq.prompt_logprobs, np.float32)
+        self._first = False
+        return outputs
 
 
 def open_decode_session(model_dir: Path, params: dict[str, str]):
@@ -205,42 +280,53 @@ class TritonPythonModel:
         except Exception:  # noqa: BLE001 - metrics off or unsupported: serving goes on without them
             return
 
-    def _scalar(self, request, name: str, default):
-        t = self.pb.get_input_tensor_by_name(request, name)
-        if t is None:
-            return default
-        a = t.as_numpy()
-        if a.size != 1:
-            raise RuntimeUserError(f"input {name}: expected one value (shape [1]), found shape {list(a.shape)}")
-        return a.reshape(-1)[0]
-
     def _request(self, request) -> Request:
-        raw = self._scalar(request, "prompt", None)
-        if raw is None:
-            raise RuntimeUserError("input prompt: expected a BYTES tensor of shape [1], found none")
-        try:
-            prompt = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
-        except UnicodeDecodeError:
-            raise RuntimeUserError("input prompt: expected UTF-8 text, found undecodable bytes") from None
-        defaults = {f.name: f.default for f in fields(Request) if f.name != "prompt"}
-        defaults["max_new_tokens"] = self.default_max_new_tokens
-        # each optional input, or its default, as the type of that default (int, float, bool)
-        return Request(prompt, **{n: type(d)(self._scalar(request, n, d)) for n, d in defaults.items()})
+        """The request's inputs as a Request; an input or parameter the model does not take is refused by name."""
+        given = {t.name(): t.as_numpy() for t in request.inputs()}
+        for name in given:
+            if name not in T.INPUT_NAMES:
+                raise RuntimeUserError(f"input {name}: expected one of {', '.join(T.INPUT_NAMES)}, found {name!r}; "
+                                       "leave it out")
+        params = json.loads(request.parameters() or "{}")
+        for name in params:
+            # the generate extension turns a JSON key that names no input into a request parameter
+            hint = f"; the model takes it as the input {name}" if name in T.INPUT_NAMES else "; leave it out"
+            raise RuntimeUserError(f"parameter {name}: expected no request parameters (the generate model takes "
+                                   f"its settings as inputs: {', '.join(T.INPUT_NAMES[1:])}), found {name!r}{hint}")
+        if T.TEXT_INPUT not in given:
+            raise RuntimeUserError(f"input {T.TEXT_INPUT}: expected a BYTES tensor of shape [1, 1], found none")
+        values: dict = {}
+        dtypes = {name: dt for name, dt, _, _ in T.INPUTS}
+        for f in fields(Request):
+            if f.name not in given:
+                continue
+            a = given[f.name].reshape(-1)
+            if f.name == T.STOP_WORDS:
+                values[f.name] = tuple(_utf8(v, f.name) for v in a)
+                continue
+            if a.size != 1:
+                raise RuntimeUserError(f"input {f.name}: expected one value (shape [1, 1]), found shape "
+                                       f"{list(given[f.name].shape)}")
+            kind = _KINDS[dtypes[f.name]]
+            values[f.name] = _utf8(a[0], f.name) if kind is str else kind(a[0])
+        values.setdefault(T.MAX_TOKENS, self.default_max_new_tokens)
+        req = Request(**values)
+        req.check()
+        return req
 
     def _sender(self, request) -> Callable:
         pb = self.pb
         sender = request.get_response_sender()
 
-        def send(text, tokens, error, final):
+        def send(outputs, error, final):
             flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
             if error is not None:
                 sender.send(pb.InferenceResponse(error=self._error(error)), flags=flags)
-            elif text is None:
+            elif outputs is None:
                 sender.send(flags=flags)
             else:
-                sender.send(pb.InferenceResponse(output_tensors=[
-                    pb.Tensor("text", np.array([text.encode("utf-8")], dtype=np.object_)),
-                    pb.Tensor("tokens", np.array(tokens, dtype=np.int64))]), flags=flags)
+                sender.send(pb.InferenceResponse(output_tensors=[pb.Tensor(k, v) for k, v in outputs.items()]),
+                            flags=flags)
         return send
 
     def _error(self, e: Exception):
@@ -257,14 +343,13 @@ class TritonPythonModel:
             try:
                 req = self._request(request)
                 # its sampling settings are checked by submit ("sampling: ...; fix the request")
-                config = GenerationConfig(max_new_tokens=req.max_new_tokens, seed=req.seed,
-                                          sampling=SamplingConfig(req.temperature, req.top_k, req.top_p),
-                                          stop_tokens=default_stop_tokens(self.tokenizer, req.ignore_eos))
-                stream = ResponseStream(send, self.tokenizer, config.stop_tokens, req.stream)
-                self.scheduler.submit(self.tokenizer.encode(req.prompt).ids, config, listener=stream.on_event,
-                                      cancelled_by=request.is_cancelled)
+                config = req.generation_config(self.tokenizer)
+                prompt = self.tokenizer.encode(req.text_input).ids
+                stream = ResponseStream(send, self.tokenizer, req, config.stop_tokens, prompt)
+                self.scheduler.submit(prompt, config, listener=stream.on_event, cancelled_by=request.is_cancelled,
+                                      stop_when=stream.stop_when if stream.incremental else None)
             except Exception as e:  # one bad request must not take the model down
-                send(None, None, e, True)
+                send(None, e, True)
         return None
 
     def finalize(self) -> None:

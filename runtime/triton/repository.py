@@ -8,8 +8,8 @@
       decoder_trt/config.pbtxt      platform tensorrt_plan (only where an engine was built):
       decoder_trt/1/model.plan      the same contract; no controls (the engine has no such inputs);
                                     both optimization profiles (decode, prefill) in instance_group
-      generate/config.pbtxt         backend python, decoupled: prompt -> text + tokens, streamed or
-      generate/1/model.py           whole, by runtime/scheduler.py over a decode session of the
+      generate/config.pbtxt         backend python, decoupled: text_input -> text_output (Triton's LLM
+      generate/1/model.py           tensors, llm_tensors.py), streamed or whole, by runtime/scheduler.py over a decode session of the
                                     backend its parameters name (GENERATE_BACKENDS; decoder_trt's
                                     engine for trt)
       generate/1/model.fused.onnx   (model.int4/int8.onnx in a --quantize build; model.onnx where the
@@ -203,13 +203,13 @@ def decoder_config(name: str, platform: str, io: OnnxIO, max_batch_size: int, in
 def generate_config(name: str, instances: int, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                     intra_op_threads: int = 0, slots: int = DEFAULT_SLOTS, max_queued: int = DEFAULT_MAX_QUEUED,
                     backend: str = "ort-cpu") -> str:
-    """config.pbtxt of the Python-backend generation model: one request = one prompt, decoupled
-    (responses streamed by the model's batch scheduler; slots and max_queued size its pool; backend,
-    one of GENERATE_BACKENDS, is what it decodes with: KIND_GPU instances unless ort-cpu)."""
-    from runtime.triton.client import SAMPLING_INPUTS      # the optional inputs, as the client sends them
-    inputs = ",\n".join([_tensor("prompt", "TYPE_STRING", [1])]
-                         + [_tensor(name, f"TYPE_{dt}", [1], optional=True) for name, dt, _ in SAMPLING_INPUTS])
-    outputs = ",\n".join([_tensor("text", "TYPE_STRING", [1]), _tensor("tokens", "TYPE_INT64", [-1])])
+    """config.pbtxt of the Python-backend generation model: one request = one prompt, decoupled, with the
+    tensors of Triton's LLM conventions (runtime/triton/llm_tensors.py: text_input, max_tokens, ... ->
+    text_output, output_ids, ...; responses streamed by the model's batch scheduler; slots and max_queued size its pool; backend,
+    one of GENERATE_BACKENDS, is what it decodes with: KIND_GPU instances unless ort-cpu."""
+    from runtime.triton.llm_tensors import INPUTS, OUTPUTS     # Triton's LLM conventions (see that module)
+    inputs = ",\n".join(_tensor(n, f"TYPE_{dt}", list(dims), optional=opt) for n, dt, dims, opt in INPUTS)
+    outputs = ",\n".join(_tensor(n, f"TYPE_{dt}", list(dims)) for n, dt, dims in OUTPUTS)
     params = {"max_new_tokens": str(max_new_tokens), "intra_op_threads": str(intra_op_threads),
               "slots": str(slots), "max_queued": str(max_queued), "decode_backend": backend,
               **({"engine": ENGINE_PLAN} if backend == "trt" else {})}
@@ -222,7 +222,7 @@ def generate_config(name: str, instances: int, max_new_tokens: int = DEFAULT_MAX
     return "\n".join(lines) + "\n"
 
 
-GENERATE_MODEL_PY = '''"""Triton Python-backend model (decoupled): prompt -> text + tokens, streamed or whole, by
+GENERATE_MODEL_PY = '''"""Triton Python-backend model (decoupled): text_input -> text_output, streamed or whole, by
 tapernorm-deploy's batch scheduler over its runtime (the backend config.pbtxt names).
 
 The code lives in runtime/triton/python_model.py: the server's Python must import

@@ -7,7 +7,7 @@ import pytest
 
 from runtime.scheduler import CANCELLED, ERROR, LENGTH, STOP, Sequence
 from runtime.generate import GenerationConfig
-from runtime.triton.python_model import ResponseStream, TextStream
+from runtime.triton.python_model import Request, ResponseStream, TextStream
 
 
 @pytest.fixture(scope="module")
@@ -42,24 +42,47 @@ def _seq(tokens, finish, error=None, stop=()):
     return seq
 
 
+def _request(**kw):
+    return Request(text_input="Once", max_tokens=32, **kw)
+
+
 def test_what_a_client_receives(tokenizer):
     ids = tokenizer.encode("Once upon a time").ids
     eos = tokenizer.token_to_id("<|endoftext|>")
     sent = []
-    send = lambda *a: sent.append(a)  # noqa: E731 - (text, tokens, error, final)
-    stream = ResponseStream(send, tokenizer, (eos,), stream=True)
+    send = lambda *a: sent.append(a)  # noqa: E731 - (outputs, error, final)
+    stream = ResponseStream(send, tokenizer, _request(stream=True), (eos,), [1])
     for i, t in enumerate(ids + [eos]):
         seq = _seq((ids + [eos])[:i + 1], STOP if t == eos else None)
+        stream.stop_when(t)
         stream.on_event(seq, t)
-    assert [s[1] for s in sent] == [[t] for t in ids + [eos]] and [s[3] for s in sent] == [False] * len(ids) + [True]
-    assert "".join(s[0] for s in sent) == "Once upon a time" and sent[-1][0] == ""
+    assert [s[0]["output_ids"].tolist() for s in sent] == [[t] for t in ids + [eos]]
+    assert [s[2] for s in sent] == [False] * len(ids) + [True]
+    texts = [s[0]["text_output"].reshape(-1)[0].decode() for s in sent]
+    assert "".join(texts) == "Once upon a time" and texts[-1] == ""
+    assert [s[0]["text_output"].shape for s in sent] == [(1, 1)] * len(sent)
+    assert ["finish_reason" in s[0] for s in sent] == [False] * len(ids) + [True]
+    assert sent[-1][0]["finish_reason"].reshape(-1)[0] == b"stop"
     sent.clear()
-    whole = ResponseStream(send, tokenizer, (eos,), stream=False)
+    whole = ResponseStream(send, tokenizer, _request(return_num_input_tokens=True, return_num_output_tokens=True),
+                           (eos,), [1])
     for i, t in enumerate(ids):
         whole.on_event(_seq(ids[:i + 1], LENGTH if i == len(ids) - 1 else None), t)
-    assert sent == [("Once upon a time", ids, None, True)]          # one response, at the end
+    assert len(sent) == 1 and sent[0][1:] == (None, True)                    # one response, at the end
+    out = sent[0][0]
+    assert out["text_output"].reshape(-1)[0] == b"Once upon a time" and out["output_ids"].tolist() == ids
+    assert out["finish_reason"].reshape(-1)[0] == b"length"
+    assert (out["num_input_tokens"].tolist(), out["num_output_tokens"].tolist()) == ([[1]], [[len(ids)]])
     sent.clear()
     stream.on_event(_seq(ids[:2], CANCELLED, "the client cancelled or disconnected"), None)
     stream.on_event(_seq(ids[:2], ERROR, "internal error in decode: RuntimeError: x"), None)
-    assert sent[0] == (None, None, None, True)                      # an empty final response
-    assert sent[1][:2] == (None, None) and "internal error in decode" in str(sent[1][2]) and sent[1][3]
+    assert sent[0] == (None, None, True)                            # an empty final response
+    assert sent[1][0] is None and "internal error in decode" in str(sent[1][1]) and sent[1][2]
+
+
+def test_the_request_takes_exactly_the_contracts_inputs():
+    """Request's fields are the config's inputs (llm_tensors.INPUTS): none parsed that the config lacks,
+    none in the config that the model would drop."""
+    from dataclasses import fields
+    from runtime.triton.llm_tensors import INPUT_NAMES
+    assert tuple(f.name for f in fields(Request)) == INPUT_NAMES

@@ -39,8 +39,12 @@ def test_every_config_parses_into_modelconfig(triton_repo):
     kinds = {c.name: c.control[0].kind for c in ort.sequence_batching.control_input}
     assert kinds == {"START": pb.ModelSequenceBatching.Control.CONTROL_SEQUENCE_START,
                      "READY": pb.ModelSequenceBatching.Control.CONTROL_SEQUENCE_READY}
-    assert gen.max_batch_size == 0 and [i.name for i in gen.input][0] == "prompt"
-    assert [o.name for o in gen.output] == ["text", "tokens"]
+    from runtime.triton.llm_tensors import INPUT_NAMES, OUTPUT_NAMES
+    assert gen.max_batch_size == 0 and tuple(i.name for i in gen.input) == INPUT_NAMES
+    assert tuple(o.name for o in gen.output) == OUTPUT_NAMES
+    assert [list(i.dims) for i in gen.input if i.name in ("text_input", "max_tokens", "seed")] == [[1, 1]] * 3
+    assert [(i.optional, list(i.dims)) for i in gen.input if i.name in ("text_input", "stop_words")] == \
+        [(False, [1, 1]), (True, [1, -1])]
 
 
 def test_decoder_configs_match_their_onnx_exactly(triton_repo):

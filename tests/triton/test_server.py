@@ -123,17 +123,17 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, loca
     from runtime.triton.client import ClientError, generate_remote
     url = server.http_url if protocol == "http" else server.grpc_url
     grpc_bad = {
-        "wrong dtype": ("generate", lambda m: [_input(m, "prompt", np.array([1], np.int32), "INT32")],
+        "wrong dtype": ("generate", lambda m: [_input(m, "text_input", np.array([[1]], np.int32), "INT32")],
                         "data-type is 'INT32', but model 'generate' expects 'BYTES'"),
-        "wrong shape": ("generate", lambda m: [_input(m, "prompt", np.array([b"a", b"b"], np.object_), "BYTES")],
-                        "unexpected shape for input 'prompt' for model 'generate'. Expected [1], got [2]"),
-        "unknown model": ("no_such_model", lambda m: [_input(m, "prompt", np.array([b"a"], np.object_), "BYTES")],
+        "wrong shape": ("generate", lambda m: [_input(m, "text_input", np.array([[b"a", b"b"]], np.object_), "BYTES")],
+                        "unexpected shape for input 'text_input' for model 'generate'. Expected [1,1], got [1,2]"),
+        "unknown model": ("no_such_model", lambda m: [_input(m, "text_input", np.array([[b"a"]], np.object_), "BYTES")],
                           "unknown model: 'no_such_model'"),
     }
     http_bad = {
-        "wrong dtype": ("generate", {"prompt": 1}, "attempt to access JSON non-string as string"),
-        "wrong shape": ("generate", {"prompt": ["a", "b"]}, "can not convert input 'prompt' to tensor with proper shape"),
-        "unknown model": ("no_such_model", {"prompt": "a"}, "unknown model: 'no_such_model'"),
+        "wrong dtype": ("generate", {"text_input": 1}, "attempt to access JSON non-string as string"),
+        "wrong shape": ("generate", {"text_input": ["a", "b"]}, "can not convert input 'text_input' to tensor with proper shape"),
+        "unknown model": ("no_such_model", {"text_input": "a"}, "unknown model: 'no_such_model'"),
     }
     with ThreadPoolExecutor(2) as pool:
         # a good sequence runs while the bad requests come in
@@ -157,7 +157,7 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, loca
     client = m.InferenceServerClient(url)
     try:
         with pytest.raises(InferenceServerException, match="decoupled"):
-            client.infer("generate", [_input(m, "prompt", np.array([b"a"], np.object_), "BYTES")])
+            client.infer("generate", [_input(m, "text_input", np.array([[b"a"]], np.object_), "BYTES")])
     finally:
         client.close()
 

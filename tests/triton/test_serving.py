@@ -202,7 +202,7 @@ def test_32_concurrent_streamed_requests_equal_their_solo_runs(serving, solo):
             with pytest.raises(ClientError) as e:
                 call()
             assert needle in str(e.value) and "\n" not in str(e.value), f"{what}: {e.value}"
-        result, error = _stream_raw(serving, "generate", lambda g: [_input(g, "prompt", np.array([1], np.int32), "INT32")])
+        result, error = _stream_raw(serving, "generate", lambda g: [_input(g, "text_input", np.array([[1]], np.int32), "INT32")])
         assert isinstance(error, InferenceServerException) and "expects 'BYTES'" in str(error)
         results = {i: f.result(timeout=300) for i, f in futures.items()}
         assert [len(c.result(timeout=300)) for c in cancels] == [3, 3]
