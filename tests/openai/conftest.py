@@ -99,3 +99,6 @@ def fake_api():
     yield f"http://127.0.0.1:{port}", engine
     server.should_exit = True
     thread.join(10)
+
+
+from tests.triton.conftest import triton_build  # noqa: E402,F401 - the build fixture the serving tests use
