@@ -271,3 +271,34 @@ def test_bad_requests(served, body, status, words):
     answer = json.loads(e.value.read())
     assert e.value.code == status and words in answer["error"]["message"], answer
     assert client(base).completions.create(**good).choices[0].text == before
+
+
+def _aiperf() -> str:
+    """The aiperf command: $AIPERF, else aiperf on PATH (it cannot share this environment's pins: it wants
+    another transformers; install it into its own venv and put its bin on PATH or in $AIPERF)."""
+    import os
+    import shutil
+    found = os.environ.get("AIPERF") or shutil.which("aiperf")
+    if not found:
+        pytest.skip("AIPerf not found: install it in its own venv (python -m venv V && V/bin/pip install aiperf) "
+                    "and set AIPERF=V/bin/aiperf or put V/bin on PATH")
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_aiperf_completes_without_errors(served, triton_build, tmp_path, endpoint):
+    """aiperf profile --endpoint-type chat --streaming / completions: a handful of requests, zero errors.
+    (A client that must work; figures come from bench.serve.)"""
+    base, *_ = served
+    aiperf = _aiperf()
+    out = tmp_path / "aiperf"
+    proc = subprocess.run([aiperf, "profile", "--model", "generate", "--url", base, "--endpoint-type", endpoint,
+                           *(["--streaming"] if endpoint == "chat" else []), "--request-count", "6",
+                           "--concurrency", "2", "--tokenizer", str(triton_build), "--synthetic-input-tokens-mean",
+                           "20", "--output-tokens-mean", "8", "--ui", "none", "--artifact-dir", str(out),
+                           "--no-server-metrics"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "profile_export_aiperf.json").read_text())
+    assert report["request_count"]["avg"] == 6 and report["error_summary"] == [], report["error_summary"]
+    assert report["request_error_rate"]["avg"] == 0
