@@ -83,6 +83,14 @@ METRICS = [
 _KINDS = {"STRING": str, "INT32": int, "UINT64": int, "FP32": float, "BOOL": bool}   # Python type per dtype
 
 
+RENAMED = {"prompt": T.TEXT_INPUT, "max_new_tokens": T.MAX_TOKENS, "stop": T.STOP_WORDS,
+           "logprobs": T.TOP_LOGPROBS}     # what older clients or OpenAI's names call some inputs
+
+
+def _hint(name: str) -> str:
+    return f"; send it as {RENAMED[name]}" if name in RENAMED else "; the model does not take it: leave it out"
+
+
 def _utf8(value, name: str) -> str:
     try:
         return value.decode("utf-8") if isinstance(value, bytes) else str(value)
@@ -285,14 +293,12 @@ class TritonPythonModel:
         given = {t.name(): t.as_numpy() for t in request.inputs()}
         for name in given:
             if name not in T.INPUT_NAMES:
-                raise RuntimeUserError(f"input {name}: expected one of {', '.join(T.INPUT_NAMES)}, found {name!r}; "
-                                       "leave it out")
-        params = json.loads(request.parameters() or "{}")
-        for name in params:
+                raise RuntimeUserError(f"input {name}: expected one of the generate model's inputs "
+                                       f"({', '.join(T.INPUT_NAMES)}), found {name!r}{_hint(name)}")
+        for name in json.loads(request.parameters() or "{}"):
             # the generate extension turns a JSON key that names no input into a request parameter
-            hint = f"; the model takes it as the input {name}" if name in T.INPUT_NAMES else "; leave it out"
-            raise RuntimeUserError(f"parameter {name}: expected no request parameters (the generate model takes "
-                                   f"its settings as inputs: {', '.join(T.INPUT_NAMES[1:])}), found {name!r}{hint}")
+            raise RuntimeUserError(f"parameter {name}: expected one of the generate model's inputs "
+                                   f"({', '.join(T.INPUT_NAMES[1:])}), found {name!r}{_hint(name)}")
         if T.TEXT_INPUT not in given:
             raise RuntimeUserError(f"input {T.TEXT_INPUT}: expected a BYTES tensor of shape [1, 1], found none")
         values: dict = {}

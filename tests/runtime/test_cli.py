@@ -141,3 +141,25 @@ def test_a_quantized_build_runs_its_quantized_graph_in_onnx_runtime(tmp_path, ti
     _, build = tiny
     o = cli("--model", build, "--prompt", "Once", "--max-new-tokens", "2")
     assert o.returncode == 0 and o.stderr.splitlines()[-1].startswith("ort model.onnx: "), o.stderr   # (tiny: one graph)
+
+
+def test_stop_strings_cut_the_text_and_logprobs_go_to_stderr(tiny, tmp_path):
+    """--stop TEXT (repeatable) ends the text just before the first stop string, in a batch too (each line
+    on its own); --logprobs K prints one line per new token on stderr: its logprob and the K most likely."""
+    _, build = tiny
+    common = ["--model", build, "--max-new-tokens", "16", "--frequency-penalty", "1.5", "--presence-penalty", "0.5"]
+    free = cli(*common, "--prompt", "Once upon a time")
+    assert free.returncode == 0, free.stderr
+    text = free.stdout.rstrip("\n")
+    stop = next(text[i:i + 2] for i in range(2, len(text) - 1)
+                if text[i:i + 2].isprintable() and "\ufffd" not in text[i:i + 2] and text.find(text[i:i + 2]) == i)
+    cut = cli(*common, "--prompt", "Once upon a time", "--stop", "§never", "--stop", stop, "--logprobs", "2")
+    assert cut.returncode == 0, cut.stderr
+    assert cut.stdout == text[:text.find(stop)] + "\n"
+    lines = [ln for ln in cut.stderr.splitlines() if ln.startswith("logprobs ")]
+    assert lines and lines[0].startswith("logprobs 0: ") and " | top: " in lines[0] and len(lines) < 16
+    f = tmp_path / "prompts.txt"
+    f.write_text("Once upon a time\nTom liked\n")
+    batch = cli(*common, "--batch-file", f, "--stop", stop)
+    assert batch.returncode == 0 and batch.stdout.splitlines()[0] == text[:text.find(stop)].replace("\n", "\\n")
+    assert_one_line_error(cli(*common, "--prompt", "Tom", "--stop", "id:x"), "--stop 'id:x'", "id:N")

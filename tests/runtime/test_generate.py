@@ -148,3 +148,30 @@ def test_decode_run_is_checked_once_up_front():
         with pytest.raises(CapacityError, match="capacity"):
             decode_n_tokens(s, np.array([3]), np.array([60]), 6, GenerationConfig(), np.random.default_rng(0), result)
         assert s.calls == 0 and result.tokens == [[3]]
+
+
+def test_penalties_logprobs_and_stop_when_in_a_batch_equal_each_prompt_alone(tiny):
+    """A ragged batch with penalties, logprobs (top 3) and a per-sequence stop_when gives each prompt the
+    tokens, logprobs and end it gets alone; stop_when sees each sequence's tokens up to its end only."""
+    cfg = GenerationConfig(max_new_tokens=10, logprobs=3, prompt_logprobs=True,
+                           sampling=SamplingConfig(frequency_penalty=1.5, presence_penalty=0.5))
+    with _session("ort", tiny) as s:
+        free = generate(s, PROMPTS, cfg)
+        assert any(len(set(t)) > 3 for t in free.tokens)              # the penalties vary the tokens
+        ends = {1: free.tokens[1][4], 3: free.tokens[3][2]}           # stop prompts 1 and 3 at a token of theirs
+        seen = [[] for _ in PROMPTS]
+
+        def stopper(b):
+            return lambda t: (seen[b].append(t), b in ends and t == ends[b])[1]
+        batch = generate(s, PROMPTS, cfg, [stopper(b) for b in range(len(PROMPTS))])
+        for b, prompt in enumerate(PROMPTS):
+            alone = generate(s, [prompt], cfg, [lambda t, b=b: b in ends and t == ends[b]])
+            assert batch.tokens[b] == alone.tokens[0] == seen[b], b
+            if b in ends:
+                assert batch.tokens[b] == free.tokens[b][:free.tokens[b].index(ends[b]) + 1]
+            assert [ids for _, ids, _ in batch.logprobs[b]] == [ids for _, ids, _ in alone.logprobs[0]]
+            np.testing.assert_allclose([lp for lp, _, _ in batch.logprobs[b]], [lp for lp, _, _ in alone.logprobs[0]],
+                                       atol=1e-4)
+            assert len(batch.logprobs[b]) == len(batch.tokens[b])
+            assert len(batch.prompt_logprobs[b]) == len(prompt) and np.isnan(batch.prompt_logprobs[b][0])
+            np.testing.assert_allclose(batch.prompt_logprobs[b][1:], alone.prompt_logprobs[0][1:], atol=1e-4)

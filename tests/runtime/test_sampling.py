@@ -56,3 +56,32 @@ def test_temperature_one_follows_the_softmax():
 def test_bad_configs_are_rejected(cfg):
     with pytest.raises(ValueError):
         cfg.validate()
+
+
+def test_penalties_are_openais():
+    """logit_j -= count_j * frequency_penalty + (count_j > 0) * presence_penalty, per row, over that row's
+    new tokens; the input is left alone; greedy then picks from the penalized logits."""
+    from runtime.sampling import penalize
+    logits = np.zeros((2, 6), np.float32)
+    cfg = SamplingConfig(frequency_penalty=0.5, presence_penalty=0.25)
+    out = penalize(logits, cfg, [[1, 1, 3], []])
+    np.testing.assert_array_equal(out[0], [0, -1.25, 0, -0.75, 0, 0])
+    np.testing.assert_array_equal(out[1], 0)
+    assert out.dtype == np.float32 and not logits.any()
+    negative = penalize(logits, SamplingConfig(frequency_penalty=-1.0), [[4], [4, 4]])      # < 0 favours repeats
+    assert negative[0].argmax() == 4 and negative[1, 4] == 2.0
+    assert cfg.penalized and not SamplingConfig().penalized
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(frequency_penalty=2.5), SamplingConfig(presence_penalty=-2.01)])
+def test_penalties_outside_openais_range_are_rejected(cfg):
+    with pytest.raises(ValueError, match="expected in \\[-2, 2\\]"):
+        cfg.validate()
+
+
+def test_top_logprobs_are_the_raw_log_softmax():
+    from runtime.sampling import top_logprobs
+    row = np.log(np.array([0.1, 0.6, 0.3], np.float32))
+    lp, ids, lps = top_logprobs(row, 2, 2)
+    assert ids == [1, 2] and np.allclose(lps, np.log([0.6, 0.3]), atol=1e-6) and abs(lp - np.log(0.3)) < 1e-6
+    assert top_logprobs(row, 0, 0)[1:] == ([], [])

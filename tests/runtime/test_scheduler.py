@@ -289,3 +289,33 @@ def test_bench_slots_measures_every_design(tiny, capsys):
     for row in ("prefill in its own row", "prefill over the whole pool [4, 8]", "separate batch-1 session",
                 "decode step, 1 row", "decode step, 4 rows", "adds"):
         assert row in out, out
+
+
+def test_penalties_logprobs_and_stop_when_equal_runtime_generates(tiny):
+    """Sequences with penalties (greedy and sampled), logprobs, prompt logprobs and a stop_when hook,
+    batched by the scheduler, each get runtime.generate's tokens, logprobs and end; stop_when ends a
+    sequence as STOP."""
+    cfgs = [GenerationConfig(max_new_tokens=n, seed=i, logprobs=2, prompt_logprobs=True,
+                             sampling=SamplingConfig(*s, frequency_penalty=1.0, presence_penalty=0.5))
+            for i, (n, s) in enumerate(SETTINGS[:6])]
+    with OrtSession(tiny[1], intra_op_threads=1) as s:
+        want = [generate(s, [p], c) for p, c in zip(PROMPTS, cfgs)]
+        ends = {0: want[0].tokens[0][3], 4: want[4].tokens[0][5]}
+        want = {b: generate(s, [p], c, [lambda t, b=b: b in ends and t == ends[b]]) for b, (p, c) in
+                enumerate(zip(PROMPTS, cfgs))}
+    session = OrtSession(tiny[1], intra_op_threads=1).activate()
+    try:
+        scheduler = BatchScheduler(session, slots=3, max_queued=8)
+        seqs = [scheduler.submit(p, c, stop_when=lambda t, b=b: b in ends and t == ends[b])
+                for b, (p, c) in enumerate(zip(PROMPTS, cfgs))]
+        _run(scheduler, seqs)
+    finally:
+        session.deactivate()
+    for b, seq in enumerate(seqs):
+        w = want[b]
+        assert seq.tokens == w.tokens[0], b
+        assert seq.finish == (STOP if b in ends else LENGTH), b
+        assert [ids for _, ids, _ in seq.logprobs] == [ids for _, ids, _ in w.logprobs[0]]
+        np.testing.assert_allclose([lp for lp, _, _ in seq.logprobs], [lp for lp, _, _ in w.logprobs[0]], atol=1e-4)
+        np.testing.assert_allclose(seq.prompt_logprobs[1:], w.prompt_logprobs[0][1:], atol=1e-4)
+    assert seqs[0].tokens[-1] == ends[0] and len(seqs[0].tokens) <= 4
