@@ -199,6 +199,9 @@ class OpenAIServer:
         except ClientGone:
             log.info("client disconnected; its request was cancelled")
             return Response(status_code=499)
+        except Exception as e:  # noqa: BLE001 - a fault here is one 500 and one log line, never a traceback
+            return error_response(OpenAIError(500, f"internal error: {type(e).__name__}: {' '.join(str(e).split())}",
+                                              type="server_error"))
 
     # --- what each endpoint asks of the model and how it answers --------------------------------
 

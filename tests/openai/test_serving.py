@@ -302,3 +302,33 @@ def test_aiperf_completes_without_errors(served, triton_build, tmp_path, endpoin
     report = json.loads((out / "profile_export_aiperf.json").read_text())
     assert report["request_count"]["avg"] == 6 and report["error_summary"] == [], report["error_summary"]
     assert report["request_error_rate"]["avg"] == 0
+
+
+def test_full_scheduler_is_503_with_its_message(triton_build, tmp_path):
+    """A repository with one slot and no queue: a second request while one runs is a 503 whose message is the
+    scheduler's own ("server busy: ..."), streamed or not; once the first ends, requests are served again."""
+    require("pytriton", "the OpenAI serving tests")
+    require_api()
+    import openai
+    from runtime.openai.server import OpenAIServerThread
+    from runtime.triton import write_triton_repository
+    from runtime.triton.server import TritonServer, free_port
+    repo = write_triton_repository(triton_build, tmp_path / "repo", intra_op_threads=1, slots=1, max_queued=0)
+    with TritonServer(repo) as server, OpenAIServerThread(repo, server.grpc_url, free_port()) as api:
+        c = client(api.url)
+        long = c.completions.create(model="generate", prompt=_prompt(3), max_tokens=480, stream=True,
+                                    extra_body={"ignore_eos": True})
+        next(iter(long))
+        for stream in (False, True):
+            with pytest.raises(openai.APIStatusError) as e:
+                c.completions.create(model="generate", prompt="x", max_tokens=2, stream=stream)
+            assert e.value.status_code == 503 and "server busy" in e.value.body["message"], e.value.body
+        long.close()
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                assert c.completions.create(model="generate", prompt="x", max_tokens=2).choices[0].text is not None
+                break
+            except openai.APIStatusError:
+                assert time.monotonic() < deadline, "the slot was not freed"
+                time.sleep(0.2)
