@@ -51,6 +51,7 @@ class OpenAIServerThread:
         self.repo, self.grpc_url, self.host, self.port, self.model = Path(repo), grpc_url, host, port, model
         self.tokenizer, self.chat_template = load_model_files(repo, chat_template, model)
         self.log_level = log_level
+        self._check_port()          # before anything starts: serve checks it before Triton does
         self.server = None
         self.thread: threading.Thread | None = None
 
@@ -62,7 +63,6 @@ class OpenAIServerThread:
         import uvicorn
         from runtime.openai.app import create_app
         from runtime.openai.engine import TritonEngine
-        self._check_port()
         logging.getLogger("runtime.openai").setLevel(logging.INFO)
         app = create_app(TritonEngine(self.grpc_url, self.model), self.model, self.tokenizer, self.chat_template)
         config = uvicorn.Config(app, host=self.host, port=self.port, log_level=self.log_level, access_log=False,
