@@ -118,6 +118,20 @@ class Tokens:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._adds_bos: bool | None = None
+
+    def without_doubled_bos(self, prompt: str, bos: str | None) -> str:
+        """The rendered chat prompt without its leading BOS text where the tokenizer adds that BOS itself (a
+        Llama-3 tokenizer.json's post-processor): the model encodes the prompt with the tokenizer's special
+        tokens, transformers' apply_chat_template(tokenize=True) without them, so the tokens stay transformers'
+        (one BOS, not two)."""
+        if not bos or not prompt.startswith(bos) or self.tokenizer is None:
+            return prompt
+        if self._adds_bos is None:
+            bos_id = self.tokenizer.token_to_id(bos)
+            ids = self.tokenizer.encode("a").ids
+            self._adds_bos = bos_id is not None and bool(ids) and ids[0] == bos_id
+        return prompt[len(bos):] if self._adds_bos else prompt
 
     def text(self, token: int) -> str:
         if token not in self._cache:
@@ -228,6 +242,7 @@ class OpenAIServer:
                                  **(req.chat_template_kwargs or {}))
         except TemplateRenderError as e:
             raise bad_request(str(e), "messages") from None
+        prompt = self.tokens.without_doubled_bos(prompt, self.chat_template.get("bos_token"))
         gen = self._sampling(req, prompt, req.token_limit(), logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
         return Shape("chat.completion", "chatcmpl", [gen], chat=True, logprobs=req.top_logprobs if req.logprobs else None)
 

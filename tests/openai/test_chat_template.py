@@ -114,3 +114,27 @@ def test_convert_build_and_repo_carry_the_template(tmp_path):
     from runtime.triton.repository import write_repository
     repo = write_repository(tmp_path / "build", tmp_path / "repo", generate_backend="ort-cpu", validate=False)
     assert json.loads((repo / "generate" / "1" / CHAT_TEMPLATE).read_text()) == want
+
+
+def test_bos_not_doubled_where_the_tokenizer_adds_it(tmp_path):
+    """A Llama-3-like tokenizer.json adds <|begin_of_text|> itself (its post-processor) and the template renders
+    bos_token too: the prompt the model encodes gives transformers' apply_chat_template(tokenize=True) tokens,
+    one BOS; a tokenizer that adds none keeps the template's."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, processors
+    from runtime.openai.app import Tokens
+    folder = tokenizer_folder(tmp_path / "llama", "llama3")
+    messages = CONVERSATIONS[1]
+    template = read_hf_chat_template(folder)
+    rendered = render_chat(template, messages)
+    plain = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    assert Tokens(plain).without_doubled_bos(rendered, template["bos_token"]) == rendered
+    bos = plain.token_to_id("<|begin_of_text|>")
+    plain.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
+                                                         special_tokens=[("<|begin_of_text|>", bos)])
+    plain.save(str(folder / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    prompt = Tokens(tok).without_doubled_bos(rendered, template["bos_token"])
+    want = transformers.AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert tok.encode(prompt).ids == list(want) and list(want).count(bos) == 1
