@@ -77,8 +77,10 @@ class GenerationResult:
                 f"p90 {self.tpot_s(90) * 1e3:.3f} ms, {self.tokens_per_s:.1f} tokens/s")
 
 
-def check_capacity(capacity: int, prompt_lengths: list[int], max_new_tokens: int) -> None:
-    """Prompt plus new tokens must fit the cache: len_b + max_new_tokens <= capacity."""
+def check_capacity(capacity: int, prompt_lengths: list[int], max_new_tokens: int,
+                   option: str = "--max-new-tokens") -> None:
+    """Prompt plus new tokens must fit the cache: len_b + max_new_tokens <= capacity. option: what the
+    caller's user calls max_new_tokens (the Triton generate model: input max_tokens)."""
     if not prompt_lengths or min(prompt_lengths) < 1:
         raise CapacityError("prompt: expected at least one token, found an empty prompt; give some text")
     longest = max(prompt_lengths)
@@ -86,10 +88,10 @@ def check_capacity(capacity: int, prompt_lengths: list[int], max_new_tokens: int
         raise CapacityError(f"prompt: expected at most {capacity} tokens (the cache capacity), found {longest}; "
                             "shorten the prompt or export with a larger max_seq_len")
     if max_new_tokens < 1:
-        raise CapacityError(f"max-new-tokens: expected >= 1, found {max_new_tokens}; ask for at least one token")
+        raise CapacityError(f"{option.lstrip('-')}: expected >= 1, found {max_new_tokens}; ask for at least one token")
     if longest + max_new_tokens > capacity:
-        raise CapacityError(f"max-new-tokens: expected prompt + new tokens <= {capacity} (the cache capacity), "
-                            f"found {longest} + {max_new_tokens}; use --max-new-tokens {capacity - longest} or less")
+        raise CapacityError(f"{option.lstrip('-')}: expected prompt + new tokens <= {capacity} (the cache capacity), "
+                            f"found {longest} + {max_new_tokens}; use {option} {capacity - longest} or less")
 
 
 def pad_right(prompts: list[list[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:

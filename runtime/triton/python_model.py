@@ -54,7 +54,7 @@ from typing import Callable
 
 import numpy as np
 
-from runtime.generate import GenerationConfig, default_stop_tokens
+from runtime.generate import GenerationConfig, check_capacity, default_stop_tokens
 from runtime.sampling import SamplingConfig
 from runtime.scheduler import CANCELLED, ERROR, STOP, BatchScheduler, ServerBusy
 from runtime.session import RuntimeUserError
@@ -351,6 +351,8 @@ class TritonPythonModel:
                 # its sampling settings are checked by submit ("sampling: ...; fix the request")
                 config = req.generation_config(self.tokenizer)
                 prompt = self.tokenizer.encode(req.text_input).ids
+                # the scheduler checks again, in runtime.generate's words; a client sent max_tokens
+                check_capacity(self.session.spec.capacity, [len(prompt)], req.max_tokens, f"input {T.MAX_TOKENS}")
                 stream = ResponseStream(send, self.tokenizer, req, config.stop_tokens, prompt)
                 self.scheduler.submit(prompt, config, listener=stream.on_event, cancelled_by=request.is_cancelled,
                                       stop_when=stream.stop_when if stream.incremental else None)

@@ -247,3 +247,37 @@ def test_served_logprobs_equal_runtime_generates(server, local, protocol):
         assert abs(lp - want_lp) < 1e-5 and [i for i, _ in top] == want_ids
         np.testing.assert_allclose([v for _, v in top], want_lps, atol=1e-5)
         assert top[0][1] >= lp - 1e-6              # greedy: the chosen token is the most likely
+
+
+def test_client_logprobs_lines_match_runtime_generates(server, triton_build):
+    """`runtime.triton client --logprobs K` prints runtime.generate --logprobs K's lines on stderr, ids and
+    logprobs (the client has no tokenizer: no token texts)."""
+    import re
+    args = ["--prompt", PROMPT, "--max-new-tokens", "5", "--logprobs", "2"]
+    want = _cli(["--model", str(triton_build), *args])
+    got = _cli(args, ["--url", server.grpc_url, "--protocol", "grpc"])
+    assert want.returncode == 0 and got.returncode == 0, (want.stderr, got.stderr)
+    lines = [[ln for ln in p.stderr.splitlines() if ln.startswith("logprobs ")] for p in (want, got)]
+    assert len(lines[0]) == len(lines[1]) == 5 and all(" | top: " in ln for ln in lines[1])
+    for w, g in zip(*lines):
+        w = re.sub(r" '(?:[^'\\]|\\.)*'| \"(?:[^\"\\]|\\.)*\"", "", w)        # drop runtime.generate's token texts
+        assert [float(x) for x in re.findall(r"-?\d+\.\d{4}", g)] == pytest.approx(
+            [float(x) for x in re.findall(r"-?\d+\.\d{4}", w)], abs=2e-4), (w, g)
+        assert re.findall(r"(?:: |, |top: )(\d+) ", g) == re.findall(r"(?:: |, |top: )(\d+) ", w), (w, g)
+
+
+def test_an_input_the_model_does_not_take_is_refused_by_name_over_grpc(server):
+    import tritonclient.grpc as g
+    inputs = _frontend_inputs(g, PROMPT, False, 3)
+    extra = g.InferInput("max_new_tokens", [1, 1], "INT32")
+    extra.set_data_from_numpy(np.int32([[3]]))
+    client = g.InferenceServerClient(server.grpc_url)
+    answers: queue.SimpleQueue = queue.SimpleQueue()
+    try:
+        client.start_stream(callback=lambda result, error: answers.put(error))
+        client.async_stream_infer("generate", inputs + [extra])
+        error = answers.get(timeout=60)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert error is not None and "max_new_tokens" in str(error) and "\n" not in str(error).strip(), error

@@ -146,7 +146,7 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, loca
         assert "cache capacity" in str(e.value) and "\n" not in str(e.value)
         with pytest.raises(ClientError) as e:
             generate_remote(url, "Once upon a time", CAPACITY - 2, protocol=protocol)          # prompt + new > capacity
-        assert "max-new-tokens" in str(e.value)
+        assert "input max_tokens: expected prompt + new tokens" in str(e.value)
         assert good_future.result(timeout=60) == local(PROMPTS[0], 32)
     assert generate_remote(url, PROMPTS[1], 8, protocol=protocol, ignore_eos=True) == local(PROMPTS[1], 8)
     # the decoupled model is served over streams and HTTP's generate endpoint; unary infer says so

@@ -187,7 +187,7 @@ def test_32_concurrent_streamed_requests_equal_their_solo_runs(serving, solo):
         "prompt over capacity": (lambda: generate_remote(serving.grpc_url, _prompt(CAPACITY), 4, protocol="grpc"),
                                  "(the cache capacity)"),
         "prompt + new tokens over capacity": (lambda: generate_remote(serving.http_url, "Once", CAPACITY, on_text=print),
-                                              f"max-new-tokens: expected prompt + new tokens <= {CAPACITY}"),
+                                              f"input max_tokens: expected prompt + new tokens <= {CAPACITY}"),
         "top_p out of range": (lambda: generate_remote(serving.grpc_url, "Once", 4, protocol="grpc", top_p=2.0),
                                "top_p is 2.0"),
         "unknown model": (lambda: generate_remote(serving.grpc_url, "Once", 4, protocol="grpc", model="nope"),
