@@ -52,7 +52,6 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
-    continuous_usage_stats: bool = False      # vLLM's: usage on every chunk
 
 
 class _Sampling(_Strict):

@@ -63,7 +63,13 @@ class OpenAIServerThread:
         import uvicorn
         from runtime.openai.app import create_app
         from runtime.openai.engine import TritonEngine
-        logging.getLogger("runtime.openai").setLevel(logging.INFO)
+        logger = logging.getLogger("runtime.openai")
+        if not logger.handlers:             # one line per refused request or disconnect, on stderr
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("openai api: %(message)s"))
+            logger.addHandler(handler)
+            logger.propagate = False
+        logger.setLevel(logging.INFO)
         app = create_app(TritonEngine(self.grpc_url, self.model), self.model, self.tokenizer, self.chat_template)
         config = uvicorn.Config(app, host=self.host, port=self.port, log_level=self.log_level, access_log=False,
                                 lifespan="on", timeout_graceful_shutdown=5)

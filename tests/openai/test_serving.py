@@ -91,6 +91,7 @@ def local(triton_build):
         result = generate(session, [tok.encode(prompt).ids], config)
         stop = set(config.stop_tokens)
         tokens = result.tokens[0]
+        run.stops = stop
         return (tok.decode([t for t in tokens if t not in stop]), tokens,
                 result.logprobs[0] if result.logprobs else None,
                 result.prompt_logprobs[0] if result.prompt_logprobs else None)
@@ -111,7 +112,7 @@ def test_completions_equal_runtime_generate(served, local):
         want, tokens, _, _ = local(prompt, n)
         r = c.completions.create(model="generate", prompt=prompt, max_tokens=n, temperature=0)
         assert r.choices[0].text == want
-        assert r.choices[0].finish_reason == ("length" if len(tokens) == n and 0 not in tokens[-1:] else r.choices[0].finish_reason)
+        assert r.choices[0].finish_reason == ("stop" if tokens[-1] in local.stops else "length")
         assert r.usage.completion_tokens == len(tokens) and r.usage.prompt_tokens > 0
         chunks = list(c.completions.create(model="generate", prompt=prompt, max_tokens=n, stream=True,
                                            stream_options={"include_usage": True}))
