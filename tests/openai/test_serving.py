@@ -14,7 +14,6 @@ client (and AIPerf where it is installed: test_aiperf.py):
 from __future__ import annotations
 
 import json
-import math
 import signal
 import socket
 import subprocess
