@@ -93,10 +93,22 @@ class EventStream(Response):
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
 
+        async def event(data) -> None:
+            data = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+            await send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(), "more_body": True})
+
         async def pump():
-            async for event in self.events:
-                data = event if isinstance(event, str) else json.dumps(event, ensure_ascii=False)
-                await send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(), "more_body": True})
+            try:
+                async for item in self.events:
+                    await event(item)
+            except OpenAIError as e:
+                log.warning("%d %s (mid-stream)", e.status, e.message)
+                await event(e.body())
+            except OSError:             # the client is gone
+                return
+            except Exception as e:  # noqa: BLE001 - a fault mid-stream: one error event and one log line
+                log.error("internal error mid-stream: %s: %s", type(e).__name__, e)
+                await event(OpenAIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").body())
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         producer = asyncio.ensure_future(pump())
@@ -343,14 +355,20 @@ class OpenAIServer:
 
         tasks = [asyncio.ensure_future(run(i, g)) for i, g in enumerate(shape.gens)]
         try:
-            running, include = len(tasks), req.include_usage()
+            running, include, sent = len(tasks), req.include_usage(), False
             while running:
                 item = await queue.get()
                 if item[0] == "end":
                     running -= 1
                     continue
                 if item[0] == "error":
-                    raise item[1]
+                    if not sent:            # nothing sent yet: the answer is this error, with its status
+                        raise item[1]
+                    log.warning("%d %s (mid-stream)", item[1].status, item[1].message)
+                    yield item[1].body()    # as vLLM does: one error event, then [DONE]
+                    yield "[DONE]"
+                    return
+                sent = True
                 _, i, gen, piece, first = item
                 chunk = {"id": shape.id, "object": shape.object + ("" if not shape.chat else ".chunk"),
                          "created": shape.created, "model": self.model,

@@ -72,6 +72,8 @@ class FakeEngine:
                 yield piece
                 if last:
                     return
+                if req.prompt.startswith("FAILMID"):
+                    raise OpenAIError(500, "internal error: RuntimeError: the backend failed", "server_error")
                 i += 1
         except (asyncio.CancelledError, GeneratorExit):
             with self.lock:

@@ -146,3 +146,19 @@ def test_disconnect_cancels(fake_api):
         while prompt not in engine.cancelled:
             assert time.monotonic() < deadline, f"stream={stream}: the request was not cancelled"
             time.sleep(0.05)
+
+
+def test_error_mid_stream_is_one_event_then_done(fake_api):
+    """An error after the first chunk (the status is sent already): one data event with the error object, then
+    [DONE]; the server's next answer is unchanged."""
+    base, _ = fake_api
+    u = urlparse(base)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "generate", "prompt": "FAILMID x", "stream": True}),
+                 {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    events = [e for e in r.read().decode().split("\n\n") if e]
+    assert r.status == 200 and len(events) == 3, events
+    assert json.loads(events[0][6:])["choices"][0]["text"] == "FAILMID"
+    assert json.loads(events[1][6:])["error"]["message"].startswith("internal error") and events[2] == "data: [DONE]"
+    assert post(base, "/v1/completions", {"model": "generate", "prompt": "ok", "max_tokens": 1})[0] == 200
