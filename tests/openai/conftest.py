@@ -9,12 +9,10 @@ import time
 
 import pytest
 
-from runtime.openai.engine import Piece
-from runtime.openai.protocol import OpenAIError
 
 
 def require_api() -> None:
-    for module in ("starlette", "uvicorn", "openai"):
+    for module in ("pydantic", "starlette", "uvicorn", "jinja2", "openai"):
         pytest.importorskip(module, reason=f"the OpenAI API tests need {module} (pip install -e '.[dev,triton]')")
 
 
@@ -42,6 +40,8 @@ class FakeEngine:
         return True
 
     async def generate(self, req):
+        from runtime.openai.engine import Piece
+        from runtime.openai.protocol import OpenAIError
         with self.lock:
             self.seen.append(req)
         if req.prompt.startswith("BUSY"):

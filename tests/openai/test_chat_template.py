@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytest.importorskip("jinja2", reason="chat templates render with jinja2 (pip install -e '.[dev,triton]')")
+
 from core.chat_template import CHAT_TEMPLATE, ChatTemplateError, load_chat_template, read_hf_chat_template
 from runtime.openai.chat_template import TemplateRenderError, render_chat
 from tests.openai.templates import TEMPLATES

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+pytest.importorskip("pydantic", reason="runtime.openai needs pydantic (pip install -e '.[dev,triton]')")
+
 from runtime.openai.engine import GenerateRequest, build_inputs, triton_error
 from runtime.triton import llm_tensors as T
 

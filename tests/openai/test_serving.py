@@ -52,7 +52,7 @@ def served(triton_build, tmp_path_factory):
                              "--http-port", str(ports["http"]), "--grpc-port", str(ports["grpc"]),
                              "--metrics-port", str(ports["metrics"]), "--openai-port", str(ports["openai"]),
                              "--chat-template", str(root / "t.jinja")],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=open(root / "serve.log", "w"), text=True)
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=(log_file := open(root / "serve.log", "w")))
     base = f"http://127.0.0.1:{ports['openai']}"
     deadline = time.monotonic() + 120
     while True:
@@ -68,6 +68,7 @@ def served(triton_build, tmp_path_factory):
     yield base, proc, f"127.0.0.1:{ports['metrics']}", repo, ports
     proc.send_signal(signal.SIGINT)
     code = proc.wait(60)
+    log_file.close()
     log = (root / "serve.log").read_text()
     assert code == 0, log[-3000:]
     assert "Traceback" not in log, log[-5000:]
