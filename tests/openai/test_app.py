@@ -162,3 +162,17 @@ def test_error_mid_stream_is_one_event_then_done(fake_api):
     assert json.loads(events[0][6:])["choices"][0]["text"] == "FAILMID"
     assert json.loads(events[1][6:])["error"]["message"].startswith("internal error") and events[2] == "data: [DONE]"
     assert post(base, "/v1/completions", {"model": "generate", "prompt": "ok", "max_tokens": 1})[0] == 200
+
+
+def test_list_of_prompts_one_choice_each(fake_api):
+    """prompt as a list of texts (lm-eval's batched requests): one choice per prompt, index in order, whole and
+    streamed (the streamed choices interleaved as they come, each with its index)."""
+    base, _ = fake_api
+    c = client(base)
+    r = c.completions.create(model="generate", prompt=["a b", "c d e"], max_tokens=2)
+    assert [(ch.index, ch.text) for ch in r.choices] == [(0, "a b"), (1, "c d")]
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 4
+    texts = {0: "", 1: ""}
+    for chunk in c.completions.create(model="generate", prompt=["a b", "c d e"], max_tokens=2, stream=True):
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == {0: "a b", 1: "c d"}
