@@ -149,8 +149,8 @@ class ResponseStream:
     behind it. `stop_when` is the scheduler's hook: it is given each new token before the scheduler
     decides whether the sequence ends, and says whether a stop string completed."""
 
-    def __init__(self, send: Callable, tokenizer, request: Request, stop: tuple[int, ...], prompt: list[int]):
-        self.send, self.request, self.prompt = send, request, prompt
+    def __init__(self, send: Callable, tokenizer, request: Request, stop: tuple[int, ...]):
+        self.send, self.request = send, request
         self.text = TextStream(tokenizer, stop, request.stop_words)
         # whole responses without stop strings decode once, at the end
         self.incremental = request.stream or bool(request.stop_words)
@@ -353,7 +353,7 @@ class TritonPythonModel:
                 prompt = self.tokenizer.encode(req.text_input).ids
                 # the scheduler checks again, in runtime.generate's words; a client sent max_tokens
                 check_capacity(self.session.spec.capacity, [len(prompt)], req.max_tokens, f"input {T.MAX_TOKENS}")
-                stream = ResponseStream(send, self.tokenizer, req, config.stop_tokens, prompt)
+                stream = ResponseStream(send, self.tokenizer, req, config.stop_tokens)
                 self.scheduler.submit(prompt, config, listener=stream.on_event, cancelled_by=request.is_cancelled,
                                       stop_when=stream.stop_when if stream.incremental else None)
             except Exception as e:  # one bad request must not take the model down

@@ -51,7 +51,7 @@ def test_what_a_client_receives(tokenizer):
     eos = tokenizer.token_to_id("<|endoftext|>")
     sent = []
     send = lambda *a: sent.append(a)  # noqa: E731 - (outputs, error, final)
-    stream = ResponseStream(send, tokenizer, _request(stream=True), (eos,), [1])
+    stream = ResponseStream(send, tokenizer, _request(stream=True), (eos,))
     for i, t in enumerate(ids + [eos]):
         seq = _seq((ids + [eos])[:i + 1], STOP if t == eos else None)
         stream.stop_when(t)
@@ -65,7 +65,7 @@ def test_what_a_client_receives(tokenizer):
     assert sent[-1][0]["finish_reason"].reshape(-1)[0] == b"stop"
     sent.clear()
     whole = ResponseStream(send, tokenizer, _request(return_num_input_tokens=True, return_num_output_tokens=True),
-                           (eos,), [1])
+                           (eos,))
     for i, t in enumerate(ids):
         whole.on_event(_seq(ids[:i + 1], LENGTH if i == len(ids) - 1 else None), t)
     assert len(sent) == 1 and sent[0][1:] == (None, True)                    # one response, at the end
@@ -86,3 +86,37 @@ def test_the_request_takes_exactly_the_contracts_inputs():
     from dataclasses import fields
     from runtime.triton.llm_tensors import INPUT_NAMES
     assert tuple(f.name for f in fields(Request)) == INPUT_NAMES
+
+
+def test_stop_strings_echo_and_logprobs_in_what_a_client_receives(tokenizer):
+    """Streamed: the stop string and what follows never reach the client, the pieces add up to the
+    whole response's text, the prompt leads the first piece with exclude_input_in_output false, and each
+    response carries its token's logprob [1] and top [1, k]; the whole response carries [n] and [n, k]."""
+    ids = tokenizer.encode("the cat sat. the end").ids
+    k = 2
+    got = {}
+    for stream in (True, False):
+        sent = []
+        req = _request(stream=stream, stop_words=("t. t", "zz"), exclude_input_in_output=False,
+                       return_log_probs=True, top_logprobs=k)
+        rs = ResponseStream(lambda *a: sent.append(a), tokenizer, req, ())
+        seq = Sequence([1], GenerationConfig(max_new_tokens=len(ids), logprobs=k), listener=lambda s, t: None)
+        for t in ids:
+            seq.tokens.append(t)
+            seq.logprobs.append((-0.5, [t, 0], [-0.5, -1.0]))
+            if rs.stop_when(t):
+                seq.finish = STOP
+            elif len(seq.tokens) == len(ids):
+                seq.finish = LENGTH
+            rs.on_event(seq, t)
+            if seq.finish:
+                break
+        got[stream] = sent
+        assert sent[-1][2] and sent[-1][0]["finish_reason"].reshape(-1)[0] == b"stop"
+        n = len(seq.tokens) if not stream else 1
+        assert all(s[0]["output_log_probs"].shape == (n,) and s[0]["top_log_probs_ids"].shape == (n, k)
+                   for s in sent)
+    pieces = [s[0]["text_output"].reshape(-1)[0].decode() for s in got[True]]
+    whole = got[False][0][0]["text_output"].reshape(-1)[0].decode()
+    assert "".join(pieces) == whole == "Once" + "the cat sa"
+    assert pieces[0].startswith("Once") and len(got[False]) == 1
