@@ -259,7 +259,12 @@ class OpenAIServer:
         return Shape("chat.completion", "chatcmpl", [gen], chat=True, logprobs=req.top_logprobs if req.logprobs else None)
 
     async def _whole(self, shape: "Shape", req) -> dict:
-        results = await asyncio.gather(*[_collect(self.engine.generate(g)) for g in shape.gens])
+        tasks = [asyncio.ensure_future(_collect(self.engine.generate(g))) for g in shape.gens]
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:        # one prompt's error (or the client gone) cancels the others' Triton requests
+            for t in tasks:
+                t.cancel()
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for i, (gen, piece) in enumerate(zip(shape.gens, results)):
             if shape.zero:
