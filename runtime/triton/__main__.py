@@ -5,7 +5,8 @@
                                     [--slots 8] [--max-queued 32] [--generate-backend auto|trt|ort-cuda|ort-cpu]
     python -m runtime.triton check  --repo REPO
     python -m runtime.triton serve  --repo REPO [--host 127.0.0.1] [--http-port 8000] [--grpc-port 8001]
-                                    [--metrics-port 8002]
+                                    [--metrics-port 8002] [--openai-port 9000 [--openai-host 127.0.0.1]
+                                    [--chat-template FILE]]
     python -m runtime.triton client --url HOST:PORT --prompt TEXT [--max-new-tokens N] [--protocol http|grpc]
                                     [--stream] [--stop TEXT ...] [--logprobs K]
 
@@ -14,7 +15,9 @@ check parses every config.pbtxt into ModelConfig and verifies the decoder config
 against their ONNX, loads each graph ONNX Runtime's CPU provider would run, and reads a
 TensorRT plan's tag (not the plan: that needs TensorRT and its GPU); serve runs a real
 Triton server (the tritonserver bundled with nvidia-pytriton, Python backend only) with
-the generate model until Ctrl-C; client prints the generated text on stdout, as python
+the generate model until Ctrl-C, and with --openai-port the OpenAI-compatible API over it
+(runtime/openai: /v1/completions, /v1/chat/completions, /v1/models, /health; docs/triton.md);
+client prints the generated text on stdout, as python
 -m runtime.generate does (with --stream, piece by piece as the tokens arrive).
 """
 from __future__ import annotations
@@ -68,6 +71,12 @@ def _parser() -> ArgumentParser:
     s.add_argument("--metrics-port", type=port, default=None,
                    help="serve Prometheus metrics (the generate pool's running/waiting gauges) on this port")
     s.add_argument("--log-verbose", type=int_in(0, 10), default=0)
+    s.add_argument("--openai-port", type=port, default=None,
+                   help="also serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions) on this port")
+    s.add_argument("--openai-host", default="127.0.0.1", help="address the OpenAI API binds to (default 127.0.0.1)")
+    s.add_argument("--chat-template", default=None,
+                   help="chat template for /v1/chat/completions (a .jinja file, a tokenizer_config.json or a "
+                        "model folder); default: the model's own, generate/1/chat_template.json")
     k = sub.add_parser("client", help="generate text with a running server")
     k.add_argument("--url", required=True, help="HOST:PORT (the HTTP port for http, the gRPC port for grpc)")
     k.add_argument("--prompt", required=True)
@@ -95,7 +104,8 @@ def _parser() -> ArgumentParser:
 def _check_ports(args) -> None:
     """Two listeners on one port: Triton would start, print its whole usage text and exit; say it first."""
     given = [(o, v) for o, v in (("--http-port", args.http_port), ("--grpc-port", args.grpc_port),
-                                 ("--metrics-port", args.metrics_port)) if v is not None]
+                                 ("--metrics-port", args.metrics_port),
+                                 ("--openai-port", getattr(args, "openai_port", None))) if v is not None]
     for (a, port), (b, other) in itertools.combinations(given, 2):
         if port == other:
             raise UsageError(f"{a} and {b}: expected different ports, found both {port}; give {b} another port")
@@ -106,20 +116,36 @@ def _serve(args) -> int:
     from runtime.triton.server import TritonServer
     server = TritonServer(args.repo, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                           metrics_port=args.metrics_port, log_verbose=args.log_verbose, echo_log=True)
+    api = None
+    if args.openai_port is not None:      # its files and template are checked before Triton starts
+        from runtime.openai.server import OpenAIServerThread
+        api = OpenAIServerThread(args.repo, server.grpc_url, args.openai_port, host=args.openai_host,
+                                 chat_template=args.chat_template)
+    elif args.chat_template is not None:
+        raise UsageError("--chat-template: expected it with --openai-port (the OpenAI API renders chat templates), "
+                         "found it alone; add --openai-port PORT")
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.start(timeout_s=args.startup_timeout)
         metrics = f", metrics http://{server.metrics_url}/metrics" if server.metrics_port else ""
-        print(f"serving {args.repo}: http {server.http_url}, grpc {server.grpc_url}{metrics} (Ctrl-C stops)",
+        if api is not None:
+            api.start()
+        openai = f", OpenAI API {api.url}/v1" if api is not None else ""
+        print(f"serving {args.repo}: http {server.http_url}, grpc {server.grpc_url}{metrics}{openai} (Ctrl-C stops)",
               file=sys.stderr, flush=True)
         while not stop.is_set():
             if server.proc.poll() is not None:
                 print(f"error: tritonserver exited with code {server.proc.returncode}", file=sys.stderr)
                 return 1
+            if api is not None and not api.alive():
+                print("error: the OpenAI API stopped (see the log above)", file=sys.stderr)
+                return 1
             stop.wait(0.5)
         return 0
     finally:
+        if api is not None:
+            api.stop()
         server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
