@@ -254,15 +254,15 @@ def _vocab_size(proto, logits: TensorSpec) -> int | None:
 
 def _constant_ints(proto, name: str, producers: dict, inits: dict) -> list[int] | None:
     """The int64 values of an initializer or a Constant node's output, else None."""
-    from onnx import numpy_helper
+    from onnx import AttributeProto, numpy_helper
     if name in inits:
         return [int(v) for v in numpy_helper.to_array(inits[name]).reshape(-1)]
     node = producers.get(name)
     if node is not None and node.op_type == "Constant":
-        for attr in node.attribute:
-            if attr.name == "value":
+        for attr in node.attribute:            # value (a tensor) or value_ints
+            if attr.type == AttributeProto.TENSOR:
                 return [int(v) for v in numpy_helper.to_array(attr.t).reshape(-1)]
-            if attr.name == "value_ints":
+            if attr.type == AttributeProto.INTS:
                 return list(attr.ints)
     return None
 
