@@ -3,12 +3,13 @@
 | convention | inputs | outputs | driven as |
 |---|---|---|---|
 | ours (core/contract.py) | input_ids, position, key_i / value_i [B, H, S_max, D] | logits, present_key_i / present_value_i | prefill, then one-token steps, caches fed back: core/decode.py |
-| kv-cache (Optimum, ONNX Runtime GenAI) | input_ids, attention_mask, [position_ids], past_key_values.N.key / .value [B, H, P, D], [use_cache_branch] | logits, present.N.key / .value [B, H, P+T, D] | prefill with an empty past, then one-token steps, presents fed back |
+| kv-cache (Optimum, ONNX Runtime GenAI) | input_ids, attention_mask, [position_ids], past_key_values.N.key / .value [B, H, P, D], [use_cache_branch] | logits, present.N.key / .value [B, H, P+T, D] | prefill with an empty past (W slots for a sliding-window cache: sliding_window_caches), then one-token steps, presents fed back |
 | prefill-only (Optimum without past) | input_ids, [attention_mask], [position_ids] | logits, present.N.key / .value | the growing prefix, recomputed each step |
 | logits-only | input_ids, [attention_mask], [position_ids] | logits | the growing prefix, recomputed each step |
 
 A merged decoder (Optimum's If on use_cache_branch) is a kv-cache graph:
-use_cache_branch is False for the prefill, True for the steps after it. Every
+use_cache_branch is False for the prefill, True for the steps after it. Two graphs' I/O
+are matched by name (interface_mismatches), never by position. Every
 output of every step is returned, so every one is compared. `detect` raises one
 line naming what it found and the conventions it knows.
 """
