@@ -286,13 +286,39 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _shape_list(value: str) -> str:
+    """argparse type of --shape: a comma list with at least one shape (an empty one ran nothing and
+    wrote an empty table with exit 0)."""
+    if not [s for s in value.split(",") if s.strip()]:
+        from core.errors import UsageError
+        raise UsageError(f"--shape {value!r}: expected one or more bench/shapes.py names or config .json paths, "
+                         "comma-separated, found none; pass e.g. --shape qwen3-0.6b")
+    return value
+
+
+def _work_folder(value: str) -> Path:
+    """argparse type of --work: a folder or a path one can be made at; a file there (or above it) is
+    one line naming --work (not mkdir's `File exists`)."""
+    work = Path(value)
+    for p in (work, *work.parents):
+        if p.exists() or p.is_symlink():
+            if not p.is_dir():
+                where = "" if p == work else f" ({p} is a file)"
+                raise UserError(f"{work}: expected a folder for the run's builds, found "
+                                f"{'a file' if p == work else 'a path under a file'}{where}; choose another --work")
+            break
+    return work
+
+
 def run(argv: list[str]) -> int:
     from core.outputs import REPORT_JSON, check_output_file, write_json
     p = ArgumentParser(prog="python -m bench.fold_vs_genai", description=__doc__.split("\n\n")[1])
     sub = p.add_subparsers(dest="cmd", required=True)
     rn = sub.add_parser("run", help="build, profile and time both graphs of each shape")
-    rn.add_argument("--shape", required=True, help="bench/shapes.py names, comma-separated (e.g. qwen3-0.6b)")
-    rn.add_argument("--work", type=Path, required=True, help="where the folders and builds are kept (and reused)")
+    rn.add_argument("--shape", type=_shape_list, required=True,
+                    help="bench/shapes.py names, comma-separated (e.g. qwen3-0.6b)")
+    rn.add_argument("--work", type=_work_folder, required=True,
+                    help="where the folders and builds are kept (and reused)")
     rn.add_argument("--json", type=Path, required=True, help="the report to write")
     rn.add_argument("--pairs", type=int_in(1, 1000), default=9)
     rn.add_argument("--decode-tokens", type=int_in(1, 100_000), default=64)

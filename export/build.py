@@ -105,7 +105,7 @@ def run(argv: list[str]) -> int:
         raise UserError(f"{ckpt}: expected a checkpoint directory, found {found}{hint}; pass --checkpoint DIR")
     check_output_dir(out, BUILD, inputs=[ckpt])
     if args.triton_repo is not None:        # refuse before an export that would be wasted
-        check_output_dir(args.triton_repo, TRITON_REPOSITORY, inputs=[ckpt, out])
+        check_output_dir(args.triton_repo, TRITON_REPOSITORY, inputs=[ckpt, out], option="--triton-repo")
     from export.pipeline import build, check_options, check_quantize
     check_quantize(quantize, args.fuse, args.dtype)         # before the target: it reads the config
     opened = functools.cache(lambda: _open_weights(ckpt))      # read once, by whichever step needs it first
@@ -142,7 +142,7 @@ def _write_triton_repo(build: Path, repo: Path) -> int:
         if marker_stamp(repo) not in (None, before):
             note_committed(repo)
         raise
-    sys.stderr.write(err)
+    sys.stderr.write(_as_triton_repo_error(err))
     return proc.returncode
 
 
@@ -155,6 +155,19 @@ def _check_capacity(ckpt: Path, capacity: int) -> None:
         raise UserError(f"{ckpt}: expected a KV-cache capacity (max_seq_len) of at least {MIN_CAPACITY} (a prompt and "
                         f"3 decode steps, what the build verifies), found {capacity}; write the checkpoint again "
                         f"with --max-seq-len {MIN_CAPACITY} or more")
+
+
+def _as_triton_repo_error(err: str) -> str:
+    """The child's error line in this command's terms: its --out is this command's --triton-repo, and
+    its "nothing was written" leaves out the build this command wrote whole before it (written_so_far:
+    `complete: OUT; nothing else was written`)."""
+    from core.errors import written_so_far
+    lines = err.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if line.startswith("error: "):
+            lines[i] = line.replace("another --out", "another --triton-repo").replace("nothing was written",
+                                                                                      written_so_far())
+    return "".join(lines)
 
 
 def _open_weights(ckpt: Path):

@@ -3,12 +3,13 @@
 | convention | inputs | outputs | driven as |
 |---|---|---|---|
 | ours (core/contract.py) | input_ids, position, key_i / value_i [B, H, S_max, D] | logits, present_key_i / present_value_i | prefill, then one-token steps, caches fed back: core/decode.py |
-| kv-cache (Optimum, ONNX Runtime GenAI) | input_ids, attention_mask, [position_ids], past_key_values.N.key / .value [B, H, P, D], [use_cache_branch] | logits, present.N.key / .value [B, H, P+T, D] | prefill with an empty past, then one-token steps, presents fed back |
+| kv-cache (Optimum, ONNX Runtime GenAI) | input_ids, attention_mask, [position_ids], past_key_values.N.key / .value [B, H, P, D], [use_cache_branch] | logits, present.N.key / .value [B, H, P+T, D] | prefill with an empty past (W slots for a sliding-window cache: sliding_window_caches), then one-token steps, presents fed back |
 | prefill-only (Optimum without past) | input_ids, [attention_mask], [position_ids] | logits, present.N.key / .value | the growing prefix, recomputed each step |
 | logits-only | input_ids, [attention_mask], [position_ids] | logits | the growing prefix, recomputed each step |
 
 A merged decoder (Optimum's If on use_cache_branch) is a kv-cache graph:
-use_cache_branch is False for the prefill, True for the steps after it. Every
+use_cache_branch is False for the prefill, True for the steps after it. Two graphs' I/O
+are matched by name (interface_mismatches), never by position. Every
 output of every step is returned, so every one is compared. `detect` raises one
 line naming what it found and the conventions it knows.
 """
@@ -74,15 +75,19 @@ def run_onnx(sess, iface: DecodeContract, steps: list[Step], trim: int | None = 
 
 
 def interface_mismatches(a, b) -> list[str]:
-    """How the inputs / outputs (TensorSpecs) of a and b differ: DecodeContracts or HuggingFaceStyles."""
+    """How the inputs / outputs (TensorSpecs) of a and b differ: DecodeContracts or HuggingFaceStyles.
+
+    By name, not by position: every run feeds its inputs and reads its outputs by name, so two graphs
+    whose inputs are the same set in another order (ours --genai writes past_key_values.N.key|value
+    layer by layer, GenAI's builder every key, then every value) drive alike and are compared."""
     out = []
     for kind, xa, xb in (("input", a.inputs, b.inputs), ("output", a.outputs, b.outputs)):
-        if [x.name for x in xa] != [x.name for x in xb]:
-            out.append(f"{kind} names differ: {[x.name for x in xa]} vs {[x.name for x in xb]}")
+        by_a, by_b = {x.name: x for x in xa}, {x.name: x for x in xb}
+        if set(by_a) != set(by_b):
+            out.append(f"{kind} names differ: only in the first {sorted(set(by_a) - set(by_b))}, "
+                       f"only in the second {sorted(set(by_b) - set(by_a))}")
             continue
-        for ta, tb in zip(xa, xb):
-            if ta != tb:
-                out.append(f"{kind} {ta} vs {tb}")
+        out += [f"{kind} {by_a[n]} vs {by_b[n]}" for n in by_a if by_a[n] != by_b[n]]
     return out
 
 
@@ -120,8 +125,13 @@ class TokenPlan:
 class HuggingFaceStyle:
     """input_ids / attention_mask / position_ids, with or without a growing past (see the module table)."""
 
-    def __init__(self, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...], vocab_size: int):
+    def __init__(self, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...], vocab_size: int,
+                 windows: dict[str, int] | None = None):
         self.inputs, self.outputs, self.vocab_size = inputs, outputs, vocab_size
+        self.windows = dict(windows or {})        # past name -> W: a window-sized cache (sliding_window_caches)
+        # present name -> W: compare only the last W positions of these presents (set by export.verify
+        # when either graph keeps that layer's cache window-sized: see window_view)
+        self.compared_windows: dict[str, int] = {}
         names = {t.name for t in inputs}
         self.past = sorted((t for t in inputs if PAST.match(t.name)),      # by layer, then key / value
                            key=lambda t: (int(PAST.match(t.name)[1]), PAST.match(t.name)[2]))
@@ -135,7 +145,10 @@ class HuggingFaceStyle:
     def describe(self) -> str:
         if self.past:
             n = len(self.past) // 2
-            return f"Optimum/GenAI kv-cache ({n} layers{', merged with use_cache_branch' if self.merged else ''}, {self.dtype})"
+            windowed = sorted(set(self.windows.values()))
+            return (f"Optimum/GenAI kv-cache ({n} layers{', merged with use_cache_branch' if self.merged else ''}"
+                    + (f", {len(self.windows) // 2} with a sliding-window cache of {'/'.join(map(str, windowed))}"
+                       if windowed else "") + f", {self.dtype})")
         if self.present:
             return f"Optimum without past ({len(self.present) // 2} layers, presents out, {self.dtype})"
         return f"logits-only ({self.dtype})"
@@ -170,7 +183,8 @@ class HuggingFaceStyle:
             return [step(self._feeds(ids[:, :end], 0)) for end in range(prompt, ids.shape[1] + 1)]
         results = []
         batch = ids.shape[0]
-        past = {t.name: np.zeros((batch, t.shape[1], 0, t.shape[3]),                # [B, H, 0, D]: empty for the prefill
+        # [B, H, 0, D]: empty for the prefill; [B, H, W, D] for a window-sized cache (sliding_window_caches)
+        past = {t.name: np.zeros((batch, t.shape[1], self.windows.get(t.name, 0), t.shape[3]),
                                  np_dtype(t.dtype) if t.dtype in CACHE_DTYPES else np.float32) for t in self.past}
         start = 0
         for end in [prompt] + list(range(prompt + 1, ids.shape[1] + 1)):
@@ -178,13 +192,29 @@ class HuggingFaceStyle:
             if self.merged:
                 feeds["use_cache_branch"] = np.array([start > 0])
             outs = step(feeds)
-            results.append(outs)
             past = {t.name: outs[t.name.replace("past_key_values.", "present.")] for t in self.past}
+            results.append({n: self.window_view(n, x, end) for n, x in outs.items()})
             start = end
         return results
 
+    def window_view(self, name: str, present: np.ndarray, tokens: int) -> np.ndarray:
+        """Output `name` of a step that has seen `tokens` tokens, as compared: for a present in
+        compared_windows (W), the last min(tokens, W) positions, in order, [B, H, min(tokens, W), D].
 
-def _hf_style(where, ins: tuple[TensorSpec, ...], outs: tuple[TensorSpec, ...], vocab_size: int | None):
+        A window-sized cache holds those positions from slot 0 (sliding_window_caches), a growing one
+        holds every position: the view is what both hold, so a graph with a sliding-window cache
+        (GenAI's builder) compares with one that keeps the whole cache and masks the window (ours).
+        Positions older than the window are read by neither graph's attention in that layer."""
+        window = self.compared_windows.get(name)
+        if window is None:
+            return present
+        past = name.replace("present.", "past_key_values.", 1)
+        held = min(tokens, present.shape[2]) if past in self.windows else tokens    # valid slots, oldest first
+        return np.ascontiguousarray(present[:, :, max(0, held - window):held])
+
+
+def _hf_style(where, ins: tuple[TensorSpec, ...], outs: tuple[TensorSpec, ...], vocab_size: int | None,
+              windows: dict[str, int] | None = None):
     """HuggingFaceStyle, or ContractError naming what does not fit."""
     by_in, by_out = {t.name: t for t in ins}, {t.name: t for t in outs}
     found = f"found inputs {sorted(by_in)[:8]}, outputs {sorted(by_out)[:8]}"
@@ -208,7 +238,7 @@ def _hf_style(where, ins: tuple[TensorSpec, ...], outs: tuple[TensorSpec, ...], 
     if vocab_size is None:
         raise ContractError(f"{where}: expected logits [batch, seq, vocab] with a static vocabulary axis (or an "
                             f"embedding Gather of input_ids), found {by_out['logits']}")
-    return HuggingFaceStyle(ins, outs, vocab_size)
+    return HuggingFaceStyle(ins, outs, vocab_size, windows)
 
 
 def _vocab_size(proto, logits: TensorSpec) -> int | None:
@@ -223,31 +253,110 @@ def _vocab_size(proto, logits: TensorSpec) -> int | None:
     return None
 
 
+def _constant_ints(proto, name: str, producers: dict, inits: dict) -> list[int] | None:
+    """The int64 values of an initializer or a Constant node's output, else None."""
+    from onnx import AttributeProto, numpy_helper
+    if name in inits:
+        return [int(v) for v in numpy_helper.to_array(inits[name]).reshape(-1)]
+    node = producers.get(name)
+    if node is not None and node.op_type == "Constant":
+        for attr in node.attribute:            # value (a tensor) or value_ints
+            if attr.type == AttributeProto.TENSOR:
+                return [int(v) for v in numpy_helper.to_array(attr.t).reshape(-1)]
+            if attr.type == AttributeProto.INTS:
+                return list(attr.ints)
+    return None
+
+
+# ops whose output has the width of their first input (elementwise, norms, casts): followed back
+_SAME_WIDTH = {"Add", "Sub", "Mul", "Div", "Cast", "Identity", "SimplifiedLayerNormalization", "LayerNormalization",
+               "RotaryEmbedding", "Neg", "Relu", "Sigmoid", "Tanh"}
+
+
+def _last_dim(proto, name: str, producers: dict, inits: dict, depth: int = 0) -> int | None:
+    """The static size of the last axis of tensor `name`, read from the ops that make it: a
+    projection (MatMul / Gemm by a constant weight, MatMulNBits' N), a Split's sizes, a Reshape to a
+    constant shape, or the ops in _SAME_WIDTH followed back; None where the graph does not show it."""
+    if name in inits:
+        return list(inits[name].dims)[-1] if inits[name].dims else None
+    node = producers.get(name)
+    if node is None or depth > 16:
+        return None
+    attrs = {a.name: a for a in node.attribute}
+    op = node.op_type
+    if op == "MatMul" and node.input[1] in inits and len(inits[node.input[1]].dims) == 2:
+        return int(inits[node.input[1]].dims[1])
+    if op == "Gemm" and node.input[1] in inits and len(inits[node.input[1]].dims) == 2:
+        return int(inits[node.input[1]].dims[0 if "transB" in attrs and attrs["transB"].i else 1])
+    if op == "MatMulNBits" and "N" in attrs:
+        return int(attrs["N"].i)
+    if op == "Split" and ("axis" in attrs and attrs["axis"].i == -1):
+        sizes = (_constant_ints(proto, node.input[1], producers, inits) if len(node.input) > 1 and node.input[1]
+                 else list(attrs["split"].ints) if "split" in attrs else None)
+        return sizes[list(node.output).index(name)] if sizes and len(sizes) == len(node.output) else None
+    if op == "Reshape":
+        shape = _constant_ints(proto, node.input[1], producers, inits)
+        if shape and shape[-1] > 0:
+            return shape[-1]
+        if shape and shape[-1] == 0:
+            return _last_dim(proto, node.input[0], producers, inits, depth + 1)
+        return None
+    if op in _SAME_WIDTH and node.input:
+        return _last_dim(proto, node.input[0], producers, inits, depth + 1)
+    return None
+
+
+def _gqa_readers(proto):
+    """(GroupQueryAttention node, its integer attributes) for every one that reads a past input."""
+    for node in proto.graph.node:
+        if node.op_type == "GroupQueryAttention" and len(node.input) >= 5:
+            yield node, {a.name: a.i for a in node.attribute if a.type == 2}     # AttributeProto.INT
+
+
 def _with_head_dims(proto, specs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
-    """Past specs with a symbolic head_dim filled in from the attention op that reads them.
+    """Past and present specs with a symbolic head_dim filled in from the attention op that reads
+    and writes them.
 
     ONNX Runtime GenAI declares past_key_values.N as [batch, H, past, 'kv_cache_dim'];
     its GroupQueryAttention(query, key, value, past_key, past_value, ...) reads them, with
-    attributes num_heads / kv_num_heads and, when key is empty, a packed QKV projection
-    MatMul(x, W [hidden, (num_heads + 2 kv_num_heads) * head_dim]) as its query.
+    attributes num_heads / kv_num_heads. The head size is the width of its value input over
+    kv_num_heads (Qwen3's and Gemma 3's graphs: a Split of the packed QKV projection, keys and
+    queries through their QK-norms and Reshapes), or, when key and value are empty, of its packed
+    query over num_heads + 2 kv_num_heads (a MatMul by a [hidden, (H + 2 H_kv) * D] weight, or an
+    int4 MatMulNBits with N = that width); _last_dim reads the widths.
     """
-    inits = {t.name: list(t.dims) for t in proto.graph.initializer}
+    inits = {t.name: t for t in proto.graph.initializer}
     producers = {o: n for n in proto.graph.node for o in n.output}
     head_dim = {}
-    for node in proto.graph.node:
-        if node.op_type != "GroupQueryAttention" or len(node.input) < 5:
-            continue
-        attrs = {a.name: a.i for a in node.attribute}
-        qkv = producers.get(node.input[0])
-        if qkv is None or qkv.op_type != "MatMul" or len(inits.get(qkv.input[1], [])) != 2:
-            continue
-        width = inits[qkv.input[1]][1]
-        heads = attrs.get("num_heads", 0) + (2 * attrs.get("kv_num_heads", 0) if not node.input[1] else 0)
-        if heads and width % heads == 0:
-            head_dim[node.input[3]] = head_dim[node.input[4]] = width // heads
+    for node, attrs in _gqa_readers(proto):
+        kv_heads, heads = attrs.get("kv_num_heads", 0), attrs.get("num_heads", 0)
+        if node.input[2]:
+            width, count = _last_dim(proto, node.input[2], producers, inits), kv_heads
+        else:
+            width, count = _last_dim(proto, node.input[0], producers, inits), heads + 2 * kv_heads
+        if width and count and width % count == 0:
+            for cache in (*node.input[3:5], *node.output[1:3]):      # past key / value, present key / value
+                head_dim[cache] = width // count
     return tuple(TensorSpec(t.name, t.dtype, t.shape[:3] + (head_dim[t.name],))
-                 if PAST.match(t.name) and len(t.shape) == 4 and t.shape[3] is None and t.name in head_dim else t
+                 if (PAST.match(t.name) or PRESENT.match(t.name)) and len(t.shape) == 4 and t.shape[3] is None and t.name in head_dim else t
                  for t in specs)
+
+
+def sliding_window_caches(proto) -> dict[str, int]:
+    """{past input name: window} for every cache kept window-sized rather than growing.
+
+    ONNX Runtime GenAI's builder writes a sliding-window layer (Gemma 2, Gemma 3) with
+    GroupQueryAttention(..., local_window_size=W, sliding_window_cache=1) and declares its cache
+    [batch, H, 'past_sliding_length', D]: the past is a buffer of at least W slots from the first
+    step on (ONNX Runtime refuses an empty one: "KV cache capacity (0) must be at least
+    local_window_size"), and the present the same buffer holding the last min(tokens, W) positions
+    in order from slot 0 (seen on 0.18 with ONNX Runtime 1.32: once full, it shifts by one a step).
+    GenAI's runtime feeds W slots (genai_config's sliding_window.window_size, cache_slack 0)."""
+    out = {}
+    for node, attrs in _gqa_readers(proto):
+        if attrs.get("sliding_window_cache", 0) and attrs.get("local_window_size", -1) > 0:
+            out[node.input[3]] = out[node.input[4]] = int(attrs["local_window_size"])
+    return out
 
 
 def prefills_from_slot_zero(proto) -> bool:
@@ -263,7 +372,20 @@ def detect(proto, where: str = "graph"):
     names = set(ins)
     if POSITION in names or any(n.startswith(CACHE_PREFIX) for n in names):
         return Ours(read_contract(where, ins, outs), prefills_from_slot_zero(proto))   # or one clear line of what is off
-    spec_in, spec_out = _with_head_dims(proto, tensor_specs(ins)), tensor_specs(outs)
+    spec_in, spec_out = _with_head_dims(proto, tensor_specs(ins)), _with_head_dims(proto, tensor_specs(outs))
     logits = next((t for t in spec_out if t.name == "logits"), None)
     vocab = _vocab_size(proto, logits) if logits is not None else None
-    return _hf_style(where, spec_in, spec_out, vocab)
+    return _hf_style(where, spec_in, spec_out, vocab, sliding_window_caches(proto))
+
+
+def compare_windows(convs) -> None:
+    """Make every Hugging Face style convention of graphs compared together view a present as the
+    window that any of them keeps window-sized (the smallest W where several do): HuggingFaceStyle.window_view."""
+    shared: dict[str, int] = {}
+    for c in convs:
+        for past, w in getattr(c, "windows", {}).items():
+            present = past.replace("past_key_values.", "present.", 1)
+            shared[present] = min(w, shared.get(present, w))
+    for c in convs:
+        if isinstance(c, HuggingFaceStyle):
+            c.compared_windows = dict(shared)

@@ -198,6 +198,29 @@ def algo_config(cfg: QuantConfig, op_types: tuple[str, ...]):
                                            op_types_to_quantize=op_types, quant_axes=axes)
 
 
+# The largest |w| a weight may hold to be quantized. MatMulNBits computes (int8 activations at accuracy level 4)
+# sum over K of (activation scale x weight scale x an integer dot product) in fp32, so a weight scale near
+# fp32's 3.4e38 (a 3e38 weight: scale 3.75e37) overflows to inf, while the float reference stays finite:
+# the build then failed its verification with one line per output and no cause. Trained and folded weights
+# are far below this (the LN-free GPT-2's folded 1e6 / std gains give |w| ~ 1e5), and 2^64 leaves
+# activations of 1e4 summed over 1e5 channels a factor 1e10 from overflow.
+QUANT_MAX_ABS = 2.0 ** 64
+
+
+class WeightRangeError(QuantizeError):
+    """A weight that cannot be quantized: not finite, or beyond QUANT_MAX_ABS."""
+
+
+def check_weight_range(w: np.ndarray, where: str, dtype: str) -> None:
+    """WeightRangeError (one line naming the weight and the fix) for a weight --quantize cannot hold."""
+    peak = float(np.max(np.abs(w))) if w.size else 0.0
+    if not peak <= QUANT_MAX_ABS:          # NaN fails too
+        found = "NaN or inf" if not np.isfinite(peak) else f"|w| up to {peak:.3g}"
+        raise WeightRangeError(f"{where}: expected finite weights of magnitude <= {QUANT_MAX_ABS:.3g} to quantize to "
+                               f"{dtype}, found {found} (after folding the norm gains into it); build without "
+                               "--quantize, or check the checkpoint (a weight this large is corrupt or overflowed)")
+
+
 class BlockQuantizer:
     """graph_passes.quantized.Quantizer of a QuantConfig: rtn by export/rtn.py (byte for byte ONNX Runtime's
     quantizer), hqq by ONNX Runtime's public quantizer on a one-node graph (it computes with torch). Each
@@ -223,8 +246,9 @@ class BlockQuantizer:
         return "MatMulNBits", {**attrs, "accuracy_level": self.cfg.accuracy_level}, \
             [data, ("_scales", (n, k_blocks), np.float32)]
 
-    def blocks(self, op: str, w: np.ndarray, bits: int) -> list[np.ndarray]:
+    def blocks(self, op: str, w: np.ndarray, bits: int, where: str = "") -> list[np.ndarray]:
         from export import rtn
+        check_weight_range(w, where or f"a {op} weight {list(w.shape)}", f"int{bits}")
         if op == "Gather":
             t = rtn.gather_blocks(np.ascontiguousarray(w, np.float32), 4, self.cfg.block_size)   # a table: rows
             return [t.data, t.scales]

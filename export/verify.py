@@ -32,7 +32,8 @@ import onnxruntime as ort
 from core.build_files import TOKENIZER
 from core.contract import check_external_data_file, contract_of, load_onnx
 from core.errors import ArgumentParser, UserError, first_line, float_in, run_cli
-from export.conventions import Step, detect, interface_mismatches, run_onnx, session_steps  # noqa: F401
+from export.conventions import (Step, compare_windows, detect, interface_mismatches, run_onnx,  # noqa: F401
+                                session_steps)
 
 # Per-dtype absolute tolerances. fp32: the fold only reorders a per-channel
 # product (x*s)@W vs x@(sW), a few ulp per MatMul; 1e-4 on logits leaves room for
@@ -224,6 +225,7 @@ def verify_pair(a, b, atol: float | None = None, seeds=(0, 1), tokens=None, refe
         raise VerificationError("interfaces", bad)
     if any(getattr(c, "same_start", False) for c in conv):    # one graph's limit holds for every graph's steps
         conv[0].same_start = True
+    compare_windows(conv)       # a layer's sliding-window cache in one graph: its last W positions in every graph
     sessions = conv[0].sessions(seeds, tokens)
     outs = [_run_all(c, p, label, sessions) for c, p, label in zip(conv, protos, labels)]
     dtype = tolerance_key(*protos, float_dtype=conv[0].dtype if conv[0].dtype in ATOL else "fp32")

@@ -99,8 +99,8 @@ class Quantizer:
         its attributes, and (name suffix, shape, dtype) of each tensor it reads after its data input."""
         raise NotImplementedError
 
-    def blocks(self, op: str, w: np.ndarray, bits: int) -> list[np.ndarray]:
-        """Those tensors' values for the weight w, in layout's order."""
+    def blocks(self, op: str, w: np.ndarray, bits: int, where: str = "") -> list[np.ndarray]:
+        """Those tensors' values for the weight w, in layout's order (`where`: the layer, for a refusal)."""
         raise NotImplementedError
 
 
@@ -153,7 +153,7 @@ class QuantizeWeights(GraphPass):
         op, attrs, specs = q.layout(node.op, tuple(w.shape), m.bits)
         if not isinstance(w, Lazy):       # a weight in memory: its blocks too are computed when written
             w = Lazy(w.shape, w.dtype, lambda a=np.asarray(w): a, ("array", digest(np.asarray(w))))
-        values = parts(lambda: q.blocks(node.op, w.load(), m.bits), [(s, d) for _, s, d in specs],
+        values = parts(lambda: q.blocks(node.op, w.load(), m.bits, m.where), [(s, d) for _, s, d in specs],
                        w.key + ("quantized", node.op, m.bits), w.group)
         tensors = [gs.Constant(f"{source.name}{suffix}", v) for (suffix, _, _), v in zip(specs, values)]
         data = node.inputs[1] if node.op == "Gather" else node.inputs[0]

@@ -528,6 +528,61 @@ def llama_config(f: _Fields, max_seq_len: int | None) -> DecoderConfig:
                          **_rope(f, head_dim, bool(sliding), capacity), **_biases(f), **_scales(f, d))
 
 
+# Where each converted DecoderConfig field comes from in a Hugging Face config.json, so that a refusal of
+# the converted config (DecoderConfig.validate) names the user's field, not ours: the first candidate
+# config.json holds (dotted: a key inside an object), else the first the model type defaults.
+HF_CONFIG_FIELDS = {
+    "vocab_size": ("vocab_size",),
+    "d_model": ("hidden_size", "n_embd"),
+    "n_layer": ("num_hidden_layers", "n_layer"),
+    "n_head": ("num_attention_heads", "n_head"),
+    "n_kv_head": ("num_key_value_heads",),
+    "head_size": ("head_dim",),
+    "max_seq_len": ("max_position_embeddings", "n_positions"),
+    "mlp_hidden": ("intermediate_size", "n_inner"),
+    "eps": ("rms_norm_eps", "layer_norm_epsilon"),
+    "sliding_window": ("sliding_window",),
+    "rotary_dim": ("partial_rotary_factor", "rope_parameters.partial_rotary_factor"),
+    "rope_theta": ("rope_scaling.rope_theta", "rope_parameters.full_attention.rope_theta",
+                   "rope_parameters.rope_theta", "rope_theta"),
+    "local_rope_theta": ("rope_parameters.sliding_attention.rope_theta", "rope_local_base_freq"),
+    "attn_scale": ("query_pre_attn_scalar", "attention_multiplier"),      # Gemma: its ** -0.5; Granite: as is
+    "attn_softcap": ("attn_logit_softcapping",),
+    "final_softcap": ("final_logit_softcapping",),
+    "embed_scale": ("embedding_multiplier", "hidden_size"),               # Granite's; Gemma: sqrt(hidden_size)
+    "residual_scale": ("residual_multiplier",),
+    "logits_divisor": ("logits_scaling",),
+}
+
+
+def _hf_field(f: _Fields, ours: str) -> tuple[str, object] | None:
+    """(config.json key, its value) that the converted field `ours` came from, or None."""
+    candidates = HF_CONFIG_FIELDS.get(ours, ())
+    for key in candidates:
+        v = f.raw
+        for part in key.split("."):
+            v = v.get(part, MISSING) if isinstance(v, dict) else MISSING
+        if v is not MISSING:
+            return key, v
+    return next(((key, f.defaults[key]) for key in candidates if key in f.defaults), None)
+
+
+def _converted_field_error(f: _Fields, problem: str) -> ConvertError:
+    """DecoderConfig.validate's `<field> = <value>; expected <what>` as the user's config.json field."""
+    ours, _, rest = problem.partition(" = ")
+    found, _, expected = rest.partition("; expected ")
+    source = _hf_field(f, ours)
+    if source is None or not expected:
+        return ConvertError(f"{f.where}: converted config field {problem}")
+    key, value = source
+    expected = expected.replace("a positive number", "a finite positive number")
+    if repr(value) == found:
+        return ConvertError(f"{f.where}: {f.kind} field {key!r} is {found}; expected {expected}; "
+                            f"correct {key} in config.json")
+    return ConvertError(f"{f.where}: {f.kind} field {key!r} is {value!r}, which gives the decoder's {ours} = {found}; "
+                        f"expected {ours} {expected}; correct {key} in config.json")
+
+
 def hf_decoder_config(f: _Fields, max_seq_len: int | None = None) -> DecoderConfig:
     path = f.where.parent
     cfg = (gpt2_config if f.kind == "gpt2" else llama_config)(f, max_seq_len)
@@ -535,7 +590,7 @@ def hf_decoder_config(f: _Fields, max_seq_len: int | None = None) -> DecoderConf
     try:
         cfg.validate()
     except ValueError as e:
-        raise ConvertError(f"{f.where}: converted config field {e}") from None
+        raise _converted_field_error(f, str(e)) from None
     return cfg
 
 
@@ -895,6 +950,9 @@ class WeightPlan:
     cfg: DecoderConfig
     places: dict[str, tuple[Stored, Callable[[torch.Tensor], torch.Tensor]]]   # ours -> (stored tensor, map)
     notes: list[str]
+    # ours -> the tensor's name in the folder's files (model.layers.0.mlp.up_proj.weight for
+    # blocks.0.mlp.up_proj.weight): what a refusal of a stored tensor names
+    names: dict[str, str] = field(default_factory=dict)
 
 
 def hf_weight_plan(path: str | os.PathLike, max_seq_len: int | None = None) -> WeightPlan:
@@ -905,7 +963,9 @@ def hf_weight_plan(path: str | os.PathLike, max_seq_len: int | None = None) -> W
     f = _Fields(path / CONFIG, raw)
     cfg = hf_decoder_config(f, max_seq_len)
     stored = read_weights(path)
-    places = {ours: (stored[name], fn) for p, name in plan_weights(path, f, cfg, stored) for ours, fn in p.targets}
+    planned = [(ours, name, fn) for p, name in plan_weights(path, f, cfg, stored) for ours, fn in p.targets]
+    places = {ours: (stored[name], fn) for ours, name, fn in planned}
+    names = {ours: name for ours, name, _ in planned}
     if cfg.tie_embeddings and "lm_head.weight" in places:
         head, emb = places["lm_head.weight"], places["wte.weight"]
         if torch.equal(head[1](head[0].read()), emb[1](emb[0].read())):
@@ -916,7 +976,8 @@ def hf_weight_plan(path: str | os.PathLike, max_seq_len: int | None = None) -> W
                            "kept untied, as transformers does (set tie_word_embeddings to false to say so)")
     if cfg.tie_embeddings:
         places["lm_head.weight"] = places["wte.weight"]
-    return WeightPlan(raw, cfg, places, _folder_notes(path, raw, cfg, f.notes))
+        names["lm_head.weight"] = names["wte.weight"]
+    return WeightPlan(raw, cfg, places, _folder_notes(path, raw, cfg, f.notes), names)
 
 
 # --- the whole folder -------------------------------------------------------------------------

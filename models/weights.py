@@ -185,7 +185,9 @@ def _checkpoint_source(path: Path, max_seq_len: int | None) -> WeightSource:
 def _hf_source(path: Path, max_seq_len: int | None) -> WeightSource:
     from models.convert import hf_weight_plan
     plan = hf_weight_plan(path, max_seq_len)
-    places = {ours: _Place(stored.file, ours, stored.read, fn) for ours, (stored, fn) in plan.places.items()}
+    # a refusal names the tensor as the folder's file spells it (plan.names), not by our name
+    places = {ours: _Place(stored.file, plan.names.get(ours, ours), stored.read, fn)
+              for ours, (stored, fn) in plan.places.items()}
     return WeightSource(path, plan.cfg, places, plan.raw, f"hf:{plan.raw['model_type']}", plan.notes)
 
 

@@ -110,6 +110,14 @@ class TrainConfig:
         if isinstance(d_model, int) and isinstance(n_head, int) and n_head > 0 and d_model % n_head:
             raise TrainUsageError(f"model config: n_head = {n_head}; expected a divisor of d_model ({d_model}); "
                                   f"change --d-model / --n-layer / --n-head")
+        cfg = self.decoder_config()
+        if cfg.pos_embedding == "rope" and cfg.head_size is None and isinstance(d_model, int) and \
+                isinstance(n_head, int) and n_head > 0 and (d_model // n_head) % 2:
+            # validate() would name DecoderConfig's head_size (None: it follows d_model / n_head), no option
+            width = d_model // n_head
+            raise TrainUsageError(f"--d-model {d_model} / --n-head {n_head}: expected an even head width for rope "
+                                  f"(--arch llama, qwen3, gemma3 rotate pairs of dims), found {width}; "
+                                  f"change --d-model or --n-head (e.g. --d-model {n_head * (width + 1)})")
         self._check_parallel_settings()
         self._check_data()
         if self.corpus != "generated" and not self.corpus.startswith("hf:") and not Path(self.corpus).is_file():

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.cli.conftest import cli, copy_tree
+from tests.cli.conftest import COMMANDS, cli, copy_tree
 from tests.helpers import random_model, snapshot, tiny_tokenizer_json, write_checkpoint
 
 TINY_TRAIN = ["--d-model", "16", "--n-layer", "1", "--n-head", "2", "--batch-size", "2", "--seq-len", "16",
@@ -75,6 +75,36 @@ def _hf_gpt2(s: Path) -> Path:
     """A real (tiny, random) GPT-2 folder, as save_pretrained writes it."""
     from tests.hf_models import hf_model, save_hf
     return save_hf(hf_model("gpt2"), s / "hf")
+
+
+def _hf_family_config(s: Path, family: str, **changes) -> Path:
+    """A config-only folder of tests.hf_models' FAMILIES[family], fields `changes` changed (JSON Infinity for inf)."""
+    from tests.hf_models import FAMILIES, VOCAB
+    model_type, overrides = FAMILIES[family]
+    hf = s / "hfc"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": model_type, "vocab_size": VOCAB, **overrides, **changes}))
+    return hf
+
+
+def _hf_llama_with_nan(s: Path) -> Path:
+    """A real (tiny, random) Llama folder whose model.layers.0.mlp.up_proj.weight holds a NaN."""
+    from safetensors.torch import load_file, save_file
+    from tests.hf_models import hf_model, save_hf
+    hf = save_hf(hf_model("llama"), s / "hf")
+    tensors = load_file(str(hf / "model.safetensors"))
+    tensors["model.layers.0.mlp.up_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    return hf
+
+
+def _ckpt_with_huge_weight(s: Path) -> Path:
+    """A checkpoint whose blocks.0.attn.q_proj.weight holds 3e38 (finite in fp32)."""
+    import torch
+    model = random_model(seed=3, n_layer=1, max_seq_len=32)
+    with torch.no_grad():
+        model.blocks[0].attn.q_proj.weight[0, 0] = 3e38
+    return write_checkpoint(s / "huge", model)
 
 
 def _text_folder(s: Path) -> Path:
@@ -504,7 +534,62 @@ CASES = [
     ("generate-neither-prompt-nor-batch-file", "runtime.generate", ["--model", "{build}"], None, 2, "found neither"),
     ("generate-top-p-zero", "runtime.generate", ["--model", "{build}", "--prompt", "hi", "--top-p", "0"], None, 2,
      "sampling"),
+    # --- issue 42 item 8: each message names what the user wrote (their field, tensor, option) and the fix -----
+    ("convert-final-softcap-inf", "models.convert", ["{s}/hfc", "--out", "{s}/ck"],
+     lambda s, fx: _hf_family_config(s, "gemma2", final_logit_softcapping=float("inf")), 1,
+     "config.json: gemma2 field 'final_logit_softcapping' is inf; expected null or a finite positive number; "
+     "correct final_logit_softcapping in config.json"),
+    ("convert-local-rope-theta-inf", "models.convert", ["{s}/hfc", "--out", "{s}/ck"],
+     lambda s, fx: _hf_family_config(s, "gemma3", rope_parameters={
+         "sliding_attention": {"rope_type": "default", "rope_theta": float("inf")},
+         "full_attention": {"rope_type": "default", "rope_theta": 1000.0}}), 1,
+     "gemma3_text field 'rope_parameters.sliding_attention.rope_theta' is inf; expected null or a finite positive "
+     "number; correct rope_parameters.sliding_attention.rope_theta in config.json"),
+    ("convert-attn-scale-from-query-pre-attn-scalar", "models.convert", ["{s}/hfc", "--out", "{s}/ck"],
+     lambda s, fx: _hf_family_config(s, "gemma2", query_pre_attn_scalar=float("inf")), 1,
+     "gemma2 field 'query_pre_attn_scalar' is inf, which gives the decoder's attn_scale = 0.0; expected attn_scale "
+     "null or a finite positive number; correct query_pre_attn_scalar in config.json"),
+    ("convert-logits-divisor-inf", "models.convert", ["{s}/hfc", "--out", "{s}/ck"],
+     lambda s, fx: _hf_family_config(s, "granite", logits_scaling=float("inf")), 1,
+     "granite field 'logits_scaling' is inf; expected a finite positive number; correct logits_scaling in config.json"),
+    ("build-hf-tensor-nan-named-as-in-the-file", "export.build", ["--checkpoint", "{s}/hf", "--out", "{s}/b"],
+     lambda s, fx: _hf_llama_with_nan(s), 1,
+     "model.safetensors: tensor 'model.layers.0.mlp.up_proj.weight' contains NaN or Inf"),
+    ("build-triton-repo-over-plain-file", "export.build",
+     ["--checkpoint", "{ckpt}", "--out", "{s}/b", "--triton-repo", "{s}/X"], lambda s, fx: _plain_file(s), 1,
+     "X: expected a Triton model repository or a new path, found a file; choose another --triton-repo"),
+    ("fold-vs-genai-work-is-a-file", "bench.fold_vs_genai",
+     ["run", "--shape", "qwen3-0.6b", "--work", "{s}/X", "--json", "{s}/r.json"], lambda s, fx: _plain_file(s), 1,
+     "X: expected a folder for the run's builds, found a file; choose another --work"),
+    ("fold-vs-genai-empty-shape-list", "bench.fold_vs_genai",
+     ["run", "--shape", ",", "--work", "{s}/w", "--json", "{s}/r.json"], None, 2,
+     "error: --shape ',': expected one or more bench/shapes.py names or config .json paths, comma-separated, "
+     "found none; pass e.g. --shape qwen3-0.6b"),
+    ("train-rope-odd-head-width", "train", ["--preset", "baseline", "--out", "{s}/new", "--arch", "gemma3",
+                                            "--d-model", "60", "--n-head", "4", *TINY_TRAIN[2:4], *TINY_TRAIN[6:]],
+     None, 2,
+     "error: --d-model 60 / --n-head 4: expected an even head width for rope (--arch llama, qwen3, gemma3 rotate "
+     "pairs of dims), found 15; change --d-model or --n-head (e.g. --d-model 64)"),
+    ("build-int4-weight-3e38", "export.build",
+     ["--fuse", "--quantize", "int4", "--checkpoint", "{s}/huge", "--out", "{s}/b"],
+     lambda s, fx: _ckpt_with_huge_weight(s), 1,
+     "blocks.0.attn.qkv_proj: expected finite weights of magnitude <= 1.84e+19 to quantize to int4, found |w| up "
+     "to 2.92e+38"),
 ]
+
+
+def _cli(command: str, argv: list):
+    """tests.cli.conftest.cli, and bench.fold_vs_genai (not among the fuzzed COMMANDS: its `run` builds real shapes)."""
+    if command in COMMANDS:
+        return cli(command, argv)
+    import contextlib
+    import importlib
+    import io
+    from tests.cli.conftest import Result
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = importlib.import_module(command).main([str(a) for a in argv])
+    return Result(code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture
@@ -531,7 +616,7 @@ def test_bad_input_one_line_nothing_changed(tmp_path, fx, ports, case_id, comman
     before = snapshot(tmp_path)
     args = [a.format(s=s, ckpt=fx["ckpt"], build=fx["build"], unfused=fx["unfused"], run=fx["run"], **ports)
             for a in argv]
-    r = cli(command, args)
+    r = _cli(command, args)
     assert "Traceback" not in r.err, r.err
     assert r.code == code, (r.code, r.err)
     assert len(r.error_lines) == 1 and r.err.startswith("error: "), r.err
@@ -600,3 +685,19 @@ def test_broadcasting_mul_is_not_folded_and_the_graph_stays_loadable(tmp_path):
     ref = ort.InferenceSession(str(src)).run(None, {"x": x})[0]
     got = ort.InferenceSession(str(tmp_path / "o.onnx")).run(None, {"x": x})[0]
     np.testing.assert_array_equal(ref, got)
+
+
+def test_build_triton_repo_on_a_full_disk_names_the_build_it_wrote(tmp_path, fx, small_fs):
+    """export.build --triton-repo on a full file system: the build at --out was written whole, so the one
+    line says so and points the fix at --triton-repo (the child runtime.triton repo said "nothing was
+    written ... choose another --out")."""
+    import re
+    fs = small_fs.mount("16m")
+    small_fs.fill(fs, 4096)
+    out, repo = tmp_path / "b", fs / "repo"
+    r = cli("export.build", ["--checkpoint", fx["ckpt"], "--out", out, "--triton-repo", repo])
+    assert r.code == 1 and "Traceback" not in r.err and len(r.error_lines) == 1, r.err[-3000:]
+    assert re.fullmatch(rf"error: {re.escape(str(repo))}(/[^:]+)?: No space left on device; complete: "
+                        rf"{re.escape(str(out))}; nothing else was written \(free space or choose another "
+                        r"--triton-repo\)", r.error_lines[0]), r.error_lines[0]
+    assert (out / "model.onnx").is_file() and not repo.exists()
