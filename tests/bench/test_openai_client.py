@@ -1,0 +1,242 @@
+"""bench.serve --api openai against a tiny in-process OpenAI-compatible server (SSE over chunked HTTP/1.1,
+kept-alive connections), and once against llama.cpp's server where a python with llama_cpp is given.
+
+The fake server streams one chunk per token (or two tokens per chunk), sends `usage` only when
+stream_options.include_usage asks, and misbehaves on cue (the prompt names the cue) as real servers do:
+a 503 with an OpenAI error object, an `error` event, a stream cut without a finish_reason, an early stop."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from bench import openai_client, serve
+from bench.openai_client import OpenAIClient, StreamResult, split_url
+from core.errors import UsageError
+
+
+class FakeOpenAI(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    usage = True            # honour stream_options.include_usage
+    per_chunk = 1           # tokens per text chunk
+    bodies: list = []
+
+    def log_message(self, *a):      # quiet
+        pass
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def _event(self, obj) -> None:
+        self._chunk(b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n")
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append({"path": self.path, **body})
+        chat = self.path == "/v1/chat/completions"
+        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+        if self.path not in ("/v1/completions", "/v1/chat/completions"):
+            return self._json(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
+        if "busy" in prompt:
+            return self._json(503, {"error": {"message": "server busy: 4 running, 0 queued", "type": "overloaded"}})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        n = body["max_tokens"]
+        if "early" in prompt and not body.get("ignore_eos") and body.get("min_tokens", 0) < n:
+            n = 3                   # the model met its end-of-sequence token
+        if "error" in prompt:
+            self._event({"error": {"message": "model crashed\nsecond line", "type": "server_error"}})
+            self._event(b"[DONE]")
+            return self._chunk(b"")
+        self._chunk(b": ping\n\n")
+        if chat:
+            self._event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        sent = 0
+        while sent < n:
+            k = min(self.per_chunk, n - sent)
+            piece = "".join(f" t{sent + j}" for j in range(k))
+            choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
+            self._event({"choices": [{**choice, "finish_reason": None}]})
+            sent += k
+            if "cut" in prompt and sent >= 2:
+                self._event(b"[DONE]")
+                return self._chunk(b"")
+        reason = "length" if n == body["max_tokens"] else "stop"
+        self._event({"choices": [{"index": 0, "finish_reason": reason, **({"delta": {}} if chat else {"text": ""})}]})
+        if self.usage and (body.get("stream_options") or {}).get("include_usage"):
+            self._event({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": n + 5}})
+        self._event(b"[DONE]")
+        self._chunk(b"")
+
+    def _json(self, status: int, obj) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def fake():
+    def start(**attrs):
+        handler = type("Handler", (FakeOpenAI,), {"bodies": [], **attrs})
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}", handler
+    servers: list = []
+    yield start
+    for s in servers:
+        s.shutdown()
+        s.server_close()
+
+
+def test_one_request_timed_from_its_chunks_with_usage(fake):
+    url, handler = fake()
+    with OpenAIClient(url) as client:
+        for _ in range(2):      # the second rides the kept-alive connection
+            res = client.stream("Once upon a time", 6)
+            rec = res.record(0, 6)
+            assert rec["error"] is None and rec["counted_by"] == "usage" and rec["chunks"] == 6
+            assert len(rec["arrivals"]) == 6 and rec["arrivals"] == sorted(rec["arrivals"]) and rec["sent"] < rec["arrivals"][0]
+            assert res.text == " t0 t1 t2 t3 t4 t5" and res.finish_reason == "length"
+    body = handler.bodies[0]
+    assert (body["path"], body["prompt"], body["max_tokens"], body["temperature"], body["stream"]) == \
+        ("/v1/completions", "Once upon a time", 6, 0.0, True)
+    assert body["stream_options"] == {"include_usage": True} and body["ignore_eos"] is True
+    assert "model" not in body and "min_tokens" not in body
+
+
+def test_tokens_counted_without_usage_and_several_per_chunk(fake):
+    url, _ = fake(usage=False, per_chunk=2)
+    with OpenAIClient(url, endpoint="chat", model="m") as client:
+        res = client.stream("hello", 5)
+    # no usage, finish_reason "length": max_tokens; 3 text chunks carried them (2 + 2 + 1)
+    assert res.tokens(5) == (5, "length") and len(res.chunk_times) == 3
+    rec = res.record(0, 5)
+    assert rec["error"] is None and len(rec["arrivals"]) == 5 and rec["arrivals"][-2:] == [res.chunk_times[-1]] * 2
+    # without a finish_reason "length" and without usage only the text chunks are known
+    assert StreamResult(sent=0.0, chunk_times=[1.0, 2.0], finish_reason="stop").tokens(5) == (2, "chunks")
+    # usage wins over the chunks, both ways
+    assert StreamResult(sent=0.0, chunk_times=[1.0, 2.0, 3.0], usage_tokens=2, finish_reason="length").arrivals(2) == [1.0, 2.0]
+
+
+def test_errors_are_counted_never_hidden(fake):
+    url, _ = fake()
+    with OpenAIClient(url) as client:
+        busy = client.stream("busy now", 4).record(0, 4)
+        assert busy["error"] == "HTTP 503: server busy: 4 running, 0 queued" and busy["arrivals"] == []
+        event = client.stream("error please", 4).record(0, 4)
+        assert event["error"].startswith("server: model crashed") and "\n" not in event["error"]
+        cut = client.stream("cut short", 8).record(0, 8)
+        assert cut["error"] == "stream ended without a finish_reason after 2 text chunk(s)" and len(cut["arrivals"]) == 2
+        ok = client.stream("fine", 4).record(0, 4)      # the connection still serves after all of that
+        assert ok["error"] is None
+    # a server that does not honour the force-length field stops early: an error, its tokens still counted
+    with OpenAIClient(url, force_length="none") as client:
+        early = client.stream("early stop", 8).record(0, 8)
+    assert early["error"].startswith("finished early: finish_reason 'stop' after 3 of 8 tokens")
+    assert len(early["arrivals"]) == 3
+    with OpenAIClient(url, force_length="min_tokens") as client:
+        assert client.stream("early stop", 8).record(0, 8)["error"] is None
+    with OpenAIClient("http://127.0.0.1:9") as client:          # nothing listens on the discard port
+        assert client.stream("x", 2).record(0, 2)["error"].startswith("ConnectionRefusedError")
+
+
+def test_url_spellings_and_loopback_only():
+    assert split_url("http://127.0.0.1:8080") == ("127.0.0.1", 8080, "")
+    assert split_url("http://localhost:8080/v1") == ("localhost", 8080, "")
+    assert split_url("127.0.0.1:8080/api/v1/") == ("127.0.0.1", 8080, "/api")
+    assert split_url("http://[::1]:8080") == ("::1", 8080, "")
+    for bad in ("http://10.0.0.1:8080", "https://127.0.0.1:8080", "http://127.0.0.1", "127.0.0.1:99999"):
+        with pytest.raises(UsageError):
+            split_url(bad)
+
+
+def test_level_and_bench_serve_cli_report(fake, tmp_path, capsys):
+    url, handler = fake()
+    level = openai_client.run_level(url, 4, 10, ["a", "busy", "b", "c", "d"], 5)
+    recs = level["records"]
+    assert len(recs) == 10 and {r["client"] for r in recs} <= {0, 1, 2, 3}
+    lv = serve.summarize_level([level], 4)
+    assert (lv["completed"], lv["tokens"], lv["errors"]) == (8, 40, {"HTTP 503: server busy: 4 running, 0 queued": 2})
+    assert lv["tokens_counted_by"] == {"usage": 8, "chunks": 2}
+
+    out, before = tmp_path / "serve", len(handler.bodies)
+    rc = serve.main(["--api", "openai", "--url", url, "--concurrency", "1,4", "--requests", "6", "--rounds", "2",
+                     "--max-new-tokens", "4", "--warmup", "1", "--endpoint", "chat", "--model", "peer",
+                     "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["api"] == "openai" and results["settings"]["endpoint"] == "chat"
+    assert [lv["concurrency"] for lv in results["levels"]] == [1, 4]
+    for lv in results["levels"]:
+        assert (lv["rounds"], lv["requests"], lv["completed"], lv["tokens"], lv["errors"]) == (2, 12, 12, 48, {})
+        assert lv["tokens_counted_by"] == {"usage": 12}
+        assert lv["ttft"]["p99_ms"] >= lv["ttft"]["p50_ms"] > 0 and lv["tokens_per_s_rounds"]["min"] > 0
+    md = (out / "results.md").read_text()
+    assert "OpenAI /v1/chat/completions, streamed" in md and "usage (24 requests)" in md
+    assert (out / "serve.png").is_file()
+    assert all(b["path"] == "/v1/chat/completions" and b["model"] == "peer" for b in handler.bodies[before:])
+
+
+def test_bench_serve_refuses_an_unreachable_or_refusing_server(fake, tmp_path, capsys):
+    rc = serve.main(["--api", "openai", "--url", "http://127.0.0.1:9", "--out", str(tmp_path / "a")])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1 and "ConnectionRefusedError" in err and not (tmp_path / "a").exists()
+    url, _ = fake()
+    rc = serve.main(["--api", "openai", "--url", url, "--prompts", str(_write(tmp_path / "p.txt", "busy\n")),
+                     "--out", str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "HTTP 503: server busy" in err and not (tmp_path / "b").exists()
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+# --- llama.cpp's server -----------------------------------------------------------------------------
+
+LLAMACPP_PYTHON = os.environ.get("TAPERNORM_LLAMACPP_PYTHON", sys.executable)
+LLAMACPP_SRC = os.environ.get("TAPERNORM_LLAMACPP_SRC")      # llama-cpp-python's source (sdist) folder or .tar.gz
+
+
+def _llamacpp_missing() -> str | None:
+    try:
+        r = subprocess.run([LLAMACPP_PYTHON, "-c", "import llama_cpp.server"], capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{LLAMACPP_PYTHON}: {e}"
+    if r.returncode != 0:
+        return f"llama_cpp.server is not importable by {LLAMACPP_PYTHON} (set TAPERNORM_LLAMACPP_PYTHON)"
+    if not LLAMACPP_SRC:
+        return "TAPERNORM_LLAMACPP_SRC (llama-cpp-python's source package) is not set"
+    return None
+
+
+@pytest.mark.slow
+def test_against_llamacpp_server_on_a_tiny_gguf(tmp_path):
+    missing = _llamacpp_missing()
+    if missing:
+        pytest.skip(missing)
+    from bench import llamacpp
+    folder = llamacpp.tiny_llama_folder(tmp_path / "tiny")
+    gguf = llamacpp.make_gguf(folder, tmp_path / "tiny-q4_0.gguf", source=LLAMACPP_SRC, python=LLAMACPP_PYTHON,
+                              work=tmp_path / "work")
+    with llamacpp.LlamaCppServer(gguf, slots=2, threads=1, ctx_per_slot=256, python=LLAMACPP_PYTHON,
+                                 log=tmp_path / "server.log") as srv:
+        level = openai_client.run_level(srv.url, 2, 4, ["Once upon a time", "A boy"], 8, force_length="min_tokens")
+    lv = serve.summarize_level([level], 2)
+    assert (lv["completed"], lv["tokens"], lv["errors"]) == (4, 32, {}), lv
+    assert lv["tokens_counted_by"] in ({"usage": 4}, {"length": 4})
