@@ -1,17 +1,9 @@
-"""bench.serve --api openai against a tiny in-process OpenAI-compatible server (SSE over chunked HTTP/1.1,
-kept-alive connections), and once against llama.cpp's server where a python with llama_cpp is given.
-
-The fake server streams one chunk per token (or two tokens per chunk), sends `usage` only when
-stream_options.include_usage asks, and misbehaves on cue (the prompt names the cue) as real servers do:
-a 503 with an OpenAI error object, an `error` event, a stream cut without a finish_reason, an early stop."""
+"""bench.serve --api openai against a tiny in-process OpenAI-compatible server (tests/bench/fake_openai.py:
+SSE over chunked HTTP/1.1, kept-alive connections, misbehaving on cue as real servers do). The same client
+against llama.cpp's real server: tests/bench/test_llamacpp.py."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -19,87 +11,7 @@ import pytest
 from bench import openai_client, serve
 from bench.openai_client import OpenAIClient, StreamResult, split_url
 from core.errors import UsageError
-
-
-class FakeOpenAI(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    usage = True            # honour stream_options.include_usage
-    per_chunk = 1           # tokens per text chunk
-    bodies: list = []
-
-    def log_message(self, *a):      # quiet
-        pass
-
-    def _chunk(self, data: bytes) -> None:
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-        self.wfile.flush()
-
-    def _event(self, obj) -> None:
-        self._chunk(b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n")
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        type(self).bodies.append({"path": self.path, **body})
-        chat = self.path == "/v1/chat/completions"
-        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
-        if self.path not in ("/v1/completions", "/v1/chat/completions"):
-            return self._json(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
-        if "busy" in prompt:
-            return self._json(503, {"error": {"message": "server busy: 4 running, 0 queued", "type": "overloaded"}})
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        n = body["max_tokens"]
-        if "early" in prompt and not body.get("ignore_eos") and body.get("min_tokens", 0) < n:
-            n = 3                   # the model met its end-of-sequence token
-        if "error" in prompt:
-            self._event({"error": {"message": "model crashed\nsecond line", "type": "server_error"}})
-            self._event(b"[DONE]")
-            return self._chunk(b"")
-        self._chunk(b": ping\n\n")
-        if chat:
-            self._event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
-        sent = 0
-        while sent < n:
-            k = min(self.per_chunk, n - sent)
-            piece = "".join(f" t{sent + j}" for j in range(k))
-            choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
-            self._event({"choices": [{**choice, "finish_reason": None}]})
-            sent += k
-            if "cut" in prompt and sent >= 2:
-                self._event(b"[DONE]")
-                return self._chunk(b"")
-        reason = "length" if n == body["max_tokens"] else "stop"
-        self._event({"choices": [{"index": 0, "finish_reason": reason, **({"delta": {}} if chat else {"text": ""})}]})
-        if self.usage and (body.get("stream_options") or {}).get("include_usage"):
-            self._event({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": n + 5}})
-        self._event(b"[DONE]")
-        self._chunk(b"")
-
-    def _json(self, status: int, obj) -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-
-@pytest.fixture
-def fake():
-    def start(**attrs):
-        handler = type("Handler", (FakeOpenAI,), {"bodies": [], **attrs})
-        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        server.daemon_threads = True
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        return f"http://127.0.0.1:{server.server_address[1]}", handler
-    servers: list = []
-    yield start
-    for s in servers:
-        s.shutdown()
-        s.server_close()
+from tests.bench.fake_openai import fake  # noqa: F401  (the fixture)
 
 
 def test_one_request_timed_from_its_chunks_with_usage(fake):
@@ -205,38 +117,3 @@ def test_bench_serve_refuses_an_unreachable_or_refusing_server(fake, tmp_path, c
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
-
-
-# --- llama.cpp's server -----------------------------------------------------------------------------
-
-LLAMACPP_PYTHON = os.environ.get("TAPERNORM_LLAMACPP_PYTHON", sys.executable)
-LLAMACPP_SRC = os.environ.get("TAPERNORM_LLAMACPP_SRC")      # llama-cpp-python's source (sdist) folder or .tar.gz
-
-
-def _llamacpp_missing() -> str | None:
-    try:
-        r = subprocess.run([LLAMACPP_PYTHON, "-c", "import llama_cpp.server"], capture_output=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"{LLAMACPP_PYTHON}: {e}"
-    if r.returncode != 0:
-        return f"llama_cpp.server is not importable by {LLAMACPP_PYTHON} (set TAPERNORM_LLAMACPP_PYTHON)"
-    if not LLAMACPP_SRC:
-        return "TAPERNORM_LLAMACPP_SRC (llama-cpp-python's source package) is not set"
-    return None
-
-
-@pytest.mark.slow
-def test_against_llamacpp_server_on_a_tiny_gguf(tmp_path):
-    missing = _llamacpp_missing()
-    if missing:
-        pytest.skip(missing)
-    from bench import llamacpp
-    folder = llamacpp.tiny_llama_folder(tmp_path / "tiny")
-    gguf = llamacpp.make_gguf(folder, tmp_path / "tiny-q4_0.gguf", source=LLAMACPP_SRC, python=LLAMACPP_PYTHON,
-                              work=tmp_path / "work")
-    with llamacpp.LlamaCppServer(gguf, slots=2, threads=1, ctx_per_slot=256, python=LLAMACPP_PYTHON,
-                                 log=tmp_path / "server.log") as srv:
-        level = openai_client.run_level(srv.url, 2, 4, ["Once upon a time", "A boy"], 8, force_length="min_tokens")
-    lv = serve.summarize_level([level], 2)
-    assert (lv["completed"], lv["tokens"], lv["errors"]) == (4, 32, {}), lv
-    assert lv["tokens_counted_by"] in ({"usage": 4}, {"length": 4})

@@ -1,0 +1,488 @@
+"""python -m bench.llamacpp gguf --checkpoint DIR --source SDIST --llamacpp-python PY --out DIR [--vocab llama-bpe]
+python -m bench.llamacpp serve --gguf FILE --llamacpp-python PY [--server-bin BIN] --slots N --threads N [--port P]
+python -m bench.llamacpp compare --ours-url http://127.0.0.1:PORT --gguf FILE --llamacpp-python PY --threads N
+                                 [--concurrency 1,4,16] [--rounds N] [--max-new-tokens N] --out DIR
+
+llama.cpp's server as the peer of ours, on the same random-init folder (`python -m bench.scale make`):
+
+gguf     the folder as llama.cpp's Q4_0 GGUF, in two steps, each in a child process:
+         1. llama.cpp's own convert_hf_to_gguf.py (from llama-cpp-python's source package, --source: the
+            .tar.gz or its unpacked folder; it vendors llama.cpp with the script, its `conversion` package
+            and `gguf-py`) writes an f16 GGUF, run by this python (it needs torch and transformers). A
+            random folder has no tokenizer, so the converter's set_vocab is replaced by a copy of the
+            `tokenizer.*` keys of a vocab-only GGUF that llama.cpp ships for its tests
+            (vendor/llama.cpp/models/ggml-vocab-<--vocab>.gguf; llama-bpe is Llama 3's 128256 tokens, so
+            a Llama-3.2-shaped folder matches it; a folder whose vocab_size differs is refused);
+         2. llama.cpp's quantizer (`llama_cpp.llama_model_quantize`, LLAMA_FTYPE_MOSTLY_Q4_0), run by
+            --llamacpp-python, writes OUT/model-q4_0.gguf. The f16 file is dropped.
+serve    starts llama.cpp's server on that GGUF on 127.0.0.1 and waits until it answers /v1/models:
+         `python -m llama_cpp.server` (llama-cpp-python) or, with --server-bin, llama.cpp's own
+         `llama-server` with --parallel = --slots and continuous batching. Threads: --threads for both
+         decode and prompt (n_threads, n_threads_batch), the same as ours' intra-op threads.
+compare  the interleaved comparison: in each round, for each concurrency level (order rotated each round,
+         bench.stats.round_order), ours and llama.cpp one after the other (which goes first alternates),
+         each level a bench.serve level of the same client (bench/openai_client.py: streamed
+         /v1/completions, greedy, exactly --max-new-tokens); llama.cpp's server is started for each
+         level with slots = the level's concurrency and stopped after it, so it holds no CPU while ours
+         runs. Ours is a server already running (runtime.triton serve --openai-port), its slots at least
+         the largest level. OUT/results.json and OUT/results.md: per server and level tok/s (pooled, and
+         min / median / max over rounds), TTFT and inter-token p50 / p90 / p99, errors; per level the
+         per-round ratio ours / llama.cpp of tok/s and both TTFT p99.
+
+What llama-cpp-python's server is (0.3.x, llama_cpp/server/app.py): ONE llama_context behind a lock; it
+runs one request at a time, has no parallel slots (no n_parallel setting; --slots only sizes llama-server),
+and by default (`interrupt_requests`) ends a streaming request when another one arrives — `serve` starts it
+with `--interrupt_requests False`, so concurrent requests queue instead. It takes `min_tokens`, not
+`ignore_eos` (the client sends min_tokens to it: --force-length), and streams no `usage` (its tokens are
+counted as max_tokens from finish_reason "length"; bench/openai_client.py).
+"""
+from __future__ import annotations
+
+from core.errors import guard_startup
+guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from pathlib import Path
+
+from bench import stats
+from core.errors import ArgumentParser, UsageError, UserError, int_in, run_cli
+from core.outputs import OutputKind, SERVE_RESULTS, check_output_dir, claim_dir, output_dir, replace_file_in
+
+LLAMACPP_GGUF = OutputKind("llamacpp-gguf", "a llama.cpp GGUF folder", "python -m bench.llamacpp gguf")
+GGUF_NAME = "model-q4_0.gguf"
+VENDOR = "vendor/llama.cpp"
+# what the converter needs of the source package (a few MB of its 75)
+SOURCE_MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/ggml-vocab-")
+LLAMA_FTYPE_MOSTLY_Q4_0 = 2     # llama.h enum llama_ftype
+READY_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 20.0
+
+# Run by this python: llama.cpp's converter with its set_vocab replaced (module docstring).
+# argv: SOURCE VOCAB_GGUF FOLDER OUTFILE
+_CONVERT = r"""
+import json, sys
+from pathlib import Path
+src, vocab, folder, outfile = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), sys.argv[4]
+sys.path[:0] = [str(src), str(src / "gguf-py")]
+import gguf
+reader = gguf.GGUFReader(vocab)
+fields = {f.name: f for f in reader.fields.values() if f.name.startswith("tokenizer.")}
+n_vocab = len(fields["tokenizer.ggml.tokens"].contents())
+config = json.loads((folder / "config.json").read_text())
+if config.get("vocab_size") != n_vocab:
+    sys.exit(f"error: {folder}: expected vocab_size {n_vocab} (the tokens of {Path(vocab).name}), found "
+             f"{config.get('vocab_size')}; pick the matching --vocab")
+
+def set_vocab_from_gguf(self):
+    for name, f in fields.items():
+        self.gguf_writer.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[1] if len(f.types) > 1 else None)
+
+import conversion.base, conversion.llama
+conversion.base.TextModel.set_vocab = set_vocab_from_gguf
+conversion.llama.LlamaModel.set_vocab = set_vocab_from_gguf
+sys.argv = ["convert_hf_to_gguf.py", str(folder), "--outtype", "f16", "--outfile", outfile]
+import runpy
+runpy.run_path(str(src / "convert_hf_to_gguf.py"), run_name="__main__")
+"""
+
+# Run by --llamacpp-python: llama.cpp's quantizer. argv: IN OUT FTYPE THREADS
+_QUANTIZE = r"""
+import ctypes, sys
+import llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype, params.nthread = int(sys.argv[3]), int(sys.argv[4])
+rc = llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params))
+sys.exit(f"error: llama_model_quantize returned {rc}" if rc else 0)
+"""
+
+
+# --- the GGUF ----------------------------------------------------------------------------------------
+
+def source_dir(source: str | os.PathLike, work: Path) -> Path:
+    """llama.cpp's folder (the one with convert_hf_to_gguf.py) in llama-cpp-python's source package:
+    an unpacked folder is used as it is; a .tar.gz has the converter's files unpacked under `work`."""
+    source = Path(source)
+    if source.is_dir():
+        for d in (source, source / VENDOR):
+            if (d / "convert_hf_to_gguf.py").is_file():
+                return d
+        raise UserError(f"--source {source}: expected llama-cpp-python's source folder (with {VENDOR}/"
+                        "convert_hf_to_gguf.py), found none; pass the unpacked source package or its .tar.gz")
+    if not source.is_file() or not tarfile.is_tarfile(source):
+        raise UserError(f"--source {source}: expected llama-cpp-python's source package (.tar.gz, `pip download "
+                        "--no-binary :all: --no-deps llama-cpp-python`) or its unpacked folder, found "
+                        f"{'no such file' if not source.exists() else 'another file'}; pass it")
+    with tarfile.open(source) as tar:
+        members = [m for m in tar.getmembers() if m.isfile() and _wanted(m.name)]
+        if not members:
+            raise UserError(f"--source {source}: expected {VENDOR}/convert_hf_to_gguf.py inside, found none; "
+                            "pass llama-cpp-python's source package")
+        tar.extractall(work, members=members, filter="data")
+    root = members[0].name.split("/")[0]
+    return work / root / VENDOR
+
+
+def _wanted(name: str) -> bool:
+    parts = name.split("/", 1)
+    return len(parts) == 2 and parts[1].startswith(VENDOR + "/") and \
+        parts[1][len(VENDOR) + 1:].startswith(SOURCE_MEMBERS)
+
+
+def make_gguf(folder: str | os.PathLike, out: str | os.PathLike, *, source: str | os.PathLike, python: str,
+              vocab: str = "llama-bpe", threads: int | None = None, log=print) -> Path:
+    """OUT/model-q4_0.gguf from a random-init Llama folder (module docstring); returns the GGUF's path."""
+    folder, out = Path(folder), Path(out)
+    if not (folder / "config.json").is_file():
+        raise UserError(f"--checkpoint {folder}: expected a Hugging Face folder (config.json), found none; "
+                        "make one with `python -m bench.scale make llama-3.2-1b --out DIR`")
+    check_output_dir(out, LLAMACPP_GGUF, inputs=[folder])
+    with output_dir(out, LLAMACPP_GGUF, inputs=[folder],
+                    marker={"checkpoint": str(folder.resolve()), "vocab": vocab, "type": "q4_0"}) as tmp:
+        src = source_dir(source, tmp / "src")
+        vocab_file = src / "models" / f"ggml-vocab-{vocab}.gguf"
+        if not vocab_file.is_file():
+            have = sorted(p.name[len("ggml-vocab-"):-len(".gguf")] for p in (src / "models").glob("ggml-vocab-*.gguf"))
+            raise UserError(f"--vocab {vocab}: expected one of llama.cpp's vocab-only GGUFs ({', '.join(have)}), "
+                            "found none of that name; pick one")
+        f16 = tmp / "model-f16.gguf"
+        log(f"convert {folder} -> f16 GGUF (llama.cpp's convert_hf_to_gguf.py, vocabulary of {vocab_file.name})")
+        _child([sys.executable, "-c", _CONVERT, str(src), str(vocab_file), str(folder), str(f16)], "convert_hf_to_gguf")
+        log(f"quantize -> Q4_0 ({python}: llama_cpp.llama_model_quantize)")
+        _child([python, "-c", _QUANTIZE, str(f16), str(tmp / GGUF_NAME), str(LLAMA_FTYPE_MOSTLY_Q4_0),
+                str(threads or os.cpu_count() or 1)], "llama_model_quantize")
+        f16.unlink()
+        import shutil
+        shutil.rmtree(tmp / "src", ignore_errors=True)
+    log(f"wrote {out / GGUF_NAME}")
+    return out / GGUF_NAME
+
+
+def _child(cmd: list[str], what: str) -> None:
+    """Run a child; its failure is one line: its own `error:` line, else its last line."""
+    r = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace")
+    if r.returncode != 0:
+        lines = [ln.strip() for ln in r.stderr.splitlines() if ln.strip()]
+        mine = [ln for ln in lines if ln.startswith("error: ")]
+        last = mine[-1][len("error: "):] if mine else (lines[-1] if lines else f"exit code {r.returncode}")
+        raise UserError(f"{what}: expected success, found {last}; see {shlex.join(cmd[:1] + ['...'])}")
+
+
+# --- the server --------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaCppServer:
+    """llama.cpp's server on 127.0.0.1 for as long as `with` lasts (module docstring): started in its own
+    process group, ready when /v1/models answers, stopped (SIGTERM, then SIGKILL) on exit."""
+
+    def __init__(self, gguf: str | os.PathLike, *, slots: int, threads: int, python: str | None = None,
+                 server_bin: str | None = None, ctx_per_slot: int = 2048, port: int | None = None,
+                 log: str | os.PathLike | None = None, ready_timeout_s: float = READY_TIMEOUT_S):
+        if (python is None) == (server_bin is None):
+            raise UsageError("llama.cpp's server: expected --llamacpp-python or --server-bin, found "
+                             f"{'both' if python else 'neither'}; pass one")
+        self.gguf, self.slots, self.threads, self.python, self.server_bin = Path(gguf), slots, threads, python, server_bin
+        self.ctx_per_slot, self.port, self.log = ctx_per_slot, port or free_port(), log
+        self.ready_timeout_s = ready_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def force_length(self) -> str:
+        """The request field that makes this server generate exactly max_tokens."""
+        return "min_tokens" if self.server_bin is None else "ignore_eos"
+
+    def command(self) -> list[str]:
+        t = str(self.threads)
+        if self.server_bin is not None:
+            return [self.server_bin, "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
+                    "--threads", t, "--threads-batch", t, "--parallel", str(self.slots),
+                    "--ctx-size", str(self.ctx_per_slot * self.slots), "--cont-batching"]
+        # llama-cpp-python: one sequence, no slots (module docstring)
+        return [self.python, "-m", "llama_cpp.server", "--model", str(self.gguf), "--host", "127.0.0.1",
+                "--port", str(self.port), "--n_threads", t, "--n_threads_batch", t, "--n_ctx", str(self.ctx_per_slot),
+                "--interrupt_requests", "False"]
+
+    def __enter__(self) -> "LlamaCppServer":
+        if not self.gguf.is_file():
+            raise UserError(f"--gguf {self.gguf}: expected a GGUF file, found none; "
+                            "make it with `python -m bench.llamacpp gguf`")
+        out = open(self.log, "ab") if self.log else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        except OSError as e:
+            raise UserError(f"{self.command()[0]}: expected llama.cpp's server to start, found {e.strerror}; "
+                            "check --llamacpp-python / --server-bin") from None
+        finally:
+            if self.log:
+                out.close()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise UserError(f"llama.cpp's server: expected it to serve {self.gguf.name}, found it exited with "
+                                f"code {self.proc.returncode}{self._log_tail()}; run `{shlex.join(self.command())}` "
+                                "to see why")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise UserError(f"llama.cpp's server: expected /v1/models to answer within {self.ready_timeout_s:.0f} s, "
+                        f"found no answer{self._log_tail()}; see its log")
+
+    def _log_tail(self) -> str:
+        if not self.log or not Path(self.log).is_file():
+            return ""
+        lines = [ln for ln in Path(self.log).read_text(errors="replace").splitlines() if ln.strip()]
+        return f" (its log: {lines[-1].strip()[:200]})" if lines else ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# --- the interleaved comparison ----------------------------------------------------------------------
+
+OURS, PEER = "ours", "llama.cpp"
+
+
+def compare(ours_url: str, peer, levels: list[int], rounds: int, prompts: list[str], max_tokens: int,
+            requests: dict[int, int], ours_force_length: str = "ignore_eos", warmup: int = 2, log=print,
+            on_level=None) -> dict:
+    """Interleaved rounds (module docstring): raw[server][level] = [bench.serve level of each round].
+    peer(c) is a context manager giving a started server with slots c (.url, .force_length)."""
+    from bench import openai_client
+    raw: dict = {OURS: {}, PEER: {}}
+    for r in range(rounds):
+        for i, c in enumerate(stats.round_order(levels, r)):
+            order = (OURS, PEER) if (r + i) % 2 == 0 else (PEER, OURS)
+            for who in order:
+                if who == OURS:
+                    url, force = ours_url, ours_force_length
+                    level = _level(openai_client, url, c, requests[c], prompts, max_tokens, force, warmup)
+                else:
+                    with peer(c) as srv:
+                        level = _level(openai_client, srv.url, c, requests[c], prompts, max_tokens,
+                                       srv.force_length, warmup)
+                raw[who].setdefault(c, []).append(level)
+                from bench.serve import summarize_level
+                lv = summarize_level([level], c)
+                log(f"  round {r + 1} c={c} {who}: {lv['completed']}/{lv['requests']} requests, "
+                    f"{lv['tokens_per_s']:.1f} tok/s, TTFT p99 {lv['ttft']['p99_ms']:.0f} ms, "
+                    f"{sum(lv['errors'].values())} errors")
+                if on_level is not None:
+                    on_level(raw)
+    return raw
+
+
+def _level(openai_client, url, c, n, prompts, max_tokens, force, warmup) -> dict:
+    openai_client.warm_up(url, prompts, max_tokens, warmup, force_length=force)
+    return openai_client.run_level(url, c, n, prompts, max_tokens, force_length=force)
+
+
+def summarize(raw: dict, levels: list[int]) -> dict:
+    """Per server and level bench.serve's figures; per level ours / llama.cpp per round."""
+    from bench.serve import round_tokens_per_s, summarize_level
+    out = {"servers": {who: [summarize_level(raw[who][c], c) for c in levels if raw[who].get(c)] for who in raw},
+           "ratios": {}}
+    for c in levels:
+        ours, peer = raw[OURS].get(c, []), raw[PEER].get(c, [])
+        k = min(len(ours), len(peer))
+        if k:
+            out["ratios"][c] = stats.ratio_summary([round_tokens_per_s(x) for x in ours[:k]],
+                                                   [round_tokens_per_s(x) for x in peer[:k]]).as_dict()
+    return out
+
+
+def _f(x, nd=1) -> str:
+    return "-" if x is None or x != x else f"{x:.{nd}f}"
+
+
+def markdown(results: dict) -> str:
+    s, summ = results["settings"], results["summary"]
+    lines = [f"# bench.llamacpp compare: {results['started']}", "", f"`{results['command']}`", "",
+             f"Ours {s['ours_url']} vs llama.cpp ({s['peer']}) on `{s['gguf']}`, {s['threads']} threads each; "
+             f"{s['max_new_tokens']} new tokens per request (greedy, streamed /v1/completions), {len(s['prompts'])} "
+             f"prompts in turn, {s['rounds']} round(s), levels and servers interleaved; load average "
+             f"{' '.join(f'{x:.2f}' for x in results['machine']['loadavg_start'])} (start) / "
+             f"{' '.join(f'{x:.2f}' for x in results['machine'].get('loadavg_end', []))} (end).", "",
+             "| concurrency | server | requests | tok/s | tok/s per round (min / median / max) | "
+             "TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | errors |",
+             "|---|---|---|---|---|---|---|---|"]
+    by = {who: {lv["concurrency"]: lv for lv in lvs} for who, lvs in summ["servers"].items()}
+    for c in s["concurrency"]:
+        for who in (OURS, PEER):
+            lv = by.get(who, {}).get(c)
+            if lv is None:
+                continue
+            r, t, i = lv["tokens_per_s_rounds"], lv["ttft"], lv["itl"]
+            lines.append(f"| {c} | {who} | {lv['completed']}/{lv['requests']} | {_f(lv['tokens_per_s'])} | "
+                         f"{_f(r['min'])} / {_f(r['median'])} / {_f(r['max'])} | "
+                         f"{_f(t['p50_ms'])} / {_f(t['p90_ms'])} / {_f(t['p99_ms'])} | "
+                         f"{_f(i['p50_ms'])} / {_f(i['p90_ms'])} / {_f(i['p99_ms'])} | {sum(lv['errors'].values())} |")
+    if summ["ratios"]:
+        lines += ["", "| concurrency | tok/s ours / llama.cpp per round: median [min, max] | TTFT p99 ms ours / llama.cpp |",
+                  "|---|---|---|"]
+        for c, v in summ["ratios"].items():
+            o, p = by[OURS][int(c)]["ttft"]["p99_ms"], by[PEER][int(c)]["ttft"]["p99_ms"]
+            lines.append(f"| {c} | {_f(v['median'], 2)}x [{_f(v['min'], 2)}, {_f(v['max'], 2)}] | {_f(o)} / {_f(p)} |")
+    errors = {}
+    for who, lvs in summ["servers"].items():
+        for lv in lvs:
+            for msg, n in lv["errors"].items():
+                errors[f"{who}: {msg}"] = errors.get(f"{who}: {msg}", 0) + n
+    if errors:
+        lines += ["", "Errors:"] + [f"- {n} x {msg}" for msg, n in sorted(errors.items(), key=lambda x: -x[1])]
+    return "\n".join(lines) + "\n"
+
+
+# --- CLI ---------------------------------------------------------------------------------------------
+
+def _add_server_args(p, slots: bool) -> None:
+    p.add_argument("--gguf", required=True, help=f"the GGUF to serve (OUT/{GGUF_NAME} of `gguf`)")
+    p.add_argument("--llamacpp-python", help="a python that imports llama_cpp (llama-cpp-python[server]): "
+                                             "serves with `python -m llama_cpp.server`")
+    p.add_argument("--server-bin", help="llama.cpp's own llama-server binary instead (parallel slots)")
+    p.add_argument("--threads", type=int_in(1, 1024), required=True,
+                   help="decode and prompt threads (n_threads, n_threads_batch): the same as ours")
+    p.add_argument("--ctx-per-slot", type=int_in(64, 1 << 20), default=2048, help="context tokens per slot (default 2048)")
+    if slots:
+        p.add_argument("--slots", type=int_in(1, 256), default=1, help="llama-server's --parallel (default 1)")
+        p.add_argument("--port", type=int_in(1, 65535), help="default: a free port")
+
+
+def _parser():
+    p = ArgumentParser(prog="python -m bench.llamacpp", description="llama.cpp's server as the peer of ours.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("gguf", help="the folder as llama.cpp's Q4_0 GGUF")
+    g.add_argument("--checkpoint", required=True, help="a random-init Hugging Face folder (bench.scale make)")
+    g.add_argument("--source", required=True, help="llama-cpp-python's source package (.tar.gz) or its unpacked folder")
+    g.add_argument("--llamacpp-python", required=True, help="a python that imports llama_cpp (runs the quantizer)")
+    g.add_argument("--vocab", default="llama-bpe", help="llama.cpp's vocab-only GGUF to take the vocabulary from "
+                                                       "(models/ggml-vocab-NAME.gguf; default llama-bpe: Llama 3)")
+    g.add_argument("--threads", type=int_in(1, 1024), help="quantizer threads (default: every core)")
+    g.add_argument("--out", required=True, help=f"the folder to write ({GGUF_NAME})")
+    s = sub.add_parser("serve", help="start llama.cpp's server on the GGUF until Ctrl-C")
+    _add_server_args(s, slots=True)
+    s.add_argument("--log", help="the server's output (default: this terminal)")
+    c = sub.add_parser("compare", help="ours vs llama.cpp, interleaved")
+    c.add_argument("--ours-url", required=True, help="http://127.0.0.1:PORT of ours (runtime.triton serve --openai-port)")
+    c.add_argument("--ours-force-length", choices=("ignore_eos", "min_tokens", "both", "none"), default="ignore_eos",
+                   help="the field that makes ours generate exactly --max-new-tokens (default ignore_eos)")
+    _add_server_args(c, slots=False)
+    c.add_argument("--concurrency", default="1,4,16", help="comma list of concurrent clients (default 1,4,16)")
+    c.add_argument("--requests", type=int_in(1, 100_000), help="requests per level, server and round (default: "
+                                                               "4 x concurrency, at least 8)")
+    c.add_argument("--prompts", help="UTF-8 text file, one prompt per line (default: bench.serve's built-in list)")
+    c.add_argument("--max-new-tokens", type=int_in(1, 100_000), default=64, help="tokens per request (default 64)")
+    c.add_argument("--rounds", type=int_in(1, 100), default=3, help="rounds (default 3)")
+    c.add_argument("--warmup", type=int_in(0, 1000), default=2, help="untimed requests before each level (default 2)")
+    c.add_argument("--out", required=True, help="results directory (results.json, results.md, server logs)")
+    return p
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.cmd == "gguf":
+        make_gguf(args.checkpoint, args.out, source=args.source, python=args.llamacpp_python, vocab=args.vocab,
+                  threads=args.threads)
+        return 0
+    if args.cmd == "serve":
+        srv = LlamaCppServer(args.gguf, slots=args.slots, threads=args.threads, python=args.llamacpp_python,
+                             server_bin=args.server_bin, ctx_per_slot=args.ctx_per_slot, port=args.port, log=args.log)
+        print(shlex.join(srv.command()), flush=True)
+        with srv:
+            print(f"llama.cpp's server ready at {srv.url} (pid {srv.proc.pid}); Ctrl-C stops it", flush=True)
+            srv.proc.wait()
+        return 0
+    return _compare_cli(args, argv)
+
+
+def _compare_cli(args, argv) -> int:
+    from bench import openai_client
+    from bench.runners import machine_info
+    from bench.serve import _levels, _prompts, default_requests
+    openai_client.split_url(args.ours_url)
+    levels = _levels(args.concurrency)
+    prompts = _prompts(args.prompts)
+    if not Path(args.gguf).is_file():
+        raise UserError(f"--gguf {args.gguf}: expected a GGUF file, found none; make it with `python -m bench.llamacpp gguf`")
+    LlamaCppServer(args.gguf, slots=1, threads=args.threads, python=args.llamacpp_python, server_bin=args.server_bin)
+    check_output_dir(args.out, SERVE_RESULTS)
+    openai_client.warm_up(args.ours_url, prompts, args.max_new_tokens, 1, force_length=args.ours_force_length)
+    out = claim_dir(args.out, SERVE_RESULTS)
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    command = "python -m bench.llamacpp " + shlex.join(sys.argv[1:] if argv is None else argv)
+    machine = machine_info(gpu=False)
+    settings = {"ours_url": args.ours_url, "ours_force_length": args.ours_force_length, "gguf": str(args.gguf),
+                "peer": "llama-server" if args.server_bin else "llama-cpp-python (python -m llama_cpp.server)",
+                "threads": args.threads, "concurrency": levels,
+                "requests": {c: args.requests or default_requests(c) for c in levels},
+                "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "warmup": args.warmup, "prompts": prompts}
+
+    def peer(c: int) -> LlamaCppServer:
+        srv = LlamaCppServer(args.gguf, slots=c, threads=args.threads, python=args.llamacpp_python,
+                             server_bin=args.server_bin, ctx_per_slot=args.ctx_per_slot, log=out / "llamacpp-server.log")
+        settings.setdefault("peer_commands", {})[c] = shlex.join(srv.command())
+        return srv
+
+    def write(raw: dict) -> None:
+        machine["loadavg_end"] = list(os.getloadavg())
+        results = {"format": 1, "started": started, "command": command, "machine": machine, "settings": settings,
+                   "summary": summarize(raw, levels)}
+        replace_file_in(out, "results.json", json.dumps(results, indent=1) + "\n")
+        replace_file_in(out, "results.md", markdown(results))
+
+    print(f"bench.llamacpp compare: ours {args.ours_url} vs llama.cpp on {args.gguf}, levels {levels}, "
+          f"{args.rounds} round(s)", flush=True)
+    compare(args.ours_url, peer, levels, args.rounds, prompts, args.max_new_tokens, settings["requests"],
+            args.ours_force_length, args.warmup, on_level=write)
+    print(f"wrote {out / 'results.json'} and {out / 'results.md'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(run, argv)
+
+
+if __name__ == "__main__":
+    from core.errors import exit_after
+    exit_after(main)
