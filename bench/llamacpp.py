@@ -314,8 +314,9 @@ def compare(ours_url: str, peer, levels: list[int], rounds: int, prompts: list[s
 
 
 def _level(openai_client, url, c, n, prompts, max_tokens, force, warmup) -> dict:
-    openai_client.warm_up(url, prompts, max_tokens, warmup, force_length=force)
-    return openai_client.run_level(url, c, n, prompts, max_tokens, force_length=force)
+    model = openai_client.served_model(url)
+    openai_client.warm_up(url, prompts, max_tokens, warmup, model=model, force_length=force)
+    return openai_client.run_level(url, c, n, prompts, max_tokens, model=model, force_length=force)
 
 
 def summarize(raw: dict, levels: list[int]) -> dict:
@@ -447,7 +448,8 @@ def _compare_cli(args, argv) -> int:
         raise UserError(f"--gguf {args.gguf}: expected a GGUF file, found none; make it with `python -m bench.llamacpp gguf`")
     LlamaCppServer(args.gguf, slots=1, threads=args.threads, python=args.llamacpp_python, server_bin=args.server_bin)
     check_output_dir(args.out, SERVE_RESULTS)
-    openai_client.warm_up(args.ours_url, prompts, args.max_new_tokens, 1, force_length=args.ours_force_length)
+    openai_client.warm_up(args.ours_url, prompts, args.max_new_tokens, 1, model=openai_client.served_model(args.ours_url),
+                          force_length=args.ours_force_length)      # ours reachable? refused before any load
     out = claim_dir(args.out, SERVE_RESULTS)
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     command = "python -m bench.llamacpp " + shlex.join(sys.argv[1:] if argv is None else argv)

@@ -220,6 +220,24 @@ class OpenAIClient:
                     result.finish_reason = choice["finish_reason"]
 
 
+def served_model(url: str, timeout_s: float = 30.0) -> str | None:
+    """The first model id of GET /v1/models, the name requests then carry (OpenAI's `model` is required,
+    and ours refuses a request without it); None where the route does not answer with one."""
+    host, port, prefix = split_url(url)
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        conn.request("GET", prefix + "/v1/models")
+        resp = conn.getresponse()
+        data = json.loads(resp.read()) if resp.status == 200 else {}
+        models = data.get("data") if isinstance(data, dict) else None
+        first = models[0] if isinstance(models, list) and models else None
+        return first.get("id") if isinstance(first, dict) and isinstance(first.get("id"), str) else None
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    finally:
+        conn.close()
+
+
 def _error_message(raw: bytes) -> str:
     """The first line of an OpenAI error object's message, or of the body as text."""
     text = raw.decode("utf-8", "replace")

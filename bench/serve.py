@@ -350,7 +350,7 @@ def _parser():
     p.add_argument("--rounds", type=int_in(1, 100), default=1, help="rounds, levels interleaved (default 1)")
     p.add_argument("--warmup", type=int_in(0, 1000), default=2, help="untimed requests first (default 2)")
     p.add_argument("--model", help="the server's generate model (default generate); --api openai: the request's "
-                                   "model field (default: none sent, the server's only model)")
+                                   "model field (default: the first of the server's GET /v1/models)")
     p.add_argument("--metrics-url", help="HOST:PORT of the server's metrics (runtime.triton serve --metrics-port): "
                                          "scheduler counters per level")
     p.add_argument("--timeout", type=float_in(0.1, 86_400.0), default=600.0, help="seconds one request may take")
@@ -463,10 +463,11 @@ def _run_openai(args, argv: list[str] | None) -> int:
     levels = _levels(args.concurrency)
     prompts = _prompts(args.prompts)
     check_output_dir(args.out, SERVE_RESULTS)          # refused before any load, nothing written
-    kw = dict(model=args.model, endpoint=args.endpoint, force_length=args.force_length, timeout_s=args.timeout)
+    model = args.model or openai_client.served_model(args.url)     # none where /v1/models names none
+    kw = dict(model=model, endpoint=args.endpoint, force_length=args.force_length, timeout_s=args.timeout)
     openai_client.warm_up(args.url, prompts, args.max_new_tokens, args.warmup, **kw)   # reachable? refused early
     settings = {"url": args.url, "api": "openai", "endpoint": args.endpoint, "force_length": args.force_length,
-                "model": args.model, "concurrency": levels,
+                "model": model, "concurrency": levels,
                 "requests": {c: args.requests or default_requests(c) for c in levels},
                 "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "warmup": args.warmup, "prompts": prompts}
     sr = ServeRun(claim_dir(args.out, SERVE_RESULTS), time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

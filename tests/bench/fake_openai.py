@@ -1,7 +1,7 @@
 """A tiny in-process OpenAI-compatible server for bench.serve --api openai and bench.llamacpp's tests:
 SSE over chunked HTTP/1.1 on kept-alive connections. It streams one chunk per token (or `per_chunk`
 tokens per chunk), sends `usage` only when stream_options.include_usage asks (and `usage` is on), and
-misbehaves on cue (the prompt names the cue) as real servers do: `busy` a 503 with an OpenAI error
+names one model on GET /v1/models (or has no such route), and misbehaves on cue (the prompt names the cue) as real servers do: `busy` a 503 with an OpenAI error
 object, `error` an error event, `cut` a stream ended without a finish_reason, `early` an end-of-sequence
 after 3 tokens unless ignore_eos or min_tokens asks for more."""
 from __future__ import annotations
@@ -17,6 +17,7 @@ class FakeOpenAI(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     usage = True            # honour stream_options.include_usage
     per_chunk = 1           # tokens per text chunk
+    model_id = "generate"   # what GET /v1/models names (None: no such route)
     bodies: list = []
 
     def log_message(self, *a):      # quiet
@@ -28,6 +29,11 @@ class FakeOpenAI(BaseHTTPRequestHandler):
 
     def _event(self, obj) -> None:
         self._chunk(b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n")
+
+    def do_GET(self):
+        if self.path != "/v1/models" or self.model_id is None:
+            return self._json(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
+        self._json(200, {"object": "list", "data": [{"id": self.model_id, "object": "model"}]})
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))

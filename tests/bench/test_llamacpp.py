@@ -109,7 +109,7 @@ def test_compare_interleaved_end_to_end(tmp_path, monkeypatch, capsys):
     assert [s for s, _ in FakePeer.started] == [1, 4, 4, 1]          # the peer's slots = the level
     peer_bodies = [b for _, h in FakePeer.started for b in h.bodies]
     assert all(b["min_tokens"] == 5 and "ignore_eos" not in b for b in peer_bodies)
-    assert all(b["ignore_eos"] is True and "min_tokens" not in b for b in ours.bodies)
+    assert all(b["ignore_eos"] is True and "min_tokens" not in b and b["model"] == "generate" for b in ours.bodies)
     results = json.loads((out / "results.json").read_text())
     for who in ("ours", "llama.cpp"):
         lvs = results["summary"]["servers"][who]

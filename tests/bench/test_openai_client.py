@@ -16,6 +16,8 @@ from tests.bench.fake_openai import fake  # noqa: F401  (the fixture)
 
 def test_one_request_timed_from_its_chunks_with_usage(fake):
     url, handler = fake()
+    assert openai_client.served_model(url) == "generate"
+    assert openai_client.served_model(fake(model_id=None)[0]) is None
     with OpenAIClient(url) as client:
         for _ in range(2):      # the second rides the kept-alive connection
             res = client.stream("Once upon a time", 6)
