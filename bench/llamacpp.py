@@ -440,10 +440,10 @@ def run(argv: list[str] | None = None) -> int:
 def _compare_cli(args, argv) -> int:
     from bench import openai_client
     from bench.runners import machine_info
-    from bench.serve import _levels, _prompts, default_requests
+    from bench.serve import default_requests, parse_levels, read_prompts
     openai_client.split_url(args.ours_url)
-    levels = _levels(args.concurrency)
-    prompts = _prompts(args.prompts)
+    levels = parse_levels(args.concurrency)
+    prompts = read_prompts(args.prompts)
     if not Path(args.gguf).is_file():
         raise UserError(f"--gguf {args.gguf}: expected a GGUF file, found none; make it with `python -m bench.llamacpp gguf`")
     LlamaCppServer(args.gguf, slots=1, threads=args.threads, python=args.llamacpp_python, server_bin=args.server_bin)

@@ -358,7 +358,8 @@ def _parser():
     return p
 
 
-def _levels(value: str) -> list[int]:
+def parse_levels(value: str) -> list[int]:
+    """--concurrency's comma list (distinct levels in [1, MAX_CONCURRENCY]), or UsageError."""
     try:
         levels = [int(x) for x in value.split(",") if x.strip()]
     except ValueError:
@@ -369,7 +370,8 @@ def _levels(value: str) -> list[int]:
     return levels
 
 
-def _prompts(path: str | None) -> list[str]:
+def read_prompts(path: str | None) -> list[str]:
+    """--prompts' lines (the non-blank ones), or the built-in PROMPTS without a file."""
     from core.inputs import read_text_file
     if path is None:
         return list(PROMPTS)
@@ -431,8 +433,8 @@ def run(argv: list[str] | None = None) -> int:
     url = check_loopback(args.url)
     if args.metrics_url is not None:
         check_loopback(args.metrics_url)
-    levels = _levels(args.concurrency)
-    prompts = _prompts(args.prompts)
+    levels = parse_levels(args.concurrency)
+    prompts = read_prompts(args.prompts)
     check_output_dir(args.out, SERVE_RESULTS)          # refused before any load, nothing written
     with StreamingClient(url, model=args.model, timeout_s=args.timeout) as client:   # reachable? refused early
         for i in range(max(1, args.warmup)):
@@ -460,8 +462,8 @@ def _run_openai(args, argv: list[str] | None) -> int:
     _, port, _ = openai_client.split_url(args.url)
     if args.metrics_url is not None:
         check_loopback(args.metrics_url)
-    levels = _levels(args.concurrency)
-    prompts = _prompts(args.prompts)
+    levels = parse_levels(args.concurrency)
+    prompts = read_prompts(args.prompts)
     check_output_dir(args.out, SERVE_RESULTS)          # refused before any load, nothing written
     model = args.model or openai_client.served_model(args.url)     # none where /v1/models names none
     kw = dict(model=model, endpoint=args.endpoint, force_length=args.force_length, timeout_s=args.timeout)
