@@ -1,4 +1,5 @@
 """python -m bench.llamacpp gguf --checkpoint DIR --source SDIST --llamacpp-python PY --out DIR [--vocab llama-bpe]
+python -m bench.llamacpp ours-folder --checkpoint DIR --source SDIST --out DIR [--vocab llama-bpe]
 python -m bench.llamacpp serve --gguf FILE --llamacpp-python PY [--server-bin BIN] --slots N --threads N [--port P]
 python -m bench.llamacpp compare --ours-url http://127.0.0.1:PORT --gguf FILE --llamacpp-python PY --threads N
                                  [--concurrency 1,4,16] [--rounds N] [--max-new-tokens N] --out DIR
@@ -15,6 +16,11 @@ gguf     the folder as llama.cpp's Q4_0 GGUF, in two steps, each in a child proc
             a Llama-3.2-shaped folder matches it; a folder whose vocab_size differs is refused);
          2. llama.cpp's quantizer (`llama_cpp.llama_model_quantize`, LLAMA_FTYPE_MOSTLY_Q4_0), run by
             --llamacpp-python, writes OUT/model-q4_0.gguf. The f16 file is dropped.
+ours-folder  the same folder for ours (its files linked) with the same vocabulary as tokenizer.json: Llama 3's
+         byte-level BPE rebuilt from the vocab-only GGUF's tokens and merges with Llama 3's pre-tokenizer split
+         (the regex llama.cpp's llama-vocab.cpp quotes from Llama 3's tokenizer.json) and its <|begin_of_text|>
+         prefix, so both servers see prompts of the same tokens (it tokenizes llama.cpp's own test strings,
+         models/ggml-vocab-llama-bpe.gguf.inp, to exactly the ids of .out: tests/bench/test_llamacpp.py).
 serve    starts llama.cpp's server on that GGUF on 127.0.0.1 and waits until it answers /v1/models:
          `python -m llama_cpp.server` (llama-cpp-python) or, with --server-bin, llama.cpp's own
          `llama-server` with --parallel = --slots and continuous batching. Threads: --threads for both
@@ -148,11 +154,7 @@ def make_gguf(folder: str | os.PathLike, out: str | os.PathLike, *, source: str 
     with output_dir(out, LLAMACPP_GGUF, inputs=[folder],
                     marker={"checkpoint": str(folder.resolve()), "vocab": vocab, "type": "q4_0"}) as tmp:
         src = source_dir(source, tmp / "src")
-        vocab_file = src / "models" / f"ggml-vocab-{vocab}.gguf"
-        if not vocab_file.is_file():
-            have = sorted(p.name[len("ggml-vocab-"):-len(".gguf")] for p in (src / "models").glob("ggml-vocab-*.gguf"))
-            raise UserError(f"--vocab {vocab}: expected one of llama.cpp's vocab-only GGUFs ({', '.join(have)}), "
-                            "found none of that name; pick one")
+        vocab_file = _vocab_file(src, vocab)
         f16 = tmp / "model-f16.gguf"
         log(f"convert {folder} -> f16 GGUF (llama.cpp's convert_hf_to_gguf.py, vocabulary of {vocab_file.name})")
         _child([sys.executable, "-c", _CONVERT, str(src), str(vocab_file), str(folder), str(f16)], "convert_hf_to_gguf")
@@ -174,6 +176,83 @@ def _child(cmd: list[str], what: str) -> None:
         mine = [ln for ln in lines if ln.startswith("error: ")]
         last = mine[-1][len("error: "):] if mine else (lines[-1] if lines else f"exit code {r.returncode}")
         raise UserError(f"{what}: expected success, found {last}; see {shlex.join(cmd[:1] + ['...'])}")
+
+
+# --- the same vocabulary for ours ----------------------------------------------------------------------
+
+# Llama 3's pre-tokenizer split, as in its tokenizer.json (llama.cpp's src/llama-vocab.cpp quotes it)
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+GGUF_TOKEN_CONTROL = 3      # gguf-py TokenType.CONTROL: <|begin_of_text|>, <|eot_id|>, the reserved ones
+
+
+def gguf_vocab(src: Path, vocab_file: Path) -> dict:
+    """The tokenizer.* fields of a vocab-only GGUF, read with the source package's own gguf-py."""
+    sys.path.insert(0, str(src / "gguf-py"))
+    try:
+        import gguf
+        reader = gguf.GGUFReader(str(vocab_file))
+        return {f.name: f.contents() for f in reader.fields.values() if f.name.startswith("tokenizer.")}
+    finally:
+        sys.path.remove(str(src / "gguf-py"))
+
+
+def llama3_tokenizer(fields: dict, what: str):
+    """A tokenizers.Tokenizer equal to llama.cpp's llama-bpe tokenization (module docstring)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    kind = (fields.get("tokenizer.ggml.model"), fields.get("tokenizer.ggml.pre"))
+    if kind != ("gpt2", "llama-bpe"):
+        raise UserError(f"--vocab {what}: expected Llama 3's byte-level BPE (gpt2 / llama-bpe), found {kind[0]} / "
+                        f"{kind[1]}; use --vocab llama-bpe")
+    tokens, types = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
+    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == GGUF_TOKEN_CONTROL])
+    bos = tokens[fields["tokenizer.ggml.bos_token_id"]]
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                       special_tokens=[(bos, fields["tokenizer.ggml.bos_token_id"])])
+    return tok
+
+
+def ours_folder(folder: str | os.PathLike, out: str | os.PathLike, *, source: str | os.PathLike,
+                vocab: str = "llama-bpe", log=print) -> Path:
+    """The folder's files (linked) plus tokenizer.json of llama.cpp's vocabulary (module docstring)."""
+    from core.outputs import SCALE_FOLDER
+    folder, out = Path(folder), Path(out)
+    if not (folder / "config.json").is_file():
+        raise UserError(f"--checkpoint {folder}: expected a Hugging Face folder (config.json), found none; "
+                        "make one with `python -m bench.scale make llama-3.2-1b --out DIR`")
+    with output_dir(out, SCALE_FOLDER, inputs=[folder]) as tmp:
+        src = source_dir(source, tmp / ".src")
+        fields = gguf_vocab(src, _vocab_file(src, vocab))
+        n = len(fields["tokenizer.ggml.tokens"])
+        vocab_size = json.loads((folder / "config.json").read_text()).get("vocab_size")
+        if vocab_size != n:
+            raise UserError(f"--checkpoint {folder}: expected vocab_size {n} (the tokens of --vocab {vocab}), "
+                            f"found {vocab_size}; pick the matching --vocab")
+        tok = llama3_tokenizer(fields, vocab)
+        import shutil
+        shutil.rmtree(tmp / ".src")
+        for f in folder.iterdir():
+            if not f.name.startswith(".") and f.name != "tokenizer.json":
+                (tmp / f.name).symlink_to(f.resolve())
+        tok.save(str(tmp / "tokenizer.json"))
+    log(f"wrote {out}: {folder}'s files linked, tokenizer.json of llama.cpp's {vocab} vocabulary ({n} tokens)")
+    return out
+
+
+def _vocab_file(src: Path, vocab: str) -> Path:
+    vocab_file = src / "models" / f"ggml-vocab-{vocab}.gguf"
+    if not vocab_file.is_file():
+        have = sorted(p.name[len("ggml-vocab-"):-len(".gguf")] for p in (src / "models").glob("ggml-vocab-*.gguf"))
+        raise UserError(f"--vocab {vocab}: expected one of llama.cpp's vocab-only GGUFs ({', '.join(have)}), "
+                        "found none of that name; pick one")
+    return vocab_file
 
 
 # --- the server --------------------------------------------------------------------------------------
@@ -401,6 +480,11 @@ def _parser():
                                                        "(models/ggml-vocab-NAME.gguf; default llama-bpe: Llama 3)")
     g.add_argument("--threads", type=int_in(1, 1024), help="quantizer threads (default: every core)")
     g.add_argument("--out", required=True, help=f"the folder to write ({GGUF_NAME})")
+    o = sub.add_parser("ours-folder", help="the folder for ours with the same vocabulary as tokenizer.json")
+    o.add_argument("--checkpoint", required=True, help="a random-init Hugging Face folder (bench.scale make)")
+    o.add_argument("--source", required=True, help="llama-cpp-python's source package (.tar.gz) or its unpacked folder")
+    o.add_argument("--vocab", default="llama-bpe", help="llama.cpp's vocab-only GGUF (default llama-bpe: Llama 3)")
+    o.add_argument("--out", required=True, help="the folder to write (links and tokenizer.json)")
     s = sub.add_parser("serve", help="start llama.cpp's server on the GGUF until Ctrl-C")
     _add_server_args(s, slots=True)
     s.add_argument("--log", help="the server's output (default: this terminal)")
@@ -425,6 +509,9 @@ def run(argv: list[str] | None = None) -> int:
     if args.cmd == "gguf":
         make_gguf(args.checkpoint, args.out, source=args.source, python=args.llamacpp_python, vocab=args.vocab,
                   threads=args.threads)
+        return 0
+    if args.cmd == "ours-folder":
+        ours_folder(args.checkpoint, args.out, source=args.source, vocab=args.vocab)
         return 0
     if args.cmd == "serve":
         srv = LlamaCppServer(args.gguf, slots=args.slots, threads=args.threads, python=args.llamacpp_python,

@@ -156,6 +156,31 @@ TINY_LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden
                                 "original_max_position_embeddings": 8192})
 
 
+@pytest.mark.skipif(not LLAMACPP_SRC, reason="TAPERNORM_LLAMACPP_SRC (llama-cpp-python's source package) is not set")
+def test_ours_folder_tokenizes_as_llamacpp(tmp_path):
+    """tokenizer.json rebuilt from the vocab-only GGUF gives llama.cpp's own test ids (models/*.gguf.inp/.out)."""
+    from tokenizers import Tokenizer
+    from bench.shapes import write_random_folder
+    folder = write_random_folder(dict(TINY_LLAMA), tmp_path / "tiny", log=lambda *a: None)
+    out = llamacpp.ours_folder(folder, tmp_path / "ours", source=LLAMACPP_SRC, log=lambda *a: None)
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == \
+        ["config.json", "model.safetensors", "tokenizer.json"]
+    assert (out / "model.safetensors").resolve() == (folder / "model.safetensors").resolve()
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    src = llamacpp.source_dir(LLAMACPP_SRC, tmp_path / "src")
+    inp = (src / "models/ggml-vocab-llama-bpe.gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    ids = (src / "models/ggml-vocab-llama-bpe.gguf.out").read_text(encoding="utf-8").split("\n")
+    cases = list(zip(inp, ids))
+    assert len(cases) > 40
+    for text, want in cases:
+        assert tok.encode(text, add_special_tokens=False).ids == [int(x) for x in want.split()], text
+    assert tok.encode("Hello world").ids == [128000, 9906, 1917]       # <|begin_of_text|> first, as llama.cpp adds it
+    with pytest.raises(UserError, match="vocab_size"):
+        llamacpp.ours_folder(write_random_folder(dict(TINY_LLAMA, vocab_size=1000), tmp_path / "small",
+                                                 log=lambda *a: None), tmp_path / "o2", source=LLAMACPP_SRC)
+    assert not (tmp_path / "o2").exists()
+
+
 @pytest.mark.slow
 def test_against_llamacpp_server_on_a_tiny_gguf(tmp_path):
     missing = _llamacpp_missing()
