@@ -111,6 +111,33 @@ sys.exit(f"error: llama_model_quantize returned {rc}" if rc else 0)
 """
 
 
+# Run by --llamacpp-python with --block-amx: llama.cpp's AMX check (ggml-cpu/amx/amx.cpp ggml_amx_init:
+# arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)) made to fail by a seccomp filter (EPERM for that one call,
+# x86-64), so llama.cpp takes its own fallback for a CPU without AMX (the AVX-512 / AVX2 repacked Q4_0
+# kernels, the CPU_REPACK buffer) and says "AMX is not ready to be used!"; then llama_cpp.server as
+# `python -m llama_cpp.server` would run. For a machine that advertises AMX in cpuid where the tile
+# instructions still fault: on this project's VMs (Firecracker) the server dies with SIGILL at `tilezero`
+# in ggml_backend_amx_mul_mat on its first request (gdb), with a llama.cpp built with GGML_NATIVE.
+_BLOCK_AMX_SERVER = r"""
+import ctypes, runpy, struct, sys
+def ins(code, jt, jf, k):
+    return struct.pack("=HBBI", code, jt, jf, k)
+prog = b"".join([ins(0x20, 0, 0, 4), ins(0x15, 0, 5, 0xC000003E),     # arch != x86-64: allow
+                 ins(0x20, 0, 0, 0), ins(0x15, 0, 3, 158),             # nr != arch_prctl: allow
+                 ins(0x20, 0, 0, 16), ins(0x15, 0, 1, 0x1023),         # args[0] != ARCH_REQ_XCOMP_PERM: allow
+                 ins(0x06, 0, 0, 0x00050001), ins(0x06, 0, 0, 0x7FFF0000)])   # EPERM / allow
+buf = ctypes.create_string_buffer(prog, len(prog))
+class FProg(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+fprog = FProg(len(prog) // 8, ctypes.addressof(buf))
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.byref(fprog), 0, 0):     # NO_NEW_PRIVS, SECCOMP filter
+    sys.exit(f"error: --block-amx: expected a seccomp filter, found errno {ctypes.get_errno()}; run without it")
+sys.argv[0] = "llama_cpp.server"
+runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
+"""
+
+
 # --- the GGUF ----------------------------------------------------------------------------------------
 
 def source_dir(source: str | os.PathLike, work: Path) -> Path:
@@ -269,13 +296,17 @@ class LlamaCppServer:
 
     def __init__(self, gguf: str | os.PathLike, *, slots: int, threads: int, python: str | None = None,
                  server_bin: str | None = None, ctx_per_slot: int = 2048, port: int | None = None,
-                 log: str | os.PathLike | None = None, ready_timeout_s: float = READY_TIMEOUT_S):
+                 log: str | os.PathLike | None = None, ready_timeout_s: float = READY_TIMEOUT_S,
+                 block_amx: bool = False):
         if (python is None) == (server_bin is None):
             raise UsageError("llama.cpp's server: expected --llamacpp-python or --server-bin, found "
                              f"{'both' if python else 'neither'}; pass one")
         self.gguf, self.slots, self.threads, self.python, self.server_bin = Path(gguf), slots, threads, python, server_bin
         self.ctx_per_slot, self.port, self.log = ctx_per_slot, port or free_port(), log
-        self.ready_timeout_s = ready_timeout_s
+        self.ready_timeout_s, self.block_amx = ready_timeout_s, block_amx
+        if block_amx and server_bin is not None:
+            raise UsageError("--block-amx: expected it with --llamacpp-python (it wraps python -m llama_cpp.server), "
+                             "found --server-bin; build llama-server without AMX (-DGGML_AMX_INT8=OFF) instead")
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -294,7 +325,8 @@ class LlamaCppServer:
                     "--threads", t, "--threads-batch", t, "--parallel", str(self.slots),
                     "--ctx-size", str(self.ctx_per_slot * self.slots), "--cont-batching"]
         # llama-cpp-python: one sequence, no slots (module docstring)
-        return [self.python, "-m", "llama_cpp.server", "--model", str(self.gguf), "--host", "127.0.0.1",
+        run = ["-c", _BLOCK_AMX_SERVER] if self.block_amx else ["-m", "llama_cpp.server"]
+        return [self.python, *run, "--model", str(self.gguf), "--host", "127.0.0.1",
                 "--port", str(self.port), "--n_threads", t, "--n_threads_batch", t, "--n_ctx", str(self.ctx_per_slot),
                 "--interrupt_requests", "False"]
 
@@ -463,6 +495,9 @@ def _add_server_args(p, slots: bool) -> None:
     p.add_argument("--server-bin", help="llama.cpp's own llama-server binary instead (parallel slots)")
     p.add_argument("--threads", type=int_in(1, 1024), required=True,
                    help="decode and prompt threads (n_threads, n_threads_batch): the same as ours")
+    p.add_argument("--block-amx", action="store_true",
+                   help="with --llamacpp-python: make llama.cpp's AMX check fail, so it runs its kernels for a CPU "
+                        "without AMX (for a CPU that advertises AMX whose tile instructions fault: SIGILL)")
     p.add_argument("--ctx-per-slot", type=int_in(64, 1 << 20), default=2048, help="context tokens per slot (default 2048)")
     if slots:
         p.add_argument("--slots", type=int_in(1, 256), default=1, help="llama-server's --parallel (default 1)")
@@ -515,7 +550,8 @@ def run(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "serve":
         srv = LlamaCppServer(args.gguf, slots=args.slots, threads=args.threads, python=args.llamacpp_python,
-                             server_bin=args.server_bin, ctx_per_slot=args.ctx_per_slot, port=args.port, log=args.log)
+                             server_bin=args.server_bin, ctx_per_slot=args.ctx_per_slot, port=args.port, log=args.log,
+                             block_amx=args.block_amx)
         print(shlex.join(srv.command()), flush=True)
         with srv:
             print(f"llama.cpp's server ready at {srv.url} (pid {srv.proc.pid}); Ctrl-C stops it", flush=True)
@@ -533,7 +569,8 @@ def _compare_cli(args, argv) -> int:
     prompts = read_prompts(args.prompts)
     if not Path(args.gguf).is_file():
         raise UserError(f"--gguf {args.gguf}: expected a GGUF file, found none; make it with `python -m bench.llamacpp gguf`")
-    LlamaCppServer(args.gguf, slots=1, threads=args.threads, python=args.llamacpp_python, server_bin=args.server_bin)
+    LlamaCppServer(args.gguf, slots=1, threads=args.threads, python=args.llamacpp_python, server_bin=args.server_bin,
+                   block_amx=args.block_amx)                        # its usage errors, before any load
     check_output_dir(args.out, SERVE_RESULTS)
     openai_client.warm_up(args.ours_url, prompts, args.max_new_tokens, 1, model=openai_client.served_model(args.ours_url),
                           force_length=args.ours_force_length)      # ours reachable? refused before any load
@@ -543,13 +580,14 @@ def _compare_cli(args, argv) -> int:
     machine = machine_info(gpu=False)
     settings = {"ours_url": args.ours_url, "ours_force_length": args.ours_force_length, "gguf": str(args.gguf),
                 "peer": "llama-server" if args.server_bin else "llama-cpp-python (python -m llama_cpp.server)",
-                "threads": args.threads, "concurrency": levels,
+                "threads": args.threads, "block_amx": args.block_amx, "concurrency": levels,
                 "requests": {c: args.requests or default_requests(c) for c in levels},
                 "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "warmup": args.warmup, "prompts": prompts}
 
     def peer(c: int) -> LlamaCppServer:
         srv = LlamaCppServer(args.gguf, slots=c, threads=args.threads, python=args.llamacpp_python,
-                             server_bin=args.server_bin, ctx_per_slot=args.ctx_per_slot, log=out / "llamacpp-server.log")
+                             server_bin=args.server_bin, ctx_per_slot=args.ctx_per_slot, log=out / "llamacpp-server.log",
+                             block_amx=args.block_amx)
         settings.setdefault("peer_commands", {})[c] = shlex.join(srv.command())
         return srv
 
