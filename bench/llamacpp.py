@@ -330,6 +330,14 @@ class LlamaCppServer:
                 "--port", str(self.port), "--n_threads", t, "--n_threads_batch", t, "--n_ctx", str(self.ctx_per_slot),
                 "--interrupt_requests", "False"]
 
+    def shown(self) -> str:
+        """The command as a line for people (the --block-amx wrapper's code named, not spelled out)."""
+        cmd = self.command()
+        if self.block_amx:
+            cmd = [cmd[0], "-c", "<bench/llamacpp.py _BLOCK_AMX_SERVER: python -m llama_cpp.server, AMX check failed>",
+                   *cmd[3:]]
+        return shlex.join(cmd)
+
     def __enter__(self) -> "LlamaCppServer":
         if not self.gguf.is_file():
             raise UserError(f"--gguf {self.gguf}: expected a GGUF file, found none; "
@@ -451,7 +459,7 @@ def _f(x, nd=1) -> str:
 def markdown(results: dict) -> str:
     s, summ = results["settings"], results["summary"]
     lines = [f"# bench.llamacpp compare: {results['started']}", "", f"`{results['command']}`", "",
-             f"Ours {s['ours_url']} vs llama.cpp ({s['peer']}) on `{s['gguf']}`, {s['threads']} threads each; "
+             f"Ours {s['ours_url']} vs llama.cpp ({s['peer']}) on `{s['gguf']}`, threads {s['threads']} each; "
              f"{s['max_new_tokens']} new tokens per request (greedy, streamed /v1/completions), {len(s['prompts'])} "
              f"prompts in turn, {s['rounds']} round(s), levels and servers interleaved; load average "
              f"{' '.join(f'{x:.2f}' for x in results['machine']['loadavg_start'])} (start) / "
@@ -476,6 +484,14 @@ def markdown(results: dict) -> str:
         for c, v in summ["ratios"].items():
             o, p = by[OURS][int(c)]["ttft"]["p99_ms"], by[PEER][int(c)]["ttft"]["p99_ms"]
             lines.append(f"| {c} | {_f(v['median'], 2)}x [{_f(v['min'], 2)}, {_f(v['max'], 2)}] | {_f(o)} / {_f(p)} |")
+    counted = {who: {} for who in summ["servers"]}
+    for who, lvs in summ["servers"].items():
+        for lv in lvs:
+            for how, n in lv.get("tokens_counted_by", {}).items():
+                counted[who][how] = counted[who].get(how, 0) + n
+    lines += ["", "Output tokens counted from (bench/openai_client.py): " + "; ".join(
+        f"{who}: " + ", ".join(f"{how} ({n} requests)" for how, n in c.items()) for who, c in counted.items() if c) + "."]
+    lines += ["", "llama.cpp's server, per level:"] + [f"- c{c}: `{cmd}`" for c, cmd in s.get("peer_commands", {}).items()]
     errors = {}
     for who, lvs in summ["servers"].items():
         for lv in lvs:
@@ -552,7 +568,7 @@ def run(argv: list[str] | None = None) -> int:
         srv = LlamaCppServer(args.gguf, slots=args.slots, threads=args.threads, python=args.llamacpp_python,
                              server_bin=args.server_bin, ctx_per_slot=args.ctx_per_slot, port=args.port, log=args.log,
                              block_amx=args.block_amx)
-        print(shlex.join(srv.command()), flush=True)
+        print(srv.shown(), flush=True)
         with srv:
             print(f"llama.cpp's server ready at {srv.url} (pid {srv.proc.pid}); Ctrl-C stops it", flush=True)
             srv.proc.wait()
@@ -588,7 +604,7 @@ def _compare_cli(args, argv) -> int:
         srv = LlamaCppServer(args.gguf, slots=c, threads=args.threads, python=args.llamacpp_python,
                              server_bin=args.server_bin, ctx_per_slot=args.ctx_per_slot, log=out / "llamacpp-server.log",
                              block_amx=args.block_amx)
-        settings.setdefault("peer_commands", {})[c] = shlex.join(srv.command())
+        settings.setdefault("peer_commands", {})[c] = srv.shown()
         return srv
 
     def write(raw: dict) -> None:

@@ -60,6 +60,8 @@ def test_server_commands_and_a_server_that_does_not_start(tmp_path):
                                       block_amx=True).command()
     assert blocked[:2] == ["/venv/bin/python", "-c"] and "runpy.run_module(\"llama_cpp.server\"" in blocked[2]
     assert blocked[3:] == cmd[3:]
+    shown = llamacpp.LlamaCppServer(gguf, slots=4, threads=2, python="/venv/bin/python", port=8123, block_amx=True).shown()
+    assert "\n" not in shown and shown.endswith(" ".join(cmd[3:]))
     with pytest.raises(UserError, match="--block-amx"):
         llamacpp.LlamaCppServer(gguf, slots=1, threads=1, server_bin="/bin/llama-server", block_amx=True)
     native = llamacpp.LlamaCppServer(gguf, slots=4, threads=2, server_bin="/bin/llama-server", ctx_per_slot=512)
@@ -84,6 +86,9 @@ class FakePeer:
 
     def command(self):
         return ["fake-llama-server", "--slots", str(self.slots)]
+
+    def shown(self):
+        return " ".join(self.command())
 
     def __enter__(self):
         self.server, self.url, self.handler = start_fake(usage=False)
@@ -127,6 +132,7 @@ def test_compare_interleaved_end_to_end(tmp_path, monkeypatch, capsys):
     assert results["settings"]["peer_commands"] == {"1": "fake-llama-server --slots 1", "4": "fake-llama-server --slots 4"}
     md = (out / "results.md").read_text()
     assert "| 4 | llama.cpp | 8/8 |" in md and "tok/s ours / llama.cpp per round" in md
+    assert "ours: usage (16 requests); llama.cpp: length (16 requests)" in md and "- c4: `fake-llama-server --slots 4`" in md
 
 
 def test_compare_refuses_before_any_load(tmp_path, capsys):
