@@ -55,6 +55,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -179,8 +180,9 @@ def make_gguf(folder: str | os.PathLike, out: str | os.PathLike, *, source: str 
                         "make one with `python -m bench.scale make llama-3.2-1b --out DIR`")
     check_output_dir(out, LLAMACPP_GGUF, inputs=[folder])
     with output_dir(out, LLAMACPP_GGUF, inputs=[folder],
-                    marker={"checkpoint": str(folder.resolve()), "vocab": vocab, "type": "q4_0"}) as tmp:
-        src = source_dir(source, tmp / "src")
+                    marker={"checkpoint": str(folder.resolve()), "vocab": vocab, "type": "q4_0"}) as tmp, \
+            tempfile.TemporaryDirectory(prefix="llamacpp-src-") as work:
+        src = source_dir(source, Path(work))
         vocab_file = _vocab_file(src, vocab)
         f16 = tmp / "model-f16.gguf"
         log(f"convert {folder} -> f16 GGUF (llama.cpp's convert_hf_to_gguf.py, vocabulary of {vocab_file.name})")
@@ -189,8 +191,6 @@ def make_gguf(folder: str | os.PathLike, out: str | os.PathLike, *, source: str 
         _child([python, "-c", _QUANTIZE, str(f16), str(tmp / GGUF_NAME), str(LLAMA_FTYPE_MOSTLY_Q4_0),
                 str(threads or os.cpu_count() or 1)], "llama_model_quantize")
         f16.unlink()
-        import shutil
-        shutil.rmtree(tmp / "src", ignore_errors=True)
     log(f"wrote {out / GGUF_NAME}")
     return out / GGUF_NAME
 
@@ -254,8 +254,9 @@ def ours_folder(folder: str | os.PathLike, out: str | os.PathLike, *, source: st
     if not (folder / "config.json").is_file():
         raise UserError(f"--checkpoint {folder}: expected a Hugging Face folder (config.json), found none; "
                         "make one with `python -m bench.scale make llama-3.2-1b --out DIR`")
-    with output_dir(out, SCALE_FOLDER, inputs=[folder]) as tmp:
-        src = source_dir(source, tmp / ".src")
+    with output_dir(out, SCALE_FOLDER, inputs=[folder]) as tmp, \
+            tempfile.TemporaryDirectory(prefix="llamacpp-src-") as work:
+        src = source_dir(source, Path(work))
         fields = gguf_vocab(src, _vocab_file(src, vocab))
         n = len(fields["tokenizer.ggml.tokens"])
         vocab_size = json.loads((folder / "config.json").read_text()).get("vocab_size")
@@ -263,8 +264,6 @@ def ours_folder(folder: str | os.PathLike, out: str | os.PathLike, *, source: st
             raise UserError(f"--checkpoint {folder}: expected vocab_size {n} (the tokens of --vocab {vocab}), "
                             f"found {vocab_size}; pick the matching --vocab")
         tok = llama3_tokenizer(fields, vocab)
-        import shutil
-        shutil.rmtree(tmp / ".src")
         for f in folder.iterdir():
             if not f.name.startswith(".") and f.name != "tokenizer.json":
                 (tmp / f.name).symlink_to(f.resolve())

@@ -188,6 +188,9 @@ def test_ours_folder_tokenizes_as_llamacpp(tmp_path):
     for text, want in cases:
         assert tok.encode(text, add_special_tokens=False).ids == [int(x) for x in want.split()], text
     assert tok.encode("Hello world").ids == [128000, 9906, 1917]       # <|begin_of_text|> first, as llama.cpp adds it
+    # an unpacked source package is used where it is
+    again = llamacpp.ours_folder(folder, tmp_path / "ours2", source=src.parent.parent, log=lambda *a: None)
+    assert (again / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
     with pytest.raises(UserError, match="vocab_size"):
         llamacpp.ours_folder(write_random_folder(dict(TINY_LLAMA, vocab_size=1000), tmp_path / "small",
                                                  log=lambda *a: None), tmp_path / "o2", source=LLAMACPP_SRC)
