@@ -1,9 +1,10 @@
 """A tiny in-process OpenAI-compatible server for bench.serve --api openai and bench.llamacpp's tests:
 SSE over chunked HTTP/1.1 on kept-alive connections. It streams one chunk per token (or `per_chunk`
-tokens per chunk), sends `usage` only when stream_options.include_usage asks (and `usage` is on), and
-names one model on GET /v1/models (or has no such route), and misbehaves on cue (the prompt names the cue) as real servers do: `busy` a 503 with an OpenAI error
-object, `error` an error event, `cut` a stream ended without a finish_reason, `early` an end-of-sequence
-after 3 tokens unless ignore_eos or min_tokens asks for more."""
+tokens per chunk), sends `usage` only when stream_options.include_usage asks (and `usage` is on),
+names one model on GET /v1/models (or has no such route), and misbehaves on cue (the prompt names
+the cue) as real servers do: `busy` a 503 with an OpenAI error object, `error` an error event, `cut`
+a stream ended without a finish_reason, `early` an end-of-sequence after 3 tokens unless ignore_eos
+or min_tokens asks for more."""
 from __future__ import annotations
 
 import json
