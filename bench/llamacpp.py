@@ -112,31 +112,40 @@ sys.exit(f"error: llama_model_quantize returned {rc}" if rc else 0)
 """
 
 
-# Run by --llamacpp-python with --block-amx: llama.cpp's AMX check (ggml-cpu/amx/amx.cpp ggml_amx_init:
-# arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)) made to fail by a seccomp filter (EPERM for that one call,
-# x86-64), so llama.cpp takes its own fallback for a CPU without AMX (the AVX-512 / AVX2 repacked Q4_0
-# kernels, the CPU_REPACK buffer) and says "AMX is not ready to be used!"; then llama_cpp.server as
-# `python -m llama_cpp.server` would run. For a machine that advertises AMX in cpuid where the tile
-# instructions still fault: on this project's VMs (Firecracker) the server dies with SIGILL at `tilezero`
-# in ggml_backend_amx_mul_mat on its first request (gdb), with a llama.cpp built with GGML_NATIVE.
-_BLOCK_AMX_SERVER = r"""
-import ctypes, runpy, struct, sys
-def ins(code, jt, jf, k):
-    return struct.pack("=HBBI", code, jt, jf, k)
-prog = b"".join([ins(0x20, 0, 0, 4), ins(0x15, 0, 5, 0xC000003E),     # arch != x86-64: allow
-                 ins(0x20, 0, 0, 0), ins(0x15, 0, 3, 158),             # nr != arch_prctl: allow
-                 ins(0x20, 0, 0, 16), ins(0x15, 0, 1, 0x1023),         # args[0] != ARCH_REQ_XCOMP_PERM: allow
-                 ins(0x06, 0, 0, 0x00050001), ins(0x06, 0, 0, 0x7FFF0000)])   # EPERM / allow
-buf = ctypes.create_string_buffer(prog, len(prog))
-class FProg(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-fprog = FProg(len(prog) // 8, ctypes.addressof(buf))
-libc = ctypes.CDLL(None, use_errno=True)
-if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.byref(fprog), 0, 0):     # NO_NEW_PRIVS, SECCOMP filter
-    sys.exit(f"error: --block-amx: expected a seccomp filter, found errno {ctypes.get_errno()}; run without it")
-sys.argv[0] = "llama_cpp.server"
-runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
-"""
+# --block-amx: llama.cpp's AMX check (ggml-cpu/amx/amx.cpp ggml_amx_init: arch_prctl(ARCH_REQ_XCOMP_PERM,
+# XTILEDATA)) made to fail by a seccomp filter installed in the server's process before it starts (EPERM
+# for that one call on x86-64; the filter survives exec), so llama.cpp takes its own fallback for a CPU
+# without AMX (its AVX-512 / AVX2 kernels over repacked Q4_0 weights, the CPU_REPACK buffer) and says
+# "AMX is not ready to be used!". For a machine that advertises AMX in cpuid where the tile instructions
+# still fault: on this project's VMs (Firecracker) a llama.cpp built with GGML_NATIVE dies with SIGILL at
+# `tilezero` in ggml_backend_amx_mul_mat on its first request (gdb).
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+AUDIT_ARCH_X86_64, NR_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM = 0xC000003E, 158, 0x1023
+SECCOMP_RET_ERRNO_EPERM, SECCOMP_RET_ALLOW = 0x00050000 | 1, 0x7FFF0000
+
+
+def block_amx() -> None:
+    """Install the seccomp filter above in this process (a Popen preexec_fn); OSError where it cannot be."""
+    import ctypes
+    import struct
+
+    def ins(code, jt, jf, k):       # struct sock_filter
+        return struct.pack("=HBBI", code, jt, jf, k)
+    ld, jeq, ret = 0x20, 0x15, 0x06      # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET|BPF_K
+    prog = b"".join([ins(ld, 0, 0, 4), ins(jeq, 0, 5, AUDIT_ARCH_X86_64),       # seccomp_data.arch
+                     ins(ld, 0, 0, 0), ins(jeq, 0, 3, NR_ARCH_PRCTL),           # .nr
+                     ins(ld, 0, 0, 16), ins(jeq, 0, 1, ARCH_REQ_XCOMP_PERM),    # .args[0] (low word)
+                     ins(ret, 0, 0, SECCOMP_RET_ERRNO_EPERM), ins(ret, 0, 0, SECCOMP_RET_ALLOW)])
+    buf = ctypes.create_string_buffer(prog, len(prog))
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+    fprog = SockFprog(len(prog) // 8, ctypes.addressof(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) or libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER,
+                                                                 ctypes.byref(fprog), 0, 0):
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
 
 
 # --- the GGUF ----------------------------------------------------------------------------------------
@@ -303,9 +312,6 @@ class LlamaCppServer:
         self.gguf, self.slots, self.threads, self.python, self.server_bin = Path(gguf), slots, threads, python, server_bin
         self.ctx_per_slot, self.port, self.log = ctx_per_slot, port or free_port(), log
         self.ready_timeout_s, self.block_amx = ready_timeout_s, block_amx
-        if block_amx and server_bin is not None:
-            raise UsageError("--block-amx: expected it with --llamacpp-python (it wraps python -m llama_cpp.server), "
-                             "found --server-bin; build llama-server without AMX (-DGGML_AMX_INT8=OFF) instead")
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -324,18 +330,13 @@ class LlamaCppServer:
                     "--threads", t, "--threads-batch", t, "--parallel", str(self.slots),
                     "--ctx-size", str(self.ctx_per_slot * self.slots), "--cont-batching"]
         # llama-cpp-python: one sequence, no slots (module docstring)
-        run = ["-c", _BLOCK_AMX_SERVER] if self.block_amx else ["-m", "llama_cpp.server"]
-        return [self.python, *run, "--model", str(self.gguf), "--host", "127.0.0.1",
+        return [self.python, "-m", "llama_cpp.server", "--model", str(self.gguf), "--host", "127.0.0.1",
                 "--port", str(self.port), "--n_threads", t, "--n_threads_batch", t, "--n_ctx", str(self.ctx_per_slot),
                 "--interrupt_requests", "False"]
 
     def shown(self) -> str:
-        """The command as a line for people (the --block-amx wrapper's code named, not spelled out)."""
-        cmd = self.command()
-        if self.block_amx:
-            cmd = [cmd[0], "-c", "<bench/llamacpp.py _BLOCK_AMX_SERVER: python -m llama_cpp.server, AMX check failed>",
-                   *cmd[3:]]
-        return shlex.join(cmd)
+        """The command as a line for people, with --block-amx's filter named."""
+        return shlex.join(self.command()) + (" (under --block-amx's seccomp filter)" if self.block_amx else "")
 
     def __enter__(self) -> "LlamaCppServer":
         if not self.gguf.is_file():
@@ -344,10 +345,13 @@ class LlamaCppServer:
         out = open(self.log, "ab") if self.log else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=block_amx if self.block_amx else None)
         except OSError as e:
             raise UserError(f"{self.command()[0]}: expected llama.cpp's server to start, found {e.strerror}; "
                             "check --llamacpp-python / --server-bin") from None
+        except subprocess.SubprocessError as e:     # block_amx failed in the child
+            raise UserError(f"--block-amx: expected a seccomp filter for llama.cpp's server, found {e}; "
+                            "run without --block-amx") from None
         finally:
             if self.log:
                 out.close()
@@ -511,7 +515,7 @@ def _add_server_args(p, slots: bool) -> None:
     p.add_argument("--threads", type=int_in(1, 1024), required=True,
                    help="decode and prompt threads (n_threads, n_threads_batch): the same as ours")
     p.add_argument("--block-amx", action="store_true",
-                   help="with --llamacpp-python: make llama.cpp's AMX check fail, so it runs its kernels for a CPU "
+                   help="make llama.cpp's AMX check fail (a seccomp filter), so it runs its kernels for a CPU "
                         "without AMX (for a CPU that advertises AMX whose tile instructions fault: SIGILL)")
     p.add_argument("--ctx-per-slot", type=int_in(64, 1 << 20), default=2048, help="context tokens per slot (default 2048)")
     if slots:
