@@ -162,25 +162,41 @@ class OpenAIClient:
 
     def stream(self, prompt: str, max_tokens: int) -> StreamResult:
         """Send one streamed request and time its chunks; never raises for the server's or the network's
-        failures (they are the result's `error`, first line only)."""
+        failures (they are the result's `error`, first line only). A kept-alive connection that the server
+        closed meanwhile (its idle timeout) fails before any answer: the request is sent once more on a new
+        connection, as HTTP clients do, and timed from that send."""
         payload = json.dumps(self.body(prompt, max_tokens)).encode()
-        result = StreamResult(sent=time.perf_counter())
-        try:
-            if self._conn is None:
-                self._conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
-            self._conn.request("POST", self.prefix + ENDPOINTS[self.endpoint], body=payload,
-                               headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
-            resp = self._conn.getresponse()
-            if resp.status != 200:
-                result.error = f"HTTP {resp.status}: {_error_message(resp.read())}"
-            else:
-                self._read_events(resp, result)
-            if resp.will_close or result.error:
-                self.close()                # a fresh connection for the next request
-        except (OSError, http.client.HTTPException) as e:
-            self.close()
-            result.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'connection failed'}"
-        return result
+        for attempt in (1, 2):
+            reused = self._conn is not None
+            result = StreamResult(sent=time.perf_counter())
+            try:
+                if self._conn is None:
+                    self._conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+                self._conn.request("POST", self.prefix + ENDPOINTS[self.endpoint], body=payload,
+                                   headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+                resp = self._conn.getresponse()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
+                self.close()
+                if reused and attempt == 1:
+                    continue
+                result.error = _exception_line(e)
+                return result
+            except (OSError, http.client.HTTPException) as e:
+                self.close()
+                result.error = _exception_line(e)
+                return result
+            try:
+                if resp.status != 200:
+                    result.error = f"HTTP {resp.status}: {_error_message(resp.read())}"
+                else:
+                    self._read_events(resp, result)
+                if resp.will_close or result.error:
+                    self.close()                # a fresh connection for the next request
+            except (OSError, http.client.HTTPException) as e:
+                self.close()
+                result.error = _exception_line(e)
+            return result
+        raise AssertionError("unreachable")
 
     def _read_events(self, resp: http.client.HTTPResponse, result: StreamResult) -> None:
         """Server-sent events: `data: <json>` lines until `data: [DONE]` or the end of the body."""
@@ -236,6 +252,10 @@ def served_model(url: str, timeout_s: float = 30.0) -> str | None:
         return None
     finally:
         conn.close()
+
+
+def _exception_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'connection failed'}"
 
 
 def _error_message(raw: bytes) -> str:

@@ -1,7 +1,8 @@
 """A tiny in-process OpenAI-compatible server for bench.serve --api openai and bench.llamacpp's tests:
 SSE over chunked HTTP/1.1 on kept-alive connections. It streams one chunk per token (or `per_chunk`
 tokens per chunk), sends `usage` only when stream_options.include_usage asks (and `usage` is on),
-names one model on GET /v1/models (or has no such route), and misbehaves on cue (the prompt names
+names one model on GET /v1/models (or has no such route), may close kept-alive connections without a
+word (`hang_up`, as a server's idle timeout does), and misbehaves on cue (the prompt names
 the cue) as real servers do: `busy` a 503 with an OpenAI error object, `error` an error event, `cut`
 a stream ended without a finish_reason, `early` an end-of-sequence after 3 tokens unless ignore_eos
 or min_tokens asks for more."""
@@ -19,6 +20,7 @@ class FakeOpenAI(BaseHTTPRequestHandler):
     usage = True            # honour stream_options.include_usage
     per_chunk = 1           # tokens per text chunk
     model_id = "generate"   # what GET /v1/models names (None: no such route)
+    hang_up = False         # close each kept-alive connection after its response, without saying so
     bodies: list = []
 
     def log_message(self, *a):      # quiet
@@ -75,6 +77,8 @@ class FakeOpenAI(BaseHTTPRequestHandler):
             self._event({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": n + 5}})
         self._event(b"[DONE]")
         self._chunk(b"")
+        if self.hang_up:
+            self.close_connection = True
 
     def _json(self, status: int, obj) -> None:
         data = json.dumps(obj).encode()

@@ -32,6 +32,16 @@ def test_one_request_timed_from_its_chunks_with_usage(fake):
     assert "model" not in body and "min_tokens" not in body
 
 
+def test_a_kept_alive_connection_the_server_closed_is_sent_again(fake):
+    url, handler = fake(hang_up=True)
+    with OpenAIClient(url) as client:
+        recs = [client.stream("hello", 3).record(0, 3) for _ in range(3)]
+    assert [r["error"] for r in recs] == [None, None, None] and len(handler.bodies) == 3
+    # a fresh connection that fails is not sent again
+    with OpenAIClient("http://127.0.0.1:9") as client:
+        assert client.stream("x", 2).error.startswith("ConnectionRefusedError")
+
+
 def test_tokens_counted_without_usage_and_several_per_chunk(fake):
     url, _ = fake(usage=False, per_chunk=2)
     with OpenAIClient(url, endpoint="chat", model="m") as client:
