@@ -118,9 +118,11 @@ class StreamResult:
         error = self.error
         if error is None and self.finish_reason is None:
             error = f"stream ended without a finish_reason after {len(self.chunk_times)} text chunk(s)"
-        elif error is None and n != max_tokens:
+        elif error is None and n < max_tokens:
             error = (f"finished early: finish_reason {self.finish_reason!r} after {n} of {max_tokens} tokens "
                      f"(counted by {counted}); the server did not honour --force-length")
+        elif error is None and n > max_tokens:
+            error = f"ran over: {n} tokens (counted by {counted}) for max_tokens {max_tokens}"
         return {"client": client, "sent": self.sent, "arrivals": self.arrivals(max_tokens), "error": error,
                 "chunks": len(self.chunk_times), "counted_by": counted}
 

@@ -52,6 +52,8 @@ def test_tokens_counted_without_usage_and_several_per_chunk(fake):
     assert rec["error"] is None and len(rec["arrivals"]) == 5 and rec["arrivals"][-2:] == [res.chunk_times[-1]] * 2
     # without a finish_reason "length" and without usage only the text chunks are known
     assert StreamResult(sent=0.0, chunk_times=[1.0, 2.0], finish_reason="stop").tokens(5) == (2, "chunks")
+    over = StreamResult(sent=0.0, chunk_times=[1.0], usage_tokens=6, finish_reason="length").record(0, 5)
+    assert over["error"] == "ran over: 6 tokens (counted by usage) for max_tokens 5" and len(over["arrivals"]) == 6
     # usage wins over the chunks, both ways
     assert StreamResult(sent=0.0, chunk_times=[1.0, 2.0, 3.0], usage_tokens=2, finish_reason="length").arrivals(2) == [1.0, 2.0]
 
