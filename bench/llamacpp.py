@@ -1,8 +1,9 @@
 """python -m bench.llamacpp gguf --checkpoint DIR --source SDIST --llamacpp-python PY --out DIR [--vocab llama-bpe]
 python -m bench.llamacpp ours-folder --checkpoint DIR --source SDIST --out DIR [--vocab llama-bpe]
 python -m bench.llamacpp serve --gguf FILE --llamacpp-python PY [--server-bin BIN] --slots N --threads N [--port P]
+                               [--block-amx]
 python -m bench.llamacpp compare --ours-url http://127.0.0.1:PORT --gguf FILE --llamacpp-python PY --threads N
-                                 [--concurrency 1,4,16] [--rounds N] [--max-new-tokens N] --out DIR
+                                 [--block-amx] [--concurrency 1,4,16] [--rounds N] [--max-new-tokens N] --out DIR
 
 llama.cpp's server as the peer of ours, on the same random-init folder (`python -m bench.scale make`):
 
@@ -25,6 +26,7 @@ serve    starts llama.cpp's server on that GGUF on 127.0.0.1 and waits until it 
          `python -m llama_cpp.server` (llama-cpp-python) or, with --server-bin, llama.cpp's own
          `llama-server` with --parallel = --slots and continuous batching. Threads: --threads for both
          decode and prompt (n_threads, n_threads_batch), the same as ours' intra-op threads.
+         --block-amx: for a CPU that advertises AMX whose tile instructions fault (block_amx below).
 compare  the interleaved comparison: in each round, for each concurrency level (order rotated each round,
          bench.stats.round_order), ours and llama.cpp one after the other (which goes first alternates),
          each level a bench.serve level of the same client (bench/openai_client.py: streamed
