@@ -387,6 +387,17 @@ class LlamaCppServer:
         lines = [ln for ln in Path(self.log).read_text(errors="replace").splitlines() if ln.strip()]
         return f" (its log: {lines[-1].strip()[:200]})" if lines else ""
 
+    def death(self) -> UserError | None:
+        """What to say when the server died under load (None while it runs): SIGILL names --block-amx."""
+        code = self.proc.poll() if self.proc is not None else None
+        if code is None:
+            return None
+        if code == -signal.SIGILL:
+            return UserError(f"llama.cpp's server: expected it to answer, found it killed by SIGILL (an instruction "
+                             f"this CPU refuses{self._log_tail()}); add --block-amx where the CPU advertises AMX")
+        return UserError(f"llama.cpp's server: expected it to answer, found it exited with code {code}"
+                         f"{self._log_tail()}; run `{self.shown()}` to see why")
+
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
@@ -424,8 +435,11 @@ def compare(ours_url: str, peer, levels: list[int], rounds: int, prompts: list[s
                     level = _level(openai_client, url, c, requests[c], prompts, max_tokens, force, warmup)
                 else:
                     with peer(c) as srv:
-                        level = _level(openai_client, srv.url, c, requests[c], prompts, max_tokens,
-                                       srv.force_length, warmup)
+                        try:
+                            level = _level(openai_client, srv.url, c, requests[c], prompts, max_tokens,
+                                           srv.force_length, warmup)
+                        except UserError as e:
+                            raise srv.death() or e
                 raw[who].setdefault(c, []).append(level)
                 from bench.serve import summarize_level
                 lv = summarize_level([level], c)

@@ -69,6 +69,12 @@ def test_server_commands_and_a_server_that_does_not_start(tmp_path):
             pass
     with pytest.raises(UserError, match="expected --llamacpp-python or --server-bin"):
         llamacpp.LlamaCppServer(gguf, slots=1, threads=1)
+    # a server that dies under load: SIGILL (AMX on a CPU that advertises it) names --block-amx
+    srv = llamacpp.LlamaCppServer(gguf, slots=1, threads=1, python=sys.executable)
+    assert srv.death() is None
+    srv.proc = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"])
+    srv.proc.wait()
+    assert "add --block-amx" in str(srv.death())
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64" or sys.platform != "linux", reason="an x86-64 Linux filter")
@@ -94,6 +100,9 @@ class FakePeer:
 
     def shown(self):
         return " ".join(self.command())
+
+    def death(self):
+        return None
 
     def __enter__(self):
         self.server, self.url, self.handler = start_fake(usage=False)
