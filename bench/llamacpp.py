@@ -389,8 +389,11 @@ class LlamaCppServer:
 
     def death(self) -> UserError | None:
         """What to say when the server died under load (None while it runs): SIGILL names --block-amx."""
-        code = self.proc.poll() if self.proc is not None else None
-        if code is None:
+        if self.proc is None:
+            return None
+        try:
+            code = self.proc.wait(2.0)      # a crash cuts the stream a moment before the process is gone
+        except subprocess.TimeoutExpired:
             return None
         if code == -signal.SIGILL:
             return UserError(f"llama.cpp's server: expected it to answer, found it killed by SIGILL (an instruction "
