@@ -1,4 +1,5 @@
 """python -m bench.serve --url HOST:PORT [--concurrency 1,4,16,32] [--requests N] [--prompts FILE] --out DIR
+python -m bench.serve --api openai --url http://127.0.0.1:PORT [--endpoint completions|chat] [--force-length F] ...
 
 A closed-loop load generator for a running Triton server's generate model (gRPC streaming),
 on loopback only:
@@ -24,6 +25,11 @@ into OUT/results.json, OUT/results.md and OUT/serve.png (throughput and p99 late
 concurrency), rewritten after every level, so an interrupted run keeps what it measured.
 Untimed warm-up requests (--warmup) run first. The server's model sets the pool size
 (`runtime.triton repo --slots`); a level above slots + max_queued sees "server busy" errors.
+
+--api openai drives any OpenAI-compatible server instead (ours with --openai-port, llama.cpp's server,
+vLLM) with streamed /v1/completions (or /v1/chat/completions), timed from the SSE chunks, into the same
+report, so two servers are read by one client: bench/openai_client.py says how tokens are counted (usage,
+else finish_reason "length", else text chunks) and which answers count as errors.
 """
 from __future__ import annotations
 
@@ -222,6 +228,7 @@ def summarize_level(raw: list[dict], concurrency: int) -> dict:
                 ttft.append(a[0] - rec["sent"])
                 itl += [y - x for x, y in zip(a, a[1:])]
     wall = sum((r["end"] - r["start"] for r in raw), 0.0)
+    counted = Counter(rec["counted_by"] for r in raw for rec in r["records"] if "counted_by" in rec)
 
     def pct(xs):
         return {f"p{q}_ms": stats.percentile(xs, q) * 1e3 for q in (50, 90, 99)}
@@ -230,7 +237,8 @@ def summarize_level(raw: list[dict], concurrency: int) -> dict:
             "tokens_per_s": tokens / wall if wall > 0 else float("nan"),
             "tokens_per_s_rounds": stats.Spread.of(map(round_tokens_per_s, raw)).as_dict(),
             "requests_per_s": ok / wall if wall > 0 else float("nan"),
-            "ttft": pct(ttft), "itl": pct(itl), "errors": dict(errors)}
+            "ttft": pct(ttft), "itl": pct(itl), "errors": dict(errors),
+            **({"tokens_counted_by": dict(counted)} if counted else {})}    # --api openai: bench/openai_client.py
 
 
 # --- reports ---------------------------------------------------------------------------------------
@@ -239,12 +247,18 @@ def _f(x, nd=1) -> str:
     return "-" if x is None or x != x else f"{x:.{nd}f}"
 
 
+def _api_words(settings: dict) -> str:
+    if settings.get("api") != "openai":
+        return ""
+    return f" (OpenAI /v1/{'chat/' if settings['endpoint'] == 'chat' else ''}completions, streamed)"
+
+
 def markdown(results: dict) -> str:
     s = results["settings"]
     lines = [f"# bench.serve: {results['started']}", "",
              f"`{results['command']}`", "",
-             f"Server {s['url']} model `{s['model']}`; {s['max_new_tokens']} new tokens per request (greedy, "
-             f"ignore_eos), {len(s['prompts'])} prompts in turn, {s['rounds']} round(s), levels interleaved; "
+             f"Server {s['url']}{_api_words(s)} model `{s['model']}`; {s['max_new_tokens']} new tokens per request "
+             f"(greedy, {s.get('force_length', 'ignore_eos')}), {len(s['prompts'])} prompts in turn, {s['rounds']} round(s), levels interleaved; "
              f"machine {results['machine'].get('cpu', '?')}, load average "
              f"{' '.join(f'{x:.2f}' for x in results['machine']['loadavg_start'])} (start) / "
              f"{' '.join(f'{x:.2f}' for x in results['machine'].get('loadavg_end', []))} (end).", "",
@@ -261,6 +275,11 @@ def markdown(results: dict) -> str:
     if results.get("ratios"):
         lines += ["", "Aggregate tok/s over concurrency 1, per round (median [min, max]): " + ", ".join(
             f"c{c}: {_f(v['median'], 2)}x [{_f(v['min'], 2)}, {_f(v['max'], 2)}]" for c, v in results["ratios"].items())]
+    counted = sum((Counter(lv.get("tokens_counted_by", {})) for lv in results["levels"]), Counter())
+    if counted:
+        lines += ["", "Output tokens of a request counted from: " + ", ".join(
+            f"{how} ({n} requests)" for how, n in counted.most_common()) + " (usage: the server's usage; length: "
+            "max_tokens, the stream ended with finish_reason length and no usage; chunks: text chunks)."]
     sched = [lv for lv in results["levels"] if lv.get("scheduler")]
     if sched:
         lines += ["", "Scheduler (server counters over each level): rows running / rows run per decode step; "
@@ -311,7 +330,17 @@ def plot(results: dict, out: Path) -> Path:
 
 def _parser():
     p = ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n\n")[1])
-    p.add_argument("--url", required=True, help="HOST:PORT of the server's gRPC endpoint, on this machine")
+    p.add_argument("--url", required=True, help="HOST:PORT of the server's gRPC endpoint, on this machine "
+                                                "(--api openai: http://HOST:PORT of its OpenAI routes)")
+    p.add_argument("--api", choices=("triton", "openai"), default="triton",
+                   help="triton: the generate model over gRPC streaming (default); openai: any OpenAI-compatible "
+                        "server, streamed over HTTP")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                   help="--api openai: /v1/completions (default) or /v1/chat/completions")
+    p.add_argument("--force-length", choices=("ignore_eos", "min_tokens", "both", "none"), default="ignore_eos",
+                   help="--api openai: the request field(s) that make a server generate exactly --max-new-tokens: "
+                        "ignore_eos (ours, vLLM, llama.cpp's llama-server; default) or min_tokens "
+                        "(llama-cpp-python's server)")
     p.add_argument("--concurrency", default=DEFAULT_CONCURRENCY,
                    help=f"comma list of concurrent clients, each in [1, {MAX_CONCURRENCY}] (default {DEFAULT_CONCURRENCY})")
     p.add_argument("--requests", type=int_in(1, 100_000), help="requests per level and round (default: 4 x concurrency, at least 8)")
@@ -320,7 +349,8 @@ def _parser():
     p.add_argument("--max-new-tokens", type=int_in(1, 100_000), default=64, help="tokens per request (default 64)")
     p.add_argument("--rounds", type=int_in(1, 100), default=1, help="rounds, levels interleaved (default 1)")
     p.add_argument("--warmup", type=int_in(0, 1000), default=2, help="untimed requests first (default 2)")
-    p.add_argument("--model", default="generate", help="the server's generate model (default generate)")
+    p.add_argument("--model", help="the server's generate model (default generate); --api openai: the request's "
+                                   "model field (default: the first of the server's GET /v1/models)")
     p.add_argument("--metrics-url", help="HOST:PORT of the server's metrics (runtime.triton serve --metrics-port): "
                                          "scheduler counters per level")
     p.add_argument("--timeout", type=float_in(0.1, 86_400.0), default=600.0, help="seconds one request may take")
@@ -328,7 +358,8 @@ def _parser():
     return p
 
 
-def _levels(value: str) -> list[int]:
+def parse_levels(value: str) -> list[int]:
+    """--concurrency's comma list (distinct levels in [1, MAX_CONCURRENCY]), or UsageError."""
     try:
         levels = [int(x) for x in value.split(",") if x.strip()]
     except ValueError:
@@ -339,7 +370,8 @@ def _levels(value: str) -> list[int]:
     return levels
 
 
-def _prompts(path: str | None) -> list[str]:
+def read_prompts(path: str | None) -> list[str]:
+    """--prompts' lines (the non-blank ones), or the built-in PROMPTS without a file."""
     from core.inputs import read_text_file
     if path is None:
         return list(PROMPTS)
@@ -395,11 +427,14 @@ class ServeRun:
 def run(argv: list[str] | None = None) -> int:
     from bench.runners import machine_info
     args = _parser().parse_args(argv)
+    if args.api == "openai":
+        return _run_openai(args, argv)
+    args.model = args.model or "generate"
     url = check_loopback(args.url)
     if args.metrics_url is not None:
         check_loopback(args.metrics_url)
-    levels = _levels(args.concurrency)
-    prompts = _prompts(args.prompts)
+    levels = parse_levels(args.concurrency)
+    prompts = read_prompts(args.prompts)
     check_output_dir(args.out, SERVE_RESULTS)          # refused before any load, nothing written
     with StreamingClient(url, model=args.model, timeout_s=args.timeout) as client:   # reachable? refused early
         for i in range(max(1, args.warmup)):
@@ -414,23 +449,61 @@ def run(argv: list[str] | None = None) -> int:
           f"server pid {sr.pid if sr.pid is not None else 'not visible (no RSS)'}", flush=True)
     for r in range(args.rounds):
         for c in stats.round_order(levels, r):
-            before = settled_scheduler_counters(args.metrics_url)
-            with RssMonitor(sr.pid) as rss:
-                level = run_level(url, c, settings["requests"][c], prompts, args.max_new_tokens, args.model,
-                                  args.timeout)
-            after = settled_scheduler_counters(args.metrics_url)
-            totals = sr.counters.setdefault(c, {})
-            for k, v in after.items():
-                totals[k] = totals.get(k, 0.0) + v - before.get(k, 0.0)
-            sr.peak[c] = max(sr.peak.get(c, 0), rss.peak)
-            sr.raw.setdefault(c, []).append(level)
-            lv = summarize_level([level], c)
-            print(f"  round {r + 1} c={c}: {lv['completed']}/{lv['requests']} requests, {lv['tokens_per_s']:.1f} tok/s, "
-                  f"TTFT p99 {lv['ttft']['p99_ms']:.0f} ms, ITL p99 {lv['itl']['p99_ms']:.0f} ms, "
-                  f"{sum(lv['errors'].values())} errors", flush=True)
-            sr.write()
+            measure_level(sr, c, r, args.metrics_url, lambda c=c: run_level(
+                url, c, settings["requests"][c], prompts, args.max_new_tokens, args.model, args.timeout))
     print(f"wrote {sr.out / 'results.json'}, {sr.out / 'results.md'} and {sr.out / 'serve.png'}")
     return 0
+
+
+def _run_openai(args, argv: list[str] | None) -> int:
+    """run() for --api openai: the same levels, rounds, report and outputs over bench.openai_client."""
+    from bench import openai_client
+    from bench.runners import machine_info
+    _, port, _ = openai_client.split_url(args.url)
+    if args.metrics_url is not None:
+        check_loopback(args.metrics_url)
+    levels = parse_levels(args.concurrency)
+    prompts = read_prompts(args.prompts)
+    check_output_dir(args.out, SERVE_RESULTS)          # refused before any load, nothing written
+    model = args.model or openai_client.served_model(args.url)     # none where /v1/models names none
+    kw = dict(model=model, endpoint=args.endpoint, force_length=args.force_length, timeout_s=args.timeout)
+    openai_client.warm_up(args.url, prompts, args.max_new_tokens, args.warmup, **kw)   # reachable? refused early
+    settings = {"url": args.url, "api": "openai", "endpoint": args.endpoint, "force_length": args.force_length,
+                "model": model, "concurrency": levels,
+                "requests": {c: args.requests or default_requests(c) for c in levels},
+                "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "warmup": args.warmup, "prompts": prompts}
+    sr = ServeRun(claim_dir(args.out, SERVE_RESULTS), time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                  "python -m bench.serve " + shlex.join(sys.argv[1:] if argv is None else argv),
+                  machine_info(gpu=False), listening_pid(port), settings, levels)
+    print(f"bench.serve: {args.url} (OpenAI {args.endpoint}) levels {levels}, {args.rounds} round(s), "
+          f"{args.max_new_tokens} new tokens per request; "
+          f"server pid {sr.pid if sr.pid is not None else 'not visible (no RSS)'}", flush=True)
+    for r in range(args.rounds):
+        for c in stats.round_order(levels, r):
+            measure_level(sr, c, r, args.metrics_url, lambda c=c: openai_client.run_level(
+                args.url, c, settings["requests"][c], prompts, args.max_new_tokens, **kw))
+    print(f"wrote {sr.out / 'results.json'}, {sr.out / 'results.md'} and {sr.out / 'serve.png'}")
+    return 0
+
+
+def measure_level(sr: ServeRun, c: int, r: int, metrics_url: str | None, run_one) -> dict:
+    """One level of one round: run_one() under the RSS monitor and the scheduler counters, kept in sr,
+    a line printed and the outputs rewritten."""
+    before = settled_scheduler_counters(metrics_url)
+    with RssMonitor(sr.pid) as rss:
+        level = run_one()
+    after = settled_scheduler_counters(metrics_url)
+    totals = sr.counters.setdefault(c, {})
+    for k, v in after.items():
+        totals[k] = totals.get(k, 0.0) + v - before.get(k, 0.0)
+    sr.peak[c] = max(sr.peak.get(c, 0), rss.peak)
+    sr.raw.setdefault(c, []).append(level)
+    lv = summarize_level([level], c)
+    print(f"  round {r + 1} c={c}: {lv['completed']}/{lv['requests']} requests, {lv['tokens_per_s']:.1f} tok/s, "
+          f"TTFT p99 {lv['ttft']['p99_ms']:.0f} ms, ITL p99 {lv['itl']['p99_ms']:.0f} ms, "
+          f"{sum(lv['errors'].values())} errors", flush=True)
+    sr.write()
+    return level
 
 
 def main(argv: list[str] | None = None) -> int:

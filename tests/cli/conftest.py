@@ -26,6 +26,7 @@ COMMANDS = {
     "bench.decode": "bench.decode",
     "bench.report": "bench.report",
     "bench.serve": "bench.serve",
+    "bench.llamacpp": "bench.llamacpp",
     "bench.slots": "bench.slots",
     "bench.gpu_decode": "bench.gpu_decode",
     "bench.quant_quality": "bench.quant_quality",

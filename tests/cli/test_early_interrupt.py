@@ -29,7 +29,9 @@ ARGV = {"runtime.triton": ["client", "--url", "127.0.0.1:9", "--prompt", "hi"],
         "train": ["--preset", "baseline", "--out", "run", "--quiet"],
         "train.finetune": ["--from", "src", "--method", "vanilla", "--out", "run", "--quiet"],
         "train.tokenizer": ["--out", "tokenizer.json", "--stories", "10"],
-        "bench.fold_vs_genai": ["profile", "model.onnx"]}
+        "bench.fold_vs_genai": ["profile", "model.onnx"],
+        "bench.llamacpp": ["compare", "--ours-url", "http://127.0.0.1:9", "--gguf", "m.gguf", "--llamacpp-python", "py",
+                           "--threads", "1", "--out", "o"]}
 
 STALL = '''
 import importlib.abc, os, sys, time
