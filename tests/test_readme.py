@@ -42,7 +42,8 @@ def readme_commands() -> list[str]:
     pieces = []
     for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S):
         pieces += [line for line in block.splitlines() if not line.lstrip().startswith("#")]
-    pieces += re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+    pieces += [" ".join(span.split())                      # an inline span may wrap across lines
+               for span in re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))]
     commands = []
     for piece in pieces:
         for part in re.split(r"&&|;", piece):
