@@ -1,6 +1,6 @@
 """python -m export.build [--fuse] [--checkpoint DIR] [--out DIR] [--dtype fp32|fp16|bf16] [--triton-repo DIR]
                         [--quantize int8|int4 [--block-size N] [--accuracy-level N] [--algo rtn|hqq] [--head int8|int4|fp32] [--int8-layers NAMES]]
-                        [--target auto|ort-cpu|portable] [--attention plain|fused|gqa] [--genai]
+                        [--target auto|ort-cpu|portable] [--attention plain|fused|gqa] [--genai] [--max-seq-len N]
 
 --target picks the graph for the runtime it will run on (export/target.py): by default (auto) the
 ONNX Runtime CPU graph with GroupQueryAttention, the fastest there, where the model and options allow
@@ -27,6 +27,10 @@ torch reference run block by block. Writes into OUT (default build/<checkpoint n
 --checkpoint may name a Hugging Face model folder (models/convert.py: its tensors are mapped as they
 are read; `python -m models.convert` saves the checkpoint instead). OUT is written into a temporary
 sibling and swapped into place at the end, and replaced only when it is an earlier build.
+--max-seq-len N sets the KV-cache capacity of the graphs (their S_max), as `models.convert --max-seq-len`
+does: a Hugging Face folder's default is min(max_position_embeddings, 2048) and N above
+max_position_embeddings is refused; a checkpoint's default is the capacity it was saved with, a learned
+position table allows N up to its rows, rotary positions any N (a note past the saved capacity).
 --triton-repo runs `python -m runtime.triton repo` on the finished build: the repository belongs to the
 runtime layer above, so it is wired here, in the CLI.
 """
@@ -46,6 +50,7 @@ from export.target import TARGETS, resolve_target
 from export.quantize import (ALGOS, BLOCK_SIZES, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, HEAD_DTYPES, QUANT_BITS,
                              QuantConfig)
 
+MAX_CAPACITY = 1 << 20        # the bound models.convert --max-seq-len takes
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "models" / "zoo" / "internal-taper"
 
 
@@ -87,6 +92,9 @@ def _parser() -> ArgumentParser:
                     help="with --fuse: also make OUT a folder ONNX Runtime GenAI loads as it is (og.Model(OUT)): "
                          "model.genai.onnx (the folded GroupQueryAttention graph, or the --quantize one, with GenAI's "
                          "I/O), genai_config.json and its tokenizer files; implies --attention gqa")
+    ap.add_argument("--max-seq-len", type=int_in(1, MAX_CAPACITY), default=None, metavar="N",
+                    help="KV-cache capacity of the graphs (default: the checkpoint's; a Hugging Face folder's "
+                         "max_position_embeddings, at most 2048, as models.convert)")
     ap.add_argument("--triton-repo", type=Path, default=None,
                     help="also write a Triton model repository for the build (python -m runtime.triton repo)")
     return ap
@@ -107,7 +115,7 @@ def run(argv: list[str]) -> int:
         check_output_dir(args.triton_repo, TRITON_REPOSITORY, inputs=[ckpt, out])
     from export.pipeline import build, check_options, check_quantize
     check_quantize(quantize, args.fuse, args.dtype)         # before the target: it reads the config
-    opened = functools.cache(lambda: _open_weights(ckpt))      # read once, by whichever step needs it first
+    opened = functools.cache(lambda: _open_weights(ckpt, args.max_seq_len))      # read once, by whichever step needs it first
     target = _target(args, opened)
     check_options(quantize, args.genai, args.fuse, args.dtype, target.attention)
     build(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=target.attention, genai=args.genai,
@@ -144,9 +152,16 @@ def _write_triton_repo(build: Path, repo: Path) -> int:
     return proc.returncode
 
 
-def _open_weights(ckpt: Path):
+def _open_weights(ckpt: Path, max_seq_len: int | None = None):
+    """The weights, at capacity `max_seq_len` (None: the model's default). A Hugging Face folder's capacity
+    is capped by its max_position_embeddings (models/convert.py): a larger N is refused here, by name."""
     from models.weights import open_weights
-    return open_weights(ckpt)
+    source = open_weights(ckpt, max_seq_len)
+    if max_seq_len is not None and source.cfg.max_seq_len != max_seq_len:
+        top = source.cfg.max_seq_len
+        raise UsageError(f"--max-seq-len {max_seq_len}: expected at most {top} (max_position_embeddings in "
+                         f"{ckpt / 'config.json'}), found {max_seq_len}; pass --max-seq-len {top} or less")
+    return source
 
 
 def _target(args, opened):

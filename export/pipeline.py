@@ -654,8 +654,11 @@ def write_report(report: BuildReport, folder: Path, t_start: float, source, toke
     """config.json (the checkpoint's own; a converted model's, what was built) and tokenizer.json,
     then versions, the total time, the file list and report.json itself."""
     from models.checkpoint import CONFIG, TOKENIZER, checkpoint_config
-    if source.source == "checkpoint":
+    if source.source == "checkpoint" and source.raw_config.get("max_seq_len") == source.cfg.max_seq_len:
         shutil.copyfile(source.where / CONFIG, folder / CONFIG)
+    elif source.source == "checkpoint":     # export.build --max-seq-len: the capacity built, the rest as saved
+        (folder / CONFIG).write_text(json.dumps({**source.raw_config, "max_seq_len": source.cfg.max_seq_len},
+                                                indent=2) + "\n")
     else:
         (folder / CONFIG).write_text(json.dumps(checkpoint_config(source.skeleton, tokenizer is not None),
                                                 indent=2) + "\n")

@@ -158,3 +158,49 @@ def test_every_option_a_build_message_names_is_one_export_build_has():
     assert {"--quantize", "--dtype", "--fuse", "--attention", "--target"} <= named
     helped = cli("export.build", ["--help"]).out
     assert [o for o in sorted(named) if not re.search(rf"{o}\b", helped)] == [], helped
+
+
+# --- --max-seq-len: the cache capacity, as models.convert sets it ------------------------------------
+
+@pytest.mark.parametrize("pos, n", [("learned", 16), ("rope", 48)])
+def test_max_seq_len_sets_the_capacity(tmp_path, pos, n):
+    """--max-seq-len N: the graph's cache holds N positions (its contract), and the report and the build's
+    config.json say N; a learned table is cut to its first N rows (verified against torch at N), rotary
+    positions extend past the saved 32 (with a note)."""
+    from core.contract import contract_of
+    ckpt = write_checkpoint(tmp_path / f"ckpt-{pos}", random_model(norm="rmsnorm", pos_embedding=pos, max_seq_len=32))
+    out = tmp_path / "out"
+    r = _build("--checkpoint", ckpt, "--out", out, "--target", "portable", "--max-seq-len", n)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert contract_of(out / "model.onnx").capacity == n
+    assert json.loads((out / "report.json").read_text())["model"]["capacity"] == n
+    assert json.loads((out / "config.json").read_text())["max_seq_len"] == n
+    assert ("past the 32" in r.stdout) == (pos == "rope")
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("0", "--max-seq-len: 0 is out of range; expected an integer in [1, 1048576]"),
+    ("-4", "--max-seq-len: -4 is out of range"), ("abc", "--max-seq-len: "),
+    ("64", "error: --max-seq-len 64: expected at most 32 ("),
+])
+def test_max_seq_len_refusals(ckpts, tmp_path, value, expected):
+    """A bad N is one line naming the option, nothing written: not a positive integer, or past the rows of a
+    learned position table."""
+    out = tmp_path / "out"
+    line = _one_error_line(_build("--fuse", "--checkpoint", ckpts["taper"], "--out", out, "--max-seq-len", value))
+    assert line.startswith("error: ") and expected in line, line
+    if value == "64":
+        assert "learned positions" in line and line.endswith("pass --max-seq-len 32 or less")
+    assert not out.exists()
+
+
+def test_max_seq_len_past_max_position_embeddings_refused(tmp_path):
+    """A Hugging Face folder's capacity is at most its max_position_embeddings (64 here): models.convert caps
+    silently, export.build --max-seq-len says so in one line."""
+    from tests.hf_models import hf_model, save_hf
+    hf = save_hf(hf_model("llama"), tmp_path / "hf")
+    out = tmp_path / "out"
+    line = _one_error_line(_build("--fuse", "--checkpoint", hf, "--out", out, "--max-seq-len", 100))
+    assert line == (f"error: --max-seq-len 100: expected at most 64 (max_position_embeddings in {hf / 'config.json'}), "
+                    "found 100; pass --max-seq-len 64 or less"), line
+    assert not out.exists()
