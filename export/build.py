@@ -1,6 +1,7 @@
 """python -m export.build [--fuse] [--checkpoint DIR] [--out DIR] [--dtype fp32|fp16|bf16] [--triton-repo DIR]
                         [--quantize int8|int4 [--block-size N] [--accuracy-level N] [--algo rtn|hqq] [--head int8|int4|fp32] [--int8-layers NAMES]]
                         [--target auto|ort-cpu|portable] [--attention plain|fused|gqa] [--genai] [--max-seq-len N]
+                        [--kv-cache fp32|fp16]
 
 --target picks the graph for the runtime it will run on (export/target.py): by default (auto) the
 ONNX Runtime CPU graph with GroupQueryAttention, the fastest there, where the model and options allow
@@ -44,6 +45,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from core.contract import KV_CACHE_DTYPES
 from core.errors import ArgumentParser, UsageError, UserError, int_in, run_cli
 from core.outputs import BUILD, TRITON_REPOSITORY, check_output_dir
 from export.target import TARGETS, resolve_target
@@ -95,6 +97,9 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--max-seq-len", type=int_in(1, MAX_CAPACITY), default=None, metavar="N",
                     help="KV-cache capacity of the graphs (default: the checkpoint's; a Hugging Face folder's "
                          "max_position_embeddings, at most 2048, as models.convert)")
+    ap.add_argument("--kv-cache", choices=KV_CACHE_DTYPES, default="fp32",
+                    help="the KV caches' dtype (default fp32); fp16: half the bytes, for the ONNX Runtime CPU graph "
+                         "(--target ort-cpu), its GroupQueryAttention computing on fp16 q, k, v (docs/export.md)")
     ap.add_argument("--triton-repo", type=Path, default=None,
                     help="also write a Triton model repository for the build (python -m runtime.triton repo)")
     return ap
@@ -117,9 +122,9 @@ def run(argv: list[str]) -> int:
     check_quantize(quantize, args.fuse, args.dtype)         # before the target: it reads the config
     opened = functools.cache(lambda: _open_weights(ckpt, args.max_seq_len))      # read once, by whichever step needs it first
     target = _target(args, opened)
-    check_options(quantize, args.genai, args.fuse, args.dtype, target.attention)
+    check_options(quantize, args.genai, args.fuse, args.dtype, target.attention, args.kv_cache)
     build(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=target.attention, genai=args.genai,
-          target_why=target.why, source=opened())
+          target_why=target.why, source=opened(), kv_cache=args.kv_cache)
     if args.triton_repo is not None:
         return _write_triton_repo(out, args.triton_repo)
     return 0
