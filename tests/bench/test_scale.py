@@ -308,3 +308,46 @@ def test_a_child_build_does_not_outlive_a_killed_bench(tmp_path):
         for pid in map(int, pid_file.read_text().split() if pid_file.is_file() else []):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_depth_mode_on_a_tiny_llama(tmp_path):
+    """--depths / --prefills: per option, decode tokens/s after a real prefill of each depth and prefill
+    tokens/s of each prompt length, over interleaved rounds (min / median / max), in the report, the table
+    and the plot; the capacity set by the option (export.build --max-seq-len); fp32 and fp16 caches side by
+    side. A depth past the graph's capacity is that row's error, not a crash."""
+    shape = tmp_path / "tiny-llama.json"
+    shape.write_text(json.dumps(dict(TINY["llama"], num_hidden_layers=2)))
+    out = tmp_path / "scale.json"
+    cmd = [sys.executable, "-m", "bench.scale", "run", "--shapes", str(shape), "--work", str(tmp_path / "work"),
+           "--options", "fp32=--fuse --max-seq-len 96;fp16=--fuse --max-seq-len 96 --kv-cache fp16;short=--fuse "
+           "--max-seq-len 48", "--rounds", "2", "--decode-tokens", "4", "--threads", "1",
+           "--depths", "0,16,64", "--prefills", "8,32", "--json", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["depths"] == [0, 16, 64] and report["prefills"] == [8, 32]
+    (s,) = report["shapes"]
+    for name in ("fp32", "fp16"):
+        runs, summary = s["options"][name]["runs"], s["options"][name]["summary"]
+        assert [r["round"] for r in runs] == [1, 2] and all(r["decode"]["rc"] == 0 for r in runs)
+        depths = runs[0]["decode"]["depths"]
+        assert set(depths) == {"0", "16", "64"} and all(d["tokens_per_s"] > 0 and d["steps"] == 4 for d in depths.values())
+        assert set(runs[0]["decode"]["prefills"]) == {"8", "32"}
+        assert set(summary["depth_decode_tokens_per_s"]) == {"0", "16", "64"}
+        spread = summary["prefill_tokens_per_s"]["32"]
+        assert 0 < spread["min"] <= spread["median"] <= spread["max"]
+    assert "decode tok/s at depth 64" in r.stdout and "prefill tok/s at prompt length 32" in r.stdout
+    (short, _) = s["options"]["short"]["runs"]               # capacity 48 cannot hold depth 64 + 5
+    assert short["rc"] == 0 and short["decode"]["rc"] != 0 and "capacity" in short["decode"]["error"]
+    assert scale.main(["plot", str(out), "--out", str(tmp_path / "scale.png")]) == 0
+    assert (tmp_path / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("flag, value", [("--depths", "abc"), ("--depths", "-1"), ("--prefills", "0"),
+                                         ("--prefills", "")])
+def test_bad_depths_are_one_usage_line(tmp_path, capsys, flag, value):
+    rc = scale.main(["run", "--shapes", "qwen3-0.6b", "--work", str(tmp_path / "w"), "--options", "a=--fuse",
+                     flag, value, "--json", str(tmp_path / "s.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"error: ") and flag in err[0], err
+    assert not (tmp_path / "w").exists()
