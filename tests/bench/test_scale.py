@@ -349,5 +349,6 @@ def test_bad_depths_are_one_usage_line(tmp_path, capsys, flag, value):
     rc = scale.main(["run", "--shapes", "qwen3-0.6b", "--work", str(tmp_path / "w"), "--options", "a=--fuse",
                      flag, value, "--json", str(tmp_path / "s.json")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and err[0].startswith(f"error: ") and flag in err[0], err
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and f"argument {flag}: " in err[0], err
+    assert "expected a comma list of token counts" in err[0], err
     assert not (tmp_path / "w").exists()
