@@ -3,6 +3,7 @@ python -m bench.scale run --shapes SHAPE[,SHAPE...] --work DIR --options "NAME=B
                           [--rounds N] [--decode-tokens N] [--threads N] [--layers N] [--peers genai]
                           [--depths N,N,...] [--prefills N,N,...] [--memory-cap GB] --json OUT.json
 python -m bench.scale plot REPORT.json [REPORT.json...] --out FIGURE.png
+python -m bench.scale drift REFERENCE.onnx OTHER.onnx [--prompt-tokens N] [--new-tokens N] [--threads N]
 
 What `python -m export.build` costs at real model sizes, and what its graphs decode at on CPU.
 
@@ -35,6 +36,13 @@ over rounds (min / median / max) in the report, the table and the plot (decode t
 depth). The graph's capacity must hold the deepest d + --decode-tokens + 1 and the longest P: build
 with `--max-seq-len N` in the option (e.g. "int4=--fuse --quantize int4 --max-seq-len 8448"); a
 graph that cannot is reported as that row's error. The GenAI peer is measured the same way.
+
+drift compares two graphs of one model that differ in how they compute (--kv-cache fp16 against
+fp32, a quantized graph against the float one): the reference generates --new-tokens greedy
+tokens after a random prompt of --prompt-tokens ids; the other reads the same prompt and tokens
+(teacher-forced) and its logits are compared at every position, max |d| / max |reference| over
+the prompt and over the steps; it also generates on its own, and the greedy agreement is the share
+of the new tokens both chose, with the first position where they part. One JSON line.
 """
 from __future__ import annotations
 
@@ -219,6 +227,45 @@ def decode_speed(model: str, decode_tokens: int, prompt_tokens: int, threads: in
             ttft, _ = run(rng.integers(0, vocab, n, dtype=np.int64), 1)
             out["prefills"][str(n)] = {"tokens_per_s": n / ttft, "ttft_ms": ttft * 1e3}
     return out
+
+
+def graph_drift(reference: str, other: str, prompt_tokens: int, new_tokens: int, threads: int, seed: int = 0) -> dict:
+    """The other graph's logits against the reference's on the reference's greedy text, and the two
+    greedy texts' agreement (see the module doc); batch 1, OrtSession (the caches each graph declares)."""
+    from runtime.ort_session import OrtSession
+    ref, oth = (OrtSession(m, intra_op_threads=threads).activate() for m in (reference, other))
+    for s in (ref, oth):
+        s.reset(1)
+    if ref.spec.vocab_size != oth.spec.vocab_size:
+        raise UserError(f"{other}: expected the vocabulary of {reference} ({ref.spec.vocab_size}), found "
+                         f"{oth.spec.vocab_size}; compare two graphs of one model")
+    need = prompt_tokens + new_tokens
+    for path, s in ((reference, ref), (other, oth)):
+        if s.spec.capacity < need:
+            raise UserError(f"{path}: expected a cache of at least {need} slots (--prompt-tokens + --new-tokens), "
+                             f"found {s.spec.capacity}; build with --max-seq-len {need} or ask for fewer tokens")
+    prompt = np.random.default_rng(seed).integers(0, ref.spec.vocab_size, (1, prompt_tokens), dtype=np.int64)
+
+    def scaled(a, b) -> float:
+        return float(np.abs(a.astype(np.float64) - b).max() / max(np.abs(a).max(), 1e-30))
+    a, b = ref.prefill(prompt)[0].copy(), oth.prefill(prompt)[0].copy()                  # [T, V]
+    prefill_drift = scaled(a, b)
+    tokens, step_drift, tok = [], 0.0, int(a[-1].argmax())
+    for t in range(new_tokens):                        # the reference's greedy text, read by both
+        tokens.append(tok)
+        pos = np.array([prompt_tokens + t], np.int64)
+        x, y = ref.decode_step(np.array([tok]), pos), oth.decode_step(np.array([tok]), pos)
+        step_drift = max(step_drift, scaled(x[0], y[0]))
+        tok = int(x[0].argmax())
+    oth.reset(1)
+    own = [int(oth.prefill(prompt)[0, -1].argmax())]
+    for t in range(new_tokens - 1):                    # the other's own greedy text
+        own.append(int(oth.decode_step(np.array([own[-1]]), np.array([prompt_tokens + t], np.int64))[0].argmax()))
+    same = [x == y for x, y in zip(tokens, own)]
+    return {"reference": str(reference), "other": str(other), "caches": [ref.spec.dtype, oth.spec.dtype],
+            "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+            "prefill_logits_drift": prefill_drift, "step_logits_drift": step_drift,
+            "greedy_agreement": sum(same) / len(same), "first_difference": same.index(False) if not all(same) else None}
 
 
 # --- run ------------------------------------------------------------------------------------------
@@ -556,6 +603,12 @@ def run(argv: list[str]) -> int:
     dc.add_argument("--threads", type=int_in(0, 1024), default=2)
     dc.add_argument("--depths", type=_counts(0), default=())
     dc.add_argument("--prefills", type=_counts(1), default=())
+    dr = sub.add_parser("drift", help="two graphs of one model: logits drift and greedy agreement, one JSON line")
+    dr.add_argument("reference", help="the reference .onnx graph (e.g. the fp32-cache build's)")
+    dr.add_argument("other", help="the .onnx graph compared with it (e.g. the --kv-cache fp16 build's)")
+    dr.add_argument("--prompt-tokens", type=positive_int, default=2048)
+    dr.add_argument("--new-tokens", type=positive_int, default=256)
+    dr.add_argument("--threads", type=int_in(0, 1024), default=2)
     pl = sub.add_parser("plot", help="a figure of one or more run reports (--json files)")
     pl.add_argument("reports", nargs="+", type=Path, help="bench.scale run --json files")
     pl.add_argument("--out", type=Path, required=True, help="the .png to write")
@@ -569,6 +622,9 @@ def run(argv: list[str]) -> int:
         out = write_random_folder(args.shape, args.out, seed=args.seed, dtype=args.dtype,
                                   shard_bytes=max(1, int(args.shard_gb * GB)), layers=args.layers)
         print(f"wrote {out}: {human(folder_bytes(out), 'B')}")
+        return 0
+    if args.command == "drift":
+        print(json.dumps(graph_drift(args.reference, args.other, args.prompt_tokens, args.new_tokens, args.threads)))
         return 0
     if args.command == "decode":
         print(json.dumps(decode_speed(args.model, args.decode_tokens, args.prompt_tokens, args.threads, args.genai,

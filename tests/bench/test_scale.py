@@ -352,3 +352,29 @@ def test_bad_depths_are_one_usage_line(tmp_path, capsys, flag, value):
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and f"argument {flag}: " in err[0], err
     assert "expected a comma list of token counts" in err[0], err
     assert not (tmp_path / "w").exists()
+
+
+def test_drift_of_an_fp16_cache_against_the_fp32_cache(tmp_path, capsys):
+    """bench.scale drift: two builds of one model (--kv-cache fp32 and fp16): the logits drift over the prompt
+    and the reference's greedy steps within KV_CACHE_DRIFT, the same greedy text; a graph too small for the
+    tokens asked is one line naming the capacity to build."""
+    from graph_passes.ort_attention import KV_CACHE_DRIFT
+    from tests.helpers import random_model, write_checkpoint
+    ckpt = write_checkpoint(tmp_path / "ckpt", random_model(seed=3, norm="rmsnorm", pos_embedding="rope", n_kv_head=2,
+                                                            mlp="swiglu", d_model=64, n_head=4, max_seq_len=64))
+    graphs = []
+    for cache in ("fp32", "fp16"):
+        out = tmp_path / cache
+        r = subprocess.run([sys.executable, "-m", "export.build", "--fuse", "--checkpoint", str(ckpt), "--out", str(out),
+                            "--max-seq-len", "160", "--kv-cache", cache], cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        graphs.append(str(out / "model.fused.onnx"))
+    assert scale.main(["drift", *graphs, "--prompt-tokens", "100", "--new-tokens", "60", "--threads", "1"]) == 0
+    row = json.loads(capsys.readouterr().out.strip())
+    assert row["caches"] == ["fp32", "fp16"] and row["greedy_agreement"] == 1.0 and row["first_difference"] is None
+    assert 0 < row["prefill_logits_drift"] <= KV_CACHE_DRIFT["fp16"]
+    assert 0 < row["step_logits_drift"] <= KV_CACHE_DRIFT["fp16"]
+    assert scale.main(["drift", *graphs, "--prompt-tokens", "150", "--new-tokens", "60"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {graphs[0]}: expected a cache of at least 210 slots (--prompt-tokens + --new-tokens), "
+                   "found 160; build with --max-seq-len 210 or ask for fewer tokens"], err
