@@ -1,4 +1,5 @@
-"""python -m bench.ort_kernels [--threads N] [--rounds N] [--d-model D] [--vocab V] [--json OUT]
+"""python -m bench.ort_kernels [--threads N] [--rounds N] [--d-model D] [--vocab V] [--capacity N] [--kv-cache fp32,fp16]
+                             [--json OUT]
 
 Times the two ONNX Runtime CPU kernels that a decode step of an `--attention gqa --quantize
 int4` build (and GenAI's equal-shape build) spends nearly all its time in, one op per
@@ -10,7 +11,9 @@ allow: both graphs call the same kernels on the same bytes.
                   head (d x V); GB/s = weight bytes (int4 + fp32 scales) / time
     GQA           com.microsoft GroupQueryAttention, packed QKV, rotary inside, the KV cache
                   shared as past and present (as our OrtSession binds it), at three cached
-                  lengths; default scale vs scale 1 (the scale moved into Wq)
+                  lengths; default scale vs scale 1 (the scale moved into Wq); with --kv-cache
+                  fp32,fp16 also the op as `export.build --kv-cache fp16` writes it (q / k / v,
+                  caches, tables and output fp16), at the default scale
 
 Random weights (speed does not depend on the values); median [min-max] of --rounds rounds,
 each the mean of enough calls to take ~0.1 s, after a warm-up.
@@ -78,39 +81,48 @@ def matmul_nbits(k: int, n: int, level: int, threads: int, rounds: int) -> dict:
 
 
 def gqa(heads: int, head_size: int, capacity: int, cached: int, scale: float | None, threads: int,
-        rounds: int) -> dict:
+        rounds: int, cache: str = "fp32") -> dict:
     from onnx import TensorProto, helper, numpy_helper
     rng = np.random.default_rng(0)
+    f, nf = (TensorProto.FLOAT16, np.float16) if cache == "fp16" else (TensorProto.FLOAT, np.float32)
     attrs = dict(num_heads=heads, kv_num_heads=heads, do_rotary=1, rotary_interleaved=0)
     if scale is not None:
         attrs["scale"] = scale
     inv_freq = 1.0 / 10000 ** (np.arange(0, head_size, 2, dtype=np.float32) / head_size)
     angles = np.arange(capacity, dtype=np.float32)[:, None] * inv_freq[None]
-    cache = [1, heads, capacity, head_size]                                          # [B, H, S_max, D]
+    shape = [1, heads, capacity, head_size]                                          # [B, H, S_max, D]
     node = helper.make_node("GroupQueryAttention", ["qkv", "", "", "k", "v", "seqlens_k", "total", "cos", "sin"],
                             ["y", "present_k", "present_v"], domain=MS, **attrs)
-    f = TensorProto.FLOAT
     graph = helper.make_graph(
         [node], "gqa",
         [helper.make_tensor_value_info("qkv", f, [1, 1, 3 * heads * head_size]),
-         helper.make_tensor_value_info("k", f, cache), helper.make_tensor_value_info("v", f, cache),
+         helper.make_tensor_value_info("k", f, shape), helper.make_tensor_value_info("v", f, shape),
          helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
          helper.make_tensor_value_info("total", TensorProto.INT32, [])],
         [helper.make_tensor_value_info("y", f, [1, 1, heads * head_size]),
-         helper.make_tensor_value_info("present_k", f, cache), helper.make_tensor_value_info("present_v", f, cache)],
-        [numpy_helper.from_array(np.cos(angles), "cos"), numpy_helper.from_array(np.sin(angles), "sin")])
+         helper.make_tensor_value_info("present_k", f, shape), helper.make_tensor_value_info("present_v", f, shape)],
+        [numpy_helper.from_array(np.cos(angles).astype(nf), "cos"), numpy_helper.from_array(np.sin(angles).astype(nf), "sin")])
     secs = _timed(_bound(graph, threads,
-                         {"qkv": rng.random((1, 1, 3 * heads * head_size), dtype=np.float32),
+                         {"qkv": rng.random((1, 1, 3 * heads * head_size), dtype=np.float32).astype(nf),
                           "seqlens_k": np.array([cached - 1], np.int32), "total": np.array(cached, np.int32)},
-                         {"y": np.empty((1, 1, heads * head_size), np.float32)},
-                         {("k", "present_k"): rng.random(cache, dtype=np.float32),
-                          ("v", "present_v"): rng.random(cache, dtype=np.float32)}), rounds)
+                         {"y": np.empty((1, 1, heads * head_size), nf)},
+                         {("k", "present_k"): rng.random(shape, dtype=np.float32).astype(nf),
+                          ("v", "present_v"): rng.random(shape, dtype=np.float32).astype(nf)}), rounds)
     return {"op": "GroupQueryAttention", "heads": heads, "head_size": head_size, "cached": cached,
-            "scale": "default" if scale is None else scale, "us": [s * 1e6 for s in secs]}
+            "scale": "default" if scale is None else scale, "kv_cache": cache, "us": [s * 1e6 for s in secs]}
 
 
 def _summary(us: list[float]) -> str:
     return f"{np.median(us):8.1f} us [{min(us):.1f}-{max(us):.1f}]"
+
+
+def _caches(text: str) -> tuple[str, ...]:
+    """argparse type of --kv-cache: a comma list of fp32, fp16."""
+    import argparse
+    values = tuple(v.strip() for v in text.split(",") if v.strip())
+    if not values or any(v not in ("fp32", "fp16") for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected fp32 and / or fp16, comma-separated, e.g. fp32,fp16")
+    return values
 
 
 def run(argv: list[str]) -> int:
@@ -122,6 +134,9 @@ def run(argv: list[str]) -> int:
     ap.add_argument("--d-model", type=int_in(64, 16384), default=768, help="model width (default 768: 124M, 12 heads of 64)")
     ap.add_argument("--vocab", type=int_in(1, 1 << 20), default=50257, help="LM head width (default 50257)")
     ap.add_argument("--capacity", type=int_in(32, 1 << 16), default=160, help="KV cache slots (default 160)")
+    ap.add_argument("--kv-cache", type=_caches, default=("fp32",), metavar="fp32[,fp16]",
+                    help="the GroupQueryAttention's cache dtypes to time (default fp32; fp16 as export.build "
+                         "--kv-cache fp16 writes the op)")
     ap.add_argument("--json", type=Path, help="also write the figures here (a JSON report)")
     args = ap.parse_args(argv)
     d = args.d_model
@@ -136,10 +151,10 @@ def run(argv: list[str]) -> int:
             print(f"  MatMulNBits K {k:5d} N {n:6d} level {level}: {_summary(r['us'])}  {r['GB_per_s']:5.1f} GB/s")
             rows.append(r)
     for cached in (17, args.capacity // 2, args.capacity - 16):
-        for scale in (None, 1.0):
-            r = gqa(d // 64, 64, args.capacity, cached, scale, args.threads, args.rounds)
-            print(f"  GroupQueryAttention {d // 64} heads, {cached:4d} cached, scale {str(r['scale']):7s}: "
-                  f"{_summary(r['us'])}")
+        for cache, scale in [(c, sc) for c in args.kv_cache for sc in ((None, 1.0) if c == "fp32" else (None,))]:
+            r = gqa(d // 64, 64, args.capacity, cached, scale, args.threads, args.rounds, cache)
+            print(f"  GroupQueryAttention {d // 64} heads, {cached:4d} cached, {cache} cache, scale "
+                  f"{str(r['scale']):7s}: {_summary(r['us'])}")
             rows.append(r)
     if args.json:
         import onnxruntime

@@ -1,8 +1,9 @@
 """python -m bench.scale make SHAPE --out DIR [--layers N] [--seed N] [--dtype bf16|fp16|fp32] [--shard-gb G]
 python -m bench.scale run --shapes SHAPE[,SHAPE...] --work DIR --options "NAME=BUILD ARGS[;NAME=BUILD ARGS...]"
                           [--rounds N] [--decode-tokens N] [--threads N] [--layers N] [--peers genai]
-                          [--memory-cap GB] --json OUT.json
+                          [--depths N,N,...] [--prefills N,N,...] [--memory-cap GB] --json OUT.json
 python -m bench.scale plot REPORT.json [REPORT.json...] --out FIGURE.png
+python -m bench.scale drift REFERENCE.onnx OTHER.onnx [--prompt-tokens N] [--new-tokens N] [--threads N]
 
 What `python -m export.build` costs at real model sizes, and what its graphs decode at on CPU.
 
@@ -26,12 +27,29 @@ A failed build is reported with its last error line; a bf16 graph is built and m
 decoded (ONNX Runtime's CPU has no bf16 kernels). Every child runs under --memory-cap: its process
 tree is stopped when it passes the cap (and the row says so) instead of meeting the kernel's OOM
 killer. GB are 10^9 bytes.
+
+--depths 0,1024,4096,8192 and --prefills 128,1024,4096 add the cost of context to the decode child
+(the same session, after its warm-up): per depth d, a real prefill of d random tokens (1 for d = 0)
+then --decode-tokens greedy steps, decode tokens/s at that depth (the steps only); per prompt
+length P, one prefill of P tokens, prefill tokens/s = P / time to first token. Each is summarized
+over rounds (min / median / max) in the report, the table and the plot (decode tokens/s against
+depth). The graph's capacity must hold the deepest d + --decode-tokens + 1 and the longest P: build
+with `--max-seq-len N` in the option (e.g. "int4=--fuse --quantize int4 --max-seq-len 8448"); a
+graph that cannot is reported as that row's error. The GenAI peer is measured the same way.
+
+drift compares two graphs of one model that differ in how they compute (--kv-cache fp16 against
+fp32, a quantized graph against the float one): the reference generates --new-tokens greedy
+tokens after a random prompt of --prompt-tokens ids; the other reads the same prompt and tokens
+(teacher-forced) and its logits are compared at every position, max |d| / max |reference| over
+the prompt and over the steps; it also generates on its own, and the greedy agreement is the share
+of the new tokens both chose, with the first position where they part. One JSON line.
 """
 from __future__ import annotations
 
 from core.errors import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
+import argparse
 import importlib.util
 import json
 import math
@@ -166,27 +184,88 @@ def folder_bytes(path: Path) -> int:
 
 # --- the decode child ------------------------------------------------------------------------------
 
-def decode_speed(model: str, decode_tokens: int, prompt_tokens: int, threads: int, genai: bool = False) -> dict:
-    """Greedy decode at batch 1 after an untimed warm-up; tokens/s over the decode steps only."""
+def decode_speed(model: str, decode_tokens: int, prompt_tokens: int, threads: int, genai: bool = False,
+                 depths: tuple[int, ...] = (), prefills: tuple[int, ...] = ()) -> dict:
+    """Greedy decode at batch 1 after an untimed warm-up; tokens/s over the decode steps only. With
+    `depths`: the same after a prefill of d tokens, per d; with `prefills`: P / time to first token of a
+    prompt of P tokens, per P (see the module doc)."""
     t0 = time.perf_counter()
     if genai:
         from bench.genai import GenAIRunner
         runner = GenAIRunner({"path": model, "precision": "int4", "weight_bytes": 0, "source": "bench.scale"}, threads)
         runner.activate()
         vocab = json.loads((Path(model) / "genai_config.json").read_text())["model"]["vocab_size"]
-        run = lambda prompt, n: runner.generate(prompt[None], n).step_s      # noqa: E731
+
+        def run(prompt, n):            # -> (time to first token s, [decode step s])
+            t = runner.generate(prompt[None], n)
+            return t.ttft_s, t.step_s
     else:
         from runtime.generate import GenerationConfig, generate
         from runtime.ort_session import OrtSession
         session = OrtSession(model, intra_op_threads=threads).activate()
         vocab = session.spec.vocab_size
-        run = lambda prompt, n: generate(session, [prompt.tolist()], GenerationConfig(max_new_tokens=n)).step_s  # noqa: E731
+
+        def run(prompt, n):
+            r = generate(session, [prompt.tolist()], GenerationConfig(max_new_tokens=n))
+            return r.ttft_s, r.step_s
     load_s = time.perf_counter() - t0
-    prompt = np.random.default_rng(0).integers(0, vocab, prompt_tokens, dtype=np.int64)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, vocab, prompt_tokens, dtype=np.int64)
     run(prompt, 4)                                          # untimed warm-up
-    steps = run(prompt, decode_tokens + 1)                  # the first new token comes from the prefill
-    return {"tokens_per_s": len(steps) / sum(steps), "steps": len(steps), "load_s": round(load_s, 2),
-            "tpot_ms_p50": stats.median(steps) * 1e3}
+    _, steps = run(prompt, decode_tokens + 1)               # the first new token comes from the prefill
+    out = {"tokens_per_s": len(steps) / sum(steps), "steps": len(steps), "load_s": round(load_s, 2),
+           "tpot_ms_p50": stats.median(steps) * 1e3}
+    if depths:
+        out["depths"] = {}
+        for d in depths:            # a real prefill of d tokens, then the steps at depth d + 1, d + 2, ...
+            ttft, steps = run(rng.integers(0, vocab, max(d, 1), dtype=np.int64), decode_tokens + 1)
+            out["depths"][str(d)] = {"tokens_per_s": len(steps) / sum(steps), "tpot_ms_p50": stats.median(steps) * 1e3,
+                                     "steps": len(steps), "prefill_s": ttft}
+    if prefills:
+        out["prefills"] = {}
+        for n in prefills:
+            ttft, _ = run(rng.integers(0, vocab, n, dtype=np.int64), 1)
+            out["prefills"][str(n)] = {"tokens_per_s": n / ttft, "ttft_ms": ttft * 1e3}
+    return out
+
+
+def graph_drift(reference: str, other: str, prompt_tokens: int, new_tokens: int, threads: int, seed: int = 0) -> dict:
+    """The other graph's logits against the reference's on the reference's greedy text, and the two
+    greedy texts' agreement (see the module doc); batch 1, OrtSession (the caches each graph declares)."""
+    from runtime.ort_session import OrtSession
+    ref, oth = (OrtSession(m, intra_op_threads=threads).activate() for m in (reference, other))
+    for s in (ref, oth):
+        s.reset(1)
+    if ref.spec.vocab_size != oth.spec.vocab_size:
+        raise UserError(f"{other}: expected the vocabulary of {reference} ({ref.spec.vocab_size}), found "
+                         f"{oth.spec.vocab_size}; compare two graphs of one model")
+    need = prompt_tokens + new_tokens
+    for path, s in ((reference, ref), (other, oth)):
+        if s.spec.capacity < need:
+            raise UserError(f"{path}: expected a cache of at least {need} slots (--prompt-tokens + --new-tokens), "
+                             f"found {s.spec.capacity}; build with --max-seq-len {need} or ask for fewer tokens")
+    prompt = np.random.default_rng(seed).integers(0, ref.spec.vocab_size, (1, prompt_tokens), dtype=np.int64)
+
+    def scaled(a, b) -> float:
+        return float(np.abs(a.astype(np.float64) - b).max() / max(np.abs(a).max(), 1e-30))
+    a, b = ref.prefill(prompt)[0].copy(), oth.prefill(prompt)[0].copy()                  # [T, V]
+    prefill_drift = scaled(a, b)
+    tokens, step_drift, tok = [], 0.0, int(a[-1].argmax())
+    for t in range(new_tokens):                        # the reference's greedy text, read by both
+        tokens.append(tok)
+        pos = np.array([prompt_tokens + t], np.int64)
+        x, y = ref.decode_step(np.array([tok]), pos), oth.decode_step(np.array([tok]), pos)
+        step_drift = max(step_drift, scaled(x[0], y[0]))
+        tok = int(x[0].argmax())
+    oth.reset(1)
+    own = [int(oth.prefill(prompt)[0, -1].argmax())]
+    for t in range(new_tokens - 1):                    # the other's own greedy text
+        own.append(int(oth.decode_step(np.array([own[-1]]), np.array([prompt_tokens + t], np.int64))[0].argmax()))
+    same = [x == y for x, y in zip(tokens, own)]
+    return {"reference": str(reference), "other": str(other), "caches": [ref.spec.dtype, oth.spec.dtype],
+            "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+            "prefill_logits_drift": prefill_drift, "step_logits_drift": step_drift,
+            "greedy_agreement": sum(same) / len(same), "first_difference": same.index(False) if not all(same) else None}
 
 
 # --- run ------------------------------------------------------------------------------------------
@@ -272,6 +351,8 @@ def measure_option(name: str, argv: list[str], folder: Path, out: Path, args, ge
         return row
     cmd = [sys.executable, "-m", "bench.scale", "decode", str(graph), "--decode-tokens", str(args.decode_tokens),
            "--prompt-tokens", str(args.prompt_tokens), "--threads", str(args.threads)] + (["--genai"] if name == GENAI else [])
+    for flag, values in (("--depths", getattr(args, "depths", ())), ("--prefills", getattr(args, "prefills", ()))):
+        cmd += [flag, ",".join(map(str, values))] if values else []
     dec = measured(cmd, args.cap_bytes)
     if dec["rc"] == 0:
         dec.update(json.loads(dec["stdout"].strip().splitlines()[-1]))
@@ -287,11 +368,17 @@ def summarize(runs: list[dict]) -> dict:
     def spread(values):
         values = list(values)
         return stats.Spread.of(values).as_dict() if values else None
-    return {"rounds": len(runs), "failed": len(runs) - len(ok), "wall_s": spread(r["wall_s"] for r in ok),
-            "peak_rss_gb": spread(r["peak_rss_bytes"] / GB for r in ok),
-            "output_gb": spread(r["output_bytes"] / GB for r in ok),
-            "decode_tokens_per_s": spread(d["tokens_per_s"] for d in dec),
-            "decode_peak_rss_gb": spread(d["peak_rss_bytes"] / GB for d in dec)}
+    out = {"rounds": len(runs), "failed": len(runs) - len(ok), "wall_s": spread(r["wall_s"] for r in ok),
+           "peak_rss_gb": spread(r["peak_rss_bytes"] / GB for r in ok),
+           "output_gb": spread(r["output_bytes"] / GB for r in ok),
+           "decode_tokens_per_s": spread(d["tokens_per_s"] for d in dec),
+           "decode_peak_rss_gb": spread(d["peak_rss_bytes"] / GB for d in dec)}
+    for key, out_key in (("depths", "depth_decode_tokens_per_s"), ("prefills", "prefill_tokens_per_s")):
+        points = sorted({int(k) for d in dec for k in d.get(key, {})})
+        if points:
+            out[out_key] = {str(k): spread(d[key][str(k)]["tokens_per_s"] for d in dec if str(k) in d.get(key, {}))
+                            for k in points}
+    return out
 
 
 def table(shape: dict) -> str:
@@ -309,6 +396,13 @@ def table(shape: dict) -> str:
         lines.append(f"| {name} | {s['rounds'] - s['failed']} / {s['rounds']} | {f(s['wall_s'], 1)} | "
                      f"{f(s['peak_rss_gb'], 0)} | {f(s['output_gb'], 0)} | {f(s['decode_tokens_per_s'], 1)} | "
                      f"{f(s['decode_peak_rss_gb'], 0)} |")
+    for key, what in (("depth_decode_tokens_per_s", "decode tok/s at depth"), ("prefill_tokens_per_s",
+                                                                              "prefill tok/s at prompt length")):
+        points = sorted({int(k) for o in shape["options"].values() for k in o["summary"].get(key, {})})
+        if points:
+            lines += ["", f"| option | " + " | ".join(f"{what} {k}" for k in points) + " |", "|" + "---|" * (len(points) + 1)]
+            lines += [f"| {name} | " + " | ".join(f(o["summary"].get(key, {}).get(str(k)), 1) for k in points) + " |"
+                      for name, o in shape["options"].items()]
     lines += [f"  {name} round {r['round']}: {err}" for name, o in shape["options"].items() for r in o["runs"]
               if (err := r.get("error") or r.get("decode", {}).get("error") or r.get("decode", {}).get("skipped"))]
     lines += [f"  peer {k}: {v}" for k, v in shape["peers"].items() if isinstance(v, str)]
@@ -397,7 +491,8 @@ def run_bench(args) -> int:
               "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "machine": machine_info(gpu=False),
               "versions": {"onnxruntime": onnxruntime.__version__, "python": platform.python_version()},
               "rounds": args.rounds, "decode_tokens": args.decode_tokens, "prompt_tokens": args.prompt_tokens,
-              "threads": args.threads, "memory_cap_bytes": args.cap_bytes, "shapes": []}
+              "threads": args.threads, "memory_cap_bytes": args.cap_bytes, "depths": list(args.depths),
+              "prefills": list(args.prefills), "shapes": []}
     for spec in specs:
         report["shapes"].append(bench_shape(spec, options, args))
         write_json(args.json, report)               # after every shape: an interrupted run keeps the finished ones
@@ -412,6 +507,10 @@ PLOTTED = (("peak_rss_gb", "build peak resident GB"), ("wall_s", "build wall s")
            ("decode_tokens_per_s", "decode tokens/s (batch 1)"))
 
 
+CURVES = (("depth_decode_tokens_per_s", ("decode tokens/s against depth", "tokens in the cache")),
+          ("prefill_tokens_per_s", ("prefill tokens/s against prompt length", "prompt tokens")))
+
+
 def plot(reports: list[dict], out: Path) -> Path:
     """One bar per (shape, option) of the reports, median with its min-max, for build peak memory,
     build time and decode speed; a bar is missing where that row has no number (bf16 decode)."""
@@ -420,7 +519,19 @@ def plot(reports: list[dict], out: Path) -> Path:
     import matplotlib.pyplot as plt
     rows = [(f"{sh['name']}\n{name}", o["summary"]) for r in reports for sh in r["shapes"]
             for name, o in sh["options"].items()]
-    fig, axes = plt.subplots(1, len(PLOTTED), figsize=(4.2 * len(PLOTTED), 0.45 * len(rows) + 1.6))
+    curves = [key for key, _ in CURVES if any(key in s for _, s in rows)]
+    fig, axes = plt.subplots(1, len(PLOTTED) + len(curves), figsize=(4.2 * (len(PLOTTED) + len(curves)),
+                                                                     0.45 * len(rows) + 1.6))
+    for ax, key in zip(axes[len(PLOTTED):], curves):       # tokens/s against depth or prompt length
+        for label, s in rows:
+            points = sorted((int(k), sp) for k, sp in s.get(key, {}).items() if sp)
+            if points:
+                x, med = [k for k, _ in points], [sp["median"] for _, sp in points]
+                err = [[sp["median"] - sp["min"] for _, sp in points], [sp["max"] - sp["median"] for _, sp in points]]
+                ax.errorbar(x, med, yerr=err, capsize=3, marker="o", label=label.replace("\n", " "))
+        ax.set_xlabel(dict(CURVES)[key][1], fontsize=8)
+        ax.set_title(dict(CURVES)[key][0], fontsize=9)
+        ax.legend(fontsize=6)
     for ax, (key, title) in zip(axes, PLOTTED):
         spreads = [s.get(key) for _, s in rows]
         y = list(range(len(rows)))
@@ -438,6 +549,21 @@ def plot(reports: list[dict], out: Path) -> Path:
         fig.savefig(tmp, dpi=110, format="png", metadata=png_signature_metadata())
     plt.close(fig)
     return out
+
+
+def _counts(lo: int):
+    """argparse type of --depths (lo 0) / --prefills (lo 1): a comma list of token counts in [lo, 2^20]."""
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(v) for v in text.split(",") if v.strip())
+        except ValueError:
+            values = ()
+        if not values or any(v < lo or v > 1 << 20 for v in values):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of token counts in [{lo}, {1 << 20}], "
+                                             f"found {'none' if not values else 'one outside'}; e.g. {lo},1024,4096")
+        return values
+    parse.__name__ = "a list of token counts"          # argparse names the type in its message
+    return parse
 
 
 def run(argv: list[str]) -> int:
@@ -461,6 +587,10 @@ def run(argv: list[str]) -> int:
     rn.add_argument("--threads", type=int_in(0, 1024), default=2, help="decode intra-op threads (0: ONNX Runtime's choice)")
     rn.add_argument("--layers", type=int_in(1, 1024), default=None, help="override every shape's layer count")
     rn.add_argument("--peers", default="", help="genai: also ONNX Runtime GenAI's builder, int4 (when installed)")
+    rn.add_argument("--depths", type=_counts(0), default=(), metavar="N,N,...",
+                    help="also decode tokens/s after a prefill of each N tokens (e.g. 0,1024,4096,8192)")
+    rn.add_argument("--prefills", type=_counts(1), default=(), metavar="N,N,...",
+                    help="also prefill tokens/s (time to first token) of prompts of each N tokens (e.g. 128,1024,4096)")
     rn.add_argument("--memory-cap", type=float_in(0.1), default=None, metavar="GB",
                     help="stop any command whose process tree passes GB resident (default: the memory available "
                          "at the start less 1 GiB), so that no peer meets the kernel's OOM killer")
@@ -471,6 +601,14 @@ def run(argv: list[str]) -> int:
     dc.add_argument("--decode-tokens", type=positive_int, default=64)
     dc.add_argument("--prompt-tokens", type=positive_int, default=16)
     dc.add_argument("--threads", type=int_in(0, 1024), default=2)
+    dc.add_argument("--depths", type=_counts(0), default=())
+    dc.add_argument("--prefills", type=_counts(1), default=())
+    dr = sub.add_parser("drift", help="two graphs of one model: logits drift and greedy agreement, one JSON line")
+    dr.add_argument("reference", help="the reference .onnx graph (e.g. the fp32-cache build's)")
+    dr.add_argument("other", help="the .onnx graph compared with it (e.g. the --kv-cache fp16 build's)")
+    dr.add_argument("--prompt-tokens", type=positive_int, default=2048)
+    dr.add_argument("--new-tokens", type=positive_int, default=256)
+    dr.add_argument("--threads", type=int_in(0, 1024), default=2)
     pl = sub.add_parser("plot", help="a figure of one or more run reports (--json files)")
     pl.add_argument("reports", nargs="+", type=Path, help="bench.scale run --json files")
     pl.add_argument("--out", type=Path, required=True, help="the .png to write")
@@ -485,8 +623,12 @@ def run(argv: list[str]) -> int:
                                   shard_bytes=max(1, int(args.shard_gb * GB)), layers=args.layers)
         print(f"wrote {out}: {human(folder_bytes(out), 'B')}")
         return 0
+    if args.command == "drift":
+        print(json.dumps(graph_drift(args.reference, args.other, args.prompt_tokens, args.new_tokens, args.threads)))
+        return 0
     if args.command == "decode":
-        print(json.dumps(decode_speed(args.model, args.decode_tokens, args.prompt_tokens, args.threads, args.genai)))
+        print(json.dumps(decode_speed(args.model, args.decode_tokens, args.prompt_tokens, args.threads, args.genai,
+                                      args.depths, args.prefills)))
         return 0
     return run_bench(args)
 

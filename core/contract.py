@@ -4,7 +4,8 @@ One graph serves prefill and decode (export/emit.py writes it):
 
     inputs   input_ids   int64 [batch, seq]
              position    int64 [batch]                      cache slot of each sequence's first new token
-             key_{i}     fp32|fp16|bf16 [batch, H_kv, S_max, D]  layer i key cache (value_{i} alike)
+             key_{i}     fp32|fp16|bf16 [batch, H_kv, S_max, D]  layer i key cache (value_{i} alike; the
+                         graph's float type, or fp16 in an fp32 graph: export.build --kv-cache fp16)
     outputs  logits      fp32|fp16|bf16 [batch, seq, vocab]
              present_key_{i}, present_value_{i}             the caches with the new tokens written
 
@@ -33,6 +34,9 @@ _ORT_TYPES = {"tensor(float)": "fp32", "tensor(float16)": "fp16", "tensor(bfloat
 _NUMPY = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64", "int64": "int64", "int32": "int32",
           "bool": "bool", "uint8": "uint8", "int8": "int8"}
 CACHE_DTYPES = ("fp32", "fp16", "bf16")
+# export.build --kv-cache: the cache dtypes a build writes into an fp32 graph (fp16: ONNX Runtime's CPU
+# GroupQueryAttention graph, graph_passes/ort_attention.py); a DecodeContract's dtype is its caches'
+KV_CACHE_DTYPES = ("fp32", "fp16")
 
 # The contract's I/O names, spelled here and nowhere else (tests/core/test_contract_names.py greps the tree)
 INPUT_IDS = "input_ids"             # int64 [batch, seq]
@@ -109,7 +113,8 @@ class DecodeContract:
     head_dim: int
     capacity: int
     vocab_size: int
-    dtype: str = "fp32"                                     # cache and logits dtype: fp32 | fp16 | bf16
+    dtype: str = "fp32"         # the caches' dtype: fp32 | fp16 | bf16 (the graph's, or --kv-cache fp16 in an
+                                # fp32 graph: sessions allocate caches of it, logits have their own output type)
     inputs: tuple[TensorSpec, ...] = field(default=(), compare=False)
     outputs: tuple[TensorSpec, ...] = field(default=(), compare=False)
 

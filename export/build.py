@@ -1,6 +1,7 @@
 """python -m export.build [--fuse] [--checkpoint DIR] [--out DIR] [--dtype fp32|fp16|bf16] [--triton-repo DIR]
                         [--quantize int8|int4 [--block-size N] [--accuracy-level N] [--algo rtn|hqq] [--head int8|int4|fp32] [--int8-layers NAMES]]
-                        [--target auto|ort-cpu|portable] [--attention plain|fused|gqa] [--genai]
+                        [--target auto|ort-cpu|portable] [--attention plain|fused|gqa] [--genai] [--max-seq-len N]
+                        [--kv-cache fp32|fp16]
 
 --target picks the graph for the runtime it will run on (export/target.py): by default (auto) the
 ONNX Runtime CPU graph with GroupQueryAttention, the fastest there, where the model and options allow
@@ -28,6 +29,10 @@ torch reference run block by block. Writes into OUT (default build/<checkpoint n
 --checkpoint may name a Hugging Face model folder (models/convert.py: its tensors are mapped as they
 are read; `python -m models.convert` saves the checkpoint instead). OUT is written into a temporary
 sibling and swapped into place at the end, and replaced only when it is an earlier build.
+--max-seq-len N sets the KV-cache capacity of the graphs (their S_max), as `models.convert --max-seq-len`
+does: a Hugging Face folder's default is min(max_position_embeddings, 2048) and N above
+max_position_embeddings is refused; a checkpoint's default is the capacity it was saved with, a learned
+position table allows N up to its rows, rotary positions any N (a note past the saved capacity).
 --triton-repo runs `python -m runtime.triton repo` on the finished build: the repository belongs to the
 runtime layer above, so it is wired here, in the CLI.
 """
@@ -41,12 +46,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from core.contract import KV_CACHE_DTYPES
 from core.errors import ArgumentParser, UsageError, UserError, int_in, run_cli
 from core.outputs import BUILD, TRITON_REPOSITORY, check_output_dir
 from export.target import TARGETS, resolve_target
 from export.quantize import (ALGOS, BLOCK_SIZES, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, HEAD_DTYPES, QUANT_BITS,
                              QuantConfig)
 
+MAX_CAPACITY = 1 << 20        # the bound models.convert --max-seq-len takes
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "models" / "zoo" / "internal-taper"
 
 
@@ -88,6 +95,12 @@ def _parser() -> ArgumentParser:
                     help="with --fuse: also make OUT a folder ONNX Runtime GenAI loads as it is (og.Model(OUT)): "
                          "model.genai.onnx (the folded GroupQueryAttention graph, or the --quantize one, with GenAI's "
                          "I/O), genai_config.json and its tokenizer files; implies --attention gqa")
+    ap.add_argument("--max-seq-len", type=int_in(1, MAX_CAPACITY), default=None, metavar="N",
+                    help="KV-cache capacity of the graphs (default: the checkpoint's; a Hugging Face folder's "
+                         "max_position_embeddings, at most 2048, as models.convert)")
+    ap.add_argument("--kv-cache", choices=KV_CACHE_DTYPES, default="fp32",
+                    help="the KV caches' dtype (default fp32); fp16: half the bytes, for the ONNX Runtime CPU graph "
+                         "(--target ort-cpu), its GroupQueryAttention computing on fp16 q, k, v (docs/export.md)")
     ap.add_argument("--triton-repo", type=Path, default=None,
                     help="also write a Triton model repository for the build (python -m runtime.triton repo)")
     return ap
@@ -108,12 +121,12 @@ def run(argv: list[str]) -> int:
         check_output_dir(args.triton_repo, TRITON_REPOSITORY, inputs=[ckpt, out], option="--triton-repo")
     from export.pipeline import build, check_options, check_quantize
     check_quantize(quantize, args.fuse, args.dtype)         # before the target: it reads the config
-    opened = functools.cache(lambda: _open_weights(ckpt))      # read once, by whichever step needs it first
+    opened = functools.cache(lambda: _open_weights(ckpt, args.max_seq_len))      # read once, by whichever step needs it first
     target = _target(args, opened)
-    check_options(quantize, args.genai, args.fuse, args.dtype, target.attention)
-    _check_capacity(ckpt, opened().cfg.max_seq_len)
+    check_options(quantize, args.genai, args.fuse, args.dtype, target.attention, args.kv_cache)
+    _check_capacity(ckpt, opened().cfg.max_seq_len, args.max_seq_len)
     build(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=target.attention, genai=args.genai,
-          target_why=target.why, source=opened())
+          target_why=target.why, source=opened(), kv_cache=args.kv_cache)
     if args.triton_repo is not None:
         return _write_triton_repo(out, args.triton_repo)
     return 0
@@ -146,11 +159,14 @@ def _write_triton_repo(build: Path, repo: Path) -> int:
     return proc.returncode
 
 
-def _check_capacity(ckpt: Path, capacity: int) -> None:
+def _check_capacity(ckpt: Path, capacity: int, given: int | None) -> None:
     """A KV cache too small for the build's verification (a prompt and 3 decode steps) is refused before the
     export: our own checkpoint's (python -m train --max-seq-len 3) crashed ONNX Runtime's TensorScatter there.
     A Hugging Face folder's is refused by models.convert as its config is read (MIN_CAPACITY)."""
     from models.convert import MIN_CAPACITY
+    if given is not None and given < MIN_CAPACITY:
+        raise UsageError(f"--max-seq-len {given}: expected at least {MIN_CAPACITY} (a prompt and 3 decode steps, what "
+                         f"the build verifies), found {given}; pass --max-seq-len {MIN_CAPACITY} or more")
     if capacity < MIN_CAPACITY:
         raise UserError(f"{ckpt}: expected a KV-cache capacity (max_seq_len) of at least {MIN_CAPACITY} (a prompt and "
                         f"3 decode steps, what the build verifies), found {capacity}; write the checkpoint again "
@@ -170,9 +186,16 @@ def _as_triton_repo_error(err: str) -> str:
     return "".join(lines)
 
 
-def _open_weights(ckpt: Path):
+def _open_weights(ckpt: Path, max_seq_len: int | None = None):
+    """The weights, at capacity `max_seq_len` (None: the model's default). A Hugging Face folder's capacity
+    is capped by its max_position_embeddings (models/convert.py): a larger N is refused here, by name."""
     from models.weights import open_weights
-    return open_weights(ckpt)
+    source = open_weights(ckpt, max_seq_len)
+    if max_seq_len is not None and source.cfg.max_seq_len != max_seq_len:
+        top = source.cfg.max_seq_len
+        raise UsageError(f"--max-seq-len {max_seq_len}: expected at most {top} (max_position_embeddings in "
+                         f"{ckpt / 'config.json'}), found {max_seq_len}; pass --max-seq-len {top} or less")
+    return source
 
 
 def _target(args, opened):

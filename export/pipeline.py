@@ -113,6 +113,7 @@ class BuildReport:
     genai: dict = field(default_factory=dict)      # --genai: the GenAI graph, its config, tokenizer files, check
     target: str = ""                     # ort-cpu | portable: the runtime the graphs are for (export/target.py)
     target_why: str = ""                 # why --target auto chose it
+    kv_cache: str = "fp32"               # the KV caches' dtype (--kv-cache; fp16: GroupQueryAttention graphs)
 
     @property
     def norm_ops(self) -> dict[str, int]:
@@ -163,12 +164,27 @@ def check_dtype(cfg, dtype: str) -> None:
                          f"(FakeLN-style) norm and overflows fp16 (max 65504); build with --dtype fp32")
 
 
-def check_options(quantize, genai: bool, fuse: bool, dtype: str, attention: str) -> None:
+def check_options(quantize, genai: bool, fuse: bool, dtype: str, attention: str, kv_cache: str = "fp32") -> None:
     """Every combination of build options refused before any work, in this order (each names its option)."""
     from export.genai import check_genai
     check_quantize(quantize, fuse, dtype)
     check_genai(genai, fuse, dtype, attention)      # before check_attention: it names the option the user gave
     check_attention(attention, fuse, dtype)
+    check_kv_cache(kv_cache, attention, genai)
+
+
+def check_kv_cache(kv_cache: str, attention: str, genai: bool) -> None:
+    """--kv-cache fp16 is GroupQueryAttention's (graph_passes/ort_attention.py's with_cache_dtype): refuse it
+    for the portable graph and for GenAI's folder (not verified there)."""
+    if kv_cache == "fp32":
+        return
+    if attention != "gqa":
+        raise UsageError(f"--kv-cache {kv_cache}: expected the ONNX Runtime CPU graph (--target ort-cpu: "
+                         f"GroupQueryAttention), found {attention} attention (--target portable); add --fuse "
+                         "--target ort-cpu, or drop --kv-cache")
+    if genai:
+        raise UsageError(f"--kv-cache {kv_cache}: expected a build without --genai (GenAI's folder keeps an fp32 "
+                         "cache), found --genai; drop one of them")
 
 
 def require_fused_fp32(option: str, fuse: bool, dtype: str, why_fuse: str, why_fp32: str,
@@ -194,6 +210,12 @@ def check_quantize(quantize, fuse: bool, dtype: str) -> None:
         require_fused_fp32(f"--quantize {quantize.dtype}", fuse, dtype, "the folded graph is what gets quantized",
                            "weights are quantized from fp32")
         quantize.validate()
+
+
+def verified_as(dtype: str, cache: str) -> str:
+    """The tolerance key of a float graph: its dtype, or fp16's for an fp32 graph with an fp16 cache (an fp16
+    cache is one of the roundings a whole fp16 graph has; the caches it writes are fp16 values)."""
+    return "fp16" if dtype == "fp32" and cache == "fp16" else dtype
 
 
 # --- memory ----------------------------------------------------------------------------------------
@@ -272,7 +294,7 @@ def graph_name(fuse: bool, quantize) -> str:
 
 
 def make_graph(source, report: BuildReport, fuse: bool, dtype: str, attention: str, quantize=None,
-               fold: bool = True, rmsnorm: str = "op"):
+               fold: bool = True, rmsnorm: str = "op", kv_cache: str = "fp32"):
     """The graph of `source` (a models.weights.WeightSource) and its Lazy weights: emitted, folded (fuse; with
     attention "gqa" also ONNX Runtime's rewrites; fold=False: those alone), quantized. Nothing is read
     but the norms' vectors; the folds and the quantization run on each weight when it is written."""
@@ -289,6 +311,9 @@ def make_graph(source, report: BuildReport, fuse: bool, dtype: str, attention: s
     if dtype == "bf16":                 # the weights, folded in fp32, rounded to bf16 once
         from export.bfloat16 import bf16_graph
         proto = bf16_graph(proto, lazy, emitted.fp32)
+    if kv_cache != "fp32":              # (check_kv_cache: a GroupQueryAttention graph)
+        from graph_passes.ort_attention import with_cache_dtype
+        proto = with_cache_dtype(proto, kv_cache)
     graph_stats(report, report_kind(fuse, quantize), proto)
     return proto, lazy
 
@@ -468,7 +493,7 @@ def verify_graph(source, path: Path, report: BuildReport, stages: Stages, dtype:
     del sess
     exact = runs_deq is not None                      # against its own dequantized weights
     refs = runs_deq if exact else runs_ref
-    key = (DEQUANTIZED if exact else quantize.dtype) if quantize is not None else dtype
+    key = (DEQUANTIZED if exact else quantize.dtype) if quantize is not None else verified_as(dtype, iface.dtype)
     what = f"{path.name} vs torch{' with its dequantized weights' if exact else ''}"
     try:
         results = compare_sessions(sessions, refs, runs, key, what)
@@ -553,7 +578,8 @@ def versions() -> dict:
 # --- the driver ----------------------------------------------------------------------------------
 
 def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=print, quantize=None,
-          attention: str = "plain", genai: bool = False, target_why: str = "", source=None) -> BuildReport:
+          attention: str = "plain", genai: bool = False, target_why: str = "", source=None,
+          kv_cache: str = "fp32") -> BuildReport:
     """Every stage; returns the report (also written to OUT/report.json). `attention`: "plain" ops
     (portable), "fused" (one ONNX Attention op per layer) or "gqa" (ONNX Runtime's GroupQueryAttention,
     graph_passes/ort_attention.py). `quantize`: an export.quantize.QuantConfig (needs fuse and fp32).
@@ -565,7 +591,7 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
     from models.weights import open_weights
     checkpoint, out = Path(checkpoint), Path(out)
     check_output_dir(out, BUILD, inputs=[checkpoint])
-    check_options(quantize, genai, fuse, dtype, attention)
+    check_options(quantize, genai, fuse, dtype, attention, kv_cache)
     if genai:
         from export.genai import check_tokenizer_files
         check_tokenizer_files(checkpoint)      # the files it would copy for GenAI's tokenizer, before any work
@@ -578,9 +604,11 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
     params = cfg.approx_param_count()
     check_memory(estimate.peak, f"{checkpoint}: the build of {params / 1e9:.2f}B parameters",
                  cheaper_option(cfg, dtype, quantize), share=1.0, needs=estimate.line())
-    checked = (DEQUANTIZED if quantize.algo == "rtn" else quantize.dtype) if quantize is not None else dtype
+    checked = (DEQUANTIZED if quantize.algo == "rtn" else quantize.dtype) if quantize is not None else \
+        verified_as(dtype, kv_cache)
     report = BuildReport(str(checkpoint), str(out), dtype, fuse, attention=attention, atol=ATOL[checked],
-                         scale_tol=SCALE_TOL[checked], target=target_of(attention), target_why=target_why)
+                         scale_tol=SCALE_TOL[checked], target=target_of(attention), target_why=target_why,
+                         kv_cache=kv_cache)
     gate = source.skeleton.gate.value if cfg.norm == "taper" else None
     report.model = ModelSummary.of(cfg, gate, params)
     report.source, report.notes = source.source, list(source.notes)
@@ -602,7 +630,7 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
         t0 = stages.start(f"graph {name}: emitted from the model's spec ({dtype}, {attention} attention)"
                           + (f"; fold: {', '.join(passes_for(attention))}" if fuse else "")
                           + (f"; quantize {quantize.dtype} ({quantize.algo}, block {quantize.block_size})" if quantize else ""))
-        proto, lazy = make_graph(source, report, fuse, dtype, attention, quantize)
+        proto, lazy = make_graph(source, report, fuse, dtype, attention, quantize, kv_cache=kv_cache)
         stages.done("graph", t0, f": {len(proto.graph.node)} nodes, {len(report.folded)} layer(s) folded, "
                     f"{report.norm_ops.get(report_kind(fuse, quantize), 0)} norm op(s) left")
         t0 = stages.start(f"write {name} (each weight read, {'folded, ' if fuse else ''}"
@@ -654,8 +682,11 @@ def write_report(report: BuildReport, folder: Path, t_start: float, source, toke
     """config.json (the checkpoint's own; a converted model's, what was built), tokenizer.json and the chat
     template (core.chat_template's file, where the source has one), then versions, the total time, the file list and report.json itself."""
     from models.checkpoint import CONFIG, TOKENIZER, checkpoint_config
-    if source.source == "checkpoint":
+    if source.source == "checkpoint" and source.raw_config.get("max_seq_len") == source.cfg.max_seq_len:
         shutil.copyfile(source.where / CONFIG, folder / CONFIG)
+    elif source.source == "checkpoint":     # export.build --max-seq-len: the capacity built, the rest as saved
+        (folder / CONFIG).write_text(json.dumps({**source.raw_config, "max_seq_len": source.cfg.max_seq_len},
+                                                indent=2) + "\n")
     else:
         (folder / CONFIG).write_text(json.dumps(checkpoint_config(source.skeleton, tokenizer is not None),
                                                 indent=2) + "\n")
@@ -717,7 +748,8 @@ def summary(r: BuildReport, log) -> None:
     m = r.model
     src = f", from a Hugging Face {r.source[3:]} folder" if r.source.startswith("hf:") else ""
     log(f"built {r.out} in {r.timings_s['total']:.1f} s: {m.norm}"
-        f"{' (' + m.taper_scope + ')' if m.taper_scope else ''}, {r.dtype}{src}")
+        f"{' (' + m.taper_scope + ')' if m.taper_scope else ''}, {r.dtype}{src}"
+        f"{'' if r.kv_cache == 'fp32' else f', {r.kv_cache} KV cache'}")
     norm_ops = r.norm_ops
     for kind, counts in r.op_counts.items():
         names = r.norm_layers[kind]

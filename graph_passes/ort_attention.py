@@ -44,9 +44,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
-from core.contract import INPUT_IDS, POSITION
+from core.contract import INPUT_IDS, KV_CACHE_DTYPES, POSITION, np_dtype
 from graph_passes.base import NAME_SCOPES, GraphPass, Match, PassContext, Skip, const_value, is_float, producer
 from graph_passes.lazy import concat
 
@@ -419,3 +420,86 @@ class OrtGroupQueryAttention(GraphPass):
                                outputs=[m.output_3d, present_k, present_v]))
         ctx.import_domain(MS_DOMAIN)
         ctx.model_meta["tapernorm.attention"] = "ort-gqa"
+
+
+# --- the KV cache's dtype (export.build --kv-cache) ----------------------------------------------------
+
+# How far an fp16 cache may move a graph's logits from the same graph with an fp32 cache, as a share
+# of max |logits| (tests/graph_passes/test_ort_attention.py checks it over a prefill and the greedy steps
+# after it: 39 in the default run, 255 after a 2048-token prompt in the slow one). Inside the fp16 GroupQueryAttention q, k, v and the rotary tables are rounded to fp16 (11
+# significant bits, a relative step of 2^-11 ~ 0.05 %), and the keys and values stay rounded in the
+# cache for every later step; softmax and the sums run in fp32 in ONNX Runtime's kernel. Measured on
+# the 2-layer test models (100-token prompt, 150 steps): 1e-6 (GPT-2 style) and 1.5e-4 (Llama style,
+# rotary) of max |logits|; deeper, trained models carry more (docs/export.md). 1 % leaves room for
+# them and stays below what a whole-graph fp16 build is allowed (export/verify.py); a cache written at
+# the wrong slot, or read as the wrong type, moves the logits by about their whole scale.
+KV_CACHE_DRIFT = {"fp16": 0.01}
+_ELEM = {"fp32": onnx.TensorProto.FLOAT, "fp16": onnx.TensorProto.FLOAT16}
+
+
+def with_cache_dtype(proto: onnx.ModelProto, dtype: str) -> onnx.ModelProto:
+    """The GroupQueryAttention graph `proto` (ort_gqa's output) with its KV caches in `dtype` (fp16:
+    half the bytes of fp32): the caches' graph inputs and outputs change type, and each
+    GroupQueryAttention runs in that dtype, its q / k / v cast to it on the way in, its output cast back
+    to fp32 on the way out, its cos / sin tables stored in it; everything else stays fp32.
+
+    Why the whole op and not only its cache: ONNX Runtime 1.32's CPU kernel accepts an fp32 query
+    with an fp16 cache, but then converts the whole cache to fp32 every step (a step at depth 100 of
+    an 8192-slot cache cost ~100 ms against ~0.2 ms fp32, docs/export.md); with all its inputs fp16
+    a step reads only the slots written. `proto` is changed in place and returned; fp32 returns it
+    as it is. Raises ValueError for a graph without GroupQueryAttention over graph-input caches."""
+    if dtype == "fp32":
+        return proto
+    if dtype not in _ELEM:
+        raise ValueError(f"cache dtype {dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+    g, to = proto.graph, _ELEM[dtype]
+    inputs, outputs = {t.name: t for t in g.input}, {t.name: t for t in g.output}
+    inits = {t.name: t for t in g.initializer}
+    gqa = [n for n in g.node if _is_gqa(n)]
+    caches = [(n.input[i], n.output[i - 2]) for n in gqa for i in (3, 4)]
+    if not gqa or any(c not in inputs or p not in outputs for c, p in caches):
+        raise ValueError("expected GroupQueryAttention nodes whose caches are graph inputs and outputs "
+                         "(export.build --target ort-cpu)")
+    for c, p in caches:
+        inputs[c].type.tensor_type.elem_type = to
+        outputs[p].type.tensor_type.elem_type = to
+    dropped = {n for pair in caches for n in pair}
+    kept = [v for v in g.value_info if v.name not in dropped]
+    del g.value_info[:]
+    g.value_info.extend(kept)
+    cast_of: dict[str, str] = {}        # fp32 tensor -> its cast (q/k/v) or converted table (cos / sin)
+    nodes = []
+    for original in g.node:
+        node = onnx.NodeProto()
+        node.CopyFrom(original)
+        if not _is_gqa(node):
+            nodes.append(node)
+            continue
+        for i, name in enumerate(node.input):
+            if not name or i in (3, 4, 5, 6):        # absent, the caches, seqlens_k, total_length
+                continue
+            if name not in cast_of:
+                cast_of[name] = f"{name}_{dtype}"
+                if name in inits:                    # cos / sin: stored in the dtype (no per-step cast)
+                    table = onnx.numpy_helper.to_array(inits[name]).astype(np_dtype(dtype))
+                    g.initializer.append(onnx.numpy_helper.from_array(table, cast_of[name]))
+                else:
+                    nodes.append(onnx.helper.make_node("Cast", [name], [cast_of[name]], to=to,
+                                                       name=f"{node.name}_in{i}_Cast"))
+            node.input[i] = cast_of[name]
+        out = node.output[0]
+        node.output[0] = f"{out}_{dtype}"
+        nodes.append(node)
+        nodes.append(onnx.helper.make_node("Cast", [node.output[0]], [out], to=onnx.TensorProto.FLOAT,
+                                           name=f"{node.name}_out_Cast"))
+    unused = {n for n in cast_of if n in inits and not any(n in x.input for x in nodes)}
+    kept_inits = [t for t in g.initializer if t.name not in unused]
+    del g.initializer[:]
+    g.initializer.extend(kept_inits)
+    del g.node[:]
+    g.node.extend(nodes)
+    return proto
+
+
+def _is_gqa(node: onnx.NodeProto) -> bool:
+    return node.op_type == "GroupQueryAttention" and node.domain == MS_DOMAIN

@@ -179,7 +179,31 @@ def _checkpoint_source(path: Path, max_seq_len: int | None) -> WeightSource:
                         lambda a, b, k=k: read_safetensor_rows(where, k, a, b)) for k in expected}
     if cfg.tie_embeddings:
         places["lm_head.weight"] = places["wte.weight"]
-    return WeightSource(path, cfg, places, raw, "checkpoint")
+    notes = []
+    if max_seq_len is not None and max_seq_len != cfg.max_seq_len:
+        cfg, note = _with_capacity(path, cfg, max_seq_len, places)
+        notes += [note] if note else []
+    return WeightSource(path, cfg, places, raw, "checkpoint", notes)
+
+
+def _with_capacity(path: Path, cfg: DecoderConfig, capacity: int, places: dict) -> tuple[DecoderConfig, str]:
+    """cfg with KV-cache capacity `capacity` instead of the checkpoint's (and a note, or ""). A learned
+    position table has a row per position: a smaller capacity reads its first rows (the cache and the
+    table are the same S_max), a larger one has no rows to read and is refused. Rotary positions are
+    computed, so a rope model may be built past the capacity it was saved with (said in the note: the
+    checkpoint does not record how far its model was trained)."""
+    import dataclasses
+    saved = cfg.max_seq_len
+    if cfg.pos_embedding == "learned":
+        if capacity > saved:
+            raise CheckpointError(f"--max-seq-len {capacity}: expected at most {saved} ({path} has learned positions, "
+                                  f"a table of {saved} rows), found {capacity}; pass --max-seq-len {saved} or less")
+        wpe = places["wpe.weight"]
+        places["wpe.weight"] = _Place(wpe.file, wpe.name, wpe.read, lambda t: t[:capacity],
+                                      lambda a, b: wpe.read_rows(a, min(b, capacity)))
+    note = (f"capacity {capacity} tokens, past the {saved} {path} was saved with: rotary positions extend, but "
+            "check the model was trained that long" if capacity > saved else "")
+    return dataclasses.replace(cfg, max_seq_len=capacity), note
 
 
 def _hf_source(path: Path, max_seq_len: int | None) -> WeightSource:

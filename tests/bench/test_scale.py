@@ -308,3 +308,73 @@ def test_a_child_build_does_not_outlive_a_killed_bench(tmp_path):
         for pid in map(int, pid_file.read_text().split() if pid_file.is_file() else []):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_depth_mode_on_a_tiny_llama(tmp_path):
+    """--depths / --prefills: per option, decode tokens/s after a real prefill of each depth and prefill
+    tokens/s of each prompt length, over interleaved rounds (min / median / max), in the report, the table
+    and the plot; the capacity set by the option (export.build --max-seq-len); fp32 and fp16 caches side by
+    side. A depth past the graph's capacity is that row's error, not a crash."""
+    shape = tmp_path / "tiny-llama.json"
+    shape.write_text(json.dumps(dict(TINY["llama"], num_hidden_layers=2)))
+    out = tmp_path / "scale.json"
+    cmd = [sys.executable, "-m", "bench.scale", "run", "--shapes", str(shape), "--work", str(tmp_path / "work"),
+           "--options", "fp32=--fuse --max-seq-len 96;fp16=--fuse --max-seq-len 96 --kv-cache fp16;short=--fuse "
+           "--max-seq-len 48", "--rounds", "2", "--decode-tokens", "4", "--threads", "1",
+           "--depths", "0,16,64", "--prefills", "8,32", "--json", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["depths"] == [0, 16, 64] and report["prefills"] == [8, 32]
+    (s,) = report["shapes"]
+    for name in ("fp32", "fp16"):
+        runs, summary = s["options"][name]["runs"], s["options"][name]["summary"]
+        assert [r["round"] for r in runs] == [1, 2] and all(r["decode"]["rc"] == 0 for r in runs)
+        depths = runs[0]["decode"]["depths"]
+        assert set(depths) == {"0", "16", "64"} and all(d["tokens_per_s"] > 0 and d["steps"] == 4 for d in depths.values())
+        assert set(runs[0]["decode"]["prefills"]) == {"8", "32"}
+        assert set(summary["depth_decode_tokens_per_s"]) == {"0", "16", "64"}
+        spread = summary["prefill_tokens_per_s"]["32"]
+        assert 0 < spread["min"] <= spread["median"] <= spread["max"]
+    assert "decode tok/s at depth 64" in r.stdout and "prefill tok/s at prompt length 32" in r.stdout
+    (short, _) = s["options"]["short"]["runs"]               # capacity 48 cannot hold depth 64 + 5
+    assert short["rc"] == 0 and short["decode"]["rc"] != 0 and "capacity" in short["decode"]["error"]
+    assert scale.main(["plot", str(out), "--out", str(tmp_path / "scale.png")]) == 0
+    assert (tmp_path / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("flag, value", [("--depths", "abc"), ("--depths", "-1"), ("--prefills", "0"),
+                                         ("--prefills", "")])
+def test_bad_depths_are_one_usage_line(tmp_path, capsys, flag, value):
+    rc = scale.main(["run", "--shapes", "qwen3-0.6b", "--work", str(tmp_path / "w"), "--options", "a=--fuse",
+                     flag, value, "--json", str(tmp_path / "s.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and f"argument {flag}: " in err[0], err
+    assert "expected a comma list of token counts" in err[0], err
+    assert not (tmp_path / "w").exists()
+
+
+def test_drift_of_an_fp16_cache_against_the_fp32_cache(tmp_path, capsys):
+    """bench.scale drift: two builds of one model (--kv-cache fp32 and fp16): the logits drift over the prompt
+    and the reference's greedy steps within KV_CACHE_DRIFT, the same greedy text; a graph too small for the
+    tokens asked is one line naming the capacity to build."""
+    from graph_passes.ort_attention import KV_CACHE_DRIFT
+    from tests.helpers import random_model, write_checkpoint
+    ckpt = write_checkpoint(tmp_path / "ckpt", random_model(seed=3, norm="rmsnorm", pos_embedding="rope", n_kv_head=2,
+                                                            mlp="swiglu", d_model=64, n_head=4, max_seq_len=64))
+    graphs = []
+    for cache in ("fp32", "fp16"):
+        out = tmp_path / cache
+        r = subprocess.run([sys.executable, "-m", "export.build", "--fuse", "--checkpoint", str(ckpt), "--out", str(out),
+                            "--max-seq-len", "160", "--kv-cache", cache], cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        graphs.append(str(out / "model.fused.onnx"))
+    assert scale.main(["drift", *graphs, "--prompt-tokens", "100", "--new-tokens", "60", "--threads", "1"]) == 0
+    row = json.loads(capsys.readouterr().out.strip())
+    assert row["caches"] == ["fp32", "fp16"] and row["greedy_agreement"] == 1.0 and row["first_difference"] is None
+    assert 0 < row["prefill_logits_drift"] <= KV_CACHE_DRIFT["fp16"]
+    assert 0 < row["step_logits_drift"] <= KV_CACHE_DRIFT["fp16"]
+    assert scale.main(["drift", *graphs, "--prompt-tokens", "150", "--new-tokens", "60"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {graphs[0]}: expected a cache of at least 210 slots (--prompt-tokens + --new-tokens), "
+                   "found 160; build with --max-seq-len 210 or ask for fewer tokens"], err

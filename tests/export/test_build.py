@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.helpers import random_model, write_checkpoint
@@ -158,3 +159,96 @@ def test_every_option_a_build_message_names_is_one_export_build_has():
     assert {"--quantize", "--dtype", "--fuse", "--attention", "--target"} <= named
     helped = cli("export.build", ["--help"]).out
     assert [o for o in sorted(named) if not re.search(rf"{o}\b", helped)] == [], helped
+
+
+# --- --max-seq-len: the cache capacity, as models.convert sets it ------------------------------------
+
+@pytest.mark.parametrize("pos, n", [("learned", 16), ("rope", 48)])
+def test_max_seq_len_sets_the_capacity(tmp_path, pos, n):
+    """--max-seq-len N: the graph's cache holds N positions (its contract), and the report and the build's
+    config.json say N; a learned table is cut to its first N rows (verified against torch at N), rotary
+    positions extend past the saved 32 (with a note)."""
+    from core.contract import contract_of
+    ckpt = write_checkpoint(tmp_path / f"ckpt-{pos}", random_model(norm="rmsnorm", pos_embedding=pos, max_seq_len=32))
+    out = tmp_path / "out"
+    r = _build("--checkpoint", ckpt, "--out", out, "--target", "portable", "--max-seq-len", n)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert contract_of(out / "model.onnx").capacity == n
+    assert json.loads((out / "report.json").read_text())["model"]["capacity"] == n
+    assert json.loads((out / "config.json").read_text())["max_seq_len"] == n
+    assert ("past the 32" in r.stdout) == (pos == "rope")
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("0", "--max-seq-len: 0 is out of range; expected an integer in [1, 1048576]"),
+    ("-4", "--max-seq-len: -4 is out of range"), ("abc", "--max-seq-len: "),
+    ("64", "error: --max-seq-len 64: expected at most 32 ("),
+])
+def test_max_seq_len_refusals(ckpts, tmp_path, value, expected):
+    """A bad N is one line naming the option, nothing written: not a positive integer, or past the rows of a
+    learned position table."""
+    out = tmp_path / "out"
+    line = _one_error_line(_build("--fuse", "--checkpoint", ckpts["taper"], "--out", out, "--max-seq-len", value))
+    assert line.startswith("error: ") and expected in line, line
+    if value == "64":
+        assert "learned positions" in line and line.endswith("pass --max-seq-len 32 or less")
+    assert not out.exists()
+
+
+def test_max_seq_len_past_max_position_embeddings_refused(tmp_path):
+    """A Hugging Face folder's capacity is at most its max_position_embeddings (64 here): models.convert caps
+    silently, export.build --max-seq-len says so in one line."""
+    from tests.hf_models import hf_model, save_hf
+    hf = save_hf(hf_model("llama"), tmp_path / "hf")
+    out = tmp_path / "out"
+    line = _one_error_line(_build("--fuse", "--checkpoint", hf, "--out", out, "--max-seq-len", 100))
+    assert line == (f"error: --max-seq-len 100: expected at most 64 (max_position_embeddings in {hf / 'config.json'}), "
+                    "found 100; pass --max-seq-len 64 or less"), line
+    assert not out.exists()
+
+
+# --- --kv-cache: the caches' dtype ---------------------------------------------------------------------
+
+def test_kv_cache_fp16_build(tmp_path):
+    """--kv-cache fp16 on the ONNX Runtime CPU graph: the graph's caches are fp16 (its contract, so every
+    session allocates them so), its logits fp32; verified against torch at fp16's tolerance; the report and
+    the summary say so. An OrtSession over it keeps fp16 caches in place and greedy-generates what the
+    build's fp32-cache graph does."""
+    from core.contract import contract_of
+    from core.decode import DecodeDriver, greedy_tokens
+    from runtime.ort_session import OrtSession
+    ckpt = write_checkpoint(tmp_path / "ckpt", random_model(seed=3, norm="rmsnorm", pos_embedding="rope", n_kv_head=2,
+                                                            mlp="swiglu", d_model=64, n_head=4, max_seq_len=64))
+    outs = {}
+    for cache in ("fp32", "fp16"):
+        outs[cache] = tmp_path / cache
+        r = _build("--fuse", "--checkpoint", ckpt, "--out", outs[cache], "--kv-cache", cache)
+        assert r.returncode == 0, r.stdout + r.stderr
+        report = json.loads((outs[cache] / "report.json").read_text())
+        assert report["kv_cache"] == cache and report["target"] == "ort-cpu"
+        assert contract_of(outs[cache] / "model.fused.onnx").dtype == cache
+        assert (", fp16 KV cache" in r.stdout) == (cache == "fp16")
+    assert report["atol"] == 1e-2 and report["scale_tol"] == 4e-3         # fp16's tolerance (export/verify.py)
+    prompt = np.arange(3, 20)[None]
+    tokens = {}
+    for cache, out in outs.items():
+        with OrtSession(out / "model.fused.onnx") as s:
+            s.reset(1)
+            tokens[cache] = greedy_tokens(DecodeDriver(s.step, s.spec, 1, owns_caches=True), prompt, 30)
+            assert s.cache_array("key_0").dtype == np.dtype(np.float16 if cache == "fp16" else np.float32)
+    np.testing.assert_array_equal(tokens["fp16"], tokens["fp32"])
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("--fuse", "--target", "portable"), "error: --kv-cache fp16: expected the ONNX Runtime CPU graph (--target "
+                                         "ort-cpu: GroupQueryAttention), found plain attention (--target portable); "
+                                         "add --fuse --target ort-cpu, or drop --kv-cache"),
+    ((), "error: --kv-cache fp16: expected the ONNX Runtime CPU graph"),                   # no --fuse: portable
+    (("--fuse", "--genai"), "error: --kv-cache fp16: expected a build without --genai"),
+    (("--fuse", "--kv-cache", "int8"), "argument --kv-cache: invalid choice"),
+])
+def test_kv_cache_refusals(ckpts, tmp_path, args, expected):
+    out = tmp_path / "out"
+    line = _one_error_line(_build("--checkpoint", ckpts["taper"], "--out", out, "--kv-cache", "fp16", *args))
+    assert line.startswith(expected) or expected in line, line
+    assert not out.exists()
