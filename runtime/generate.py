@@ -25,6 +25,7 @@ guard_startup(__name__)     # before the imports below: a Ctrl-C while they load
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -237,7 +238,8 @@ def _parser():
     p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop string: the text ends just before it (repeatable); id:N is the stop token N instead. "
-                        "<|endoftext|> stops too if the tokenizer has it (unless --ignore-eos)")
+                        "the model's stop tokens stop too (generation.json: a chat model's end of turn; else "
+                        "<|endoftext|> if the tokenizer has it) unless --ignore-eos")
     p.add_argument("--ignore-eos", action="store_true", help="no stop tokens: always generate --max-new-tokens")
     p.add_argument("--frequency-penalty", type=float_in(-2.0, 2.0), default=0.0, help="OpenAI's, in [-2, 2]")
     p.add_argument("--presence-penalty", type=float_in(-2.0, 2.0), default=0.0, help="OpenAI's, in [-2, 2]")
@@ -258,17 +260,35 @@ def _load_tokenizer(backend: str, model: str, vocab_size: int):
     return load_tokenizer(model, vocab_size)
 
 
-def default_stop_tokens(tok, ignore_eos: bool) -> tuple[int, ...]:
-    """The default stop tokens (also the Triton generate model's): <|endoftext|> when the tokenizer has it."""
-    eos = None if ignore_eos else tok.token_to_id(EOS)
+def model_folder(model) -> Path:
+    """The folder of a model path: a build or checkpoint directory, or the one holding an .onnx file."""
+    path = Path(model)
+    return path if path.is_dir() else path.parent
+
+
+def default_stop_tokens(tok, ignore_eos: bool, folder=None, vocab_size: int | None = None) -> tuple[int, ...]:
+    """The default stop tokens (also the Triton generate model's, hence the OpenAI API's): the model's own,
+    generation.json in `folder` (carried from its Hugging Face folder: a chat model's end of turn, e.g.
+    Qwen3's <|im_end|>; core/generation.py), else <|endoftext|> when the tokenizer has it; none with ignore_eos."""
+    if ignore_eos:
+        return ()
+    from core.generation import GENERATION, read_stop_tokens
+    ids = read_stop_tokens(folder) if folder is not None and (Path(folder) / GENERATION).is_file() else None
+    if ids is not None:
+        if vocab_size is not None and max(ids) >= vocab_size:
+            raise RuntimeUserError(f"{Path(folder) / GENERATION}: expected token ids below the model's vocabulary "
+                                   f"({vocab_size}), found {max(ids)}; use the model's own file")
+        return tuple(ids)
+    eos = tok.token_to_id(EOS)
     return () if eos is None else (eos,)
 
 
-def parse_stops(tok, stops: list[str] | None, ignore_eos: bool, vocab_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def parse_stops(tok, stops: list[str] | None, ignore_eos: bool, vocab_size: int,
+                folder=None) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """--stop values: (stop token ids, stop strings). id:N is a stop token; any other value a stop string
-    (matched on the decoded text: runtime/text_stream.py). The default stop tokens (default_stop_tokens)
-    stay unless --ignore-eos, as an OpenAI server's stop strings add to the end-of-text token."""
-    ids, strings = list(default_stop_tokens(tok, ignore_eos)), []
+    (matched on the decoded text: runtime/text_stream.py). The default stop tokens (default_stop_tokens of
+    the model's folder) stay unless --ignore-eos, as an OpenAI server's stop strings add to the end-of-text token."""
+    ids, strings = list(default_stop_tokens(tok, ignore_eos, folder, vocab_size)), []
     for s in stops or ():
         if not s.startswith("id:"):
             strings.append(s)
@@ -329,7 +349,8 @@ def run(argv: list[str] | None = None) -> int:
         spec = session.spec
         tok = _load_tokenizer(args.backend, args.model, spec.vocab_size)
         prompts = [tok.encode(t).ids for t in texts]
-        stop_tokens, stop_strings = parse_stops(tok, args.stop, args.ignore_eos, spec.vocab_size)
+        stop_tokens, stop_strings = parse_stops(tok, args.stop, args.ignore_eos, spec.vocab_size,
+                                                 model_folder(args.model))
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed, sampling=sampling,
                                   stop_tokens=stop_tokens, logprobs=args.logprobs)
         # the text of each prompt, ended by the stop strings (the generate model's matcher)

@@ -12,7 +12,8 @@ exclude_input_in_output, return_log_probs, top_logprobs, return_prompt_log_probs
 ([1, 1] each). Outputs text_output, output_ids, finish_reason ("stop" | "length", on the last
 response), num_input_tokens / num_output_tokens, output_log_probs, top_log_probs_ids /
 top_log_probs and prompt_ids / prompt_log_probs (each when asked). Defaults are runtime.generate's:
-greedy, seed 0, stop at <|endoftext|> when the tokenizer has it, max_tokens from the config's
+greedy, seed 0, stop at the model's stop tokens (generate/1/generation.json: a chat model's end of
+turn; else <|endoftext|> when the tokenizer has it), max_tokens from the config's
 parameters (32). An input or request parameter the model does not take is refused by name
 (INVALID_ARG: HTTP 400), never ignored.
 
@@ -127,12 +128,13 @@ class Request:
         if self.seed < 0:
             raise RuntimeUserError(f"input {T.SEED}: expected >= 0, found {self.seed}; fix the request")
 
-    def generation_config(self, tokenizer) -> GenerationConfig:
+    def generation_config(self, stop_tokens: tuple[int, ...]) -> GenerationConfig:
+        """stop_tokens: the model's (default_stop_tokens), dropped with ignore_eos."""
         wants_logprobs = self.return_log_probs or self.top_logprobs > 0
         return GenerationConfig(max_new_tokens=self.max_tokens, seed=self.seed,
                                 sampling=SamplingConfig(self.temperature, self.top_k, self.top_p,
                                                         self.frequency_penalty, self.presence_penalty),
-                                stop_tokens=default_stop_tokens(tokenizer, self.ignore_eos),
+                                stop_tokens=() if self.ignore_eos else tuple(stop_tokens),
                                 logprobs=self.top_logprobs if wants_logprobs else None,
                                 prompt_logprobs=self.return_prompt_log_probs)
 
@@ -259,6 +261,8 @@ class TritonPythonModel:
         else:
             print(line, file=sys.stderr, flush=True)
         self.tokenizer = load_tokenizer(model_dir, self.session.spec.vocab_size)
+        # the model's stop tokens (generation.json beside the tokenizer, else <|endoftext|>); ignore_eos drops them
+        self.stop_tokens = default_stop_tokens(self.tokenizer, False, model_dir, self.session.spec.vocab_size)
         self.scheduler = BatchScheduler(self.session, slots=int(params.get("slots", DEFAULT_SLOTS)),
                                         max_queued=int(params.get("max_queued", DEFAULT_MAX_QUEUED))).start()
         self._stop_metrics = threading.Event()
@@ -349,7 +353,7 @@ class TritonPythonModel:
             try:
                 req = self._request(request)
                 # its sampling settings are checked by submit ("sampling: ...; fix the request")
-                config = req.generation_config(self.tokenizer)
+                config = req.generation_config(self.stop_tokens)
                 prompt = self.tokenizer.encode(req.text_input).ids
                 # the scheduler checks again, in runtime.generate's words; a client sent max_tokens
                 check_capacity(self.session.spec.capacity, [len(prompt)], req.max_tokens, f"input {T.MAX_TOKENS}")
