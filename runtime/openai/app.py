@@ -269,7 +269,8 @@ class OpenAIServer:
         for i, (gen, piece) in enumerate(zip(shape.gens, results)):
             if shape.zero:
                 piece = Piece(finish_reason="length", num_input_tokens=piece.num_input_tokens, num_output_tokens=0,
-                              prompt_ids=piece.prompt_ids, prompt_logprobs=piece.prompt_logprobs)
+                              prompt_ids=piece.prompt_ids, prompt_logprobs=piece.prompt_logprobs,
+                              prompt_top_ids=piece.prompt_top_ids, prompt_top_logprobs=piece.prompt_top_logprobs)
             prompt_tokens += _prompt_count(piece)
             completion_tokens += piece.num_output_tokens if piece.num_output_tokens is not None else len(piece.ids)
             choices.append(self._choice(shape, i, gen, piece, whole=True))
@@ -312,9 +313,16 @@ class OpenAIServer:
             for j, token in enumerate(piece.prompt_ids):
                 s = self.tokens.text(token)
                 lp = piece.prompt_logprobs[j] if piece.prompt_logprobs and j < len(piece.prompt_logprobs) else None
+                alternatives = None
+                if lp is not None:      # the k most likely tokens there (the model's prefill), then the token itself
+                    alternatives = {}
+                    if piece.prompt_top_ids and j < len(piece.prompt_top_ids):
+                        alternatives = {self.tokens.text(i): x for i, x in
+                                        zip(piece.prompt_top_ids[j], piece.prompt_top_logprobs[j]) if i >= 0}
+                    alternatives.setdefault(s, lp)
                 tokens.append(s)
                 token_logprobs.append(lp)
-                top.append(None if lp is None else {s: lp})
+                top.append(alternatives)
                 offsets.append(offset)
                 offset += len(s)
         elif prompt is not None:
@@ -345,7 +353,8 @@ class OpenAIServer:
                     if shape.zero:
                         piece = Piece(finish_reason="length", num_input_tokens=piece.num_input_tokens,
                                       num_output_tokens=0, prompt_ids=piece.prompt_ids,
-                                      prompt_logprobs=piece.prompt_logprobs)
+                                      prompt_logprobs=piece.prompt_logprobs, prompt_top_ids=piece.prompt_top_ids,
+                                      prompt_top_logprobs=piece.prompt_top_logprobs)
                     if piece.finish_reason is not None:
                         usage["prompt_tokens"] += _prompt_count(piece)
                         usage["completion_tokens"] += piece.num_output_tokens or 0
@@ -420,7 +429,8 @@ async def _collect(pieces) -> Piece:
         if p.top_ids is not None:
             out.top_ids = (out.top_ids or []) + p.top_ids
             out.top_logprobs = (out.top_logprobs or []) + p.top_logprobs
-        for name in ("finish_reason", "num_input_tokens", "num_output_tokens", "prompt_ids", "prompt_logprobs"):
+        for name in ("finish_reason", "num_input_tokens", "num_output_tokens", "prompt_ids", "prompt_logprobs",
+                     "prompt_top_ids", "prompt_top_logprobs"):
             if getattr(p, name) is not None:
                 setattr(out, name, getattr(p, name))
     return out

@@ -59,6 +59,8 @@ class Piece:
     num_output_tokens: int | None = None
     prompt_ids: list[int] | None = None
     prompt_logprobs: list[float | None] | None = None     # None for the first prompt token
+    prompt_top_ids: list[list[int]] | None = None        # [p, k] with top_logprobs: the prompt's alternatives
+    prompt_top_logprobs: list[list[float]] | None = None  # [p, k]; row 0 (the first prompt token) has none
 
 
 def triton_error(message: str) -> OpenAIError:
@@ -127,6 +129,11 @@ def parse_piece(result) -> Piece:
         p.prompt_ids = [int(t) for t in pids.reshape(-1)]
     if plp is not None:
         p.prompt_logprobs = [None if math.isnan(float(x)) else float(x) for x in plp.reshape(-1)]
+    top_ids, top_lp = _flat(result, T.PROMPT_TOP_LOG_PROBS_IDS), _flat(result, T.PROMPT_TOP_LOG_PROBS)
+    if top_ids is not None and top_lp is not None and p.prompt_ids:
+        n = len(p.prompt_ids)
+        p.prompt_top_ids = [[int(i) for i in row] for row in top_ids.reshape(n, -1)]
+        p.prompt_top_logprobs = [[float(x) for x in row] for row in top_lp.reshape(n, -1)]
     return p
 
 

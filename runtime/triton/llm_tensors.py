@@ -45,6 +45,10 @@ TOP_LOG_PROBS_IDS = "top_log_probs_ids"        # INT64 [n, k] the k most likely 
 TOP_LOG_PROBS = "top_log_probs"                # FP32 [n, k] their logprobs
 PROMPT_IDS = "prompt_ids"                      # INT64 [p] the prompt's tokens (first response, when asked)
 PROMPT_LOG_PROBS = "prompt_log_probs"          # FP32 [p] their logprobs; NaN for the first (it has none)
+# with return_prompt_log_probs and top_logprobs k > 0: the k most likely tokens at each prompt position, best
+# first, from the prefill's logits (what a client's is_greedy check compares with); row 0 is -1 / NaN
+PROMPT_TOP_LOG_PROBS_IDS = "prompt_top_log_probs_ids"    # INT64 [p, k]
+PROMPT_TOP_LOG_PROBS = "prompt_top_log_probs"            # FP32 [p, k] their logprobs
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
 MAX_TOP_LOGPROBS = 20                          # OpenAI's bound on top_logprobs
@@ -83,6 +87,8 @@ OUTPUTS = (
     (TOP_LOG_PROBS, "FP32", (-1, -1)),
     (PROMPT_IDS, "INT64", (-1,)),
     (PROMPT_LOG_PROBS, "FP32", (-1,)),
+    (PROMPT_TOP_LOG_PROBS_IDS, "INT64", (-1, -1)),
+    (PROMPT_TOP_LOG_PROBS, "FP32", (-1, -1)),
 )
 
 INPUT_NAMES = tuple(name for name, *_ in INPUTS)

@@ -11,7 +11,8 @@ frequency_penalty, presence_penalty, return_num_input_tokens, return_num_output_
 exclude_input_in_output, return_log_probs, top_logprobs, return_prompt_log_probs, ignore_eos
 ([1, 1] each). Outputs text_output, output_ids, finish_reason ("stop" | "length", on the last
 response), num_input_tokens / num_output_tokens, output_log_probs, top_log_probs_ids /
-top_log_probs and prompt_ids / prompt_log_probs (each when asked). Defaults are runtime.generate's:
+top_log_probs and prompt_ids / prompt_log_probs (each when asked; with top_logprobs > 0 also
+prompt_top_log_probs_ids / prompt_top_log_probs, the prompt tokens' alternatives). Defaults are runtime.generate's:
 greedy, seed 0, stop at the model's stop tokens (generate/1/generation.json: a chat model's end of
 turn; else <|endoftext|> when the tokenizer has it), max_tokens from the config's
 parameters (32). An input or request parameter the model does not take is refused by name
@@ -210,6 +211,10 @@ class ResponseStream:
         if self._first and r.return_prompt_log_probs:
             outputs[T.PROMPT_IDS] = np.array(seq.prompt, np.int64)
             outputs[T.PROMPT_LOG_PROBS] = np.array(seq.prompt_logprobs, np.float32)
+            if r.top_logprobs > 0 and seq.prompt_top_logprobs is not None:
+                ids, lps = seq.prompt_top_logprobs
+                outputs[T.PROMPT_TOP_LOG_PROBS_IDS] = np.array(ids, np.int64).reshape(len(ids), r.top_logprobs)
+                outputs[T.PROMPT_TOP_LOG_PROBS] = np.array(lps, np.float32).reshape(len(lps), r.top_logprobs)
         self._first = False
         return outputs
 
