@@ -92,6 +92,7 @@ def local(triton_build):
         stop = set(config.stop_tokens)
         tokens = result.tokens[0]
         run.stops = stop
+        run.prompt_top = result.prompt_top_logprobs[0] if result.prompt_top_logprobs else None
         return (tok.decode([t for t in tokens if t not in stop]), tokens,
                 result.logprobs[0] if result.logprobs else None,
                 result.prompt_logprobs[0] if result.prompt_logprobs else None)
@@ -185,6 +186,16 @@ def test_logprobs_equal_runtime_generate(served, local):
     assert lp.token_logprobs[1:p] == pytest.approx(prompt_rows[1:], abs=1e-4)
     assert lp.token_logprobs[p:] == pytest.approx([row[0] for row in rows], abs=1e-4)
     assert len(lp.tokens) == len(lp.text_offset) == p + len(tokens)
+    # the prompt tokens' alternatives: the top 3 of the prefill's logits there, then the token itself (lm-eval's
+    # is_greedy: is the token the most likely one), as runtime.generate computes them
+    ids, lps = local.prompt_top
+    assert lp.top_logprobs[0] is None and len(ids) == p
+    for j in range(1, p):
+        alternatives = lp.top_logprobs[j]
+        assert sorted(alternatives.values(), reverse=True)[:3] == pytest.approx(lps[j], abs=1e-4)
+        assert alternatives[lp.tokens[j]] == pytest.approx(prompt_rows[j], abs=1e-4)
+        greedy = max(alternatives, key=alternatives.get) == lp.tokens[j]
+        assert greedy == (prompt_rows[j] >= lps[j][0] - 1e-6), j
     # max_tokens 0 with echo: the prompt's logprobs only (lm-eval's log-likelihood requests)
     r = c.completions.create(model="generate", prompt=prompt, max_tokens=0, logprobs=1, echo=True)
     assert r.choices[0].text == prompt and r.usage.completion_tokens == 0
