@@ -4,7 +4,7 @@ cancellation and metrics stay Triton's.
 
     GET  /health                 200 {"status": "ok"} when Triton and the model are ready, else 503
     GET  /v1/models              the served model (its id is the Triton model's name: "generate")
-    POST /v1/completions         prompt (text, or a list of texts: one choice each), echo, logprobs (0-20)
+    POST /v1/completions         prompt (text or token ids, or a list of either: one choice each), echo, logprobs (0-20)
     POST /v1/chat/completions    messages through the model's chat template (runtime/openai/chat_template.py),
                                  logprobs / top_logprobs
 
@@ -145,6 +145,12 @@ class Tokens:
             self._adds_bos = bos_id is not None and bool(ids) and ids[0] == bos_id
         return prompt[len(bos):] if self._adds_bos else prompt
 
+    def decode(self, ids: list[int]) -> str:
+        """A token-id prompt's text (what echo returns): the tokenizer's decode, special tokens kept."""
+        if self.tokenizer is None:
+            return "".join(self.text(t) for t in ids)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
     def text(self, token: int) -> str:
         if token not in self._cache:
             self._cache[token] = self.tokenizer.decode([token], skip_special_tokens=False) \
@@ -231,8 +237,11 @@ class OpenAIServer:
 
     # --- what each endpoint asks of the model and how it answers --------------------------------
 
-    def _sampling(self, req, prompt: str, max_tokens: int | None, **extra) -> GenerateRequest:
-        return GenerateRequest(prompt, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+    def _sampling(self, req, prompt: str | list[int], max_tokens: int | None, **extra) -> GenerateRequest:
+        ids = None
+        if not isinstance(prompt, str):     # token ids: sent as input_ids (the model checks them), echoed as their text
+            ids, prompt = list(prompt), self.tokens.decode(prompt)
+        return GenerateRequest(prompt, prompt_ids=ids, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                top_k=req.top_k, seed=req.seed, stop=req.stop_list(),
                                frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
                                ignore_eos=req.ignore_eos, stream=req.stream, **extra)

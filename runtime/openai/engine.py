@@ -29,7 +29,7 @@ from runtime.openai import tensors as T
 
 @dataclass
 class GenerateRequest:
-    prompt: str
+    prompt: str                             # the text (with prompt_ids: their decoded text, for echo)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -43,6 +43,7 @@ class GenerateRequest:
     prompt_logprobs: bool = False           # the prompt tokens' logprobs (echo)
     ignore_eos: bool = False
     stream: bool = False
+    prompt_ids: list[int] | None = None      # a token-id prompt: sent as input_ids instead of the text
 
 
 @dataclass
@@ -81,7 +82,8 @@ def build_inputs(grpc, req: GenerateRequest) -> list:
                (T.STREAM, req.stream), (T.RETURN_NUM_INPUT_TOKENS, True), (T.RETURN_NUM_OUTPUT_TOKENS, True),
                (T.RETURN_LOG_PROBS, req.logprobs or None), (T.TOP_LOGPROBS, req.top_logprobs or None),
                (T.RETURN_PROMPT_LOG_PROBS, req.prompt_logprobs or None), (T.IGNORE_EOS, req.ignore_eos or None)]
-    arrays = [(T.TEXT_INPUT, np.array([req.prompt.encode("utf-8")], dtype=np.object_))]
+    arrays = [(T.TEXT_INPUT, np.array([req.prompt.encode("utf-8")], dtype=np.object_)) if req.prompt_ids is None
+              else (T.INPUT_IDS, np.array(req.prompt_ids, dtype=T.NUMPY[T.INPUT_IDS]))]
     arrays += [(name, np.array([value], dtype=T.NUMPY[name])) for name, value in scalars if value is not None]
     if req.stop:
         arrays.append((T.STOP_WORDS, np.array([s.encode("utf-8") for s in req.stop], dtype=np.object_)))

@@ -15,8 +15,10 @@ Output shapes: the config declares what the model sends.
 """
 from __future__ import annotations
 
-# --- inputs (every one optional but text_input) ---------------------------------------------
+# --- inputs (every one optional; text_input or input_ids, exactly one) -------------------------
 TEXT_INPUT = "text_input"                      # BYTES [1, 1] the prompt, UTF-8
+INPUT_IDS = "input_ids"                        # INT32 [1, n] the prompt as token ids, instead of text_input (an
+                                               # OpenAI client's token-id prompt: lm-eval's tokenized_requests)
 MAX_TOKENS = "max_tokens"                      # INT32 new tokens at most (default: the config's max_new_tokens)
 STREAM = "stream"                              # BOOL  one response per piece (default false: one response)
 STOP_WORDS = "stop_words"                      # BYTES [1, n] stop strings: the text ends before the first one
@@ -56,7 +58,7 @@ SCALAR = (1, 1)
 
 # (name, Triton data type without TYPE_, dims, optional): generate/config.pbtxt's inputs, in order
 INPUTS = (
-    (TEXT_INPUT, "STRING", SCALAR, False),
+    (TEXT_INPUT, "STRING", SCALAR, True),
     (MAX_TOKENS, "INT32", SCALAR, True),
     (STREAM, "BOOL", SCALAR, True),
     (STOP_WORDS, "STRING", (1, -1), True),
@@ -73,6 +75,7 @@ INPUTS = (
     (TOP_LOGPROBS, "INT32", SCALAR, True),
     (RETURN_PROMPT_LOG_PROBS, "BOOL", SCALAR, True),
     (IGNORE_EOS, "BOOL", SCALAR, True),
+    (INPUT_IDS, "INT32", (1, -1), True),
 )
 
 # (name, Triton data type without TYPE_, dims): generate/config.pbtxt's outputs
