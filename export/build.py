@@ -23,6 +23,7 @@ torch reference run block by block. Writes into OUT (default build/<checkpoint n
     config.json        copied from the checkpoint (the converted one for a Hugging Face folder)
     tokenizer.json     copied from the checkpoint (absent when it has none)
     chat_template.json the model's chat template and special tokens (core/chat_template.py; absent when it has none)
+    generation.json    the model's stop tokens, {"eos_token_ids": [...]} (core/generation.py; absent when it has none)
     report.json        op counts, folded layers, max diffs, memory estimate, timings (docs/export.md)
 (a graph whose weights reach 2 GB keeps them in <graph>.data beside it).
 

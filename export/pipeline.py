@@ -679,8 +679,8 @@ def _eps_approximation(source, path: Path, tokens, same_start: bool) -> dict | N
 
 
 def write_report(report: BuildReport, folder: Path, t_start: float, source, tokenizer: Path | None) -> None:
-    """config.json (the checkpoint's own; a converted model's, what was built), tokenizer.json and the chat
-    template (core.chat_template's file, where the source has one), then versions, the total time, the file list and report.json itself."""
+    """config.json (the checkpoint's own; a converted model's, what was built), tokenizer.json, the chat
+    template and the stop tokens (core.generation.MODEL_FILES, where the source has them), then versions, the total time, the file list and report.json itself."""
     from models.checkpoint import CONFIG, TOKENIZER, checkpoint_config
     if source.source == "checkpoint" and source.raw_config.get("max_seq_len") == source.cfg.max_seq_len:
         shutil.copyfile(source.where / CONFIG, folder / CONFIG)
@@ -692,8 +692,9 @@ def write_report(report: BuildReport, folder: Path, t_start: float, source, toke
                                                 indent=2) + "\n")
     if tokenizer is not None:
         shutil.copyfile(tokenizer, folder / TOKENIZER)
-    from core.chat_template import write_chat_template
-    write_chat_template(source.where, folder)      # chat_template.json: the checkpoint's or the HF folder's template
+    from core.generation import write_model_files
+    # chat_template.json and generation.json (the stop tokens): the checkpoint's or the HF folder's
+    write_model_files(source.where, folder)
     report.versions = versions()
     report.timings_s["total"] = round(time.perf_counter() - t_start, 3)
     report.files = sorted(p.name for p in folder.iterdir() if p.name != MARKER) + [REPORT]   # (the build's files)

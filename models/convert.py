@@ -1049,9 +1049,10 @@ def run(argv: list[str]) -> int:
     a = p.parse_args(argv)
     check_output_dir(a.out, CHECKPOINT, inputs=[a.hf_dir])
     c = convert(a.hf_dir, a.max_seq_len)
-    from core.chat_template import write_chat_template
-    # the chat template and its special tokens travel beside tokenizer.json (core/chat_template.py)
-    save_checkpoint(c.model, a.out, c.tokenizer, inputs=[a.hf_dir], write_more=lambda tmp: write_chat_template(a.hf_dir, tmp))
+    from core.generation import write_model_files
+    # the chat template with its special tokens, and the stop tokens, travel beside tokenizer.json
+    # (core/chat_template.py, core/generation.py)
+    save_checkpoint(c.model, a.out, c.tokenizer, inputs=[a.hf_dir], write_more=lambda tmp: write_model_files(a.hf_dir, tmp))
     cfg = c.model.cfg
     for note in c.notes[1:]:
         print(f"note: {note}", file=sys.stderr)

@@ -25,6 +25,7 @@ guard_startup(__name__)     # before the imports below: a Ctrl-C while they load
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -43,7 +44,8 @@ class GenerationConfig:
     stop_tokens: tuple[int, ...] = ()
     keep_logits: bool = False      # keep a copy of each step's logits [B, V] (tests, debugging)
     logprobs: int | None = None    # per new token: its logprob and the k = logprobs most likely (None: off)
-    prompt_logprobs: bool = False  # the prompt tokens' logprobs (NaN for the first, which has none)
+    prompt_logprobs: bool = False  # the prompt tokens' logprobs (NaN for the first, which has none); with
+                                   # logprobs k > 0 also their top-k alternatives (prompt_top_logprobs)
 
 
 @dataclass
@@ -58,6 +60,8 @@ class GenerationResult:
     # with config.logprobs: per prompt, per new token (logprob, top ids, their logprobs) of the raw logits
     logprobs: list[list[tuple[float, list[int], list[float]]]] = field(default_factory=list)
     prompt_logprobs: list[list[float]] = field(default_factory=list)   # with config.prompt_logprobs
+    # with config.prompt_logprobs and config.logprobs k > 0: per prompt (ids [T][k], logprobs [T][k]), prompt_top_logprobs
+    prompt_top_logprobs: list[tuple[list[list[int]], list[list[float]]]] = field(default_factory=list)
 
     @property
     def new_tokens(self) -> int:
@@ -103,14 +107,17 @@ def pad_right(prompts: list[list[int]], pad_id: int = 0) -> tuple[np.ndarray, np
     return ids, lengths
 
 
-def prefill(session: DecoderSession, prompts: list[list[int]],
-            prompt_logprobs: list[list[float]] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def prefill(session: DecoderSession, prompts: list[list[int]], prompt_logprobs: list[list[float]] | None = None,
+            prompt_top: list | None = None, k: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Run all prompts at position 0; next-token logits [B, V] and prompt lengths [B]. With a list
-    prompt_logprobs, each prompt's token logprobs are appended to it (see prompt_token_logprobs)."""
+    prompt_logprobs, each prompt's token logprobs are appended to it (see prompt_token_logprobs); with a
+    list prompt_top and k > 0, each prompt's top-k alternatives (see prompt_top_logprobs)."""
     ids, lengths = pad_right(prompts)
     logits = session.prefill(ids, np.zeros(len(prompts), np.int64))                          # [B, T, V]
     if prompt_logprobs is not None:
         prompt_logprobs.extend(prompt_token_logprobs(logits[b, :len(p)], p) for b, p in enumerate(prompts))
+    if prompt_top is not None and k > 0:
+        prompt_top.extend(prompt_top_logprobs(logits[b, :len(p)], k) for b, p in enumerate(prompts))
     return logits[np.arange(len(prompts)), lengths - 1], lengths
 
 
@@ -119,6 +126,18 @@ def prompt_token_logprobs(logits: np.ndarray, prompt: list[int]) -> list[float]:
     NaN for the first token (nothing predicts it)."""
     lp = log_softmax(logits[:-1])                                                              # [T - 1, V]
     return [float("nan")] + lp[np.arange(len(prompt) - 1), prompt[1:]].tolist()
+
+
+def prompt_top_logprobs(logits: np.ndarray, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The k most likely tokens at each prompt position, best first, and their logprobs, from the prefill's
+    logits [T, V] (what a client's is_greedy check compares each prompt token with); row 0, the first
+    token's (nothing predicts it), is k ids -1 and NaN logprobs. Each row is runtime.sampling.top_logprobs'."""
+    ids, lps = [[-1] * k], [[float("nan")] * k]
+    for row in logits[:-1]:
+        _, top, top_lp = top_logprobs(row, 0, k)
+        ids.append(top)
+        lps.append(top_lp)
+    return ids, lps
 
 
 # Not core.decode's driver: its decode step is checked, wrapped in a feeds dict and sliced each call, and greedy
@@ -200,7 +219,8 @@ def generate(session: DecoderSession, prompts: list[list[int]], config: Generati
     session.reset(len(prompts))
     t0 = time.perf_counter()
     prompt_lps: list[list[float]] | None = [] if config.prompt_logprobs else None
-    logits, lens = prefill(session, prompts, prompt_lps)
+    prompt_top: list | None = [] if config.prompt_logprobs and config.logprobs else None
+    logits, lens = prefill(session, prompts, prompt_lps, prompt_top, config.logprobs or 0)
     first = sample(logits, config.sampling, rng)       # no new tokens yet: nothing to penalize
     ttft = time.perf_counter() - t0
     result = GenerationResult(tokens=[[int(t)] for t in first], prompt_lengths=lengths, ttft_s=ttft, step_s=[], total_s=0.0)
@@ -209,6 +229,7 @@ def generate(session: DecoderSession, prompts: list[list[int]], config: Generati
     if config.logprobs is not None:
         result.logprobs = [[top_logprobs(logits[b], int(t), config.logprobs)] for b, t in enumerate(first)]
     result.prompt_logprobs = prompt_lps or []
+    result.prompt_top_logprobs = prompt_top or []
     decode_n_tokens(session, first, lens, config.max_new_tokens, config, rng, result, stop_when)
     result.total_s = time.perf_counter() - t0
     return result
@@ -237,7 +258,8 @@ def _parser():
     p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop string: the text ends just before it (repeatable); id:N is the stop token N instead. "
-                        "<|endoftext|> stops too if the tokenizer has it (unless --ignore-eos)")
+                        "the model's stop tokens stop too (generation.json: a chat model's end of turn; else "
+                        "<|endoftext|> if the tokenizer has it) unless --ignore-eos")
     p.add_argument("--ignore-eos", action="store_true", help="no stop tokens: always generate --max-new-tokens")
     p.add_argument("--frequency-penalty", type=float_in(-2.0, 2.0), default=0.0, help="OpenAI's, in [-2, 2]")
     p.add_argument("--presence-penalty", type=float_in(-2.0, 2.0), default=0.0, help="OpenAI's, in [-2, 2]")
@@ -258,17 +280,35 @@ def _load_tokenizer(backend: str, model: str, vocab_size: int):
     return load_tokenizer(model, vocab_size)
 
 
-def default_stop_tokens(tok, ignore_eos: bool) -> tuple[int, ...]:
-    """The default stop tokens (also the Triton generate model's): <|endoftext|> when the tokenizer has it."""
-    eos = None if ignore_eos else tok.token_to_id(EOS)
+def model_folder(model) -> Path:
+    """The folder of a model path: a build or checkpoint directory, or the one holding an .onnx file."""
+    path = Path(model)
+    return path if path.is_dir() else path.parent
+
+
+def default_stop_tokens(tok, ignore_eos: bool, folder=None, vocab_size: int | None = None) -> tuple[int, ...]:
+    """The default stop tokens (also the Triton generate model's, hence the OpenAI API's): the model's own,
+    generation.json in `folder` (carried from its Hugging Face folder: a chat model's end of turn, e.g.
+    Qwen3's <|im_end|>; core/generation.py), else <|endoftext|> when the tokenizer has it; none with ignore_eos."""
+    if ignore_eos:
+        return ()
+    from core.generation import GENERATION, read_stop_tokens
+    ids = read_stop_tokens(folder) if folder is not None and (Path(folder) / GENERATION).is_file() else None
+    if ids is not None:
+        if vocab_size is not None and max(ids) >= vocab_size:
+            raise RuntimeUserError(f"{Path(folder) / GENERATION}: expected token ids below the model's vocabulary "
+                                   f"({vocab_size}), found {max(ids)}; use the model's own file")
+        return tuple(ids)
+    eos = tok.token_to_id(EOS)
     return () if eos is None else (eos,)
 
 
-def parse_stops(tok, stops: list[str] | None, ignore_eos: bool, vocab_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def parse_stops(tok, stops: list[str] | None, ignore_eos: bool, vocab_size: int,
+                folder=None) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """--stop values: (stop token ids, stop strings). id:N is a stop token; any other value a stop string
-    (matched on the decoded text: runtime/text_stream.py). The default stop tokens (default_stop_tokens)
-    stay unless --ignore-eos, as an OpenAI server's stop strings add to the end-of-text token."""
-    ids, strings = list(default_stop_tokens(tok, ignore_eos)), []
+    (matched on the decoded text: runtime/text_stream.py). The default stop tokens (default_stop_tokens of
+    the model's folder) stay unless --ignore-eos, as an OpenAI server's stop strings add to the end-of-text token."""
+    ids, strings = list(default_stop_tokens(tok, ignore_eos, folder, vocab_size)), []
     for s in stops or ():
         if not s.startswith("id:"):
             strings.append(s)
@@ -329,7 +369,8 @@ def run(argv: list[str] | None = None) -> int:
         spec = session.spec
         tok = _load_tokenizer(args.backend, args.model, spec.vocab_size)
         prompts = [tok.encode(t).ids for t in texts]
-        stop_tokens, stop_strings = parse_stops(tok, args.stop, args.ignore_eos, spec.vocab_size)
+        stop_tokens, stop_strings = parse_stops(tok, args.stop, args.ignore_eos, spec.vocab_size,
+                                                 model_folder(args.model))
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed, sampling=sampling,
                                   stop_tokens=stop_tokens, logprobs=args.logprobs)
         # the text of each prompt, ended by the stop strings (the generate model's matcher)

@@ -55,7 +55,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from runtime.generate import GenerationConfig, check_capacity, prompt_token_logprobs
+from runtime.generate import GenerationConfig, check_capacity, prompt_token_logprobs, prompt_top_logprobs
 from runtime.sampling import penalize, sample, top_logprobs
 from runtime.session import DecoderSession, RuntimeUserError
 
@@ -92,6 +92,8 @@ class Sequence:
     # with config.logprobs: per new token (logprob, top ids, their logprobs) of the step's raw logits; else None
     logprobs: list[tuple[float, list[int], list[float]]] | None = None
     prompt_logprobs: list[float] = field(default_factory=list)        # with config.prompt_logprobs
+    # with config.prompt_logprobs and config.logprobs k > 0: (ids [T][k], logprobs [T][k]) (prompt_top_logprobs)
+    prompt_top_logprobs: tuple[list[list[int]], list[list[float]]] | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
@@ -300,6 +302,8 @@ class BatchScheduler:
             logits = full[:, -1]                                                               # [1, V]
             if seq.config.prompt_logprobs:
                 seq.prompt_logprobs = prompt_token_logprobs(full[0], seq.prompt)
+                if seq.config.logprobs:
+                    seq.prompt_top_logprobs = prompt_top_logprobs(full[0], seq.config.logprobs)
         except Exception as e:  # a backend failure ends this sequence only
             seq.error = f"internal error in prefill: {type(e).__name__}: {e}"
             self._finish(seq, ERROR)

@@ -4,7 +4,7 @@ cancellation and metrics stay Triton's.
 
     GET  /health                 200 {"status": "ok"} when Triton and the model are ready, else 503
     GET  /v1/models              the served model (its id is the Triton model's name: "generate")
-    POST /v1/completions         prompt (text, or a list of texts: one choice each), echo, logprobs (0-20)
+    POST /v1/completions         prompt (text or token ids, or a list of either: one choice each), echo, logprobs (0-20)
     POST /v1/chat/completions    messages through the model's chat template (runtime/openai/chat_template.py),
                                  logprobs / top_logprobs
 
@@ -145,6 +145,12 @@ class Tokens:
             self._adds_bos = bos_id is not None and bool(ids) and ids[0] == bos_id
         return prompt[len(bos):] if self._adds_bos else prompt
 
+    def decode(self, ids: list[int]) -> str:
+        """A token-id prompt's text (what echo returns): the tokenizer's decode, special tokens kept."""
+        if self.tokenizer is None:
+            return "".join(self.text(t) for t in ids)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
     def text(self, token: int) -> str:
         if token not in self._cache:
             self._cache[token] = self.tokenizer.decode([token], skip_special_tokens=False) \
@@ -231,8 +237,11 @@ class OpenAIServer:
 
     # --- what each endpoint asks of the model and how it answers --------------------------------
 
-    def _sampling(self, req, prompt: str, max_tokens: int | None, **extra) -> GenerateRequest:
-        return GenerateRequest(prompt, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+    def _sampling(self, req, prompt: str | list[int], max_tokens: int | None, **extra) -> GenerateRequest:
+        ids = None
+        if not isinstance(prompt, str):     # token ids: sent as input_ids (the model checks them), echoed as their text
+            ids, prompt = list(prompt), self.tokens.decode(prompt)
+        return GenerateRequest(prompt, prompt_ids=ids, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                top_k=req.top_k, seed=req.seed, stop=req.stop_list(),
                                frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
                                ignore_eos=req.ignore_eos, stream=req.stream, **extra)
@@ -269,7 +278,8 @@ class OpenAIServer:
         for i, (gen, piece) in enumerate(zip(shape.gens, results)):
             if shape.zero:
                 piece = Piece(finish_reason="length", num_input_tokens=piece.num_input_tokens, num_output_tokens=0,
-                              prompt_ids=piece.prompt_ids, prompt_logprobs=piece.prompt_logprobs)
+                              prompt_ids=piece.prompt_ids, prompt_logprobs=piece.prompt_logprobs,
+                              prompt_top_ids=piece.prompt_top_ids, prompt_top_logprobs=piece.prompt_top_logprobs)
             prompt_tokens += _prompt_count(piece)
             completion_tokens += piece.num_output_tokens if piece.num_output_tokens is not None else len(piece.ids)
             choices.append(self._choice(shape, i, gen, piece, whole=True))
@@ -312,9 +322,16 @@ class OpenAIServer:
             for j, token in enumerate(piece.prompt_ids):
                 s = self.tokens.text(token)
                 lp = piece.prompt_logprobs[j] if piece.prompt_logprobs and j < len(piece.prompt_logprobs) else None
+                alternatives = None
+                if lp is not None:      # the k most likely tokens there (the model's prefill), then the token itself
+                    alternatives = {}
+                    if piece.prompt_top_ids and j < len(piece.prompt_top_ids):
+                        alternatives = {self.tokens.text(i): x for i, x in
+                                        zip(piece.prompt_top_ids[j], piece.prompt_top_logprobs[j]) if i >= 0}
+                    alternatives.setdefault(s, lp)
                 tokens.append(s)
                 token_logprobs.append(lp)
-                top.append(None if lp is None else {s: lp})
+                top.append(alternatives)
                 offsets.append(offset)
                 offset += len(s)
         elif prompt is not None:
@@ -345,7 +362,8 @@ class OpenAIServer:
                     if shape.zero:
                         piece = Piece(finish_reason="length", num_input_tokens=piece.num_input_tokens,
                                       num_output_tokens=0, prompt_ids=piece.prompt_ids,
-                                      prompt_logprobs=piece.prompt_logprobs)
+                                      prompt_logprobs=piece.prompt_logprobs, prompt_top_ids=piece.prompt_top_ids,
+                                      prompt_top_logprobs=piece.prompt_top_logprobs)
                     if piece.finish_reason is not None:
                         usage["prompt_tokens"] += _prompt_count(piece)
                         usage["completion_tokens"] += piece.num_output_tokens or 0
@@ -420,7 +438,8 @@ async def _collect(pieces) -> Piece:
         if p.top_ids is not None:
             out.top_ids = (out.top_ids or []) + p.top_ids
             out.top_logprobs = (out.top_logprobs or []) + p.top_logprobs
-        for name in ("finish_reason", "num_input_tokens", "num_output_tokens", "prompt_ids", "prompt_logprobs"):
+        for name in ("finish_reason", "num_input_tokens", "num_output_tokens", "prompt_ids", "prompt_logprobs",
+                     "prompt_top_ids", "prompt_top_logprobs"):
             if getattr(p, name) is not None:
                 setattr(out, name, getattr(p, name))
     return out

@@ -29,7 +29,7 @@ from runtime.openai import tensors as T
 
 @dataclass
 class GenerateRequest:
-    prompt: str
+    prompt: str                             # the text (with prompt_ids: their decoded text, for echo)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -43,6 +43,7 @@ class GenerateRequest:
     prompt_logprobs: bool = False           # the prompt tokens' logprobs (echo)
     ignore_eos: bool = False
     stream: bool = False
+    prompt_ids: list[int] | None = None      # a token-id prompt: sent as input_ids instead of the text
 
 
 @dataclass
@@ -59,6 +60,8 @@ class Piece:
     num_output_tokens: int | None = None
     prompt_ids: list[int] | None = None
     prompt_logprobs: list[float | None] | None = None     # None for the first prompt token
+    prompt_top_ids: list[list[int]] | None = None        # [p, k] with top_logprobs: the prompt's alternatives
+    prompt_top_logprobs: list[list[float]] | None = None  # [p, k]; row 0 (the first prompt token) has none
 
 
 def triton_error(message: str) -> OpenAIError:
@@ -79,7 +82,8 @@ def build_inputs(grpc, req: GenerateRequest) -> list:
                (T.STREAM, req.stream), (T.RETURN_NUM_INPUT_TOKENS, True), (T.RETURN_NUM_OUTPUT_TOKENS, True),
                (T.RETURN_LOG_PROBS, req.logprobs or None), (T.TOP_LOGPROBS, req.top_logprobs or None),
                (T.RETURN_PROMPT_LOG_PROBS, req.prompt_logprobs or None), (T.IGNORE_EOS, req.ignore_eos or None)]
-    arrays = [(T.TEXT_INPUT, np.array([req.prompt.encode("utf-8")], dtype=np.object_))]
+    arrays = [(T.TEXT_INPUT, np.array([req.prompt.encode("utf-8")], dtype=np.object_)) if req.prompt_ids is None
+              else (T.INPUT_IDS, np.array(req.prompt_ids, dtype=T.NUMPY[T.INPUT_IDS]))]
     arrays += [(name, np.array([value], dtype=T.NUMPY[name])) for name, value in scalars if value is not None]
     if req.stop:
         arrays.append((T.STOP_WORDS, np.array([s.encode("utf-8") for s in req.stop], dtype=np.object_)))
@@ -127,6 +131,11 @@ def parse_piece(result) -> Piece:
         p.prompt_ids = [int(t) for t in pids.reshape(-1)]
     if plp is not None:
         p.prompt_logprobs = [None if math.isnan(float(x)) else float(x) for x in plp.reshape(-1)]
+    top_ids, top_lp = _flat(result, T.PROMPT_TOP_LOG_PROBS_IDS), _flat(result, T.PROMPT_TOP_LOG_PROBS)
+    if top_ids is not None and top_lp is not None and p.prompt_ids:
+        n = len(p.prompt_ids)
+        p.prompt_top_ids = [[int(i) for i in row] for row in top_ids.reshape(n, -1)]
+        p.prompt_top_logprobs = [[float(x) for x in row] for row in top_lp.reshape(n, -1)]
     return p
 
 

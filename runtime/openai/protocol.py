@@ -108,7 +108,9 @@ class _Sampling(_Strict):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
+    # text, texts (one choice each), token ids, or lists of token ids (one choice each): what lm-eval's
+    # local-completions sends by default (tokenized_requests=True: [[ids]])
+    prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
@@ -117,10 +119,19 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt", mode="before")
     @classmethod
     def _text(cls, v):
-        if isinstance(v, list) and v and not all(isinstance(p, str) for p in v):
-            raise ValueError("expected text or a list of texts, found token ids (send the text)")
         if isinstance(v, list) and not v:
             raise ValueError("expected at least one prompt, found an empty list")
+        if not isinstance(v, list) or all(isinstance(p, str) for p in v):
+            return v
+        ids = lambda p: isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+        if not (ids(v) or all(ids(p) for p in v)):
+            raise ValueError("expected text, a list of texts, a list of token ids or a list of such lists, found a "
+                             "mix; send one kind")
+        for p in (v if all(isinstance(p, list) for p in v) else [v]):
+            if not p:
+                raise ValueError("expected at least one token id in a token-id prompt, found an empty list")
+            if min(p) < 0:
+                raise ValueError(f"expected token ids >= 0, found {min(p)}; encode the prompt with the model's tokenizer")
         return v
 
     @model_validator(mode="after")
@@ -133,8 +144,11 @@ class CompletionRequest(_Sampling):
             raise ValueError("max_tokens: expected at least 1 (0 only with echo), found 0")
         return self
 
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def prompts(self) -> list[str | list[int]]:
+        """One prompt per choice: a text or a list of token ids."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
 
 
 class ContentPart(BaseModel):

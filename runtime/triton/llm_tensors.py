@@ -15,8 +15,10 @@ Output shapes: the config declares what the model sends.
 """
 from __future__ import annotations
 
-# --- inputs (every one optional but text_input) ---------------------------------------------
+# --- inputs (every one optional; text_input or input_ids, exactly one) -------------------------
 TEXT_INPUT = "text_input"                      # BYTES [1, 1] the prompt, UTF-8
+INPUT_IDS = "input_ids"                        # INT32 [1, n] the prompt as token ids, instead of text_input (an
+                                               # OpenAI client's token-id prompt: lm-eval's tokenized_requests)
 MAX_TOKENS = "max_tokens"                      # INT32 new tokens at most (default: the config's max_new_tokens)
 STREAM = "stream"                              # BOOL  one response per piece (default false: one response)
 STOP_WORDS = "stop_words"                      # BYTES [1, n] stop strings: the text ends before the first one
@@ -45,6 +47,10 @@ TOP_LOG_PROBS_IDS = "top_log_probs_ids"        # INT64 [n, k] the k most likely 
 TOP_LOG_PROBS = "top_log_probs"                # FP32 [n, k] their logprobs
 PROMPT_IDS = "prompt_ids"                      # INT64 [p] the prompt's tokens (first response, when asked)
 PROMPT_LOG_PROBS = "prompt_log_probs"          # FP32 [p] their logprobs; NaN for the first (it has none)
+# with return_prompt_log_probs and top_logprobs k > 0: the k most likely tokens at each prompt position, best
+# first, from the prefill's logits (what a client's is_greedy check compares with); row 0 is -1 / NaN
+PROMPT_TOP_LOG_PROBS_IDS = "prompt_top_log_probs_ids"    # INT64 [p, k]
+PROMPT_TOP_LOG_PROBS = "prompt_top_log_probs"            # FP32 [p, k] their logprobs
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
 MAX_TOP_LOGPROBS = 20                          # OpenAI's bound on top_logprobs
@@ -52,7 +58,7 @@ SCALAR = (1, 1)
 
 # (name, Triton data type without TYPE_, dims, optional): generate/config.pbtxt's inputs, in order
 INPUTS = (
-    (TEXT_INPUT, "STRING", SCALAR, False),
+    (TEXT_INPUT, "STRING", SCALAR, True),
     (MAX_TOKENS, "INT32", SCALAR, True),
     (STREAM, "BOOL", SCALAR, True),
     (STOP_WORDS, "STRING", (1, -1), True),
@@ -69,6 +75,7 @@ INPUTS = (
     (TOP_LOGPROBS, "INT32", SCALAR, True),
     (RETURN_PROMPT_LOG_PROBS, "BOOL", SCALAR, True),
     (IGNORE_EOS, "BOOL", SCALAR, True),
+    (INPUT_IDS, "INT32", (1, -1), True),
 )
 
 # (name, Triton data type without TYPE_, dims): generate/config.pbtxt's outputs
@@ -83,6 +90,8 @@ OUTPUTS = (
     (TOP_LOG_PROBS, "FP32", (-1, -1)),
     (PROMPT_IDS, "INT64", (-1,)),
     (PROMPT_LOG_PROBS, "FP32", (-1,)),
+    (PROMPT_TOP_LOG_PROBS_IDS, "INT64", (-1, -1)),
+    (PROMPT_TOP_LOG_PROBS, "FP32", (-1, -1)),
 )
 
 INPUT_NAMES = tuple(name for name, *_ in INPUTS)

@@ -5,14 +5,16 @@ and ort-cpu its graph with ONNX Runtime; `open_decode_session`). It logs which a
 and a backend that cannot load here fails initialize with one line naming it and the fix.
 
 One request is one prompt, in the tensors of Triton's LLM conventions (runtime/triton/llm_tensors.py,
-what Triton's OpenAI frontend and its generate extension send): text_input (BYTES [1, 1]) and,
-optional, max_tokens, stream, stop_words ([1, n]), temperature, top_k, top_p, seed,
+what Triton's OpenAI frontend and its generate extension send): text_input (BYTES [1, 1]) or
+input_ids (INT32 [1, n], the prompt as token ids) and, optional, max_tokens, stream, stop_words ([1, n]), temperature, top_k, top_p, seed,
 frequency_penalty, presence_penalty, return_num_input_tokens, return_num_output_tokens,
 exclude_input_in_output, return_log_probs, top_logprobs, return_prompt_log_probs, ignore_eos
 ([1, 1] each). Outputs text_output, output_ids, finish_reason ("stop" | "length", on the last
 response), num_input_tokens / num_output_tokens, output_log_probs, top_log_probs_ids /
-top_log_probs and prompt_ids / prompt_log_probs (each when asked). Defaults are runtime.generate's:
-greedy, seed 0, stop at <|endoftext|> when the tokenizer has it, max_tokens from the config's
+top_log_probs and prompt_ids / prompt_log_probs (each when asked; with top_logprobs > 0 also
+prompt_top_log_probs_ids / prompt_top_log_probs, the prompt tokens' alternatives). Defaults are runtime.generate's:
+greedy, seed 0, stop at the model's stop tokens (generate/1/generation.json: a chat model's end of
+turn; else <|endoftext|> when the tokenizer has it), max_tokens from the config's
 parameters (32). An input or request parameter the model does not take is refused by name
 (INVALID_ARG: HTTP 400), never ignored.
 
@@ -118,6 +120,7 @@ class Request:
     top_logprobs: int = 0
     return_prompt_log_probs: bool = False
     ignore_eos: bool = False
+    input_ids: tuple[int, ...] = ()        # the prompt as token ids (then text_input is their decoded text)
 
     def check(self) -> None:
         """Refuse values the model cannot serve, naming the input (sampling values: the scheduler's submit)."""
@@ -127,12 +130,13 @@ class Request:
         if self.seed < 0:
             raise RuntimeUserError(f"input {T.SEED}: expected >= 0, found {self.seed}; fix the request")
 
-    def generation_config(self, tokenizer) -> GenerationConfig:
+    def generation_config(self, stop_tokens: tuple[int, ...]) -> GenerationConfig:
+        """stop_tokens: the model's (default_stop_tokens), dropped with ignore_eos."""
         wants_logprobs = self.return_log_probs or self.top_logprobs > 0
         return GenerationConfig(max_new_tokens=self.max_tokens, seed=self.seed,
                                 sampling=SamplingConfig(self.temperature, self.top_k, self.top_p,
                                                         self.frequency_penalty, self.presence_penalty),
-                                stop_tokens=default_stop_tokens(tokenizer, self.ignore_eos),
+                                stop_tokens=() if self.ignore_eos else tuple(stop_tokens),
                                 logprobs=self.top_logprobs if wants_logprobs else None,
                                 prompt_logprobs=self.return_prompt_log_probs)
 
@@ -208,6 +212,10 @@ class ResponseStream:
         if self._first and r.return_prompt_log_probs:
             outputs[T.PROMPT_IDS] = np.array(seq.prompt, np.int64)
             outputs[T.PROMPT_LOG_PROBS] = np.array(seq.prompt_logprobs, np.float32)
+            if r.top_logprobs > 0 and seq.prompt_top_logprobs is not None:
+                ids, lps = seq.prompt_top_logprobs
+                outputs[T.PROMPT_TOP_LOG_PROBS_IDS] = np.array(ids, np.int64).reshape(len(ids), r.top_logprobs)
+                outputs[T.PROMPT_TOP_LOG_PROBS] = np.array(lps, np.float32).reshape(len(lps), r.top_logprobs)
         self._first = False
         return outputs
 
@@ -259,6 +267,8 @@ class TritonPythonModel:
         else:
             print(line, file=sys.stderr, flush=True)
         self.tokenizer = load_tokenizer(model_dir, self.session.spec.vocab_size)
+        # the model's stop tokens (generation.json beside the tokenizer, else <|endoftext|>); ignore_eos drops them
+        self.stop_tokens = default_stop_tokens(self.tokenizer, False, model_dir, self.session.spec.vocab_size)
         self.scheduler = BatchScheduler(self.session, slots=int(params.get("slots", DEFAULT_SLOTS)),
                                         max_queued=int(params.get("max_queued", DEFAULT_MAX_QUEUED))).start()
         self._stop_metrics = threading.Event()
@@ -299,8 +309,10 @@ class TritonPythonModel:
             # the generate extension turns a JSON key that names no input into a request parameter
             raise RuntimeUserError(f"parameter {name}: expected one of the generate model's inputs "
                                    f"({', '.join(T.INPUT_NAMES[1:])}), found {name!r}{_hint(name)}")
-        if T.TEXT_INPUT not in given:
-            raise RuntimeUserError(f"input {T.TEXT_INPUT}: expected a BYTES tensor of shape [1, 1], found none")
+        if (T.TEXT_INPUT in given) == (T.INPUT_IDS in given):
+            raise RuntimeUserError(f"input {T.TEXT_INPUT}: expected the prompt as {T.TEXT_INPUT} (BYTES [1, 1]) or "
+                                   f"{T.INPUT_IDS} (INT32 [1, n]), found {'both' if T.TEXT_INPUT in given else 'neither'}; "
+                                   "send one")
         values: dict = {}
         dtypes = {name: dt for name, dt, _, _ in T.INPUTS}
         for f in fields(Request):
@@ -309,6 +321,10 @@ class TritonPythonModel:
             a = given[f.name].reshape(-1)
             if f.name == T.STOP_WORDS:
                 values[f.name] = tuple(_utf8(v, f.name) for v in a)
+                continue
+            if f.name == T.INPUT_IDS:
+                values[f.name] = self._token_ids(a)
+                values[T.TEXT_INPUT] = self.tokenizer.decode(list(values[f.name]), skip_special_tokens=False)
                 continue
             if a.size != 1:
                 raise RuntimeUserError(f"input {f.name}: expected one value (shape [1, 1]), found shape "
@@ -319,6 +335,17 @@ class TritonPythonModel:
         req = Request(**values)
         req.check()
         return req
+
+    def _token_ids(self, a: np.ndarray) -> tuple[int, ...]:
+        """input_ids: at least one id, each within the model's vocabulary (the logits it indexes)."""
+        vocab = self.session.spec.vocab_size
+        if a.size == 0:
+            raise RuntimeUserError(f"input {T.INPUT_IDS}: expected at least one token id, found none; send the prompt")
+        bad = [int(t) for t in a if not 0 <= int(t) < vocab]
+        if bad:
+            raise RuntimeUserError(f"input {T.INPUT_IDS}: expected token ids in [0, {vocab}), found {bad[0]}; "
+                                   "encode the prompt with the model's tokenizer")
+        return tuple(int(t) for t in a)
 
     def _sender(self, request) -> Callable:
         pb = self.pb
@@ -349,8 +376,8 @@ class TritonPythonModel:
             try:
                 req = self._request(request)
                 # its sampling settings are checked by submit ("sampling: ...; fix the request")
-                config = req.generation_config(self.tokenizer)
-                prompt = self.tokenizer.encode(req.text_input).ids
+                config = req.generation_config(self.stop_tokens)
+                prompt = list(req.input_ids) if req.input_ids else self.tokenizer.encode(req.text_input).ids
                 # the scheduler checks again, in runtime.generate's words; a client sent max_tokens
                 check_capacity(self.session.spec.capacity, [len(prompt)], req.max_tokens, f"input {T.MAX_TOKENS}")
                 stream = ResponseStream(send, self.tokenizer, req, config.stop_tokens)

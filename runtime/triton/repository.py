@@ -16,6 +16,7 @@
                                     build has no fused graph); TensorRT's engine comes from the fused one
       generate/1/tokenizer.json
       generate/1/chat_template.json (where the build has one: the model's chat template, core/chat_template.py)
+      generate/1/generation.json    (where the build has one: the model's stop tokens, core/generation.py)
 
 The decoder configs map the ONNX decode-step contract onto Triton (max_batch_size > 0,
 so Triton owns the batch axis and every dims below leaves it out):
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.build_files import TOKENIZER
-from core.chat_template import CHAT_TEMPLATE
+from core.generation import MODEL_FILES
 from core.contract import (CACHE_PREFIX, INPUT_IDS, LOGITS, POSITION, ContractError, cache_names, external_files,
                            load_onnx, onnx_io as _proto_io, present_name, read_contract)
 from core.errors import NO_ROOM
@@ -605,8 +606,9 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
         d.mkdir(parents=True)
         _link_graph(ort_path, d / ort_path.name)          # generate's ort backends; trt reads decoder_trt's
         _link_or_copy(build / TOKENIZER, d / TOKENIZER)
-        if (build / CHAT_TEMPLATE).is_file():           # what runtime.openai renders chat requests with
-            _link_or_copy(build / CHAT_TEMPLATE, d / CHAT_TEMPLATE)
+        for name in MODEL_FILES:     # chat_template.json (runtime.openai renders chat with it), generation.json
+            if (build / name).is_file():                # (the stop tokens: runtime.generate.default_stop_tokens)
+                _link_or_copy(build / name, d / name)
         (d / "model.py").write_text(GENERATE_MODEL_PY)
         (tmp / GENERATE / "config.pbtxt").write_text(
             generate_config(GENERATE, instances, max_new_tokens, intra_op_threads, slots, max_queued, backend))

@@ -83,13 +83,27 @@ def test_completion_echo_logprobs(fake_api):
     assert r.usage.completion_tokens == 0
 
 
+def test_token_id_prompts_reach_the_model_as_ids(fake_api):
+    """[ids] and [[ids], [ids]] (lm-eval's tokenized_requests): one choice each, sent as input_ids (prompt_ids),
+    echoed as their decoded text."""
+    base, engine = fake_api
+    r = client(base).completions.create(model="generate", prompt=[[7, 8], [9]], max_tokens=1, echo=True)
+    sent = engine.seen[-2:]
+    assert sorted(g.prompt_ids for g in sent) == [[7, 8], [9]]
+    assert sorted(ch.text.split(" ")[0] for ch in r.choices) == ["<7><8><7><8>", "<9><9>"]   # FakeEngine echoes words
+    client(base).completions.create(model="generate", prompt=[4, 5], max_tokens=1)
+    assert engine.seen[-1].prompt_ids == [4, 5]
+
+
 @pytest.mark.parametrize("path, body, status, param, words", [
     ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model", "does not exist"),
     ("/v1/completions", {"model": "generate", "prompt": "x", "n": 2}, 400, "n", "expected 1"),
     ("/v1/completions", {"model": "generate", "prompt": "x", "temperature": -1}, 400, "temperature", "greater"),
     ("/v1/completions", {"model": "generate", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "integer"),
     ("/v1/completions", {"model": "generate", "prompt": "x", "bogus": 1}, 400, "bogus", "Unrecognized"),
-    ("/v1/completions", {"model": "generate", "prompt": [[1, 2]]}, 400, "prompt", "token ids"),
+    ("/v1/completions", {"model": "generate", "prompt": [[1, 2], "x"]}, 400, "prompt", "found a mix"),
+    ("/v1/completions", {"model": "generate", "prompt": [1, -2]}, 400, "prompt", "token ids >= 0"),
+    ("/v1/completions", {"model": "generate", "prompt": [[1], []]}, 400, "prompt", "at least one token id"),
     ("/v1/completions", {"model": "generate"}, 400, "prompt", "required"),
     ("/v1/completions", {"model": "generate", "prompt": "BAD"}, 400, None, "capacity"),
     ("/v1/completions", {"model": "generate", "prompt": "BUSY"}, 503, None, "server busy"),

@@ -17,8 +17,10 @@ def test_inputs_match_the_generate_config():
                           prompt_logprobs=True, ignore_eos=True, stream=True)
     declared = {name: (dt, dims) for name, dt, dims, _ in T.INPUTS}
     sent = {i.name(): (i.datatype(), i.shape()) for i in build_inputs(grpc, req)}
-    assert set(sent) == set(declared) - {T.EXCLUDE_INPUT_IN_OUTPUT}
-    for name, (dt, shape) in sent.items():
+    assert set(sent) == set(declared) - {T.EXCLUDE_INPUT_IN_OUTPUT, T.INPUT_IDS}
+    by_ids = {i.name(): (i.datatype(), i.shape()) for i in build_inputs(grpc, GenerateRequest("", prompt_ids=[4, 5, 6]))}
+    assert T.TEXT_INPUT not in by_ids and by_ids[T.INPUT_IDS][1] == [1, 3]       # a token-id prompt: input_ids only
+    for name, (dt, shape) in {**sent, **by_ids}.items():
         want_dt, dims = declared[name]
         assert dt == ("BYTES" if want_dt == "STRING" else want_dt), name
         assert len(shape) == len(dims) and all(d in (-1, s) for d, s in zip(dims, shape)), (name, shape, dims)

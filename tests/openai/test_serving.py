@@ -92,9 +92,11 @@ def local(triton_build):
         stop = set(config.stop_tokens)
         tokens = result.tokens[0]
         run.stops = stop
+        run.prompt_top = result.prompt_top_logprobs[0] if result.prompt_top_logprobs else None
         return (tok.decode([t for t in tokens if t not in stop]), tokens,
                 result.logprobs[0] if result.logprobs else None,
                 result.prompt_logprobs[0] if result.prompt_logprobs else None)
+    run.tok = tok
     yield run
     session.deactivate()
 
@@ -119,6 +121,28 @@ def test_completions_equal_runtime_generate(served, local):
         assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == r.choices[0].finish_reason
         assert chunks[-1].usage.completion_tokens == len(tokens)
+
+
+def test_token_id_prompts_equal_text_prompts(served, local):
+    """A prompt as token ids (lm-eval's local-completions default, tokenized_requests=True: [[ids]]) is the
+    text prompt's tokens: the same answer, usage and echo logprobs; [ids] too; several lists one choice each."""
+    base, *_ = served
+    c = client(base)
+    prompt = _prompt(6)
+    want, tokens, _, prompt_rows = local(prompt, 8, logprobs=2, prompt_logprobs=True)
+    ids = local.tok.encode(prompt).ids
+    by_text = c.completions.create(model="generate", prompt=prompt, max_tokens=8, logprobs=2, echo=True)
+    for given in (ids, [ids]):
+        r = c.completions.create(model="generate", prompt=given, max_tokens=8, logprobs=2, echo=True)
+        assert r.choices[0].text == prompt + want == by_text.choices[0].text
+        assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(tokens)
+        lp = r.choices[0].logprobs
+        assert lp.tokens == by_text.choices[0].logprobs.tokens and lp.token_logprobs[0] is None
+        assert lp.token_logprobs[1:len(ids)] == pytest.approx(prompt_rows[1:], abs=1e-4)
+        assert lp.top_logprobs == by_text.choices[0].logprobs.top_logprobs
+    r = c.completions.create(model="generate", prompt=[ids, ids[:3]], max_tokens=8)
+    alone = c.completions.create(model="generate", prompt=ids[:3], max_tokens=8).choices[0].text
+    assert [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)] == [want, alone]
 
 
 def test_same_over_triton(served, triton_build):
@@ -185,6 +209,16 @@ def test_logprobs_equal_runtime_generate(served, local):
     assert lp.token_logprobs[1:p] == pytest.approx(prompt_rows[1:], abs=1e-4)
     assert lp.token_logprobs[p:] == pytest.approx([row[0] for row in rows], abs=1e-4)
     assert len(lp.tokens) == len(lp.text_offset) == p + len(tokens)
+    # the prompt tokens' alternatives: the top 3 of the prefill's logits there, then the token itself (lm-eval's
+    # is_greedy: is the token the most likely one), as runtime.generate computes them
+    ids, lps = local.prompt_top
+    assert lp.top_logprobs[0] is None and len(ids) == p
+    for j in range(1, p):
+        alternatives = lp.top_logprobs[j]
+        assert sorted(alternatives.values(), reverse=True)[:3] == pytest.approx(lps[j], abs=1e-4)
+        assert alternatives[lp.tokens[j]] == pytest.approx(prompt_rows[j], abs=1e-4)
+        greedy = max(alternatives, key=alternatives.get) == lp.tokens[j]
+        assert greedy == (prompt_rows[j] >= lps[j][0] - 1e-6), j
     # max_tokens 0 with echo: the prompt's logprobs only (lm-eval's log-likelihood requests)
     r = c.completions.create(model="generate", prompt=prompt, max_tokens=0, logprobs=1, echo=True)
     assert r.choices[0].text == prompt and r.usage.completion_tokens == 0
@@ -269,6 +303,12 @@ def test_disconnect_cancels(served):
     ({"model": "generate", "prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"model": "other", "prompt": "x"}, 404, "does not exist"),
     ({"model": "generate", "prompt": "x", "best_of": 3}, 400, "best_of"),
+    # token-id prompts: the model's checks (its vocabulary: 320; its capacity: 512), and the API's
+    ({"model": "generate", "prompt": [5, 320, 7], "max_tokens": 4}, 400, "input_ids: expected token ids in [0, 320)"),
+    ({"model": "generate", "prompt": [[5] * 600], "max_tokens": 4}, 400, "capacity"),
+    ({"model": "generate", "prompt": [5, -1]}, 400, "expected token ids >= 0"),
+    ({"model": "generate", "prompt": [[5], "x"]}, 400, "found a mix"),
+    ({"model": "generate", "prompt": [[]]}, 400, "at least one token id"),
 ])
 def test_bad_requests(served, body, status, words):
     base, *_ = served

@@ -175,3 +175,28 @@ def test_penalties_logprobs_and_stop_when_in_a_batch_equal_each_prompt_alone(tin
             assert len(batch.logprobs[b]) == len(batch.tokens[b])
             assert len(batch.prompt_logprobs[b]) == len(prompt) and np.isnan(batch.prompt_logprobs[b][0])
             np.testing.assert_allclose(batch.prompt_logprobs[b][1:], alone.prompt_logprobs[0][1:], atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["ort", "torch"])
+def test_prompt_top_logprobs_are_the_torch_models(tiny, kind):
+    """prompt_logprobs with logprobs k: each prompt position's k most likely tokens, best first, with the
+    log-softmax of the torch model's own logits there (a ragged batch: each prompt's rows its own);
+    the first row (nothing predicts the first token) is -1 / NaN; without k there are none."""
+    import torch
+    from models.checkpoint import load_checkpoint
+    model = load_checkpoint(tiny[0]).eval()
+    k = 4
+    with _session(kind, tiny) as s:
+        got = generate(s, PROMPTS, GenerationConfig(max_new_tokens=2, logprobs=k, prompt_logprobs=True))
+        assert generate(s, PROMPTS, GenerationConfig(max_new_tokens=2, prompt_logprobs=True)).prompt_top_logprobs == []
+    assert len(got.prompt_top_logprobs) == len(PROMPTS)
+    for prompt, (ids, lps) in zip(PROMPTS, got.prompt_top_logprobs):
+        with torch.no_grad():
+            want = torch.log_softmax(model(torch.tensor([prompt]))[0].double(), dim=-1)[:-1]      # [T - 1, V]
+        assert len(ids) == len(lps) == len(prompt) and ids[0] == [-1] * k and np.isnan(lps[0]).all()
+        top = torch.topk(want, k, dim=-1)
+        np.testing.assert_allclose(np.reshape(lps[1:], (-1, k)), top.values.numpy(), atol=1e-4)
+        assert ids[1:] == top.indices.tolist()
+        # the prompt tokens' own logprobs are the same rows'
+        np.testing.assert_allclose(got.prompt_logprobs[PROMPTS.index(prompt)][1:],
+                                   want[torch.arange(len(prompt) - 1), prompt[1:]].numpy(), atol=1e-4)

@@ -318,4 +318,6 @@ def test_penalties_logprobs_and_stop_when_equal_runtime_generates(tiny):
         assert [ids for _, ids, _ in seq.logprobs] == [ids for _, ids, _ in w.logprobs[0]]
         np.testing.assert_allclose([lp for lp, _, _ in seq.logprobs], [lp for lp, _, _ in w.logprobs[0]], atol=1e-4)
         np.testing.assert_allclose(seq.prompt_logprobs[1:], w.prompt_logprobs[0][1:], atol=1e-4)
+        assert seq.prompt_top_logprobs[0][1:] == w.prompt_top_logprobs[0][0][1:]      # the prompt's top-2 ids
+        np.testing.assert_allclose(seq.prompt_top_logprobs[1][1:], w.prompt_top_logprobs[0][1][1:], atol=1e-4)
     assert seqs[0].tokens[-1] == ends[0] and len(seqs[0].tokens) <= 4

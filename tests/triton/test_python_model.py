@@ -120,3 +120,33 @@ def test_stop_strings_echo_and_logprobs_in_what_a_client_receives(tokenizer):
     whole = got[False][0][0]["text_output"].reshape(-1)[0].decode()
     assert "".join(pieces) == whole == "Once" + "the cat sa"
     assert pieces[0].startswith("Once") and len(got[False]) == 1
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_prompt_top_logprobs_on_the_first_response(tokenizer, stream):
+    """return_prompt_log_probs with top_logprobs k: the first response carries prompt_top_log_probs_ids /
+    prompt_top_log_probs [p, k] (the scheduler's rows) beside prompt_ids and prompt_log_probs; without k,
+    neither."""
+    k, prompt = 2, [5, 6, 7]
+    for top in (k, 0):
+        sent = []
+        req = _request(stream=stream, return_prompt_log_probs=True, top_logprobs=top)
+        rs = ResponseStream(lambda *a: sent.append(a), tokenizer, req, ())
+        seq = Sequence(prompt, GenerationConfig(max_new_tokens=2, logprobs=top, prompt_logprobs=True),
+                       listener=lambda s, t: None)
+        seq.prompt_logprobs = [float("nan"), -1.0, -2.0]
+        seq.prompt_top_logprobs = ([[-1, -1], [6, 9], [3, 7]], [[float("nan")] * 2, [-1.0, -1.5], [-0.5, -2.0]])
+        for i, t in enumerate((8, 9)):
+            seq.tokens.append(t)
+            seq.logprobs.append((-0.5, [t, 0][:top], [-0.5, -1.0][:top]))
+            seq.finish = LENGTH if i == 1 else None
+            rs.on_event(seq, t)
+        first = sent[0][0]
+        assert first["prompt_ids"].tolist() == prompt
+        if top:
+            assert first["prompt_top_log_probs_ids"].tolist() == [[-1, -1], [6, 9], [3, 7]]
+            np.testing.assert_allclose(first["prompt_top_log_probs"][1:], [[-1.0, -1.5], [-0.5, -2.0]])
+            assert first["prompt_top_log_probs"].dtype == np.float32 and np.isnan(first["prompt_top_log_probs"][0]).all()
+        else:
+            assert "prompt_top_log_probs_ids" not in first and "prompt_top_log_probs" not in first
+        assert all("prompt_top_log_probs" not in s[0] for s in sent[1:])

@@ -43,8 +43,9 @@ def test_every_config_parses_into_modelconfig(triton_repo):
     assert gen.max_batch_size == 0 and tuple(i.name for i in gen.input) == INPUT_NAMES
     assert tuple(o.name for o in gen.output) == OUTPUT_NAMES
     assert [list(i.dims) for i in gen.input if i.name in ("text_input", "max_tokens", "seed")] == [[1, 1]] * 3
-    assert [(i.optional, list(i.dims)) for i in gen.input if i.name in ("text_input", "stop_words")] == \
-        [(False, [1, 1]), (True, [1, -1])]
+    # the prompt is text_input or input_ids (a token-id prompt): the model refuses both or neither
+    assert [(i.optional, list(i.dims)) for i in gen.input if i.name in ("text_input", "stop_words", "input_ids")] == \
+        [(True, [1, 1]), (True, [1, -1]), (True, [1, -1])]
 
 
 def test_decoder_configs_match_their_onnx_exactly(triton_repo):
