@@ -349,8 +349,9 @@ def _rope_fields(f: _Fields, key: str, params: dict) -> tuple[float, dict | None
     return theta, {"rope_type": kind, **{k: params[k] for k in keep if params.get(k) is not None}}
 
 
-def _rope(f: _Fields, head_dim: int, sliding: bool, capacity: int) -> dict:
-    """The decoder's rope fields (theta, scaling, rotary_dim, the sliding layers' base)."""
+def _rope(f: _Fields, head_dim: int, local_layers: list[int], capacity: int) -> dict:
+    """The decoder's rope fields (theta, scaling, rotary_dim; the base of the layers whose layer type is
+    sliding_attention, local_layers, whether or not their window survives as a mask)."""
     family = FAMILIES[f.kind]
     local = None
     if f.kind == "gemma3_text":
@@ -388,12 +389,12 @@ def _rope(f: _Fields, head_dim: int, sliding: bool, capacity: int) -> dict:
                        "that position may differ from transformers'; --max-seq-len "
                        f"{scaling['original_max_position_embeddings']} avoids the switch)")
     out = dict(pos_embedding="rope", rope_theta=theta, rope_scaling=scaling, rotary_dim=rotary_dim)
-    if local is not None and sliding:
+    if local is not None and local_layers:
         local_theta, local_scaling = _rope_fields(f, "rope_parameters.sliding_attention", local)
         if local_scaling is not None:
             f.unsupported(f"rope type {local_scaling['rope_type']!r} on the sliding layers")
         if local_theta != theta or scaling is not None:
-            out["local_rope_theta"] = local_theta
+            out.update(local_rope_theta=local_theta, local_rope_layers=list(local_layers))
     return out
 
 
@@ -498,10 +499,12 @@ def llama_config(f: _Fields, max_seq_len: int | None) -> DecoderConfig:
     eps = f.number("rms_norm_eps")
     capacity = _capacity(f, "max_position_embeddings", max_seq_len)
     nope = _nope_layers(f, n_layer)
-    sliding = [i for i, t in enumerate(_layer_types(f, n_layer, nope)) if t == "sliding_attention"]
-    window = f.int("sliding_window") if sliding else None
-    if window is not None and window >= capacity:     # the window covers the whole cache: plain causal attention
-        sliding, window = [], None
+    local = [i for i, t in enumerate(_layer_types(f, n_layer, nope)) if t == "sliding_attention"]
+    window = f.int("sliding_window") if local else None
+    # a window that covers the whole cache is plain causal attention: no mask; the layers stay local
+    # for their rope base (Gemma 3's rope_local_base_freq), which does not depend on the mask
+    sliding = [] if window is None or window >= capacity else local
+    window = window if sliding else None
     # GemmaConfig: the legacy hidden_act "gelu" of the releases means the tanh approximation
     legacy_gelu = f.kind == "gemma" and f.get(family.act_key) == "gelu"
     activation = "gelu_new" if legacy_gelu else f.activation(family.act_key)
@@ -512,7 +515,7 @@ def llama_config(f: _Fields, max_seq_len: int | None) -> DecoderConfig:
                          mlp_hidden=f.int("intermediate_size"), activation=activation,
                          norm_layout=family.norm_layout, qk_norm=family.qk_norm, sliding_window=window,
                          sliding_layers=sliding, nope_layers=nope,
-                         **_rope(f, head_dim, bool(sliding), capacity), **_biases(f), **_scales(f, d))
+                         **_rope(f, head_dim, local, capacity), **_biases(f), **_scales(f, d))
 
 
 def hf_decoder_config(f: _Fields, max_seq_len: int | None = None) -> DecoderConfig:
