@@ -6,6 +6,7 @@ GroupQueryAttention rewrite, graph_passes/ort_attention.py) and the GenAI folder
 transformers' own forward and `generate`, not with our torch model (which the build verifies against, and
 which shared the bug: the local layers rotated with the global base).
 """
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,14 @@ def test_built_graph_equals_transformers(built):
     # the prefill's last row and every cached step's, against transformers' own
     worst = max(float(np.abs(a - b).max()) for a, b in zip(rows, ref_logits))
     assert worst <= ATOL, worst
+
+
+def test_build_checked_itself_against_transformers(built):
+    """The build's own transformers_vs_ours check (export/pipeline.py) ran and passed."""
+    out, _, _, stdout = built
+    assert any(line.startswith("  transformers_vs_ours max |d logits| ") for line in stdout.splitlines()), stdout
+    found = json.loads((out / "report.json").read_text())["transformers_vs_ours"]
+    assert found["logits_max_abs_diff"] <= ATOL
 
 
 def test_genai_greedy_equals_transformers_generate(built):
