@@ -318,11 +318,16 @@ def _gemma3_rope(f: _Fields) -> tuple[str, dict, dict]:
     if params is not None and not (isinstance(params, dict) and all(v is None or isinstance(v, dict)
                                                                     for v in params.values())):
         f.refuse(key, params, "an object of one settings object per layer type")
-    params = {t: dict((params or {}).get(t) or {}) for t in LAYER_TYPES}
+    # a layer type it does not set starts as {"rope_type": "default"}, before rope_scaling updates it: so a
+    # rope_scaling with only the legacy "type" key stays default rope there (transformers 5.x reads it so)
+    params = {t: {"rope_type": "default"} if (params or {}).get(t) is None else dict(params[t]) for t in LAYER_TYPES}
     if scaling:
         if not isinstance(scaling, dict):
             f.refuse("rope_scaling", scaling, "an object")
         params["full_attention"].update(scaling)
+        if params["full_attention"]["rope_type"] == "default" and scaling.get("type") not in (None, "default"):
+            f.notes.append(f"{f.where}: rope_scaling type {scaling['type']!r} is ignored, as transformers' gemma3_text "
+                           "ignores it (the global layers' rope_type stays 'default'; write rope_type to mean it)")
     full = _standardized(f, params["full_attention"], f.get("rope_theta"))
     local = _standardized(f, params["sliding_attention"], f.get("rope_local_base_freq"))
     return key, full, local

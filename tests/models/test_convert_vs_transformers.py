@@ -177,8 +177,31 @@ def cases(draw, family: str) -> dict:
                      logits_scaling=draw(st.sampled_from([1.0, 4.0, 8.0])))
     prompt_len = draw(st.integers(1, max(1, capacity - 2)))
     prompt = draw(st.lists(st.integers(0, VOCAB - 1), min_size=prompt_len, max_size=prompt_len))
+    # now and then config.json as older transformers wrote it (rope_theta, rope_scaling with its legacy "type",
+    # Gemma 3's rope_local_base_freq): the converter and transformers' from_pretrained read the same file
+    legacy = family != "gpt2" and draw(st.integers(0, 3)) == 0
     return {"config": c, "max_seq_len": max_seq_len, "seed": draw(st.integers(0, 2 ** 16)), "prompt": prompt,
-            "capacity": capacity}
+            "capacity": capacity, "legacy": legacy}
+
+
+def legacy_config(folder: Path, family: str) -> None:
+    """Rewrite the saved config.json's rope_parameters in the pre-5 form."""
+    import json
+    where = folder / "config.json"
+    raw = json.loads(where.read_text())
+    rope = raw.pop("rope_parameters")
+    if family == "gemma3_text":
+        local = rope["sliding_attention"]
+        rope = dict(rope["full_attention"])
+        raw["rope_local_base_freq"] = local["rope_theta"]
+    rope = dict(rope)
+    raw["rope_theta"] = rope.pop("rope_theta")
+    if "partial_rotary_factor" in rope:
+        raw["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
+    kind = rope.pop("rope_type")
+    if kind != "default":
+        raw["rope_scaling"] = {"type": kind, **rope}
+    where.write_text(json.dumps(raw, indent=2))
 
 
 # --- the two sides -----------------------------------------------------------------------------------------
@@ -278,6 +301,14 @@ def check_case(family: str, case: dict, root: Path) -> str:
     with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf.save_pretrained(folder)
+    if case.get("legacy"):
+        legacy_config(folder, family)
+        try:
+            with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                hf = type(hf).from_pretrained(folder, dtype=torch.float32).eval()
+        except Exception as e:
+            return f"transformers refused the legacy config.json: {str(e)[:60]}"
     try:
         c = convert(folder, case["max_seq_len"])
     except ConvertError as e:
@@ -369,6 +400,18 @@ REGRESSIONS = {
                     rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10.0}}),
         max_seq_len=16, seed=5, prompt=[3, 14, 15, 92, 65, 35, 89, 79], capacity=16)),
+    # Gemma 3's config.json in the pre-5 form, rope_scaling {"type": "linear", ...}: transformers 5 starts the global
+    # layers from {"rope_type": "default"} and the legacy "type" does not override it (default rope); the
+    # converter read linear
+    "gemma3-legacy-rope-scaling-type": ("gemma3_text", dict(
+        config=dict(head_dim=16, hidden_size=16, num_attention_heads=1, num_key_value_heads=1, num_hidden_layers=2,
+                    intermediate_size=24, max_position_embeddings=12, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                    hidden_activation="relu", attention_bias=True, sliding_window=13, query_pre_attn_scalar=16,
+                    final_logit_softcapping=30.0, attn_logit_softcapping=None,
+                    layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 8.0},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10.0}}),
+        max_seq_len=19, seed=17303, prompt=[32, 28, 43, 21, 40, 4, 41], capacity=12, legacy=True)),
     # a test artifact, kept: sliding_window 1, where transformers' sliding cache keeps every key ([-0:]), so its
     # cached path and generate are no reference; ours matches its forward
     "gemma2-window-1": ("gemma2", dict(
