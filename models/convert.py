@@ -441,7 +441,10 @@ def _layer_types(f: _Fields, n_layer: int, nope: list[int]) -> list[str]:
     window = f.get("sliding_window")
     if f.kind in ("qwen2", "qwen3"):
         on = bool(f.get("use_sliding_window")) and window is not None
-        sliding = [on and i >= f.int("max_window_layers") for i in range(n_layer)]
+        first = f.get("max_window_layers")     # 0: every layer slides (transformers takes it)
+        if on and (isinstance(first, bool) or not isinstance(first, int) or first < 0):
+            f.refuse("max_window_layers", first, "a non-negative integer")
+        sliding = [on and i >= first for i in range(n_layer)]
     elif f.kind == "gemma2":
         sliding = [bool((i + 1) % 2) for i in range(n_layer)]
     elif f.kind == "gemma3_text":

@@ -185,7 +185,7 @@ def cases(draw, family: str) -> dict:
 
 
 def legacy_config(folder: Path, family: str) -> None:
-    """Rewrite the saved config.json's rope_parameters in the pre-5 form."""
+    """Rewrite the saved config.json in the pre-5 form: rope_theta and rope_scaling, no layer_types."""
     import json
     where = folder / "config.json"
     raw = json.loads(where.read_text())
@@ -201,6 +201,16 @@ def legacy_config(folder: Path, family: str) -> None:
     kind = rope.pop("rope_type")
     if kind != "default":
         raw["rope_scaling"] = {"type": kind, **rope}
+    # layer_types left out where the family derives them (Gemma 3: from sliding_window_pattern, when one gives them)
+    types = raw.pop("layer_types", None)
+    if family == "gemma3_text" and types is not None:
+        pattern = next((p for p in range(1, len(types) + 2)
+                        if types == ["sliding_attention" if (i + 1) % p else "full_attention" for i in range(len(types))]),
+                       None)
+        if pattern is None:
+            raw["layer_types"] = types
+        elif pattern != 6:
+            raw["sliding_window_pattern"] = pattern
     where.write_text(json.dumps(raw, indent=2))
 
 
@@ -412,6 +422,14 @@ REGRESSIONS = {
                     rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 8.0},
                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10.0}}),
         max_seq_len=19, seed=17303, prompt=[32, 28, 43, 21, 40, 4, 41], capacity=12, legacy=True)),
+    # Qwen2 without layer_types (as before transformers 5) and max_window_layers 0: every layer slides; the
+    # converter refused 0 as "not a positive integer"
+    "qwen2-max-window-layers-0": ("qwen2", dict(
+        config=dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
+                    intermediate_size=40, max_position_embeddings=24, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                    hidden_act="silu", rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                    use_sliding_window=True, sliding_window=5, max_window_layers=0),
+        max_seq_len=None, seed=7, prompt=[5, 9, 13, 17, 21, 25, 29, 33], capacity=24, legacy=True)),
     # a test artifact, kept: sliding_window 1, where transformers' sliding cache keeps every key ([-0:]), so its
     # cached path and generate are no reference; ours matches its forward
     "gemma2-window-1": ("gemma2", dict(
