@@ -21,7 +21,8 @@ runtime.generate --backend torch and train.finetune read; `export.build
     gemma    (1 + w) RMSNorm gains (stored as 1 + w), embeddings x sqrt(d), GeGLU; gemma2 adds
     gemma2   post-attention / post-MLP norms (sandwich), query_pre_attn_scalar, attention and
     gemma3_text  final soft-caps, alternating sliding layers; gemma3_text adds q_norm / k_norm,
-             5 local : 1 global layers and the local layers' own rope base
+             5 local : 1 global layers and the local layers' own rope base (kept when their
+             window covers the cache and is dropped: local_rope_layers)
     phi3     fused qkv_proj / gate_up_proj (split by rows), partial_rotary_factor, longrope
     olmo2    post-norms only, q_norm / k_norm over the whole projection
     smollm3  NoPE layers (no_rope_layers)
