@@ -253,8 +253,7 @@ def step_inputs(g: _Graph) -> StepInputs:
             sliding = g.op("And", mask, g.op("Unsqueeze", after, g.ints(1), shape=[B, 1, T, S], elem=BOOL),
                            shape=[B, 1, T, S], elem=BOOL)
     rotaries = g.model.rotaries()
-    used = {"local" if i in cfg.sliding_layers and "local" in rotaries else "global"
-            for i in range(cfg.n_layer) if i not in cfg.nope_layers} if rotaries else set()
+    used = {cfg.rope_kind(i) for i in range(cfg.n_layer)} - {None}
     ropes = {k: rope_tables(g, k, rotaries[k], pos_ids, query) for k in sorted(used)}
     return StepInputs(cfg, pos_ids, mask, sliding, ropes)    # its layer(i) picks each layer's mask and rope
 

@@ -114,6 +114,9 @@ class BuildReport:
     target: str = ""                     # ort-cpu | portable: the runtime the graphs are for (export/target.py)
     target_why: str = ""                 # why --target auto chose it
     kv_cache: str = "fp32"               # the KV caches' dtype (--kv-cache; fp16: GroupQueryAttention graphs)
+    # a Hugging Face folder: our torch model (the reference above) against transformers' own forward, or why
+    # it was skipped (transformers_check below)
+    transformers_vs_ours: dict = field(default_factory=dict)
 
     @property
     def norm_ops(self) -> dict[str, int]:
@@ -259,6 +262,12 @@ def build_memory(cfg, dtype: str, quantize) -> MemoryEstimate:
         "ONNX Runtime over the graph": int(1.5 * graph_weight_bytes(cfg, dtype, quantize)),
     }
     return MemoryEstimate(BASE_BYTES + max(parts.values()), parts)
+
+
+def transformers_check_bytes(cfg) -> int:
+    """The peak of the transformers check (transformers_check): the model whole twice in fp32, transformers'
+    and ours, on top of BASE_BYTES; it runs after the build's own stages have released theirs."""
+    return BASE_BYTES + 2 * 4 * cfg.approx_param_count()
 
 
 def cheaper_option(cfg, dtype: str, quantize) -> str:
@@ -514,6 +523,146 @@ def verify_graph(source, path: Path, report: BuildReport, stages: Stages, dtype:
         checked.unlink()                # our own temporary graph (the weights are the build's)
 
 
+TRANSFORMERS_TOKENS, TRANSFORMERS_STEPS = 12, 4     # the transformers check: a prefill, then cached one-token steps
+
+
+def _transformers_skip(cfg) -> str | None:
+    """Why the transformers check cannot run here (None: it can)."""
+    from core.inputs import available_memory      # looked up when called: tests replace it
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return "transformers is not installed (pip install transformers to compare with it)"
+    need, avail = transformers_check_bytes(cfg), available_memory()
+    if avail is not None and need > avail:
+        return (f"the model held twice (transformers' and ours, fp32) needs ~{human_bytes(need)}, this machine has "
+                f"{human_bytes(avail)} available")
+    return None
+
+
+def transformers_check(source, report: BuildReport, log, tokens: list[int] | None) -> None:
+    """A Hugging Face folder: our torch model (the reference graph_vs_torch checked the graph against) against
+    transformers' own forward of the same folder, so that the build is checked against an outside reference and
+    not only against our own reading of the config (issue 42: a lost rope base passed graph_vs_torch). A prefill,
+    then TRANSFORMERS_STEPS one-token steps through each side's KV cache, real text when there is some; the fp32
+    tolerance of export/verify.py whatever the graph's dtype (both sides run in fp32). Skipped, saying why, when
+    transformers is missing or the two models would not fit in memory at once (transformers_check_bytes) or it
+    cannot load the folder; a mismatch fails the build (BuildError, one line). Into report.transformers_vs_ours."""
+    if not source.source.startswith("hf:"):
+        return
+    from export.verify import ATOL, SCALE_TOL
+    cfg = source.cfg
+    skip = _transformers_skip(cfg)
+    if skip is None:
+        t0 = time.perf_counter()
+        try:
+            found = _transformers_vs_ours(source, tokens, lambda scale: ATOL["fp32"] + SCALE_TOL["fp32"] * scale)
+        except _TransformersCannot as e:
+            skip = str(e)
+        else:
+            report.timings_s["transformers"] = round(time.perf_counter() - t0, 3)
+    if skip is not None:
+        report.transformers_vs_ours = {"skipped": skip}
+        if log is not None:
+            log(f"      transformers_vs_ours skipped: {skip}")
+        return
+    diff, scale, prefill, steps, slack = found
+    tol = ATOL["fp32"] + SCALE_TOL["fp32"] * scale + slack
+    report.transformers_vs_ours = {"logits_max_abs_diff": diff, "max_abs_ref": scale, "prefill_tokens": prefill,
+                                   "cached_steps": steps, "atol": ATOL["fp32"], "scale_tol": SCALE_TOL["fp32"],
+                                   "transformers": __import__("transformers").__version__}
+    if slack:
+        report.transformers_vs_ours["rounding_slack"] = slack
+    if log is not None:
+        log(f"      {transformers_line(report.transformers_vs_ours)}")
+    if not diff <= tol:     # (NaN too)
+        extra = f" + rounding slack {slack:.3g}" if slack else ""
+        raise BuildError(f"{source.where}: transformers_vs_ours: expected the converted model's logits within {tol:.3g} "
+                         f"of transformers' own (atol {ATOL['fp32']:g} + {SCALE_TOL['fp32']:g} x max|ref| {scale:.3g}"
+                         f"{extra}; prefill {prefill} tokens + {steps} cached steps), found max |d| {diff:.3g}; the converter "
+                         "reads this config.json otherwise than transformers does: nothing was written, report it "
+                         "with the folder's config.json")
+
+
+def transformers_line(t: dict) -> str:
+    """The report's line of the transformers check."""
+    if "skipped" in t:
+        return f"transformers_vs_ours skipped: {t['skipped']}"
+    slack = f" + rounding slack {t['rounding_slack']:.3g}" if t.get("rounding_slack") else ""
+    return (f"transformers_vs_ours max |d logits| {t['logits_max_abs_diff']:.3g} (prefill {t['prefill_tokens']} tokens "
+            f"+ {t['cached_steps']} cached steps; atol {t['atol']:g} + {t['scale_tol']:g} x max|ref| "
+            f"{t['max_abs_ref']:.3g}{slack}; transformers {t['transformers']})")
+
+
+class _TransformersCannot(Exception):
+    """transformers cannot load or run the folder (its version, its own checks): the check is skipped."""
+
+
+def _transformers_vs_ours(source, tokens: list[int] | None, tolerance) -> tuple[float, float, int, int, float]:
+    """(max |d logits|, max |transformers' logits|, prefill tokens, cached steps, rounding slack) of the check.
+    Past `tolerance(max |transformers' logits|)`, transformers runs again in float64 (its model converted in
+    place: no more memory than the two fp32 models): the slack is FP32_ROUNDING_SLACK times its own fp32
+    rounding on these tokens, as the build's verification allows (export/verify.py)."""
+    import contextlib
+    import copy
+    import io
+    import warnings
+
+    import torch
+    from core.errors import first_line
+    cfg = source.cfg
+    total = min(TRANSFORMERS_TOKENS, cfg.max_seq_len)
+    steps = min(TRANSFORMERS_STEPS, total - 1)
+    ids = np.resize(np.asarray(tokens, np.int64), total) if tokens else \
+        np.random.default_rng(0).integers(0, cfg.vocab_size, total)
+    ids = torch.from_numpy(ids % cfg.vocab_size).long()[None]                           # [1, total]
+    prefill = total - steps
+    model = source.fill(copy.deepcopy(source.skeleton), "").eval()
+    for rotary in model.rotaries().values():       # non-persistent buffers: to_empty left them unset
+        rotary.reset_parameters()
+    with torch.no_grad():
+        cache = cfg.cache_layout().allocate(1)
+        logits, cache = model(ids[:, :prefill], torch.zeros(1, dtype=torch.long), cache)
+        ours = [logits]
+        for t in range(prefill, total):
+            logits, cache = model(ids[:, t:t + 1], torch.full((1,), t), cache)
+            ours.append(logits)
+    del model, cache
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    quiet = contextlib.redirect_stderr(io.StringIO())
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with quiet, warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            try:
+                hf = AutoModelForCausalLM.from_pretrained(source.where, dtype=torch.float32).eval()
+            except Exception as e:      # its version or its own checks: not ours to judge
+                raise _TransformersCannot(f"transformers cannot load {source.where} ({first_line(e)[:200]})") from None
+            want = _hf_steps(hf, ids, prefill).double()
+            got = torch.cat(ours, 1).double()
+            diff, scale, slack = float((got - want).abs().max()), float(want.abs().max()), 0.0
+            if not diff <= tolerance(scale):
+                from export.verify import FP32_ROUNDING_SLACK
+                slack = FP32_ROUNDING_SLACK * float((want - _hf_steps(hf.double(), ids, prefill)).abs().max())
+    finally:
+        hf_logging.set_verbosity(level)
+    return diff, scale, prefill, steps, slack
+
+
+def _hf_steps(hf, ids, prefill: int):
+    """transformers' logits [1, T, V]: a prefill, then one token a call over its own cache."""
+    import torch
+    out = hf(ids[:, :prefill], use_cache=True)
+    ref, past = [out.logits], out.past_key_values
+    for t in range(prefill, ids.shape[1]):
+        out = hf(ids[:, t:t + 1], past_key_values=past, use_cache=True)
+        ref.append(out.logits)
+        past = out.past_key_values
+    return torch.cat(ref, 1)
+
+
 def rounding_slack_of(ref: list[dict], exact: list[dict]) -> dict[str, float]:
     """Per output, FP32_ROUNDING_SLACK x max |reference fp32 - reference float64| over a session's steps: what
     rounding alone can move that output by on these inputs (export/verify.py)."""
@@ -642,6 +791,7 @@ def build(checkpoint: Path, out: Path, fuse: bool, dtype: str = "fp32", log=prin
         stages.done("write", t0, f": {report.weight_bytes / 1e9:.2f} GB of weights")
         verify_graph(source, tmp / name, report, stages, dtype, quantize, tokens, same_start=attention == "gqa")
         report.eps_approximation = _eps_approximation(source, tmp / name, tokens, attention == "gqa")
+        transformers_check(source, report, stages.log, tokens)
         if genai:
             report.genai = genai_files(stages, tmp, name, cfg, checkpoint, tokenizer, tokens)
         write_report(report, tmp, t_start, source, tokenizer)
@@ -766,6 +916,8 @@ def summary(r: BuildReport, log) -> None:
     for key, per in r.max_abs_diff.items():
         log(f"  {key:17s} max |d logits| {worst(per, 'logits'):.3g}, all outputs {worst(per):.3g} "
             f"(atol {r.atol:g} + {r.scale_tol:g} x max|ref|)")
+    if r.transformers_vs_ours:
+        log(f"  {transformers_line(r.transformers_vs_ours)}")
     if r.eps_approximation:
         log(f"  eps      {r.eps_approximation['summary']}")
     if r.quantized:

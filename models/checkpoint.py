@@ -51,7 +51,7 @@ FORMAT_1_MEANT = dict(n_kv_head=None, head_size=None, pos_embedding="learned", r
 # what format 2 meant by the fields format 3 added (the 2026 families: models/decoder.py)
 FORMAT_2_MEANT = dict(norm_layout="pre", qk_norm=None, embed_scale=1.0, attn_scale=None, attn_softcap=None,
                       final_softcap=None, residual_scale=1.0, logits_divisor=1.0, sliding_window=None,
-                      sliding_layers=[], local_rope_theta=None, nope_layers=[])
+                      sliding_layers=[], local_rope_theta=None, local_rope_layers=None, nope_layers=[])
 
 
 class CheckpointError(UserError):

@@ -21,7 +21,8 @@ runtime.generate --backend torch and train.finetune read; `export.build
     gemma    (1 + w) RMSNorm gains (stored as 1 + w), embeddings x sqrt(d), GeGLU; gemma2 adds
     gemma2   post-attention / post-MLP norms (sandwich), query_pre_attn_scalar, attention and
     gemma3_text  final soft-caps, alternating sliding layers; gemma3_text adds q_norm / k_norm,
-             5 local : 1 global layers and the local layers' own rope base
+             5 local : 1 global layers and the local layers' own rope base (kept when their
+             window covers the cache and is dropped: local_rope_layers)
     phi3     fused qkv_proj / gate_up_proj (split by rows), partial_rotary_factor, longrope
     olmo2    post-norms only, q_norm / k_norm over the whole projection
     smollm3  NoPE layers (no_rope_layers)
@@ -331,11 +332,16 @@ def _gemma3_rope(f: _Fields) -> tuple[str, dict, dict]:
     if params is not None and not (isinstance(params, dict) and all(v is None or isinstance(v, dict)
                                                                     for v in params.values())):
         f.refuse(key, params, "an object of one settings object per layer type")
-    params = {t: dict((params or {}).get(t) or {}) for t in LAYER_TYPES}
+    # a layer type it does not set starts as {"rope_type": "default"}, before rope_scaling updates it: so a
+    # rope_scaling with only the legacy "type" key stays default rope there (transformers 5.x reads it so)
+    params = {t: {"rope_type": "default"} if (params or {}).get(t) is None else dict(params[t]) for t in LAYER_TYPES}
     if scaling:
         if not isinstance(scaling, dict):
             f.refuse("rope_scaling", scaling, "an object")
         params["full_attention"].update(scaling)
+        if params["full_attention"]["rope_type"] == "default" and scaling.get("type") not in (None, "default"):
+            f.notes.append(f"{f.where}: rope_scaling type {scaling['type']!r} is ignored, as transformers' gemma3_text "
+                           "ignores it (the global layers' rope_type stays 'default'; write rope_type to mean it)")
     full = _standardized(f, params["full_attention"], f.get("rope_theta"))
     local = _standardized(f, params["sliding_attention"], f.get("rope_local_base_freq"))
     return key, full, local
@@ -362,8 +368,9 @@ def _rope_fields(f: _Fields, key: str, params: dict) -> tuple[float, dict | None
     return theta, {"rope_type": kind, **{k: params[k] for k in keep if params.get(k) is not None}}
 
 
-def _rope(f: _Fields, head_dim: int, sliding: bool, capacity: int) -> dict:
-    """The decoder's rope fields (theta, scaling, rotary_dim, the sliding layers' base)."""
+def _rope(f: _Fields, head_dim: int, local_layers: list[int], capacity: int) -> dict:
+    """The decoder's rope fields (theta, scaling, rotary_dim; the base of the layers whose layer type is
+    sliding_attention, local_layers, whether or not their window survives as a mask)."""
     family = FAMILIES[f.kind]
     local = None
     if f.kind == "gemma3_text":
@@ -401,12 +408,12 @@ def _rope(f: _Fields, head_dim: int, sliding: bool, capacity: int) -> dict:
                        "that position may differ from transformers'; --max-seq-len "
                        f"{scaling['original_max_position_embeddings']} avoids the switch)")
     out = dict(pos_embedding="rope", rope_theta=theta, rope_scaling=scaling, rotary_dim=rotary_dim)
-    if local is not None and sliding:
+    if local is not None and local_layers:
         local_theta, local_scaling = _rope_fields(f, "rope_parameters.sliding_attention", local)
         if local_scaling is not None:
             f.unsupported(f"rope type {local_scaling['rope_type']!r} on the sliding layers")
         if local_theta != theta or scaling is not None:
-            out["local_rope_theta"] = local_theta
+            out.update(local_rope_theta=local_theta, local_rope_layers=list(local_layers))
     return out
 
 
@@ -448,7 +455,10 @@ def _layer_types(f: _Fields, n_layer: int, nope: list[int]) -> list[str]:
     window = f.get("sliding_window")
     if f.kind in ("qwen2", "qwen3"):
         on = bool(f.get("use_sliding_window")) and window is not None
-        sliding = [on and i >= f.int("max_window_layers") for i in range(n_layer)]
+        first = f.get("max_window_layers")     # 0: every layer slides (transformers takes it)
+        if on and (isinstance(first, bool) or not isinstance(first, int) or first < 0):
+            f.refuse("max_window_layers", first, "a non-negative integer")
+        sliding = [on and i >= first for i in range(n_layer)]
     elif f.kind == "gemma2":
         sliding = [bool((i + 1) % 2) for i in range(n_layer)]
     elif f.kind == "gemma3_text":
@@ -511,10 +521,12 @@ def llama_config(f: _Fields, max_seq_len: int | None) -> DecoderConfig:
     eps = f.number("rms_norm_eps")
     capacity = _capacity(f, "max_position_embeddings", max_seq_len)
     nope = _nope_layers(f, n_layer)
-    sliding = [i for i, t in enumerate(_layer_types(f, n_layer, nope)) if t == "sliding_attention"]
-    window = f.int("sliding_window") if sliding else None
-    if window is not None and window >= capacity:     # the window covers the whole cache: plain causal attention
-        sliding, window = [], None
+    local = [i for i, t in enumerate(_layer_types(f, n_layer, nope)) if t == "sliding_attention"]
+    window = f.int("sliding_window") if local else None
+    # a window that covers the whole cache is plain causal attention: no mask; the layers stay local
+    # for their rope base (Gemma 3's rope_local_base_freq), which does not depend on the mask
+    sliding = [] if window is None or window >= capacity else local
+    window = window if sliding else None
     # GemmaConfig: the legacy hidden_act "gelu" of the releases means the tanh approximation
     legacy_gelu = f.kind == "gemma" and f.get(family.act_key) == "gelu"
     activation = "gelu_new" if legacy_gelu else f.activation(family.act_key)
@@ -525,7 +537,7 @@ def llama_config(f: _Fields, max_seq_len: int | None) -> DecoderConfig:
                          mlp_hidden=f.int("intermediate_size"), activation=activation,
                          norm_layout=family.norm_layout, qk_norm=family.qk_norm, sliding_window=window,
                          sliding_layers=sliding, nope_layers=nope,
-                         **_rope(f, head_dim, bool(sliding), capacity), **_biases(f), **_scales(f, d))
+                         **_rope(f, head_dim, local, capacity), **_biases(f), **_scales(f, d))
 
 
 # Where each converted DecoderConfig field comes from in a Hugging Face config.json, so that a refusal of

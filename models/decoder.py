@@ -13,7 +13,8 @@ checkpoints load unchanged and build the same graphs.
 
   positions   learned table (GPT-2) | rotary (rope: theta, HF rotate-half layout, optionally
               only the first rotary_dim dims of a head; linear / llama3 / yarn / longrope
-              scaling; a second rope base for the sliding layers (Gemma 3); no rope on the
+              scaling; a second rope base for the local layers (Gemma 3; the sliding layers unless
+              local_rope_layers says, and whether or not their window is dropped); no rope on the
               nope_layers (SmolLM3))
   attention   n_head query heads sharing n_kv_head key/value heads (grouped-query
               attention; the cache holds only the n_kv_head heads); the logit scale
@@ -102,7 +103,11 @@ class DecoderConfig:
     logits_divisor: float = 1.0   # output logits divided by this (Granite logits_scaling)
     sliding_window: int | None = None   # a sliding layer's query at position p sees keys p - window < j <= p
     sliding_layers: list = field(default_factory=list)   # indices of the sliding layers (the rest see the whole cache)
-    local_rope_theta: float | None = None  # rope base of the sliding layers (Gemma 3: rope_local_base_freq, no scaling)
+    local_rope_theta: float | None = None  # rope base of the local layers (Gemma 3: rope_local_base_freq, no scaling)
+    # the layers rotated with local_rope_theta; None: the sliding layers (what a checkpoint without this field
+    # meant). Kept apart from the mask: a window that covers the whole cache is dropped (plain causal attention),
+    # but its layers keep their own rope base (Gemma 3 at a capacity <= its window)
+    local_rope_layers: list | None = None
     nope_layers: list = field(default_factory=list)      # indices of layers without rotary embedding (SmolLM3)
     extra: dict = field(default_factory=dict, compare=False)  # free-form notes, not architecture
 
@@ -174,11 +179,27 @@ class DecoderConfig:
              "sliding_window", "null or a positive integer")
         for name in ("sliding_layers", "nope_layers"):
             need(layers(getattr(self, name)), name, f"a list of distinct layer indices in [0, {self.n_layer})")
+        need(self.local_rope_layers is None or layers(self.local_rope_layers), "local_rope_layers",
+             f"null or a list of distinct layer indices in [0, {self.n_layer})")
+        need(not self.local_rope_layers or self.local_rope_theta is not None, "local_rope_layers",
+             "null or empty when local_rope_theta is null")
         need(not self.sliding_layers or self.sliding_window is not None, "sliding_layers",
              "empty when sliding_window is null")
         need(self.local_rope_theta is None or self.pos_embedding == "rope", "local_rope_theta",
              "null unless pos_embedding is rope")
         need(not self.nope_layers or self.pos_embedding == "rope", "nope_layers", "empty unless pos_embedding is rope")
+
+    @property
+    def local_layers(self) -> list:
+        """The layers rotated with local_rope_theta (when it is set): local_rope_layers, else the sliding layers."""
+        return self.sliding_layers if self.local_rope_layers is None else self.local_rope_layers
+
+    def rope_kind(self, i: int) -> str | None:
+        """Which rotary embedding layer i uses: "global", "local" (its own base) or None (learned positions,
+        a NoPE layer). Never the mask's business: the rope base does not change when a window is dropped."""
+        if self.pos_embedding != "rope" or i in self.nope_layers:
+            return None
+        return "local" if self.local_rope_theta is not None and i in self.local_layers else "global"
 
     @property
     def kv_heads(self) -> int:
@@ -258,8 +279,8 @@ def make_norm(cfg: DecoderConfig, gate: TaperGate, tapered: bool, name: str) -> 
 
 
 def rotary_embeddings(cfg: DecoderConfig) -> dict[str, RotaryEmbedding]:
-    """The model's rotary embeddings by the layers they serve: "global", and "local" for the sliding
-    layers when they have a rope base of their own (empty with learned positions)."""
+    """The model's rotary embeddings by the layers they serve (DecoderConfig.rope_kind): "global", and
+    "local" for the local layers when they have a rope base of their own (empty with learned positions)."""
     if cfg.pos_embedding != "rope":
         return {}
     dim = cfg.rotary_dim or cfg.head_dim
@@ -370,11 +391,9 @@ class StepInputs:
 
     def layer(self, i: int) -> tuple[torch.Tensor, tuple | None]:
         """(mask, rope or None) of layer i."""
-        sliding = i in self.cfg.sliding_layers
-        mask = self.sliding_mask if sliding else self.mask
-        if not self.ropes or i in self.cfg.nope_layers:
-            return mask, None
-        return mask, self.ropes["local" if sliding and "local" in self.ropes else "global"]
+        mask = self.sliding_mask if i in self.cfg.sliding_layers else self.mask
+        kind = self.cfg.rope_kind(i)
+        return mask, None if kind is None else self.ropes[kind]
 
 
 def step_inputs(cfg: DecoderConfig, rotaries: dict, input_ids: torch.Tensor,
@@ -391,8 +410,7 @@ def step_inputs(cfg: DecoderConfig, rotaries: dict, input_ids: torch.Tensor,
     sliding = None
     if cfg.sliding_layers:      # transformers' sliding_window_overlay: kv_idx > q_idx - sliding_window
         sliding = mask & (keys[None, None, :] > pos_ids[:, :, None] - cfg.sliding_window)[:, None]
-    used = {"local" if i in cfg.sliding_layers and "local" in rotaries else "global"
-            for i in range(cfg.n_layer) if i not in cfg.nope_layers} if rotaries else set()
+    used = {cfg.rope_kind(i) for i in range(cfg.n_layer)} - {None}
     return StepInputs(cfg, pos_ids, mask, sliding, {k: rotaries[k](pos_ids) for k in sorted(used)})
 
 

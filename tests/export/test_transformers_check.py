@@ -1,0 +1,95 @@
+"""export.build of a Hugging Face folder checks our converted model against transformers itself (issue 42 item C).
+
+The build's graph_vs_torch compares the graph with our torch model; a config our converter misreads makes both
+wrong alike (issue 42: Gemma 3's lost local rope base passed it). So a Hugging Face build also runs
+transformers' own forward on the folder (prefill + cached steps) and prints `transformers_vs_ours`, or one line
+saying why it skipped it (transformers missing, the two models too large for memory); a mismatch fails the
+build in one line and writes nothing.
+"""
+import json
+import sys
+
+import pytest
+
+from tests.hf_models import hf_model, save_hf
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_hf(hf_model("qwen2"), tmp_path_factory.mktemp("tvo") / "qwen2")
+
+
+def _check(folder, tokens=None):
+    from export.pipeline import BuildReport, transformers_check
+    from models.weights import open_weights
+    report, lines = BuildReport(str(folder), "(out)", "fp32", True), []
+    transformers_check(open_weights(folder), report, lines.append, tokens)
+    return report.transformers_vs_ours, lines
+
+
+def test_check_runs_and_says_what_it_compared(folder):
+    found, lines = _check(folder)
+    assert 0 <= found["logits_max_abs_diff"] <= found["atol"] and found["max_abs_ref"] > 1.0
+    assert (found["prefill_tokens"], found["cached_steps"]) == (8, 4)
+    assert lines == [f"      transformers_vs_ours max |d logits| {found['logits_max_abs_diff']:.3g} (prefill 8 tokens + "
+                     f"4 cached steps; atol 0.0001 + 2e-06 x max|ref| {found['max_abs_ref']:.3g}; transformers "
+                     f"{found['transformers']})"]
+
+
+def test_skips_without_transformers(folder, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)      # import transformers raises ImportError
+    found, lines = _check(folder)
+    assert found == {"skipped": "transformers is not installed (pip install transformers to compare with it)"}
+    assert lines == ["      transformers_vs_ours skipped: " + found["skipped"]]
+
+
+def test_skips_a_model_too_large_to_hold_twice(folder, monkeypatch):
+    import core.inputs
+    from export.pipeline import transformers_check_bytes
+    from models.weights import open_weights
+    need = transformers_check_bytes(open_weights(folder).cfg)
+    monkeypatch.setattr(core.inputs, "available_memory", lambda: need - 1)
+    found, _ = _check(folder)
+    assert found["skipped"].startswith("the model held twice (transformers' and ours, fp32) needs ~")
+    assert "available" in found["skipped"]
+
+
+def test_checkpoints_of_ours_are_not_checked(tmp_path):
+    from export.pipeline import BuildReport, transformers_check
+    from models.weights import open_weights
+    from tests.helpers import random_model, write_checkpoint
+    ckpt = write_checkpoint(tmp_path / "ckpt", random_model(norm="rmsnorm"))
+    report = BuildReport(str(ckpt), "(out)", "fp32", True)
+    transformers_check(open_weights(ckpt), report, None, None)
+    assert report.transformers_vs_ours == {}
+
+
+def test_build_prints_the_check_and_a_mismatch_fails_it_in_one_line(folder, tmp_path, monkeypatch, capsys):
+    """A whole build prints the line in its summary and report.json keeps it; a disagreement (here made by
+    shifting transformers' logits) is one error line, a non-zero exit and no output folder."""
+    import export.pipeline as pipeline
+    from export.build import main
+    out = tmp_path / "build"
+    assert main(["--fuse", "--checkpoint", str(folder), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert any(line.startswith("  transformers_vs_ours max |d logits| ") for line in printed.splitlines()), printed
+    assert json.loads((out / "report.json").read_text())["transformers_vs_ours"]["prefill_tokens"] == 8
+
+    real = pipeline._transformers_vs_ours
+    monkeypatch.setattr(pipeline, "_transformers_vs_ours", lambda *a: (0.5, *real(*a)[1:]))
+    bad = tmp_path / "bad"
+    assert main(["--fuse", "--checkpoint", str(folder), "--out", str(bad)]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {folder}: transformers_vs_ours: expected") and \
+        "found max |d| 0.5" in err[0], err
+    assert not bad.exists()
+
+
+def test_past_the_fixed_tolerance_transformers_own_rounding_is_measured(folder):
+    """An ill-conditioned model may round past the fixed bound: then transformers runs in float64 and its own
+    fp32 rounding (times the build's FP32_ROUNDING_SLACK) is allowed, as graph_vs_torch allows torch's."""
+    from export.pipeline import _transformers_vs_ours
+    from models.weights import open_weights
+    diff, scale, prefill, steps, slack = _transformers_vs_ours(open_weights(folder), None, lambda scale: -1.0)
+    assert 0 < slack < 1e-3 and diff < 1e-4 and (prefill, steps) == (8, 4)
+    assert _transformers_vs_ours(open_weights(folder), None, lambda scale: 1.0)[4] == 0.0     # not run otherwise
