@@ -173,37 +173,19 @@ def scheduler_counters(metrics_url: str) -> dict[str, float]:
 def run_level(url: str, concurrency: int, requests: int, prompts: list[str], max_new_tokens: int,
               model: str, timeout_s: float) -> dict:
     """c closed-loop clients until `requests` are done: raw per-request timings."""
-    lock = threading.Lock()
-    issued = [0]
-    records: list[dict] = []
+    from bench.openai_client import closed_loop      # the one closed loop, shared with --api openai
 
-    def client_loop(k: int) -> None:
-        with StreamingClient(url, model=model, timeout_s=timeout_s) as client:
-            while True:
-                with lock:
-                    if issued[0] >= requests:
-                        return
-                    i = issued[0]
-                    issued[0] += 1
-                arrivals: list[float] = []
-                t0 = time.perf_counter()
-                error = None
-                try:
-                    client.generate(prompts[i % len(prompts)], max_new_tokens, ignore_eos=True,
-                                    on_piece=lambda text, tokens: arrivals.extend([time.perf_counter()] * len(tokens)))
-                except Exception as e:  # noqa: BLE001 - counted and reported, the load goes on
-                    error = str(e).split("\n")[0]
-                with lock:
-                    records.append({"client": k, "sent": t0, "arrivals": arrivals, "error": error})
-
-    threads = [threading.Thread(target=client_loop, args=(k,), daemon=True) for k in range(concurrency)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    end = max([r["arrivals"][-1] for r in records if r["arrivals"]] + [start])
-    return {"start": start, "end": end, "records": records}
+    def one(client: StreamingClient, i: int, k: int) -> dict:
+        arrivals: list[float] = []
+        t0 = time.perf_counter()
+        error = None
+        try:
+            client.generate(prompts[i % len(prompts)], max_new_tokens, ignore_eos=True,
+                            on_piece=lambda text, tokens: arrivals.extend([time.perf_counter()] * len(tokens)))
+        except Exception as e:  # noqa: BLE001 - counted and reported, the load goes on
+            error = str(e).split("\n")[0]
+        return {"client": k, "sent": t0, "arrivals": arrivals, "error": error}
+    return closed_loop(concurrency, requests, lambda: StreamingClient(url, model=model, timeout_s=timeout_s), one)
 
 
 def round_tokens_per_s(level: dict) -> float:
