@@ -34,7 +34,9 @@ class ChatTemplateError(UserError):
     """A chat template file that cannot be read; the message names the file and the fix."""
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """A JSON object from a model folder's file (tokenizer_config.json, generation_config.json, ...), or one
+    ChatTemplateError line naming the file."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -44,7 +46,7 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _token_text(value) -> str | None:
+def token_text(value) -> str | None:
     """A special token as tokenizer_config.json holds it: "<s>" or {"content": "<s>", ...} (an AddedToken)."""
     if isinstance(value, str):
         return value
@@ -71,12 +73,12 @@ def read_hf_chat_template(folder: str | os.PathLike) -> dict | None:
     (one that carries CHAT_TEMPLATE); None where it has no template."""
     folder = Path(folder)
     if (folder / CHAT_TEMPLATE).is_file():
-        data = _read_json(folder / CHAT_TEMPLATE)
+        data = read_json(folder / CHAT_TEMPLATE)
         if not isinstance(data.get("chat_template"), str):
             raise ChatTemplateError(f"{folder / CHAT_TEMPLATE}: expected a string under \"chat_template\", found "
                                     f"{type(data.get('chat_template')).__name__}; fix or remove the file")
         return data
-    config = _read_json(folder / HF_TOKENIZER_CONFIG) if (folder / HF_TOKENIZER_CONFIG).is_file() else {}
+    config = read_json(folder / HF_TOKENIZER_CONFIG) if (folder / HF_TOKENIZER_CONFIG).is_file() else {}
     if (folder / HF_TEMPLATE_FILE).is_file():
         try:
             template = (folder / HF_TEMPLATE_FILE).read_text(encoding="utf-8")
@@ -87,9 +89,9 @@ def read_hf_chat_template(folder: str | os.PathLike) -> dict | None:
         template = _pick_template(config["chat_template"], folder / HF_TOKENIZER_CONFIG)
     else:
         return None
-    tokens = _read_json(folder / HF_SPECIAL_TOKENS_MAP) if (folder / HF_SPECIAL_TOKENS_MAP).is_file() else {}
+    tokens = read_json(folder / HF_SPECIAL_TOKENS_MAP) if (folder / HF_SPECIAL_TOKENS_MAP).is_file() else {}
     tokens.update({k: v for k, v in config.items() if k in SPECIAL_TOKENS})      # tokenizer_config wins
-    special = {k: t for k in SPECIAL_TOKENS if (t := _token_text(tokens.get(k))) is not None}
+    special = {k: t for k in SPECIAL_TOKENS if (t := token_text(tokens.get(k))) is not None}
     return {"chat_template": template, **special}
 
 
@@ -117,11 +119,11 @@ def load_chat_template(path: str | os.PathLike) -> dict:
     if not path.is_file():
         raise ChatTemplateError(f"--chat-template {path}: expected a template file, found nothing; check the path")
     if path.suffix == ".json":
-        data = _read_json(path)
+        data = read_json(path)
         if "chat_template" not in data:
             raise ChatTemplateError(f"--chat-template {path}: expected a \"chat_template\" key, found none; pass "
                                     "the template itself (a .jinja file) or a tokenizer_config.json with one")
-        special = {k: t for k in SPECIAL_TOKENS if (t := _token_text(data.get(k))) is not None}
+        special = {k: t for k in SPECIAL_TOKENS if (t := token_text(data.get(k))) is not None}
         return {"chat_template": _pick_template(data["chat_template"], path), **special}
     try:
         return {"chat_template": path.read_text(encoding="utf-8")}

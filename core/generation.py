@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 
 from core.chat_template import (CHAT_TEMPLATE, HF_SPECIAL_TOKENS_MAP, HF_TOKENIZER_CONFIG, ChatTemplateError,
-                                _read_json, _token_text, write_chat_template)
+                                read_json, token_text, write_chat_template)
 
 GENERATION = "generation.json"
 HF_GENERATION_CONFIG = "generation_config.json"
@@ -52,7 +52,7 @@ def _token_id(folder: Path, text: str) -> int | None:
     path = folder / TOKENIZER_JSON
     if not path.is_file():
         return None
-    data = _read_json(path)
+    data = read_json(path)
     for t in data.get("added_tokens") or ():
         if isinstance(t, dict) and t.get("content") == text and isinstance(t.get("id"), int):
             return t["id"]
@@ -71,22 +71,22 @@ def read_stop_tokens(folder: str | os.PathLike) -> list[int] | None:
     in order, without repeats; None where it names none."""
     folder = Path(folder)
     if (folder / GENERATION).is_file():
-        ids = _ids(_read_json(folder / GENERATION).get("eos_token_ids"), folder / GENERATION, "eos_token_ids")
+        ids = _ids(read_json(folder / GENERATION).get("eos_token_ids"), folder / GENERATION, "eos_token_ids")
         return ids or None
     ids: list[int] = []
     if (folder / HF_GENERATION_CONFIG).is_file():
-        ids = _ids(_read_json(folder / HF_GENERATION_CONFIG).get("eos_token_id"), folder / HF_GENERATION_CONFIG,
+        ids = _ids(read_json(folder / HF_GENERATION_CONFIG).get("eos_token_id"), folder / HF_GENERATION_CONFIG,
                    "eos_token_id")
     elif (folder / HF_CONFIG).is_file():
-        config = _read_json(folder / HF_CONFIG)
+        config = read_json(folder / HF_CONFIG)
         if "model_type" in config and "format" not in config:      # a Hugging Face config, not a checkpoint's
             ids = _ids(config.get("eos_token_id"), folder / HF_CONFIG, "eos_token_id")
-    tokens = _read_json(folder / HF_SPECIAL_TOKENS_MAP) if (folder / HF_SPECIAL_TOKENS_MAP).is_file() else {}
+    tokens = read_json(folder / HF_SPECIAL_TOKENS_MAP) if (folder / HF_SPECIAL_TOKENS_MAP).is_file() else {}
     if (folder / HF_TOKENIZER_CONFIG).is_file():
-        config = _read_json(folder / HF_TOKENIZER_CONFIG)
+        config = read_json(folder / HF_TOKENIZER_CONFIG)
         if "eos_token" in config:
             tokens["eos_token"] = config["eos_token"]              # tokenizer_config wins
-    eos = _token_text(tokens.get("eos_token"))
+    eos = token_text(tokens.get("eos_token"))
     if eos is not None and (i := _token_id(folder, eos)) is not None:
         ids.append(i)
     ids = list(dict.fromkeys(ids))

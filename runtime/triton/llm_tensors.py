@@ -15,9 +15,11 @@ Output shapes: the config declares what the model sends.
 """
 from __future__ import annotations
 
+from core.contract import INPUT_IDS as _GRAPH_INPUT_IDS
+
 # --- inputs (every one optional; text_input or input_ids, exactly one) -------------------------
 TEXT_INPUT = "text_input"                      # BYTES [1, 1] the prompt, UTF-8
-INPUT_IDS = "input_ids"                        # INT32 [1, n] the prompt as token ids, instead of text_input (an
+INPUT_IDS = _GRAPH_INPUT_IDS                   # INT32 [1, n] the prompt as token ids, instead of text_input (an
                                                # OpenAI client's token-id prompt: lm-eval's tokenized_requests)
 MAX_TOKENS = "max_tokens"                      # INT32 new tokens at most (default: the config's max_new_tokens)
 STREAM = "stream"                              # BOOL  one response per piece (default false: one response)
