@@ -640,19 +640,20 @@ def _transformers_vs_ours(source, tokens: list[int] | None, tolerance) -> tuple[
                 hf = AutoModelForCausalLM.from_pretrained(source.where, dtype=torch.float32).eval()
             except Exception as e:      # its version or its own checks: not ours to judge
                 raise _TransformersCannot(f"transformers cannot load {source.where} ({first_line(e)[:200]})") from None
-            want = _hf_steps(hf, ids, prefill).double()
+            want = transformers_cached_logits(hf, ids, prefill).double()
             got = torch.cat(ours, 1).double()
             diff, scale, slack = float((got - want).abs().max()), float(want.abs().max()), 0.0
             if not diff <= tolerance(scale):
                 from export.verify import FP32_ROUNDING_SLACK
-                slack = FP32_ROUNDING_SLACK * float((want - _hf_steps(hf.double(), ids, prefill)).abs().max())
+                slack = FP32_ROUNDING_SLACK * float((want - transformers_cached_logits(hf.double(), ids, prefill)).abs().max())
     finally:
         hf_logging.set_verbosity(level)
     return diff, scale, prefill, steps, slack
 
 
-def _hf_steps(hf, ids, prefill: int):
-    """transformers' logits [1, T, V]: a prefill, then one token a call over its own cache."""
+def transformers_cached_logits(hf, ids, prefill: int):
+    """transformers' logits [B, T, V]: a prefill, then one token a call over its own cache (the build's
+    transformers_vs_ours check and the tests that compare with transformers)."""
     import torch
     out = hf(ids[:, :prefill], use_cache=True)
     ref, past = [out.logits], out.past_key_values

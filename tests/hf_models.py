@@ -122,3 +122,17 @@ def save_hf(model, path: Path, tokenizer: bool = False, **save_kwargs) -> Path:
         from tests.helpers import tiny_tokenizer_json
         tiny_tokenizer_json(path / "tokenizer.json")
     return path
+
+
+def our_cached_logits(model, ids, prefill: int):
+    """Our decoder's logits [B, T, V]: `prefill` tokens, then one token a call through its KV cache (the
+    twin of export.pipeline.transformers_cached_logits, for the tests that compare the two)."""
+    import torch
+    with torch.no_grad():
+        cache = model.cfg.cache_layout().allocate(ids.shape[0])
+        logits, cache = model(ids[:, :prefill], torch.zeros(ids.shape[0], dtype=torch.long), cache)
+        out = [logits]
+        for t in range(prefill, ids.shape[1]):
+            logits, cache = model(ids[:, t:t + 1], torch.full((ids.shape[0],), t), cache)
+            out.append(logits)
+    return torch.cat(out, 1)

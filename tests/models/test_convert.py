@@ -33,14 +33,9 @@ def _logits(model, ids):
 
 def _hf_cached(hf, ids, prefill: int):
     """transformers' logits over its own KV cache: `prefill` tokens, then one token a call."""
+    from export.pipeline import transformers_cached_logits
     with torch.no_grad():
-        out = hf(ids[:, :prefill], use_cache=True)
-        logits, past = [out.logits], out.past_key_values
-        for t in range(prefill, ids.shape[1]):
-            out = hf(ids[:, t:t + 1], past_key_values=past, use_cache=True)
-            logits.append(out.logits)
-            past = out.past_key_values
-    return torch.cat(logits, 1)
+        return transformers_cached_logits(hf, ids, prefill)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

@@ -13,21 +13,9 @@ import torch
 
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.convert import convert
-from tests.hf_models import hf_model, save_hf
+from tests.hf_models import hf_model, our_cached_logits, save_hf
 
 ATOL = 1e-4     # fp32; Gemma's sqrt(d) embedding scale and gains near 2 amplify rounding (1e-5 seen)
-
-
-def _cached(model, ids, prefill: int):
-    """Our logits: `prefill` tokens, then one token a call through the KV cache."""
-    with torch.no_grad():
-        cache = model.cfg.cache_layout().allocate(ids.shape[0])
-        logits, cache = model(ids[:, :prefill], torch.zeros(ids.shape[0], dtype=torch.long), cache)
-        out = [logits]
-        for t in range(prefill, ids.shape[1]):
-            logits, cache = model(ids[:, t:t + 1], torch.full((ids.shape[0],), t), cache)
-            out.append(logits)
-    return torch.cat(out, 1)
 
 
 # (config changes, --max-seq-len): the window equal to max_position_embeddings (export.build --checkpoint HF),
@@ -53,7 +41,7 @@ def test_local_layers_keep_their_rope_base_when_the_window_is_dropped(tmp_path, 
         ref = hf(ids).logits
     assert ref.abs().max() > 1.0
     torch.testing.assert_close(c.model(ids).detach(), ref, atol=ATOL, rtol=0)
-    torch.testing.assert_close(_cached(c.model, ids, n // 2), ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(our_cached_logits(c.model, ids, n // 2), ref, atol=ATOL, rtol=0)
     assert cfg.sliding_layers == [] and cfg.sliding_window is None              # the mask is dropped ...
     assert cfg.local_rope_layers == [0, 1] and cfg.local_rope_theta == 10.0     # ... the local base is not
     # runtime.generate --backend torch and train read the saved checkpoint: the same logits

@@ -42,8 +42,9 @@ import torch
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st  # noqa: E402
 
+from export.pipeline import transformers_cached_logits  # noqa: E402
 from models.convert import SUPPORTED, ConvertError, convert  # noqa: E402
-from tests.hf_models import transformers_classes  # noqa: E402
+from tests.hf_models import our_cached_logits, transformers_classes  # noqa: E402
 from tests.runtime.greedy import compare_greedy  # noqa: E402
 
 ATOL = 1e-4             # fp32, absolute ...
@@ -251,26 +252,9 @@ def hf_logits(hf, ids, prefill: int | None = None):
             warnings.simplefilter("ignore")
             if prefill is None:
                 return hf(ids).logits
-            out = hf(ids[:, :prefill], use_cache=True)
-            logits, past = [out.logits], out.past_key_values
-            for t in range(prefill, ids.shape[1]):
-                out = hf(ids[:, t:t + 1], past_key_values=past, use_cache=True)
-                logits.append(out.logits)
-                past = out.past_key_values
-            return torch.cat(logits, 1)
+            return transformers_cached_logits(hf, ids, prefill)
     except Exception as e:
         raise Refused(f"forward: {type(e).__name__}: {str(e)[:200]}") from None
-
-
-def our_cached(model, ids, prefill: int):
-    with torch.no_grad():
-        cache = model.cfg.cache_layout().allocate(ids.shape[0])
-        logits, cache = model(ids[:, :prefill], torch.zeros(ids.shape[0], dtype=torch.long), cache)
-        out = [logits]
-        for t in range(prefill, ids.shape[1]):
-            logits, cache = model(ids[:, t:t + 1], torch.full((ids.shape[0],), t), cache)
-            out.append(logits)
-    return torch.cat(out, 1)
 
 
 def our_greedy(model, prompt: list[int], n: int):
@@ -344,7 +328,7 @@ def check_case(family: str, case: dict, root: Path) -> str:
         return f"transformers refused: {str(e)[:60]}"
     with torch.no_grad():
         close(model(ids), ref, "prefill logits vs transformers' forward", lambda: _float64(hf, ids))
-    close(our_cached(model, ids, prefill), ref_cached,
+    close(our_cached_logits(model, ids, prefill), ref_cached,
           "cached decode logits vs transformers' " + ("cached path" if per_call else "forward"),
           lambda: _float64(hf, ids, prefill if per_call else None))
     # greedy tokens vs generate; longrope only up to its switch (transformers' generate then recomputes the
