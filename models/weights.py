@@ -174,7 +174,7 @@ def _checkpoint_source(path: Path, max_seq_len: int | None) -> WeightSource:
     for k, shape in expected.items():
         if shapes[k] != shape:
             raise CheckpointError(f"{where}: tensor '{k}' has shape {list(shapes[k])}; config.json implies {list(shape)}")
-    from models.convert import read_safetensor, read_safetensor_rows
+    from models.hf_files import read_safetensor, read_safetensor_rows
     places = {k: _Place(where, k, lambda k=k: read_safetensor(where, k), lambda t: t,
                         lambda a, b, k=k: read_safetensor_rows(where, k, a, b)) for k in expected}
     if cfg.tie_embeddings:
