@@ -140,6 +140,13 @@ def _pickle_refused(where: Path, e: pickle.UnpicklingError) -> ConvertError:
     return unreadable(where, reason)
 
 
+def safetensors_shapes(where: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape from a safetensors file's header (no data read); the reader's own error if damaged."""
+    from safetensors import safe_open
+    with safe_open(str(where), framework="pt") as handle:
+        return {n: tuple(handle.get_slice(n).get_shape()) for n in handle.keys()}
+
+
 def read_safetensor(where: Path, name: str) -> torch.Tensor:
     from safetensors import safe_open
     with safe_open(str(where), framework="pt") as handle:
@@ -157,9 +164,7 @@ def _read_file(where: Path) -> dict[str, Stored]:
     """The tensors of one weights file by name; the data of a safetensors file stays on disk until read."""
     try:
         if where.suffix == ".safetensors":
-            from safetensors import safe_open
-            with safe_open(str(where), framework="pt") as handle:
-                shapes = {n: tuple(handle.get_slice(n).get_shape()) for n in handle.keys()}
+            shapes = safetensors_shapes(where)
             # opened again for each read: a handle kept open keeps every page it read mapped (resident)
             return {n: Stored(where, shape, lambda n=n: read_safetensor(where, n)) for n, shape in shapes.items()}
         with warnings.catch_warnings():     # a damaged pickle warns before it fails: one line only
