@@ -128,7 +128,7 @@ def resolve_shape(shape: str | dict) -> tuple[str, dict]:
         except (OSError, ValueError) as e:
             raise UserError(f"{shape}: expected a readable JSON config, found {type(e).__name__}: {e}; "
                             "fix the file or pass a shape name") from None
-        from models.convert import SUPPORTED
+        from models.families import SUPPORTED
         if not isinstance(config, dict) or config.get("model_type") not in SUPPORTED:
             raise UserError(f"{shape}: expected a config with model_type one of {', '.join(SUPPORTED)}, found "
                             f"{config.get('model_type') if isinstance(config, dict) else type(config).__name__!r}; "
@@ -151,8 +151,8 @@ def folder_config(config: dict, dtype: str = "bf16", layers: int | None = None) 
 
 
 def tensor_specs(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, init) of every stored tensor, from models/convert.py's layout tables (the names and shapes
-    the converter expects of a folder of this config); init: normal | ones | zeros. A unit norm gain is
+    """(name, shape, init) of every stored tensor, from the family's layout (models/hf_layout.py: the names
+    and shapes the converter expects of a folder of this config); init: normal | ones | zeros. A unit norm gain is
     ones, or zeros in a family that stores w for 1 + w (Gemma)."""
     from models.convert import ConvertError, hf_stored_tensors, stores_gain_minus_one
     try:

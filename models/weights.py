@@ -9,10 +9,11 @@
 The build (export/emit.py's Lazy weights, written by export/pipeline.py) and the layer-by-layer
 reference (models/layerwise.py) read models of every size through this: safetensors files are opened with safe_open (memory
 mapped: a tensor is read when asked for), pytorch_model.bin with torch.load(mmap=True,
-weights_only=True). Hugging Face names and layouts are mapped with models/convert.py's table
-(`expected_params`), checked against the files' headers before any tensor is read (names,
-shapes, float dtypes), and every tensor is checked finite as it is read. Peak memory is one
-block (plus the tensor being converted), whatever the model's size.
+weights_only=True), both through models/hf_files.py. Hugging Face names and layouts are
+mapped with the family's layout (models/convert.py's `hf_weight_plan`, models/hf_layout.py),
+checked against the files' headers before any tensor is read (names, shapes, float dtypes),
+and every tensor is checked finite as it is read. Peak memory is one block (plus the tensor
+being converted), whatever the model's size.
 """
 from __future__ import annotations
 
@@ -153,11 +154,10 @@ def _checkpoint_source(path: Path, max_seq_len: int | None) -> WeightSource:
     where = path / WEIGHTS
     if not where.is_file():
         raise CheckpointError(f"{where}: missing; a checkpoint directory holds {WEIGHTS}")
-    from safetensors import safe_open
+    from models.hf_files import read_safetensor, read_safetensor_rows, safetensors_shapes
     with interruptible() as interrupted:
         try:
-            with safe_open(str(where), framework="pt") as handle:
-                shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
+            shapes = safetensors_shapes(where)
         except Exception as e:  # safetensors raises several types on a damaged header
             if interrupted():
                 raise KeyboardInterrupt from None
@@ -174,7 +174,6 @@ def _checkpoint_source(path: Path, max_seq_len: int | None) -> WeightSource:
     for k, shape in expected.items():
         if shapes[k] != shape:
             raise CheckpointError(f"{where}: tensor '{k}' has shape {list(shapes[k])}; config.json implies {list(shape)}")
-    from models.convert import read_safetensor, read_safetensor_rows
     places = {k: _Place(where, k, lambda k=k: read_safetensor(where, k), lambda t: t,
                         lambda a, b, k=k: read_safetensor_rows(where, k, a, b)) for k in expected}
     if cfg.tie_embeddings:

@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 DRIVER = """
 import os, signal, sys
-import models.convert as convert
-real, calls, mode = convert.read_safetensor, [0], sys.argv[1]
+import models.hf_files as files
+real, calls, mode = files.read_safetensor, [0], sys.argv[1]
 def read(where, name):
     calls[0] += 1
     if calls[0] != 3:
@@ -34,7 +34,7 @@ def read(where, name):
     if mode == "raises":
         raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'")
     return real(where, name)
-convert.read_safetensor = read
+files.read_safetensor = read
 from core.errors import exit_after
 from export.build import main
 sys.argv[1:] = sys.argv[2:]
@@ -56,13 +56,13 @@ def test_a_ctrl_c_lost_inside_a_weight_read_exits_130(tmp_path, tiny_ckpt, reade
 
 def test_a_stop_raised_by_a_read_passes_through_untouched(tiny_ckpt, monkeypatch):
     """KeyboardInterrupt, SystemExit: not Exceptions, never a CheckpointError."""
-    import models.convert
+    import models.hf_files
     from models.weights import open_weights
     source = open_weights(tiny_ckpt)
     for stop in (KeyboardInterrupt, SystemExit):
         def read(where, name, stop=stop):
             raise stop()
-        monkeypatch.setattr(models.convert, "read_safetensor", read)
+        monkeypatch.setattr(models.hf_files, "read_safetensor", read)
         source = open_weights(tiny_ckpt)
         with pytest.raises(stop):
             source.tensor("wte.weight")
