@@ -19,7 +19,7 @@ Timings are greedy generations of exactly --new-tokens tokens from random prompt
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import contextlib
@@ -44,7 +44,8 @@ from bench.runners import (HFRunner, PlainOrtRunner, SessionRunner, machine_info
                            versions)
 from bench.variants import (BASELINE, SIZES, VARIANTS, GraphInfo, base_model, build_onnx, capacity_for, config_for,
                             quantized_name, torch_variant, weight_bytes_torch)
-from core.errors import ArgumentParser, UsageError, float_in, int_in, nonnegative_int, run_cli, seed_int
+from core.errors import ArgumentParser, UsageError, float_in, int_in, nonnegative_int, seed_int
+from core.lifecycle import run_cli
 from core.outputs import (BENCH_CACHE, BENCH_RESULTS, check_output_dir, claim_dir, marker_kind, replace_file_in,
                           write_marker)
 
@@ -577,5 +578,5 @@ def run(argv) -> int:
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)

@@ -25,7 +25,7 @@ step is largest there). Speed only: correctness of the CUDA-graph decode is a gp
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import copy
@@ -35,7 +35,8 @@ import time
 import numpy as np
 
 from bench import stats
-from core.errors import ArgumentParser, UsageError, UserError, int_in, run_cli, seed_int
+from core.errors import ArgumentParser, UsageError, UserError, int_in, seed_int
+from core.lifecycle import run_cli
 
 BASELINE = "rmsnorm-strong"
 FUSED = ("internal-taper-fused", "all-taper-fused")
@@ -217,5 +218,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)

@@ -46,7 +46,7 @@ of the new tokens both chose, with the first position where they part. One JSON 
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import argparse
@@ -67,7 +67,8 @@ import numpy as np
 from bench import stats
 from bench.shapes import DTYPES, folder_config, folder_matches, human, resolve_shape, tensor_specs, write_random_folder
 from core.build_files import FUSED, QUANTIZED, UNFUSED
-from core.errors import ArgumentParser, UsageError, UserError, float_in, int_in, positive_int, run_cli
+from core.errors import ArgumentParser, UsageError, UserError, float_in, int_in, positive_int
+from core.lifecycle import run_cli
 from core.outputs import (BENCH_CACHE, BUILD, FIGURE, REPORT_JSON, SCALE_FOLDER, check_output_dir, check_output_file,
                           output_dir, output_file, png_signature_metadata, write_json)
 
@@ -638,5 +639,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)

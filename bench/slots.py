@@ -17,7 +17,7 @@ table; --json writes the figures (a signed JSON file).
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import os
@@ -29,7 +29,8 @@ import timeit
 import numpy as np
 
 from bench import stats
-from core.errors import ArgumentParser, int_in, run_cli
+from core.errors import ArgumentParser, int_in
+from core.lifecycle import run_cli
 
 
 def measure(model: str, slots: int, prompt: int, threads: int, rounds: int) -> dict:
@@ -127,5 +128,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)
