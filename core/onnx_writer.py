@@ -24,12 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from core.lifecycle import made_whole
-from core.outputs import replaced_file_in, writing
+from core.outputs import replaced_files_in, writing
 
 EXTERNAL_AT = 2_000_000_000 - (64 << 20)    # bytes of weights from which a graph keeps them in a .data file
 ALIGN = 4096
@@ -141,15 +138,8 @@ class StreamedWeights:
 
 @contextlib.contextmanager
 def replaced_graph_in(directory: Path, name: str):
-    """core.outputs.replaced_file_in for a graph whose weights are in `<name>.data` beside it (the graph records that name,
-    so it is written under its own name, in a temporary folder inside `directory`): yields that path; on
-    success its weights' file, then the graph, replace those in `directory`; nothing is left otherwise."""
-    with replaced_file_in(directory, name) as tmp, replaced_file_in(directory, data_file_name(name)) as tmp_data:
-        work = made_whole(lambda: Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=directory)),
-                          lambda made: shutil.rmtree(made, ignore_errors=True))
-        try:
-            yield work / name
-            os.replace(work / data_file_name(name), tmp_data)
-            os.replace(work / name, tmp)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+    """core.outputs.replaced_file_in for a graph whose weights are in `<name>.data` beside it (the graph records
+    that name, so it is written under its own name, in a temporary folder inside `directory`): yields that path;
+    on success its weights' file, then the graph, replace those in `directory`; nothing is left otherwise."""
+    with replaced_files_in(directory, (data_file_name(name), name)) as work:
+        yield work / name

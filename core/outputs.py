@@ -600,6 +600,24 @@ def replaced_file_in(directory: Path, name: str):
         raise
 
 
+@contextlib.contextmanager
+def replaced_files_in(directory: Path, names: tuple[str, ...]):
+    """replaced_file_in for files written together, under their own names (a graph records the name of its
+    weights' file, core.onnx_writer.replaced_graph_in): yields a temporary folder inside `directory` to write
+    them in; on success each replaces its namesake in `directory`, in the order of `names`; nothing is left
+    otherwise."""
+    directory = Path(directory)
+    with contextlib.ExitStack() as replaced:
+        tmps = {name: replaced.enter_context(replaced_file_in(directory, name)) for name in reversed(names)}
+        work = made_whole(lambda: Path(tempfile.mkdtemp(prefix=f".{names[-1]}.tmp-", dir=directory)), _remove_dir)
+        try:
+            yield work
+            for name in names:
+                os.replace(work / name, tmps[name])
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
 def replace_file_in(directory: Path, name: str, data: bytes | str) -> Path:
     """Atomically (re)write one file inside a directory we own (a marked one)."""
     with replaced_file_in(directory, name) as tmp:
