@@ -128,7 +128,7 @@ def profile_graph(graph: str, steps: int, threads: int, genai: bool) -> dict:
             s = OrtSession(graph, intra_op_threads=threads, profile_prefix=Path(tmp) / "ort").activate()
             try:
                 generate(s, [prompt.tolist()], GenerationConfig(max_new_tokens=steps + 1))
-                events = json.loads(Path(s.session.end_profiling()).read_text())
+                events = s.profile_events()
             finally:
                 s.deactivate()
     return ort_norm_share(events, {})

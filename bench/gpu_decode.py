@@ -35,7 +35,8 @@ import time
 import numpy as np
 
 from bench import stats
-from core.errors import ArgumentParser, UsageError, UserError, int_in, seed_int
+from bench.options import batch_sizes, comma_list
+from core.errors import ArgumentParser, UserError, int_in, seed_int
 from core.lifecycle import run_cli
 
 BASELINE = "rmsnorm-strong"
@@ -160,25 +161,6 @@ def format_cell(size: str, dtype: str, batch: int, cell: dict, device: str = "cu
     return f"torch-{device.split(':')[0]} {size} {dtype} b{batch}: " + "; ".join(parts)
 
 
-def _csv(value: str, known, what: str) -> list[str]:
-    """The items of a comma list, each one of `known`; UsageError naming the option otherwise."""
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [v for v in items if v not in known]
-    if not items or bad:
-        raise UsageError(f"--{what} {value!r}: expected a comma list of {', '.join(known)}, found "
-                         f"{', '.join(bad) or 'nothing'}; pass e.g. --{what} {','.join(list(known)[:2])}")
-    return items
-
-
-def _batches(value: str) -> list[int]:
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [v for v in items if not (v.isascii() and v.isdigit() and 1 <= int(v) <= 256)]
-    if not items or bad:
-        raise UsageError(f"--batches {value!r}: expected a comma list of batch sizes in [1, 256], found "
-                         f"{', '.join(bad) or 'nothing'}; pass e.g. --batches 1,8")
-    return [int(v) for v in items]
-
-
 def run(argv: list[str]) -> int:
     from bench.variants import SIZES
     p = ArgumentParser(prog="python -m bench.gpu_decode", description=__doc__.split("\n\n")[0])
@@ -196,10 +178,10 @@ def run(argv: list[str]) -> int:
     p.add_argument("--json", help="also write the results here (a JSON report)")
     a = p.parse_args(argv)
     from bench.shapes import SHAPES
-    shapes = _csv(a.shapes, SHAPES, "shapes") if a.shapes else []
-    sizes = _csv(a.sizes, SIZES, "sizes") if a.sizes else ([] if shapes else list(DEFAULT_SIZES))
-    dtypes = _csv(a.dtypes, ("fp32", "fp16", "bf16"), "dtypes")
-    batches = _batches(a.batches)
+    shapes = comma_list(a.shapes, "--shapes", SHAPES, "shape") if a.shapes else []
+    sizes = comma_list(a.sizes, "--sizes", SIZES, "size") if a.sizes else ([] if shapes else list(DEFAULT_SIZES))
+    dtypes = comma_list(a.dtypes, "--dtypes", ("fp32", "fp16", "bf16"), "dtype")
+    batches = batch_sizes(a.batches)
     from core.outputs import REPORT_JSON, check_output_file, write_json
     if a.json:
         check_output_file(a.json, REPORT_JSON)

@@ -120,7 +120,7 @@ class RssMonitor:
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
-        from runtime.triton.server import process_tree, rss_bytes
+        from runtime.process_memory import process_tree, rss_bytes
         while True:
             self.peak = max(self.peak, rss_bytes(process_tree(self.pid)))
             if self._stop.wait(RSS_PERIOD_S):

@@ -34,7 +34,7 @@ from core.lifecycle import run_cli
 
 
 def measure(model: str, slots: int, prompt: int, threads: int, rounds: int) -> dict:
-    from bench.runners import rss_bytes
+    from runtime.process_memory import rss_bytes
     from runtime.ort_session import OrtSession
     from runtime.session import RuntimeUserError
     pool = OrtSession(model, intra_op_threads=threads).activate()
@@ -43,10 +43,10 @@ def measure(model: str, slots: int, prompt: int, threads: int, rounds: int) -> d
         raise RuntimeUserError(f"--prompt {prompt}: expected at most {spec.capacity - 1} tokens (the cache capacity "
                                f"of {model} minus one), found {prompt}; use a shorter prompt")
     pool.reset(slots)
-    before = rss_bytes()
+    before = rss_bytes([os.getpid()])
     alone = OrtSession(model, intra_op_threads=threads).activate()
     alone.reset(1)
-    second_session = rss_bytes() - before
+    second_session = rss_bytes([os.getpid()]) - before
     rng = np.random.default_rng(0)
     ids = rng.integers(0, spec.vocab_size, (1, prompt))                                      # [1, T]
     ids_pool = rng.integers(0, spec.vocab_size, (slots, prompt))                             # [slots, T]
