@@ -19,8 +19,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {"core": 0, "models": 1, "graph_passes": 1, "train": 2, "export": 2, "runtime": 3, "bench": 4}
 TORCH_FREE = ["core", "core.errors", "core.lifecycle", "core.outputs", "core.onnx_writer", "core.contract", "core.inputs",
-              "graph_passes", "graph_passes.__main__", "runtime.ort_session", "runtime.process_memory", "runtime.triton.python_model",
-              "runtime.generate", "runtime.triton.repository"]
+              "graph_passes", "graph_passes.__main__", "runtime.ort_session", "runtime.process_memory",
+              "runtime.triton.python_model", "runtime.generate", "runtime.triton.repository"]
 
 
 def _imports(path: Path):
