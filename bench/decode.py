@@ -19,7 +19,7 @@ Timings are greedy generations of exactly --new-tokens tokens from random prompt
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import contextlib
@@ -40,13 +40,15 @@ import numpy as np
 
 from bench import stats
 from bench.genai import PRECISIONS, GenAIRunner, build_genai, build_ours_genai, genai_status
-from bench.runners import (HFRunner, PlainOrtRunner, SessionRunner, machine_info, make_ort_session, peak_rss_bytes,
-                           versions)
+from bench.options import batch_sizes, comma_list
+from bench.runners import HFRunner, PlainOrtRunner, SessionRunner, machine_info, make_ort_session, versions
 from bench.variants import (BASELINE, SIZES, VARIANTS, GraphInfo, base_model, build_onnx, capacity_for, config_for,
                             quantized_name, torch_variant, weight_bytes_torch)
-from core.errors import ArgumentParser, UsageError, float_in, int_in, nonnegative_int, run_cli, seed_int
+from core.errors import ArgumentParser, UsageError, float_in, int_in, nonnegative_int, seed_int
+from core.lifecycle import run_cli
 from core.outputs import (BENCH_CACHE, BENCH_RESULTS, check_output_dir, claim_dir, marker_kind, replace_file_in,
                           write_marker)
+from runtime.process_memory import peak_rss_bytes
 
 ONNX_BACKENDS = ("ort", "trt")
 ALL_BACKENDS = ("ort", "torch", "torch-cuda", "trt")
@@ -346,28 +348,6 @@ def _parser():
     return p
 
 
-def _csv(value, default, known=None, what=""):
-    items = [x.strip() for x in (value.split(",") if value else default) if x.strip()]
-    if not items:
-        raise UsageError(f"--{what}s {value!r}: expected a comma list, found nothing; see --help")
-    if known is not None:
-        bad = [x for x in items if x not in known]
-        if bad:
-            raise UsageError(f"--{what}s: unknown {what} {', '.join(bad)}; expected some of {', '.join(known)}")
-    return items
-
-
-def _batches(value, default) -> list[int]:
-    items = _csv(value, default, what="batche")
-    try:
-        batches = [int(b) for b in items]
-    except ValueError:
-        raise UsageError(f"--batches {value!r}: expected integers in [1, 256], found {items}; e.g. --batches 1,8") from None
-    if any(not 1 <= b <= 256 for b in batches):
-        raise UsageError(f"--batches {value!r}: expected integers in [1, 256]; e.g. --batches 1,8")
-    return batches
-
-
 @dataclass
 class Settings:
     """One run's settings: the command line's, with the defaults filled in and what this machine
@@ -419,24 +399,24 @@ def unavailable(wanted: list[str], peers: list[str]) -> dict[str, str]:
 def settings_from(args) -> Settings:
     """The command line's lists and defaults (--quick's among them), checked; what cannot run here left out."""
     q = args.quick
-    names = _csv(args.variants, list(VARIANTS), VARIANTS, "variant")
+    names = comma_list(args.variants, "--variants", VARIANTS, "variant", list(VARIANTS))
     if BASELINE not in names:
         names.insert(0, BASELINE)   # every ratio is taken against it
-    wanted = _csv(args.backends, ["ort", "torch"] if q else list(ALL_BACKENDS), ALL_BACKENDS, "backend")
-    peers = [] if args.peers == "none" else _csv(args.peers, ["hf-generate", "ort-plain"], PEERS, "peer")
+    wanted = comma_list(args.backends, "--backends", ALL_BACKENDS, "backend", ["ort", "torch"] if q else list(ALL_BACKENDS))
+    peers = [] if args.peers == "none" else comma_list(args.peers, "--peers", PEERS, "peer", ["hf-generate", "ort-plain"])
     skipped = unavailable(wanted, peers)
     backends = [b for b in wanted if b not in skipped]
-    sizes = _csv(args.sizes, ["1M", "8M"] if q else list(SIZES), SIZES, "size")
+    sizes = comma_list(args.sizes, "--sizes", SIZES, "size", ["1M", "8M"] if q else list(SIZES))
     new_tokens = args.new_tokens or (32 if q else 128)
     cap = args.capacity or capacity_for(args.prompt, new_tokens)
     if cap < args.prompt + new_tokens:
         raise UsageError(f"--capacity {cap}: expected at least --prompt + --new-tokens = {args.prompt + new_tokens}; "
                          "raise it or drop it")
     return Settings(sizes=sizes, variants=names, backends=backends, skipped_backends=skipped, peers=peers,
-                    batches=_batches(args.batches, ["1"] if q else ["1", "8"]), prompt=args.prompt,
+                    batches=batch_sizes(args.batches, default=["1"] if q else ["1", "8"]), prompt=args.prompt,
                     new_tokens=new_tokens, rounds=args.rounds or 3, threads=args.threads, capacity=cap,
                     profile_steps=args.profile_steps, quick=q, seed=args.seed, dtype="fp32",
-                    dtypes=_csv(args.dtypes, ["fp32"], DTYPES, "dtype"),
+                    dtypes=comma_list(args.dtypes, "--dtypes", DTYPES, "dtype", ["fp32"]),
                     attention=args.attention or default_attention(backends, sizes),
                     verify=args.verify, bandwidth_gib=args.bandwidth_gib)
 
@@ -577,5 +557,5 @@ def run(argv) -> int:
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)

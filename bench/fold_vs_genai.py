@@ -30,7 +30,7 @@ not ours is refused before anything runs, whatever files it holds.
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import json
@@ -40,7 +40,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from core.errors import ArgumentParser, UserError, int_in, run_cli
+from core.errors import ArgumentParser, UserError, int_in
+from core.lifecycle import run_cli
 
 if TYPE_CHECKING:
     from core.outputs import OutputKind
@@ -127,7 +128,7 @@ def profile_graph(graph: str, steps: int, threads: int, genai: bool) -> dict:
             s = OrtSession(graph, intra_op_threads=threads, profile_prefix=Path(tmp) / "ort").activate()
             try:
                 generate(s, [prompt.tolist()], GenerationConfig(max_new_tokens=steps + 1))
-                events = json.loads(Path(s.session.end_profiling()).read_text())
+                events = s.profile_events()
             finally:
                 s.deactivate()
     return ort_norm_share(events, {})
@@ -359,5 +360,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)

@@ -11,7 +11,7 @@ rope_local_base_freq. Every other model type is loaded as it is. Used by bench.s
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import runpy
@@ -40,10 +40,10 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from core.errors import run_cli
+    from core.lifecycle import run_cli
     return run_cli(run, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)

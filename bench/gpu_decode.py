@@ -25,7 +25,7 @@ step is largest there). Speed only: correctness of the CUDA-graph decode is a gp
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import copy
@@ -35,7 +35,9 @@ import time
 import numpy as np
 
 from bench import stats
-from core.errors import ArgumentParser, UsageError, UserError, int_in, run_cli, seed_int
+from bench.options import batch_sizes, comma_list
+from core.errors import ArgumentParser, UserError, int_in, seed_int
+from core.lifecycle import run_cli
 
 BASELINE = "rmsnorm-strong"
 FUSED = ("internal-taper-fused", "all-taper-fused")
@@ -159,25 +161,6 @@ def format_cell(size: str, dtype: str, batch: int, cell: dict, device: str = "cu
     return f"torch-{device.split(':')[0]} {size} {dtype} b{batch}: " + "; ".join(parts)
 
 
-def _csv(value: str, known, what: str) -> list[str]:
-    """The items of a comma list, each one of `known`; UsageError naming the option otherwise."""
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [v for v in items if v not in known]
-    if not items or bad:
-        raise UsageError(f"--{what} {value!r}: expected a comma list of {', '.join(known)}, found "
-                         f"{', '.join(bad) or 'nothing'}; pass e.g. --{what} {','.join(list(known)[:2])}")
-    return items
-
-
-def _batches(value: str) -> list[int]:
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [v for v in items if not (v.isascii() and v.isdigit() and 1 <= int(v) <= 256)]
-    if not items or bad:
-        raise UsageError(f"--batches {value!r}: expected a comma list of batch sizes in [1, 256], found "
-                         f"{', '.join(bad) or 'nothing'}; pass e.g. --batches 1,8")
-    return [int(v) for v in items]
-
-
 def run(argv: list[str]) -> int:
     from bench.variants import SIZES
     p = ArgumentParser(prog="python -m bench.gpu_decode", description=__doc__.split("\n\n")[0])
@@ -195,10 +178,10 @@ def run(argv: list[str]) -> int:
     p.add_argument("--json", help="also write the results here (a JSON report)")
     a = p.parse_args(argv)
     from bench.shapes import SHAPES
-    shapes = _csv(a.shapes, SHAPES, "shapes") if a.shapes else []
-    sizes = _csv(a.sizes, SIZES, "sizes") if a.sizes else ([] if shapes else list(DEFAULT_SIZES))
-    dtypes = _csv(a.dtypes, ("fp32", "fp16", "bf16"), "dtypes")
-    batches = _batches(a.batches)
+    shapes = comma_list(a.shapes, "--shapes", SHAPES, "shape") if a.shapes else []
+    sizes = comma_list(a.sizes, "--sizes", SIZES, "size") if a.sizes else ([] if shapes else list(DEFAULT_SIZES))
+    dtypes = comma_list(a.dtypes, "--dtypes", ("fp32", "fp16", "bf16"), "dtype")
+    batches = batch_sizes(a.batches)
     from core.outputs import REPORT_JSON, check_output_file, write_json
     if a.json:
         check_output_file(a.json, REPORT_JSON)
@@ -217,5 +200,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)

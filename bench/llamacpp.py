@@ -46,7 +46,7 @@ counted as max_tokens from finish_reason "length"; bench/openai_client.py).
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import json
@@ -63,7 +63,8 @@ import urllib.request
 from pathlib import Path
 
 from bench import stats
-from core.errors import ArgumentParser, UsageError, UserError, int_in, run_cli
+from core.errors import ArgumentParser, UsageError, UserError, int_in
+from core.lifecycle import run_cli
 from core.outputs import OutputKind, SERVE_RESULTS, check_output_dir, claim_dir, output_dir, replace_file_in
 
 LLAMACPP_GGUF = OutputKind("llamacpp-gguf", "a llama.cpp GGUF folder", "python -m bench.llamacpp gguf")
@@ -649,5 +650,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)

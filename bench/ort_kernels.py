@@ -20,7 +20,7 @@ each the mean of enough calls to take ~0.1 s, after a warm-up.
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import timeit
@@ -164,10 +164,10 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-    from core.errors import run_cli
+    from core.lifecycle import run_cli
     return run_cli(run, argv)
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)

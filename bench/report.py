@@ -10,7 +10,7 @@
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import json
@@ -20,7 +20,8 @@ from pathlib import Path
 from bench import stats
 from bench.targets import TARGETS
 from bench.variants import BASELINE, REMOVES, quantized_name, split_name
-from core.errors import ArgumentParser, UserError, run_cli
+from core.errors import ArgumentParser, UserError
+from core.lifecycle import run_cli
 from core.outputs import BENCH_RESULTS, claim_dir, png_signature_metadata, replace_file_in, replaced_file_in
 
 FUSED = "internal-taper-fused"
@@ -514,5 +515,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)

@@ -17,7 +17,6 @@ Every runner has the same two calls, so the rounds can interleave them freely:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import sys
@@ -28,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.process_memory import rss_bytes
+
 
 @dataclass
 class Timing:
@@ -37,17 +38,6 @@ class Timing:
     run_s: float | None = None     # of the decode steps' time, the part inside the engine call (None: not split)
 
 
-def rss_bytes() -> int:
-    """Current resident set size of this process (VmRSS; 0 where /proc cannot be read)."""
-    from runtime.triton.server import rss_bytes as tree_rss
-    return tree_rss([os.getpid()])
-
-
-def peak_rss_bytes() -> int:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # KiB on Linux
-
-
 class Runner:
     name = "?"
     kind = "ours"           # ours | peer
@@ -55,9 +45,9 @@ class Runner:
     max_batch: int | None = None   # largest batch it runs (None: any)
 
     def activate(self) -> None:
-        before = rss_bytes()
+        before = rss_bytes([os.getpid()])
         self._activate()
-        self.rss_load_bytes = rss_bytes() - before
+        self.rss_load_bytes = rss_bytes([os.getpid()]) - before
 
     def _activate(self) -> None: ...
 
@@ -102,7 +92,7 @@ class SessionRunner(Runner):
             try:
                 s.reset(prompts.shape[0])
                 greedy_tokens(DecodeDriver(s.step, s.spec, prompts.shape[0], owns_caches=True), prompts, steps)
-                events = json.loads(Path(s.session.end_profiling()).read_text())
+                events = s.profile_events()
             finally:
                 s.deactivate()
         return ort_norm_share(events, self.norm_nodes)

@@ -46,7 +46,7 @@ of the new tokens both chose, with the first position where they part. One JSON 
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import argparse
@@ -67,7 +67,8 @@ import numpy as np
 from bench import stats
 from bench.shapes import DTYPES, folder_config, folder_matches, human, resolve_shape, tensor_specs, write_random_folder
 from core.build_files import FUSED, QUANTIZED, UNFUSED
-from core.errors import ArgumentParser, UsageError, UserError, float_in, int_in, positive_int, run_cli
+from core.errors import ArgumentParser, UsageError, UserError, float_in, int_in, positive_int
+from core.lifecycle import run_cli
 from core.outputs import (BENCH_CACHE, BUILD, FIGURE, REPORT_JSON, SCALE_FOLDER, check_output_dir, check_output_file,
                           output_dir, output_file, png_signature_metadata, write_json)
 
@@ -83,7 +84,8 @@ CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p 
 
 # --- measuring a child process ---------------------------------------------------------------------
 
-# The child's peak is read in a small wrapper process that starts it. Read in this process instead
+# The child's peak is read in a small wrapper process that starts it (its memory readings are
+# runtime.process_memory's, the one module it imports of ours). Read in this process instead
 # (os.wait4, RUSAGE_CHILDREN), it could never be below this process's own peak: Linux carries the
 # parent's high-water RSS into a forked child's ru_maxrss across its exec, and this process has
 # held a whole shard while writing a folder.
@@ -93,7 +95,8 @@ CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p 
 # Each process of the chain (bench.scale -> wrapper -> child) is told by the kernel when its parent dies
 # (PR_SET_PDEATHSIG, SIGTERM): a bench.scale killed by SIGKILL, which it cannot catch to stop its
 # children, left the child build running on; SIGTERM lets the child remove its temporaries.
-WRAPPER = """import ctypes, os, resource, signal, subprocess, sys, time
+WRAPPER = """import ctypes, os, signal, subprocess, sys, time
+from runtime.process_memory import peak_rss_bytes, process_tree, rss_bytes
 t0 = time.perf_counter()
 cap = int(sys.argv[2])
 
@@ -108,27 +111,11 @@ p = subprocess.Popen(sys.argv[4:], preexec_fn=lambda: die_with_parent(me))
 signal.signal(signal.SIGINT, signal.SIG_IGN)                    # a terminal's Ctrl-C reaches the child itself
 signal.signal(signal.SIGTERM, lambda *a: p.terminate())
 
-def tree(pid):
-    try:
-        kids = [int(c) for t in os.listdir(f"/proc/{pid}/task") for c in open(f"/proc/{pid}/task/{t}/children").read().split()]
-    except OSError:
-        return []
-    return [pid] + [q for k in kids for q in tree(k)]
-
-def rss(pids):
-    total = 0
-    for q in pids:
-        try:
-            total += int(open(f"/proc/{q}/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            pass
-    return total
-
 capped = 0
 while p.poll() is None:
     time.sleep(0.25)
-    pids = tree(p.pid)
-    now = rss(pids) if cap else 0
+    pids = process_tree(p.pid) if cap else []
+    now = rss_bytes(pids)
     if cap and now > cap:
         capped = now
         for q in reversed(pids):
@@ -139,7 +126,7 @@ while p.poll() is None:
         break
 rc = p.wait()
 with os.fdopen(int(sys.argv[1]), "w") as f:
-    f.write(f"{rc} {time.perf_counter() - t0} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss} {capped}")
+    f.write(f"{rc} {time.perf_counter() - t0} {peak_rss_bytes(children=True)} {capped}")
 """
 
 
@@ -163,7 +150,7 @@ def measured(cmd: list[str], cap_bytes: int = 0) -> dict:
             raise
         # the wrapper itself killed (SIGKILL, out of memory) leaves no usage line
         usage.seek(0)
-        rc, wall, maxrss_kib, capped = usage.read().split() or (proc.returncode, "nan", 0, 0)
+        rc, wall, peak, capped = usage.read().split() or (proc.returncode, "nan", 0, 0)
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
@@ -173,7 +160,7 @@ def measured(cmd: list[str], cap_bytes: int = 0) -> dict:
     if int(capped):
         error = (f"stopped by the bench at {int(capped) / GB:.1f} GB resident (--memory-cap {cap_bytes / GB:.1f} GB), "
                  "before the kernel's OOM killer")
-    return {"rc": rc, "wall_s": round(float(wall), 2), "peak_rss_bytes": int(maxrss_kib) * 1024, "stdout": stdout,
+    return {"rc": rc, "wall_s": round(float(wall), 2), "peak_rss_bytes": int(peak), "stdout": stdout,
             "error": error, "capped": bool(int(capped))}
 
 
@@ -638,5 +625,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)

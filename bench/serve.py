@@ -33,7 +33,7 @@ else finish_reason "length", else text chunks) and which answers count as errors
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import json
@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import stats
-from core.errors import ArgumentParser, UsageError, UserError, float_in, int_in, run_cli
+from core.errors import ArgumentParser, UsageError, UserError, float_in, int_in
+from core.lifecycle import run_cli
 from core.outputs import (SERVE_RESULTS, check_output_dir, claim_dir, png_signature_metadata, replace_file_in,
                           replaced_file_in)
 from runtime.triton.client import StreamingClient, check_url
@@ -119,7 +120,7 @@ class RssMonitor:
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
-        from runtime.triton.server import process_tree, rss_bytes
+        from runtime.process_memory import process_tree, rss_bytes
         while True:
             self.peak = max(self.peak, rss_bytes(process_tree(self.pid)))
             if self._stop.wait(RSS_PERIOD_S):
@@ -493,5 +494,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)

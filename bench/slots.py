@@ -17,7 +17,7 @@ table; --json writes the figures (a signed JSON file).
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import os
@@ -29,11 +29,12 @@ import timeit
 import numpy as np
 
 from bench import stats
-from core.errors import ArgumentParser, int_in, run_cli
+from core.errors import ArgumentParser, int_in
+from core.lifecycle import run_cli
 
 
 def measure(model: str, slots: int, prompt: int, threads: int, rounds: int) -> dict:
-    from bench.runners import rss_bytes
+    from runtime.process_memory import rss_bytes
     from runtime.ort_session import OrtSession
     from runtime.session import RuntimeUserError
     pool = OrtSession(model, intra_op_threads=threads).activate()
@@ -42,10 +43,10 @@ def measure(model: str, slots: int, prompt: int, threads: int, rounds: int) -> d
         raise RuntimeUserError(f"--prompt {prompt}: expected at most {spec.capacity - 1} tokens (the cache capacity "
                                f"of {model} minus one), found {prompt}; use a shorter prompt")
     pool.reset(slots)
-    before = rss_bytes()
+    before = rss_bytes([os.getpid()])
     alone = OrtSession(model, intra_op_threads=threads).activate()
     alone.reset(1)
-    second_session = rss_bytes() - before
+    second_session = rss_bytes([os.getpid()]) - before
     rng = np.random.default_rng(0)
     ids = rng.integers(0, spec.vocab_size, (1, prompt))                                      # [1, T]
     ids_pool = rng.integers(0, spec.vocab_size, (slots, prompt))                             # [slots, T]
@@ -127,5 +128,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)

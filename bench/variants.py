@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core.outputs import replace_file_in, replaced_graph_in
+from core.onnx_writer import replaced_graph_in
+from core.outputs import replace_file_in
 from models.decoder import Decoder, DecoderConfig
 from models.fold import FOLDED_NORM_CLASSES, fold_norms
 from models.norms import DyT, LayerNorm, RMSNorm, TaperNorm

@@ -17,14 +17,16 @@ are written little-endian as ONNX's raw_data requires; int4 values are packed tw
 the caller (ONNX Runtime's MatMulNBits blobs already are).
 
 The file goes wherever the caller says: atomicity (a temporary path renamed into place) is the
-caller's, through core.outputs, which every command already uses.
+caller's, through core.outputs, which every command already uses; replaced_graph_in is that for a
+graph with its `.data` file inside a directory the command owns.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
-from core.outputs import writing
+from core.outputs import replaced_files_in, writing
 
 EXTERNAL_AT = 2_000_000_000 - (64 << 20)    # bytes of weights from which a graph keeps them in a .data file
 ALIGN = 4096
@@ -132,3 +134,12 @@ class StreamedWeights:
                 os.fsync(self._file.fileno())
         with writing(self.path):
             onnx.save(proto, str(self.path))
+
+
+@contextlib.contextmanager
+def replaced_graph_in(directory: Path, name: str):
+    """core.outputs.replaced_file_in for a graph whose weights are in `<name>.data` beside it (the graph records
+    that name, so it is written under its own name, in a temporary folder inside `directory`): yields that path;
+    on success its weights' file, then the graph, replace those in `directory`; nothing is left otherwise."""
+    with replaced_files_in(directory, (data_file_name(name), name)) as work:
+        yield work / name

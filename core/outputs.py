@@ -21,7 +21,7 @@ Writing is atomic: into a temporary sibling with a unique name (never a fixed
 `.X.old` that could be the user's), fsync'd, with the modes the user's umask gives
 (0644 / 0755 by default), then swapped into place (one renameat2 RENAME_EXCHANGE on
 Linux, so there is no moment without the old or the new output). The temporary is
-removed on any exception, Ctrl-C and SIGTERM included (core.errors.run_cli turns
+removed on any exception, Ctrl-C and SIGTERM included (core.lifecycle.run_cli turns
 SIGTERM into KeyboardInterrupt); the swap and the removal of the old output run
 with SIGINT/SIGTERM blocked, so an interrupt lands before or after, never between.
 
@@ -46,14 +46,14 @@ import glob
 import json
 import os
 import shutil
-import signal
 import socket
 import tempfile
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.errors import NO_ROOM, NoRoomError, UserError, io_errno, raise_if_dropped_interrupt
+from core.errors import NO_ROOM, NoRoomError, UserError, io_errno
+from core.lifecycle import (claimed_option, made_whole, no_room, note_claimed, note_committed, note_replaced_in,
+                            signals_held)
 
 WRITER = "tapernorm-deploy"
 VERSION = "0.2.0"
@@ -82,29 +82,6 @@ FIGURE = OutputKind("figure", "a figure", "tapernorm-deploy")
 TOKENIZER = OutputKind("tokenizer", "a tokenizer file", "python -m train.tokenizer")
 TOKEN_SHARDS = OutputKind("token-shards", "a token shard directory", "python -m train.shards")
 SCALE_FOLDER = OutputKind("scale-folder", "a random-init model folder", "python -m bench.scale make")
-
-_committed: list[Path] = []
-_claimed: dict[str, str] = {}   # claim_dir's directories -> their option: a file finished in one is an output
-_lock = threading.Lock()
-
-
-def forget_committed() -> None:
-    with _lock:
-        _committed.clear()
-        _claimed.clear()
-
-
-def committed_outputs() -> list[Path]:
-    """Outputs this process has finished writing (for the interrupt message)."""
-    with _lock:
-        return list(_committed)
-
-
-def note_committed(out: Path) -> None:
-    """An output a child process of this command finished writing (for the interrupt message)."""
-    with _lock:
-        _committed.append(Path(out))
-
 
 def marker_stamp(path: Path) -> tuple | None:
     """(inode, mtime) of a directory's marker, None without one: a new write of the directory has a new
@@ -219,7 +196,7 @@ def check_output_dir(out: str | os.PathLike, kind: OutputKind, inputs=(), option
     if not parent.is_dir():
         raise UserError(f"{out}: cannot be created ({parent} is a file); {fix}")
     if _read_only(parent):
-        raise NoRoomError(out, errno.EROFS, option)
+        raise no_room(out, errno.EROFS, option)
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"{out}: cannot be created (no write permission on {parent}); {fix}")
 
@@ -285,7 +262,7 @@ def check_output_file(out: str | os.PathLike, kind: OutputKind, inputs=()) -> No
     if not out.parent.is_dir():
         raise UserError(f"{out}: its folder {out.parent} does not exist; create it or {fix}")
     if _read_only(out.parent):
-        raise NoRoomError(out, errno.EROFS, FILE_OPTION)
+        raise no_room(out, errno.EROFS, FILE_OPTION)
     if not os.access(out.parent, os.W_OK | os.X_OK):
         raise UserError(f"{out}: cannot be written (no write permission on {out.parent}); {fix}")
 
@@ -344,7 +321,7 @@ def naming_output(out: str | os.PathLike, tmp: Path | None = None, option: str =
         if code not in NO_ROOM:
             raise
         written = getattr(e, "filename2", None) or getattr(e, "filename", None)   # a copy's: (source, destination)
-        raise NoRoomError(_as_output(written, tmp, Path(out)), code, option) from None
+        raise no_room(_as_output(written, tmp, Path(out)), code, option) from None
 
 
 def _fsync_tree(root: Path) -> None:
@@ -400,53 +377,6 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-@contextlib.contextmanager
-def _signals_blocked():
-    """Hold SIGINT/SIGTERM until the block ends, then deliver what came meanwhile (main thread only, where
-    Python runs signal handlers; a no-op elsewhere). A Ctrl-C that CPython dropped before is raised first:
-    it, too, comes before the swap.
-
-    Blocking the signals in this thread is not enough: a signal sent to the process goes to any thread
-    that does not block it (a library's worker, pytest-xdist's I/O thread), and CPython then runs the
-    handler in the main thread all the same. So the handlers, too, are swapped for one that only notes
-    the signal; the noted one is raised again once the old handlers are back."""
-    raise_if_dropped_interrupt()
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held = []
-    old_handlers = {sig: signal.signal(sig, lambda sig, frame: held.append(sig)) for sig in HELD_SIGNALS}
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, set(HELD_SIGNALS)) if hasattr(signal, "pthread_sigmask") else None
-    try:
-        yield
-    finally:
-        if old_mask is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-        for sig, handler in old_handlers.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-        for sig in dict.fromkeys(held):
-            signal.raise_signal(sig)
-
-
-def _made_whole(make, remove):
-    """make() a temporary with SIGINT/SIGTERM held, and return it. A Ctrl-C that lands meanwhile (the
-    test suite's lands the instant the temporary shows up: inside mkdtemp, after its mkdir) is raised
-    once make() is done, after remove(what it made): a name lost to the interrupt would be a folder
-    nothing ever removes."""
-    made = None
-    try:
-        with _signals_blocked():
-            made = make()
-    except BaseException:
-        if made is not None:
-            remove(made)
-        raise
-    return made
-
-
 def _remove_dir(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
@@ -457,12 +387,12 @@ def _new_file(prefix: str, directory: Path) -> Path:
         fd, name = tempfile.mkstemp(prefix=prefix, dir=directory)
         os.close(fd)
         return Path(name)
-    return _made_whole(make, lambda path: path.unlink(missing_ok=True))
+    return made_whole(make, lambda path: path.unlink(missing_ok=True))
 
 
 def _commit_dir(tmp: Path, out: Path) -> None:
     """Put the finished tmp at `out`; an existing `out` (already checked to be ours) is removed after."""
-    with _signals_blocked():
+    with signals_held():
         if out.exists():
             if _exchange(tmp, out):
                 shutil.rmtree(tmp, ignore_errors=True)     # tmp now holds the old output
@@ -474,8 +404,7 @@ def _commit_dir(tmp: Path, out: Path) -> None:
         else:
             os.replace(tmp, out)
         _fsync_dir(out.parent)
-        with _lock:
-            _committed.append(out)
+        note_committed(out)
 
 
 def write_marker(directory: Path, kind: OutputKind, extra: dict | None = None) -> None:
@@ -556,7 +485,7 @@ def temporary_dir(out: Path, role: str, kind: OutputKind) -> Path:
             _remove_dir(tmp)
             raise
         return tmp
-    return _made_whole(make, _remove_dir)
+    return made_whole(make, _remove_dir)
 
 
 @contextlib.contextmanager
@@ -608,11 +537,10 @@ def output_file(out: str | os.PathLike, kind: OutputKind, inputs=()):
             os.chmod(tmp, file_mode())
             _fsync(tmp)
             check_output_file(out, kind, inputs)
-            with _signals_blocked():
+            with signals_held():
                 os.replace(tmp, out)
                 _fsync_dir(out.parent)
-                with _lock:
-                    _committed.append(out)
+                note_committed(out)
     except BaseException:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
@@ -642,8 +570,7 @@ def claim_dir(out: str | os.PathLike, kind: OutputKind, inputs=(), option: str =
             os.chmod(out, dir_mode())
         if marker_kind(out) is None:
             write_marker(out, kind)
-    with _lock:
-        _claimed[os.path.abspath(out)] = option
+    note_claimed(out, option)
     return out
 
 
@@ -652,9 +579,10 @@ def replaced_file_in(directory: Path, name: str):
     """Atomically (re)write one file inside a directory we own (a marked one): yields a temporary
     path beside it for a writer that takes a path (core.onnx_writer.save_onnx); on success it
     replaces `name`. A graph written with external data would name the temporary in its
-    location, so this is for graphs kept inline (below core.onnx_writer.EXTERNAL_AT)."""
+    location, so this is for graphs kept inline (below core.onnx_writer.EXTERNAL_AT; above it,
+    core.onnx_writer.replaced_graph_in)."""
     directory = Path(directory)
-    option = _claimed.get(os.path.abspath(directory), FILE_OPTION)
+    option = claimed_option(directory) or FILE_OPTION
     tmp = None
     try:
         with naming_output(directory / name, option=option):
@@ -663,11 +591,9 @@ def replaced_file_in(directory: Path, name: str):
             yield tmp
             _fsync(tmp)
             os.chmod(tmp, file_mode())
-            with _signals_blocked():
+            with signals_held():
                 os.replace(tmp, directory / name)
-                with _lock:
-                    if os.path.abspath(directory) in _claimed and directory / name not in _committed:
-                        _committed.append(directory / name)
+                note_replaced_in(directory, name)
     except BaseException:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
@@ -675,17 +601,19 @@ def replaced_file_in(directory: Path, name: str):
 
 
 @contextlib.contextmanager
-def replaced_graph_in(directory: Path, name: str):
-    """replaced_file_in for a graph whose weights are in `<name>.data` beside it (the graph records that name,
-    so it is written under its own name, in a temporary folder inside `directory`): yields that path; on
-    success its weights' file, then the graph, replace those in `directory`; nothing is left otherwise."""
-    from core.onnx_writer import data_file_name
-    with replaced_file_in(directory, name) as tmp, replaced_file_in(directory, data_file_name(name)) as tmp_data:
-        work = _made_whole(lambda: Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=directory)), _remove_dir)
+def replaced_files_in(directory: Path, names: tuple[str, ...]):
+    """replaced_file_in for files written together, under their own names (a graph records the name of its
+    weights' file, core.onnx_writer.replaced_graph_in): yields a temporary folder inside `directory` to write
+    them in; on success each replaces its namesake in `directory`, in the order of `names`; nothing is left
+    otherwise."""
+    directory = Path(directory)
+    with contextlib.ExitStack() as replaced:
+        tmps = {name: replaced.enter_context(replaced_file_in(directory, name)) for name in reversed(names)}
+        work = made_whole(lambda: Path(tempfile.mkdtemp(prefix=f".{names[-1]}.tmp-", dir=directory)), _remove_dir)
         try:
-            yield work / name
-            os.replace(work / data_file_name(name), tmp_data)
-            os.replace(work / name, tmp)
+            yield work
+            for name in names:
+                os.replace(work / name, tmps[name])
         finally:
             shutil.rmtree(work, ignore_errors=True)
 

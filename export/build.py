@@ -39,7 +39,7 @@ runtime layer above, so it is wired here, in the CLI.
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import functools
@@ -48,7 +48,8 @@ import sys
 from pathlib import Path
 
 from core.contract import KV_CACHE_DTYPES
-from core.errors import ArgumentParser, UsageError, UserError, int_in, run_cli
+from core.errors import ArgumentParser, UsageError, UserError, int_in
+from core.lifecycle import run_cli
 from core.outputs import BUILD, TRITON_REPOSITORY, check_output_dir
 from export.target import TARGETS, resolve_target
 from export.quantize import (ALGOS, BLOCK_SIZES, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, HEAD_DTYPES, QUANT_BITS,
@@ -138,7 +139,8 @@ def _write_triton_repo(build: Path, repo: Path) -> int:
     one-line error, if any, is the command's (the build stays). Interrupted, the child is given the
     signal and waited for, and the one interrupt line, this command's, names the repository when the
     child completed it (it printed that it had written nothing else, as if the repository were not there)."""
-    from core.outputs import marker_stamp, note_committed
+    from core.lifecycle import note_committed
+    from core.outputs import marker_stamp
     before = marker_stamp(repo)
     proc = subprocess.Popen([sys.executable, "-m", "runtime.triton", "repo", "--build", str(build), "--out", str(repo)],
                             stderr=subprocess.PIPE, text=True)
@@ -178,7 +180,7 @@ def _as_triton_repo_error(err: str) -> str:
     """The child's error line in this command's terms: its --out is this command's --triton-repo, and
     its "nothing was written" leaves out the build this command wrote whole before it (written_so_far:
     `complete: OUT; nothing else was written`)."""
-    from core.errors import written_so_far
+    from core.lifecycle import written_so_far
     lines = err.splitlines(keepends=True)
     for i, line in enumerate(lines):
         if line.startswith("error: "):
@@ -232,5 +234,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)

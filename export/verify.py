@@ -20,7 +20,7 @@ compared is the graph as written, not what ORT's own fusions make of it.
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 from dataclasses import dataclass, field
@@ -31,7 +31,8 @@ import onnxruntime as ort
 
 from core.build_files import TOKENIZER
 from core.contract import check_external_data_file, contract_of, load_onnx
-from core.errors import ArgumentParser, UserError, first_line, float_in, run_cli
+from core.errors import ArgumentParser, UserError, first_line, float_in
+from core.lifecycle import run_cli
 from export.conventions import (Step, compare_windows, detect, interface_mismatches, run_onnx,  # noqa: F401
                                 session_steps)
 
@@ -341,5 +342,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)

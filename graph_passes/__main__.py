@@ -10,13 +10,14 @@ place, and replaced only if this command wrote it.
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 from pathlib import Path
 
 from core.contract import load_onnx
-from core.errors import ArgumentParser, UsageError, UserError, run_cli
+from core.errors import ArgumentParser, UsageError, UserError
+from core.lifecycle import run_cli
 from core.outputs import FUSED_ONNX, output_file, sign_onnx
 from graph_passes.base import op_counts
 from graph_passes.registry import DEFAULT_PASSES, PASSES, run_passes
@@ -103,5 +104,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)

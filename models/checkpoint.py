@@ -20,7 +20,7 @@ file and field.
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import json
@@ -33,7 +33,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from core.errors import UserError, first_line, run_cli
+from core.errors import UserError, first_line
+from core.lifecycle import run_cli
 from core.inputs import check_memory
 from core.outputs import CHECKPOINT, OutputKind, output_dir, writing
 from models.decoder import Decoder, DecoderConfig
@@ -316,5 +317,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)

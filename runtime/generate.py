@@ -19,7 +19,7 @@ batch mode) and TTFT, TPOT (p50/p90) and tokens/s on stderr.
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import sys
@@ -32,7 +32,8 @@ import numpy as np
 
 from runtime.sampling import SamplingConfig, log_softmax, penalize, sample, top_logprobs
 from runtime.text_stream import TextStream
-from core.errors import ArgumentParser, float_in, int_in, nonnegative_int, positive_int, run_cli, seed_int
+from core.errors import ArgumentParser, float_in, int_in, nonnegative_int, positive_int, seed_int
+from core.lifecycle import run_cli
 from runtime.session import CapacityError, DecoderSession, RuntimeUsageError, RuntimeUserError
 
 
@@ -401,5 +402,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)

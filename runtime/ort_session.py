@@ -20,6 +20,7 @@ rows are not touched.
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -67,7 +68,7 @@ class OrtSession(DecoderSession):
         self.device = device
         self.intra_op_threads = intra_op_threads
         self.log_severity = log_severity
-        self.profile_prefix = profile_prefix   # ORT profiling on: trace at session.end_profiling()
+        self.profile_prefix = profile_prefix   # ORT profiling on: its trace at profile_events()
         self.session = None
         self.caches: dict[str, object] = {}   # key_i / value_i -> OrtValue [B, H, S_max, D]
         self._gqa = False
@@ -121,6 +122,13 @@ class OrtSession(DecoderSession):
         # a GroupQueryAttention graph (export.build --target ort-cpu) continues a cached prompt at batch 1 only
         meta = self.session.get_modelmeta().custom_metadata_map
         self._gqa = meta.get(ORT_ONLY_MARK[0]) == ORT_ONLY_MARK[1]
+
+    def profile_events(self) -> list[dict]:
+        """End ONNX Runtime's profiling (the session was made with profile_prefix) and return its trace: the
+        events of the JSON file it wrote (Chrome trace format: each node's run with its "dur" in us)."""
+        if self.profile_prefix is None:
+            raise ValueError(f"{self.path}: profiling is off; create the OrtSession with profile_prefix")
+        return json.loads(Path(self.session.end_profiling()).read_text())
 
     def _deactivate(self) -> None:
         self.binding = None

@@ -13,7 +13,7 @@ This is a quick runtime-level check; bench/ owns the benchmark reports.
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import time
@@ -21,7 +21,8 @@ import time
 import numpy as np
 
 from core.decode import DecodeDriver
-from core.errors import ArgumentParser, int_in, positive_int, run_cli
+from core.errors import ArgumentParser, int_in, positive_int
+from core.lifecycle import run_cli
 from runtime.session import DecoderSession, RuntimeUserError
 
 
@@ -89,5 +90,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)

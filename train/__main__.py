@@ -42,7 +42,7 @@ later runs; the same split and token streams as --corpus gives for the same text
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import argparse
@@ -50,7 +50,8 @@ import shlex
 import sys
 
 from core.errors import ArgumentParser, UsageError, float_in, int_in, positive_int, seed_int
-from train.config import TrainConfig, TrainError, add_execution_options, apply_resume_options
+from train.config import TrainConfig, add_execution_options, apply_resume_options
+from train.errors import TrainError
 from train.presets import ARCHS, PRESETS, SIZES, architecture
 
 # what --resume may be given beside --out: how the run is executed, not what it computes
@@ -170,5 +171,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)

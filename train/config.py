@@ -1,4 +1,4 @@
-"""What one training run is: TrainConfig, resolved against the preset and size, and its errors.
+"""What one training run is: TrainConfig, resolved against the preset and size (train.errors: its errors).
 
 Kept free of torch so that `python -m train` rejects bad input in a fraction of a
 second (models.decoder, and with it torch, is imported only for the full
@@ -10,20 +10,12 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.errors import UsageError, UserError
+from train.errors import TrainError, TrainUsageError
 from train.presets import PRESETS, SIZES, TAPER_FRAC, WARMUP_FRAC
+from train.tokenizer import DEFAULT_TOKENIZER
 
-DEFAULT_TOKENIZER = Path(__file__).resolve().parent / "data" / "tokenizer.json"
 DEVICES = ("cpu", "cuda")
 DTYPES = ("fp32", "bf16")
-
-
-class TrainError(UserError):
-    """Bad training input; the message is one line `<object>: <expected>, <found>; <fix>`."""
-
-
-class TrainUsageError(TrainError, UsageError):
-    """A setting no input makes right, or two that cannot go together: a wrong command line (exit 2)."""
 
 
 @dataclass
@@ -170,7 +162,7 @@ class TrainConfig:
 
     def shard_dir(self) -> Path:
         """Where --data's token shards are (or will be) kept."""
-        from train.shards import default_shard_dir, is_shard_dir
+        from train.shards import default_shard_dir, is_shard_dir     # numpy: not for the cheap checks
         if self.shards:
             return Path(self.shards)
         return Path(self.data) if is_shard_dir(self.data) else default_shard_dir(self.data, self.out)

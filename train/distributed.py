@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from core.errors import EXIT_USER, NO_ROOM, NoRoomError, io_errno
-from train.config import TrainError
+from core.errors import EXIT_USER, NO_ROOM, io_errno
+from core.lifecycle import no_room
+from train.errors import TrainError
 
 # What a lost peer looks like from a surviving rank: gloo raises a plain RuntimeError from its
 # TCP transport, nccl a DistBackendError; the launcher then stops the job.
@@ -222,7 +223,7 @@ def writing_together(par: Parallel, where: str | os.PathLike):
     par.barrier()
     if not par.is_main:
         raise SystemExit(EXIT_USER)
-    raise failure if failure is not None else NoRoomError(where, code)
+    raise failure if failure is not None else no_room(where, code)
 
 
 def peer_lost(e: BaseException) -> bool:

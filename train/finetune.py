@@ -31,7 +31,7 @@ the model's tokenizer (see python -m train --help).
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import argparse
@@ -40,7 +40,8 @@ import sys
 from pathlib import Path
 
 from core.errors import ArgumentParser, UsageError, float_in, int_in, seed_int
-from train.config import TrainConfig, TrainError, add_execution_options, apply_resume_options
+from train.config import TrainConfig, add_execution_options, apply_resume_options
+from train.errors import TrainError
 
 METHODS = ("internal-taper", "all-taper", "fakeln", "vanilla")
 DEFAULTS = dict(steps=600, lr=5e-4, batch_size=16, seq_len=128, eval_every=100)
@@ -207,5 +208,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)

@@ -54,9 +54,9 @@ def speaks_for_job() -> bool:
 
 
 def run_train_cli(body, argv: list[str] | None = None) -> int:
-    """core.errors.run_cli for a train command: a Ctrl-C dropped by an import still stops it, and under
+    """core.lifecycle.run_cli for a train command: a Ctrl-C dropped by an import still stops it, and under
     torchrun rank 0 alone prints the one-line error or interrupt (speaks_for_job)."""
-    from core.errors import run_cli
+    from core.lifecycle import run_cli
 
     def noting(args: list[str]) -> int:
         with noting_interrupts():

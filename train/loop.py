@@ -58,10 +58,11 @@ from core.outputs import TRAINING_RUN, check_output_dir, marker_kind, naming_out
 from models.checkpoint import CONFIG, TOKENIZER, WEIGHTS, checkpoint_config, save_checkpoint
 from models.decoder import Decoder
 from train.calibration import branch_mismatch, calibrate
-from train.config import TrainConfig, TrainError
+from train.config import TrainConfig
 from train.corpus import EOS, load_corpus, split_stories
 from train.distributed import (SINGLE, Parallel, RankError, data_parallel, ignore_launcher_stop, launched_world,
                                peer_lost, peer_lost_reason, writing_together)
+from train.errors import TrainError
 from train.scale_loss import scale_loss, token_rms
 from train.interrupts import raise_if_interrupted
 from train.run_state import (RUN_STATE, RUN_STATE_JSON, has_run_state, load_run_state, refuse_old_state,

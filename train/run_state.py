@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from core.inputs import read_json_file
 from core.outputs import writing
-from train.config import TrainError
+from train.errors import TrainError
 
 RUN_STATE = "train_state.safetensors"
 RUN_STATE_JSON = "train_state.json"

@@ -41,7 +41,7 @@ from torch import nn
 
 from core.outputs import writing
 from models.decoder import Decoder
-from train.config import TrainError
+from train.errors import TrainError
 
 SHARDED_STATE = "train_state.dcp"       # torch.distributed.checkpoint folder: model and optimizer, by FQN
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}

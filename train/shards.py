@@ -25,7 +25,7 @@ run being resumed are never rebuilt under it).
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import argparse
@@ -367,7 +367,7 @@ def shards_for(data: str, where: str | Path, tokenizer_json: str | Path, progres
 def run(argv: list[str]) -> int:
     from core.errors import ArgumentParser, int_in
     from core.outputs import check_output_dir
-    from train.config import DEFAULT_TOKENIZER
+    from train.tokenizer import DEFAULT_TOKENIZER
     p = ArgumentParser(prog="python -m train.shards", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="a .txt / .jsonl / .parquet file, a folder of them, or a datasets save_to_disk folder")
@@ -395,6 +395,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)
 

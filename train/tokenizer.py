@@ -8,15 +8,17 @@ train/data/tokenizer.json is committed; it was produced by
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import argparse
 import sys
 from pathlib import Path
 
-from train.config import DEFAULT_TOKENIZER
 from train.corpus import DEFAULT_GENERATED_STORIES, EOS, generate_stories
+from train.errors import TrainError
+
+DEFAULT_TOKENIZER = Path(__file__).resolve().parent / "data" / "tokenizer.json"    # the shipped one
 DEFAULT_VOCAB = 2048
 ENCODE_CHUNK = 512      # stories per tokenizer call
 
@@ -36,7 +38,6 @@ def load_tokenizer(path: str | Path = DEFAULT_TOKENIZER):
     """A tokenizers.Tokenizer from a tokenizer.json; TrainError (one line) for a missing or unreadable file."""
     from tokenizers import Tokenizer
     from core.errors import first_line
-    from train.config import TrainError
     path = Path(path)
     if not path.is_file():
         raise TrainError(f"tokenizer {path}: not found; pass an existing tokenizer.json "
@@ -83,10 +84,10 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-    from core.errors import run_cli
+    from core.lifecycle import run_cli
     return run_cli(run, argv)
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)

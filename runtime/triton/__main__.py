@@ -22,7 +22,7 @@ client prints the generated text on stdout, as python
 """
 from __future__ import annotations
 
-from core.errors import guard_startup
+from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
 import itertools
@@ -31,8 +31,8 @@ import signal
 import sys
 import threading
 
-from core.errors import (ArgumentParser, UsageError, float_in, int_in, nonnegative_int, positive_int, run_cli,
-                         seed_int)
+from core.errors import ArgumentParser, UsageError, float_in, int_in, nonnegative_int, positive_int, seed_int
+from core.lifecycle import run_cli
 
 port = int_in(1, 65535)
 
@@ -197,5 +197,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from core.errors import exit_after
+    from core.lifecycle import exit_after
     exit_after(main)

@@ -38,6 +38,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from runtime.process_memory import process_tree
 from runtime.session import MissingExtraError, RuntimeUserError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -79,37 +80,6 @@ def server_env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     return env
-
-
-def process_tree(pid: int) -> list[int]:
-    """pid and its descendants (Linux /proc), parents first."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
-def rss_bytes(pids: list[int]) -> int:
-    """Resident memory of these processes together (VmRSS from /proc; gone ones count 0)."""
-    total = 0
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-                    break
-        except OSError:
-            continue
-    return total
 
 
 class TritonServer:

@@ -1,6 +1,6 @@
 """Ctrl-C during start-up, while an entry point is still importing torch (or numpy, onnx, ...), before the
 CLI runner is in place: one `error: interrupted; nothing was written` line and exit 130, as later on,
-for every `python -m` entry point (core.errors.guard_startup).
+for every `python -m` entry point (core.lifecycle.guard_startup).
 
 The import window is made deterministic, not timed: a sitecustomize on PYTHONPATH (test-only, in
 tmp_path) stalls the first import of a heavy module and says so in a file; the test then sends the
@@ -73,12 +73,12 @@ def test_every_entry_point_is_found():
 @pytest.mark.parametrize("name", sorted(ENTRY_POINTS))
 def test_the_guard_comes_before_any_other_import(name):
     """Cheap and structural, so a new entry point cannot forget it: the module's first statements after
-    the docstring and `from __future__` import core.errors' guard and call it with __name__."""
+    the docstring and `from __future__` import core.lifecycle's guard and call it with __name__."""
     body = [n for n in ast.parse(ENTRY_POINTS[name].read_text()).body
             if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
             and not (isinstance(n, ast.ImportFrom) and n.module == "__future__")]
     first, second = ast.unparse(body[0]), ast.unparse(body[1])
-    assert (first, second) == ("from core.errors import guard_startup", "guard_startup(__name__)"), \
+    assert (first, second) == ("from core.lifecycle import guard_startup", "guard_startup(__name__)"), \
         f"{ENTRY_POINTS[name].relative_to(ROOT)} starts with {first!r}, {second!r}"
 
 
@@ -118,7 +118,7 @@ def test_sigterm_while_importing_is_the_same(tmp_path):
 def test_run_cli_takes_the_signals_back_from_the_guard():
     """Once the runner is in place a Ctrl-C is its KeyboardInterrupt again (temporaries removed, the
     outputs completed so far named), not the guard's immediate exit."""
-    from core.errors import guard_startup, run_cli
+    from core.lifecycle import guard_startup, run_cli
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)

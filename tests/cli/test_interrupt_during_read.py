@@ -35,7 +35,7 @@ def read(where, name):
         raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'")
     return real(where, name)
 files.read_safetensor = read
-from core.errors import exit_after
+from core.lifecycle import exit_after
 from export.build import main
 sys.argv[1:] = sys.argv[2:]
 exit_after(main)

@@ -31,7 +31,7 @@ def _child(main, argv, out_path, err_path):
     sys.stdout = open(1, "w", closefd=False)
     sys.stderr = open(2, "w", closefd=False)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    from core.errors import command_code
+    from core.lifecycle import command_code
     try:
         code = command_code(lambda: main(argv))    # as `python -m` runs it (exit_after)
     except BaseException:           # what escapes run_cli is itself a finding: print it, exit 99

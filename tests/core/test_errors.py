@@ -1,7 +1,8 @@
-"""core.errors: the one CLI runner and its exit codes; range-checked argparse types."""
+"""core.lifecycle.run_cli and core.errors: the one CLI runner and its exit codes; range-checked argparse types."""
 import pytest
 
-from core.errors import ArgumentParser, UserError, float_in, int_in, positive_int, run_cli
+from core.errors import ArgumentParser, UserError, float_in, int_in, positive_int
+from core.lifecycle import run_cli
 
 
 def _run(capsys, body, argv=()):
@@ -114,7 +115,7 @@ def test_exit_code_130_survives_an_interrupt_that_c_code_saw(tmp_path):
     from tests.helpers import default_sigint
     (tmp_path / "interrupted_cmd.py").write_text(
         "import ctypes\n"
-        "from core.errors import exit_after\n"
+        "from core.lifecycle import exit_after\n"
         "ctypes.pythonapi.PyRun_SimpleString(b'raise KeyboardInterrupt')\n"   # caught in C, flag set
         "exit_after(lambda: 130)\n")
     root = Path(__file__).resolve().parents[2]
@@ -133,7 +134,7 @@ def test_a_ctrl_c_after_run_cli_answered_is_one_line_and_130(tmp_path):
 
     from tests.helpers import default_sigint
     (tmp_path / "late_interrupt_cmd.py").write_text(
-        "from core.errors import exit_after, run_cli\n"
+        "from core.lifecycle import exit_after, run_cli\n"
         "def main():\n"
         "    run_cli(lambda argv: 0, [])\n"
         "    raise KeyboardInterrupt          # where the signal lands: after run_cli, before the exit\n"

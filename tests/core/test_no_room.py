@@ -5,9 +5,10 @@ import errno
 
 import pytest
 
-from core.errors import NoRoomError, io_errno, run_cli
-from core.outputs import (BENCH_RESULTS, CHECKPOINT, FUSED_ONNX, claim_dir, forget_committed, output_dir, output_file,
-                          replace_file_in, replaced_file_in, writing)
+from core.errors import NoRoomError, io_errno
+from core.lifecycle import forget_committed, run_cli
+from core.outputs import (BENCH_RESULTS, CHECKPOINT, FUSED_ONNX, claim_dir, output_dir, output_file, replace_file_in,
+                          replaced_file_in, writing)
 
 QUOTA = "Disk quota exceeded; nothing was written (free space or choose another"
 

@@ -74,7 +74,7 @@ def test_cli_interface_mismatch_and_missing_file(tmp_path):
 
 
 def test_a_failed_verification_lists_each_mismatch_once_on_the_command_line(capsys):
-    from core.errors import run_cli
+    from core.lifecycle import run_cli
 
     def fails(argv):
         raise VerificationError("model.onnx vs torch", ["logits: max abs diff 1 > atol 0.0001", "present_key_0: nan"])

@@ -184,6 +184,18 @@ def test_ort_profiling_option(tiny, tmp_path):
     assert trace.parent == tmp_path and any(e.get("name") == "model_run" for e in json.loads(trace.read_text()))
 
 
+def test_profile_events_end_profiling_and_read_its_trace(tiny, tmp_path):
+    """bench's norm shares read a session's profile through this one method."""
+    _, build = tiny
+    with OrtSession(build, profile_prefix=tmp_path / "ort") as s:
+        s.reset(1)
+        s.prefill(np.array([[1, 2]]))
+        events = s.profile_events()
+    assert any(e.get("name") == "model_run" for e in events)
+    with OrtSession(build) as s, pytest.raises(ValueError, match="profiling is off"):
+        s.profile_events()
+
+
 def test_check_provider_wants_the_asked_provider_first():
     from runtime.ort_session import check_provider
     from runtime.session import DeviceError

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from models.checkpoint import load_checkpoint
-from train.config import TrainConfig, TrainError
+from train.config import TrainConfig
+from train.errors import TrainError
 from train.loop import resume_config, train
 
 ROOT = Path(__file__).resolve().parents[2]

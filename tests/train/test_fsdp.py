@@ -21,8 +21,9 @@ from models.checkpoint import load_checkpoint, save_checkpoint
 from tests.cli.conftest import cli
 from tests.train.conftest import pretrained_layernorm
 from tests.train.test_distributed import TINY, _argv
-from train.config import TrainConfig, TrainError
+from train.config import TrainConfig
 from train.distributed import Parallel
+from train.errors import TrainError
 from train.memory import estimate_rank_memory
 from train.sharded import SHARDED_STATE, write_streamed_weights
 

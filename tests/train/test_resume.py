@@ -6,7 +6,8 @@ import torch
 from safetensors.torch import load_file
 
 import train.loop as loop
-from train.config import TrainConfig, TrainError
+from train.config import TrainConfig
+from train.errors import TrainError
 from train.loop import RUN_STATE, resume_config, train
 
 TINY = dict(size="tiny", batch_size=4, seq_len=16, eval_every=2, eval_batches=1, calib_batches=1,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tests.cli.conftest import cli
-from train.config import DEFAULT_TOKENIZER
+from train.tokenizer import DEFAULT_TOKENIZER
 from train.corpus import generate_stories
 from train.shards import HEADER_BYTES, ShardError, build_shards, open_shards
 

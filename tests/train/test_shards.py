@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from train.config import DEFAULT_TOKENIZER, TrainConfig, TrainError
+from train.config import TrainConfig
 from train.corpus import CorpusError, generate_stories
+from train.errors import TrainError
 from train.loop import _sample, prepare_data, train
 from train.shards import (HEADER_BYTES, META, ShardError, TokenStream, build_shards, default_shard_dir, open_shards,
                           read_shard)
+from train.tokenizer import DEFAULT_TOKENIZER
 
 TINY = dict(size="tiny", batch_size=4, seq_len=16, eval_every=2, eval_batches=2, calib_batches=1, progress=False,
             threads=1, model=dict(d_model=16, n_layer=2, n_head=2, max_seq_len=32))

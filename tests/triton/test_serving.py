@@ -295,7 +295,7 @@ def _rss_load(server, n: int, seed: int) -> None:
 
 
 def _check_rss_flat(server, requests: int) -> None:
-    from runtime.triton.server import rss_bytes
+    from runtime.process_memory import rss_bytes
     _rss_load(server, RSS_WARMUP, seed=0)
     base = rss_bytes(server.pids())
     _rss_load(server, requests, seed=1)
