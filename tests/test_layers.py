@@ -23,9 +23,18 @@ TORCH_FREE = ["core", "core.errors", "core.lifecycle", "core.outputs", "core.onn
               "runtime.triton.python_model", "runtime.generate", "runtime.triton.repository"]
 
 
-def _imports(path: Path):
+def _imports(path: Path, typing_only: bool = True):
+    """(line, module) of every import in the file; typing_only=False leaves out those under
+    `if TYPE_CHECKING:` (never run, so they hold no circle; they still count for the layers)."""
     tree = ast.parse(path.read_text(), str(path))
+    skipped = set()
+    if not typing_only:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                skipped |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
     for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             for a in node.names:
                 yield node.lineno, a.name
@@ -90,7 +99,7 @@ def _import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     graph = {}
     for name, path in paths.items():
         pkg = name.split(".")[0]
-        graph[name] = {mod for _, mod in _imports(path)
+        graph[name] = {mod for _, mod in _imports(path, typing_only=False)
                        if mod in paths and mod != name and mod.split(".")[0] == pkg}
     return graph
 
@@ -151,6 +160,17 @@ def test_the_circle_check_catches_a_lazy_circle(tmp_path):
     (tmp_path / "core" / "c.py").write_text("def z():\n    import core.a\n    return core.a.x\n")
     (tmp_path / "core" / "d.py").write_text("import core.a\n")
     assert _circles(_import_graph(tmp_path)) == [{"core.a", "core.b", "core.c"}]
+
+
+def test_an_annotation_only_import_holds_no_circle(tmp_path):
+    """`if TYPE_CHECKING:` imports never run: a back-reference for a type hint is no circle."""
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "a.py").write_text("from core.b import y\n")
+    (tmp_path / "core" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                            "    from core.a import X\ny = 1\n")
+    assert _circles(_import_graph(tmp_path)) == []
+    (tmp_path / "core" / "b.py").write_text("from core.a import X\ny = 1\n")
+    assert _circles(_import_graph(tmp_path)) == [{"core.a", "core.b"}]
 
 
 def _private(name: str) -> bool:
