@@ -24,7 +24,7 @@ One step (`step()`; the loop thread runs it while there is work):
      then newcomers: the first waiting sequences (first come, first served) that fit the
      rest of the budget go into the lowest free slots, longest first piece in the lowest,
      and each run of contiguous slots whose rows have similar lengths (`prefill_groups`:
-     padded tokens within MAX_PADDING x prompt tokens) is ONE call, `prefill_rows(slot,
+     each row's piece at least 1 / MAX_PADDING of the longest) is ONE call, `prefill_rows(slot,
      ids [n, T_max])`, right-padded as runtime.generate pads a batch: on a CPU a token of a
      16-row prefill costs far less than a token of a 1-row one (weights read once, a GEMM
      instead of a GEMV). Each row's first token is sampled from the logits at its own last
@@ -76,8 +76,8 @@ STOP, LENGTH, CANCELLED, ERROR = "stop", "length", "cancelled", "error"   # why 
 PREFILL_TOKENS = 512          # padded prompt tokens prefilled per step (one piece at least): bounds the stall
                               # a burst of newcomers puts on the running sequences' next token
 PREFILL_CHUNK = 256           # the most tokens of one prompt prefilled in a step: a longer one takes several
-MAX_PADDING = 2.0             # a batched prefill computes at most this many tokens (rows x longest) per prompt
-                              # token: rows of very different lengths go in separate calls
+MAX_PADDING = 2.0             # a row of a batched prefill computes at most this many tokens (the call's longest)
+                              # per prompt token of its own: rows of very different lengths go in separate calls
 CANCEL_POLL_S = 0.02          # a sequence's cancelled_by() is asked at most this often: an IPC call in Triton (~60-90 us)
 
 
@@ -453,14 +453,13 @@ class BatchScheduler:
 def prefill_groups(pieces: list[int], free: list[int]) -> list[list[tuple[int, int]]]:
     """Newcomers' first pieces (token counts, first come first) in the free slots `free` (ascending, one
     each) as prefill calls: lists of (index into pieces, slot). Longest piece in the lowest slot, so a
-    call's rows have similar lengths; a call is a run of contiguous slots whose padded tokens (rows x its
-    longest piece) stay within MAX_PADDING x its prompt tokens."""
+    call's rows have similar lengths; a call is a run of contiguous slots where every row's piece is at
+    least 1 / MAX_PADDING of the call's longest (each row computes at most MAX_PADDING x its tokens)."""
     order = sorted(range(len(pieces)), key=lambda i: -pieces[i])                         # stable: ties first come
     calls: list[list[tuple[int, int]]] = []
     for i, slot in zip(order, free):
         rows = calls[-1] if calls else None
-        if rows and slot == rows[-1][1] + 1 and \
-                (len(rows) + 1) * pieces[rows[0][0]] <= MAX_PADDING * (sum(pieces[j] for j, _ in rows) + pieces[i]):
+        if rows and slot == rows[-1][1] + 1 and pieces[rows[0][0]] <= MAX_PADDING * pieces[i]:
             rows.append((i, slot))
         else:
             calls.append([(i, slot)])
