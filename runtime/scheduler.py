@@ -23,12 +23,13 @@ One step (`step()`; the loop thread runs it while there is work):
      prefilled (alone: ONNX Runtime's GroupQueryAttention continues a prompt at batch 1 only),
      then newcomers: the first waiting sequences (first come, first served) that fit the
      rest of the budget go into the lowest free slots, longest first piece in the lowest,
-     and each run of contiguous slots whose rows have similar lengths (`prefill_groups`:
-     each row's piece at least 1 / MAX_PADDING of the longest) is ONE call, `prefill_rows(slot,
-     ids [n, T_max])`, right-padded as runtime.generate pads a batch: on a CPU a token of a
-     16-row prefill costs far less than a token of a 1-row one (weights read once, a GEMM
-     instead of a GEMV). Each row's first token is sampled from the logits at its own last
-     prompt token and delivered (TTFT). The budget counts rows x T_max of each call;
+     and rows of similar lengths in contiguous slots are ONE call (`prefill_groups`: the cut
+     of least padding plus per-call cost), `prefill_rows(slot, ids [n, T_max])`, right-padded
+     as runtime.generate pads a batch: a call has a fixed cost (PREFILL_CALL_TOKENS) and a
+     token of a 16-row prefill costs less than a token of a 1-row one (weights read once, a
+     GEMM instead of a GEMV). The calls run smallest first (the least TTFT in total). Each
+     row's first token is sampled from the logits at its own last prompt token and
+     delivered (TTFT). The budget counts rows x T_max of each call;
   3. one decode step over rows [0, hi), hi = highest slot past its prefill + 1:
      `session.decode_rows(0, tokens [hi], position [hi])`; a free row below hi is fed
      token 0 at position 0 (its contents are garbage anyway), a row in the middle of its
@@ -76,8 +77,9 @@ STOP, LENGTH, CANCELLED, ERROR = "stop", "length", "cancelled", "error"   # why 
 PREFILL_TOKENS = 512          # padded prompt tokens prefilled per step (one piece at least): bounds the stall
                               # a burst of newcomers puts on the running sequences' next token
 PREFILL_CHUNK = 256           # the most tokens of one prompt prefilled in a step: a longer one takes several
-MAX_PADDING = 2.0             # a row of a batched prefill computes at most this many tokens (the call's longest)
-                              # per prompt token of its own: rows of very different lengths go in separate calls
+PREFILL_CALL_TOKENS = 10      # one more prefill call costs about as much as this many more prompt tokens: on the
+                              # 1B int4 build (ORT CPU, 2 threads, AVX2) a call of M = rows x longest tokens
+                              # took (M + ~10) x the time of one token for M in 16-512 (docs/triton.md)
 CANCEL_POLL_S = 0.02          # a sequence's cancelled_by() is asked at most this often: an IPC call in Triton (~60-90 us)
 
 
@@ -333,6 +335,7 @@ class BatchScheduler:
                 self._running[slot] = seq
             self._n_running += n
             self._stats.peak_running = max(self._stats.peak_running, self._n_running)
+        calls.sort(key=lambda rows: len(rows) * pieces[rows[0][0]])                   # smallest first: less TTFT
         return [[candidates[i] for i, _ in rows] for rows in calls]
 
     def _prefill_call(self, seqs: list[Sequence]) -> None:
@@ -452,18 +455,26 @@ class BatchScheduler:
 
 def prefill_groups(pieces: list[int], free: list[int]) -> list[list[tuple[int, int]]]:
     """Newcomers' first pieces (token counts, first come first) in the free slots `free` (ascending, one
-    each) as prefill calls: lists of (index into pieces, slot). Longest piece in the lowest slot, so a
-    call's rows have similar lengths; a call is a run of contiguous slots where every row's piece is at
-    least 1 / MAX_PADDING of the call's longest (each row computes at most MAX_PADDING x its tokens)."""
+    each) as prefill calls: lists of (index into pieces, slot), in slot order. The longest piece goes to
+    the lowest slot, and the rows, so sorted, are cut into the calls of least estimated cost, the sum
+    over calls of PREFILL_CALL_TOKENS + rows x longest piece: a short row joins longer ones while the
+    padding it computes costs less than a call of its own. A call never spans a slot that is not free."""
     order = sorted(range(len(pieces)), key=lambda i: -pieces[i])                         # stable: ties first come
-    calls: list[list[tuple[int, int]]] = []
-    for i, slot in zip(order, free):
-        rows = calls[-1] if calls else None
-        if rows and slot == rows[-1][1] + 1 and pieces[rows[0][0]] <= MAX_PADDING * pieces[i]:
-            rows.append((i, slot))
-        else:
-            calls.append([(i, slot)])
-    return calls
+    slots = free[:len(order)]
+    best = [0.0] + [float("inf")] * len(order)      # best[j]: the least cost of the first j rows (sorted)
+    start = [0] * (len(order) + 1)                  # start[j]: where the last call of that cut begins
+    for j in range(1, len(order) + 1):
+        for i in range(j - 1, -1, -1):              # the last call: rows [i, j), longest first
+            if i < j - 1 and slots[i + 1] != slots[i] + 1:
+                break
+            cost = best[i] + PREFILL_CALL_TOKENS + (j - i) * pieces[order[i]]
+            if cost < best[j]:
+                best[j], start[j] = cost, i
+    calls, j = [], len(order)
+    while j:
+        calls.append([(order[k], slots[k]) for k in range(start[j], j)])
+        j = start[j]
+    return calls[::-1]
 
 
 def add_prompt_logprobs(seq: Sequence, logits: np.ndarray) -> None:

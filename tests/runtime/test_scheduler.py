@@ -392,15 +392,31 @@ def test_newcomers_of_one_step_are_prefilled_in_one_call_and_equal_their_solo_ru
         _assert_solo(seq, w, c)
 
 
-def test_prefill_groups_split_at_a_hole_and_at_too_much_padding():
-    from runtime.scheduler import MAX_PADDING, prefill_groups
-    # longest first in the lowest slot; similar lengths share a call
-    assert prefill_groups([5, 9, 7], [0, 1, 2]) == [[(1, 0), (2, 1), (0, 2)]]
-    # slot 2 is taken: two calls, whatever the lengths
-    assert prefill_groups([5, 9, 7], [0, 1, 3]) == [[(1, 0), (2, 1)], [(0, 3)]]
-    # rows of 12 and 6 tokens share a call (6 x MAX_PADDING >= 12); 5, 4 and 1 go to calls of their own kind
-    assert MAX_PADDING == 2.0
-    assert prefill_groups([5, 12, 1, 6, 4], [0, 1, 2, 3, 4]) == [[(1, 0), (3, 1)], [(0, 2), (4, 3)], [(2, 4)]]
+def test_prefill_groups_cut_the_least_costly_calls_and_split_at_a_taken_slot():
+    """prefill_groups against every cut of the rows (sorted longest first) into calls of contiguous
+    slots: its calls cost the least, cost = sum of PREFILL_CALL_TOKENS + rows x longest piece."""
+    import itertools
+    from runtime.scheduler import PREFILL_CALL_TOKENS, prefill_groups
+    cost = lambda calls, pieces: sum(PREFILL_CALL_TOKENS + len(c) * max(pieces[i] for i, _ in c) for c in calls)  # noqa: E731
+    assert prefill_groups([5, 9, 7], [0, 1, 2]) == [[(1, 0), (2, 1), (0, 2)]]      # longest in the lowest slot
+    assert prefill_groups([5, 9, 7], [0, 1, 3]) == [[(1, 0), (2, 1)], [(0, 3)]]    # slot 2 taken: two calls
+    big, small = 4 * PREFILL_CALL_TOKENS, 1
+    assert prefill_groups([big, small], [0, 1]) == [[(0, 0)], [(1, 1)]]             # padding 1 to big: dearer
+    rng = np.random.default_rng(5)
+    for _ in range(40):
+        n = int(rng.integers(1, 8))
+        pieces = rng.integers(1, 4 * PREFILL_CALL_TOKENS, n).tolist()
+        free = sorted(rng.choice(12, n, replace=False).tolist())
+        got = prefill_groups(pieces, free)
+        rows = [r for call in got for r in call]
+        assert sorted(i for i, _ in rows) == list(range(n)) and [slot for _, slot in rows] == free
+        assert [pieces[i] for i, _ in rows] == sorted(pieces, reverse=True)
+        for call in got:
+            assert [slot for _, slot in call] == list(range(call[0][1], call[0][1] + len(call)))
+        best = min(cost([rows[a:b] for a, b in zip((0,) + cut, cut + (n,))], pieces)
+                   for k in range(n) for cut in itertools.combinations(range(1, n), k)
+                   if all(rows[j][1] + 1 == rows[j + 1][1] or j + 1 in cut for j in range(n - 1)))
+        assert cost(got, pieces) == best, (pieces, free, got)
 
 
 @pytest.mark.parametrize("kind", ["ort", "ort-gqa", "torch"])
