@@ -78,8 +78,8 @@ PREFILL_TOKENS = 512          # padded prompt tokens prefilled per step (one pie
                               # a burst of newcomers puts on the running sequences' next token
 PREFILL_CHUNK = 256           # the most tokens of one prompt prefilled in a step: a longer one takes several
 PREFILL_CALL_TOKENS = 10      # one more prefill call costs about as much as this many more prompt tokens: on the
-                              # 1B int4 build (ORT CPU, 2 threads, AVX2) a call of M = rows x longest tokens
-                              # took (M + ~10) x the time of one token for M in 16-512 (docs/triton.md)
+                              # 1B int4 build (ORT CPU, 2 threads, AVX2, a loaded VM) prefill_rows [1, 16] took
+                              # 2.5 s, [1, 32] 4.0 s, [16, 32] 48 s: ~92 ms a token plus ~1 s (~10 tokens) a call
 CANCEL_POLL_S = 0.02          # a sequence's cancelled_by() is asked at most this often: an IPC call in Triton (~60-90 us)
 
 
