@@ -1,4 +1,5 @@
-"""python -m bench.llamacpp gguf --checkpoint DIR --source SDIST --llamacpp-python PY --out DIR [--vocab llama-bpe]
+"""python -m bench.llamacpp gguf --checkpoint DIR --source SDIST (--llamacpp-python PY | --quantize-bin BIN) --out DIR
+                             [--vocab llama-bpe]
 python -m bench.llamacpp ours-folder --checkpoint DIR --source SDIST --out DIR [--vocab llama-bpe]
 python -m bench.llamacpp serve --gguf FILE --llamacpp-python PY [--server-bin BIN] --slots N --threads N [--port P]
                                [--block-amx]
@@ -16,7 +17,9 @@ gguf     the folder as llama.cpp's Q4_0 GGUF, in two steps, each in a child proc
             (vendor/llama.cpp/models/ggml-vocab-<--vocab>.gguf; llama-bpe is Llama 3's 128256 tokens, so
             a Llama-3.2-shaped folder matches it; a folder whose vocab_size differs is refused);
          2. llama.cpp's quantizer (`llama_cpp.llama_model_quantize`, LLAMA_FTYPE_MOSTLY_Q4_0), run by
-            --llamacpp-python, writes OUT/model-q4_0.gguf. The f16 file is dropped.
+            --llamacpp-python, writes OUT/model-q4_0.gguf; or, with --quantize-bin, llama.cpp's own
+            `llama-quantize` binary (built with llama-server: no llama-cpp-python needed), the same
+            llama_model_quantize behind its command line. The f16 file is dropped.
 ours-folder  the same folder for ours (its files linked) with the same vocabulary as tokenizer.json: Llama 3's
          byte-level BPE rebuilt from the vocab-only GGUF's tokens and merges with Llama 3's pre-tokenizer split
          (the regex llama.cpp's llama-vocab.cpp quotes from Llama 3's tokenizer.json) and its <|begin_of_text|>
@@ -183,9 +186,17 @@ def _wanted(name: str) -> bool:
         parts[1][len(VENDOR) + 1:].startswith(SOURCE_MEMBERS)
 
 
-def make_gguf(folder: str | os.PathLike, out: str | os.PathLike, *, source: str | os.PathLike, python: str,
-              vocab: str = "llama-bpe", threads: int | None = None, log=print) -> Path:
-    """OUT/model-q4_0.gguf from a random-init Llama folder (module docstring); returns the GGUF's path."""
+def make_gguf(folder: str | os.PathLike, out: str | os.PathLike, *, source: str | os.PathLike,
+              python: str | None = None, quantize_bin: str | None = None, vocab: str = "llama-bpe",
+              threads: int | None = None, log=print) -> Path:
+    """OUT/model-q4_0.gguf from a random-init Llama folder (module docstring); returns the GGUF's path.
+    The quantizer: llama-cpp-python's, run by `python`, or the `quantize_bin` binary (exactly one)."""
+    if (python is None) == (quantize_bin is None):
+        raise UsageError("gguf: expected one quantizer, --llamacpp-python or --quantize-bin, found "
+                         f"{'both' if python else 'neither'}; pass one of them")
+    if quantize_bin is not None and not (Path(quantize_bin).is_file() and os.access(quantize_bin, os.X_OK)):
+        raise UserError(f"--quantize-bin {quantize_bin}: expected llama.cpp's llama-quantize executable, found "
+                        "no such executable file; build llama.cpp (cmake --build BUILD --target llama-quantize)")
     folder, out = Path(folder), Path(out)
     if not (folder / "config.json").is_file():
         raise UserError(f"--checkpoint {folder}: expected a Hugging Face folder (config.json), found none; "
@@ -199,9 +210,14 @@ def make_gguf(folder: str | os.PathLike, out: str | os.PathLike, *, source: str 
         f16 = tmp / "model-f16.gguf"
         log(f"convert {folder} -> f16 GGUF (llama.cpp's convert_hf_to_gguf.py, vocabulary of {vocab_file.name})")
         _child([sys.executable, "-c", _CONVERT, str(src), str(vocab_file), str(folder), str(f16)], "convert_hf_to_gguf")
-        log(f"quantize -> Q4_0 ({python}: llama_cpp.llama_model_quantize)")
-        _child([python, "-c", _QUANTIZE, str(f16), str(tmp / GGUF_NAME), str(LLAMA_FTYPE_MOSTLY_Q4_0),
-                str(threads or os.cpu_count() or 1)], "llama_model_quantize")
+        nthread = str(threads or os.cpu_count() or 1)
+        if quantize_bin is not None:
+            log(f"quantize -> Q4_0 ({quantize_bin})")
+            _child([quantize_bin, str(f16), str(tmp / GGUF_NAME), "Q4_0", nthread], "llama-quantize")
+        else:
+            log(f"quantize -> Q4_0 ({python}: llama_cpp.llama_model_quantize)")
+            _child([python, "-c", _QUANTIZE, str(f16), str(tmp / GGUF_NAME), str(LLAMA_FTYPE_MOSTLY_Q4_0), nthread],
+                   "llama_model_quantize")
         f16.unlink()
     log(f"wrote {out / GGUF_NAME}")
     return out / GGUF_NAME
@@ -549,7 +565,9 @@ def _parser():
     g = sub.add_parser("gguf", help="the folder as llama.cpp's Q4_0 GGUF")
     g.add_argument("--checkpoint", required=True, help="a random-init Hugging Face folder (bench.scale make)")
     g.add_argument("--source", required=True, help="llama-cpp-python's source package (.tar.gz) or its unpacked folder")
-    g.add_argument("--llamacpp-python", required=True, help="a python that imports llama_cpp (runs the quantizer)")
+    q = g.add_mutually_exclusive_group(required=True)
+    q.add_argument("--llamacpp-python", help="a python that imports llama_cpp (runs the quantizer)")
+    q.add_argument("--quantize-bin", help="llama.cpp's llama-quantize binary instead (built with llama-server)")
     g.add_argument("--vocab", default="llama-bpe", help="llama.cpp's vocab-only GGUF to take the vocabulary from "
                                                        "(models/ggml-vocab-NAME.gguf; default llama-bpe: Llama 3)")
     g.add_argument("--threads", type=int_in(1, 1024), help="quantizer threads (default: every core)")
@@ -581,8 +599,8 @@ def _parser():
 def run(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.cmd == "gguf":
-        make_gguf(args.checkpoint, args.out, source=args.source, python=args.llamacpp_python, vocab=args.vocab,
-                  threads=args.threads)
+        make_gguf(args.checkpoint, args.out, source=args.source, python=args.llamacpp_python,
+                  quantize_bin=args.quantize_bin, vocab=args.vocab, threads=args.threads)
         return 0
     if args.cmd == "ours-folder":
         ours_folder(args.checkpoint, args.out, source=args.source, vocab=args.vocab)

@@ -13,31 +13,44 @@ A sequence owns one slot from its prefill until it finishes (stop token, max_new
 cancellation, error); the slot is free again in the same step.
 
 One step (`step()`; the loop thread runs it while there is work):
-  1. drop cancelled sequences, waiting or running: their slots are free at once;
-  2. admit waiting sequences (first come, first served) into free slots, lowest slot
-     first, while the step's prefill budget (`prefill_tokens`) lasts (one newcomer at
-     least): each prompt is prefilled ALONE in its own row, `session.prefill_rows(slot,
-     ids [1, T])`, which reads and writes row `slot` of the caches only, so the other
-     slots' caches are untouched (see "Why prefill cannot corrupt other slots");
-     its first token is sampled and delivered (TTFT);
-  3. one decode step over rows [0, hi), hi = highest running slot + 1:
+  1. drop cancelled sequences, waiting or running (a prompt half prefilled included): their
+     slots are free at once;
+  2. prefill, while the step's budget (`prefill_tokens` padded tokens) lasts, one piece at
+     least. A piece is at most `prefill_chunk` tokens of one prompt: a longer prompt is
+     prefilled over several steps, one chunk per step, `session.prefill_rows(slot, ids [1, c],
+     position [tokens done])`, so the running sequences get a token between its chunks;
+     its first token comes after its last chunk. First the next chunk of each prompt being
+     prefilled (alone: ONNX Runtime's GroupQueryAttention continues a prompt at batch 1 only),
+     then newcomers: the first waiting sequences (first come, first served) that fit the
+     rest of the budget go into the lowest free slots, longest first piece in the lowest,
+     and rows of similar lengths in contiguous slots are ONE call (`prefill_groups`: the cut
+     of least padding plus per-call cost), `prefill_rows(slot, ids [n, T_max])`, right-padded
+     as runtime.generate pads a batch: a call has a fixed cost (PREFILL_CALL_TOKENS) and a
+     token of a 16-row prefill costs less than a token of a 1-row one (weights read once, a
+     GEMM instead of a GEMV). The calls run smallest first (the least TTFT in total). Each
+     row's first token is sampled from the logits at its own last prompt token and
+     delivered (TTFT). The budget counts rows x T_max of each call;
+  3. one decode step over rows [0, hi), hi = highest slot past its prefill + 1:
      `session.decode_rows(0, tokens [hi], position [hi])`; a free row below hi is fed
-     token 0 at position 0 (its contents are garbage anyway); each running sequence's
-     token is sampled with its own settings and its own generator and delivered.
+     token 0 at position 0 (its contents are garbage anyway), a row in the middle of its
+     chunks token 0 at its next chunk's position (which that chunk overwrites); each running
+     sequence's token is sampled with its own settings and its own generator and delivered.
 
 Why prefill cannot corrupt other slots: a step on rows [a, b) binds views of exactly those
 rows of the caches (runtime/session.py), so another slot is neither read nor written. The
 rows of a freed slot keep their old contents; a newcomer's prefill overwrites positions
 [0, len) and each decode step writes position p before any query can see it (query t
-attends to slots j <= position + t), as right padding does in runtime.generate.
+attends to slots j <= position + t), as right padding does in runtime.generate: the padding
+of a shorter row writes positions past its piece, which its next chunk or decode step
+overwrites before any query reads them.
 
 Same tokens as `python -m runtime.generate` for one prompt alone, whatever else is in the
-batch: the prompt is prefilled at batch 1 exactly as generate does it; then sequence b's
-token k is written at position len_b + k, and sampling draws from
-np.random.default_rng(seed) once per token, in the order generate draws for a batch of
-one. The decode step's logits are computed in a batch of hi rows instead of 1; rows do
-not interact, and where float rounding differs with the batch size only a near-tie can
-pick another token (tests/runtime/greedy.py).
+batch: sequence b's prompt tokens and then its token k are written at the positions generate
+writes them (len_b + k), and sampling draws from np.random.default_rng(seed) once per token,
+in the order generate draws for a batch of one. The prefill and decode logits are computed
+in a batch of several rows (and a long prompt in chunks) instead of one call at batch 1;
+rows do not interact, and where float rounding differs with the batch size only a near-tie
+can pick another token (tests/runtime/greedy.py).
 
 Back-pressure: the scheduler holds at most `slots + max_queued` sequences (running plus
 waiting); `submit` beyond that raises ServerBusy at once. A request that cannot fit the
@@ -47,6 +60,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import queue
 import threading
 import time
@@ -55,13 +69,17 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from runtime.generate import GenerationConfig, check_capacity, prompt_token_logprobs, prompt_top_logprobs
-from runtime.sampling import penalize, sample, top_logprobs
+from runtime.generate import GenerationConfig, check_capacity
+from runtime.sampling import log_softmax, penalize, sample, top_logprobs
 from runtime.session import DecoderSession, RuntimeUserError
 
 STOP, LENGTH, CANCELLED, ERROR = "stop", "length", "cancelled", "error"   # why a sequence finished
-PREFILL_TOKENS = 512          # prompt tokens prefilled per step (one newcomer at least): bounds the stall
+PREFILL_TOKENS = 512          # padded prompt tokens prefilled per step (one piece at least): bounds the stall
                               # a burst of newcomers puts on the running sequences' next token
+PREFILL_CHUNK = 256           # the most tokens of one prompt prefilled in a step: a longer one takes several
+PREFILL_CALL_TOKENS = 10      # one more prefill call costs about as much as this many more prompt tokens: on the
+                              # 1B int4 build (ORT CPU, 2 threads, AVX2, a loaded VM) prefill_rows [1, 16] took
+                              # 2.5 s, [1, 32] 4.0 s, [16, 32] 48 s: ~92 ms a token plus ~1 s (~10 tokens) a call
 CANCEL_POLL_S = 0.02          # a sequence's cancelled_by() is asked at most this often: an IPC call in Triton (~60-90 us)
 
 
@@ -163,19 +181,21 @@ class BatchScheduler:
     """See the module docstring. `session` must be active and implement steps on rows (row_steps)."""
 
     def __init__(self, session: DecoderSession, slots: int = 8, max_queued: int = 32,
-                 prefill_tokens: int = PREFILL_TOKENS):
+                 prefill_tokens: int = PREFILL_TOKENS, prefill_chunk: int = PREFILL_CHUNK):
         if not session.is_active:
             raise RuntimeError("BatchScheduler: activate the session first")
         if not session.row_steps:
             raise RuntimeUserError(f"backend {session.backend!r}: the batch scheduler needs steps on part of the "
                                    "batch (row_steps), which this backend does not implement; use ort, trt or torch")
-        if slots < 1 or max_queued < 0 or prefill_tokens < 1:
-            raise ValueError(f"slots {slots}, max_queued {max_queued}, prefill_tokens {prefill_tokens}: "
-                             "expected slots >= 1, max_queued >= 0, prefill_tokens >= 1")
+        if slots < 1 or max_queued < 0 or prefill_tokens < 1 or prefill_chunk < 1:
+            raise ValueError(f"slots {slots}, max_queued {max_queued}, prefill_tokens {prefill_tokens}, prefill_chunk "
+                             f"{prefill_chunk}: expected slots >= 1, max_queued >= 0, prefill_tokens >= 1, "
+                             "prefill_chunk >= 1")
         self.session = session
         self.slots = slots
         self.max_queued = max_queued
         self.prefill_tokens = prefill_tokens
+        self.prefill_chunk = min(prefill_chunk, prefill_tokens)      # a piece never exceeds a step's budget
         session.reset(slots)
         self._running: list[Sequence | None] = [None] * slots          # slot -> sequence
         self._waiting: collections.deque[Sequence] = collections.deque()
@@ -261,9 +281,9 @@ class BatchScheduler:
             self.step()
 
     def step(self) -> None:
-        """Drop cancelled sequences, admit newcomers (prefill), run one decode step."""
+        """Drop cancelled sequences, prefill (chunks of long prompts, newcomers), run one decode step."""
         self._drop_cancelled()
-        self._admit()
+        self._prefill_step()
         self._decode()
 
     def _drop_cancelled(self) -> None:
@@ -278,53 +298,90 @@ class BatchScheduler:
         for seq in gone:
             self._finish(seq, CANCELLED)
 
-    def _admit(self) -> None:
-        budget = self.prefill_tokens
-        admitted = 0
-        while None in self._running:
-            with self._lock:
-                if not self._waiting or (admitted and len(self._waiting[0].prompt) > budget):
-                    return
-                seq = self._waiting.popleft()
-                seq.slot = self._running.index(None)
-                self._running[seq.slot] = seq
-                self._n_running += 1
-                self._stats.peak_running = max(self._stats.peak_running, self._n_running)
-            admitted += 1
-            budget -= len(seq.prompt)
-            self._prefill(seq)
+    def _prefill_step(self) -> None:
+        """This step's prefill calls within the budget (one piece at least): the next chunk of each
+        prompt already being prefilled, alone (lowest slot first), then newcomers, batched."""
+        budget, done = self.prefill_tokens, False
+        for seq in [s for s in self._running if s is not None and s.position < len(s.prompt)]:
+            piece = min(self.prefill_chunk, len(seq.prompt) - seq.position)
+            if done and piece > budget:
+                return
+            budget -= piece
+            done = True
+            self._prefill_call([seq])
+        for call in self._admit(budget, must=not done):
+            self._prefill_call(call)
 
-    def _prefill(self, seq: Sequence) -> None:
+    def _admit(self, budget: int, must: bool) -> list[list[Sequence]]:
+        """Move the first waiting sequences (first come, first served) into free slots, as many as the
+        padded tokens of their first pieces fit the budget (one at least when `must`); returns their
+        prefill calls (prefill_groups)."""
+        free = [i for i, s in enumerate(self._running) if s is None]
+        with self._lock:
+            candidates = list(itertools.islice(self._waiting, len(free)))
+        pieces = [min(self.prefill_chunk, len(seq.prompt)) for seq in candidates]
+        n = len(candidates)
+        while n:
+            calls = prefill_groups(pieces[:n], free[:n])
+            if sum(len(rows) * max(pieces[i] for i, _ in rows) for rows in calls) <= budget or (n == 1 and must):
+                break
+            n -= 1
+        if not n:
+            return []
+        with self._lock:
+            for seq, slot in [(candidates[i], slot) for rows in calls for i, slot in rows]:
+                self._waiting.popleft()
+                seq.slot = slot
+                self._running[slot] = seq
+            self._n_running += n
+            self._stats.peak_running = max(self._stats.peak_running, self._n_running)
+        calls.sort(key=lambda rows: len(rows) * pieces[rows[0][0]])                   # smallest first: less TTFT
+        return [[candidates[i] for i, _ in rows] for rows in calls]
+
+    def _prefill_call(self, seqs: list[Sequence]) -> None:
+        """One prefill_rows call over the contiguous slots of `seqs`: each row's next piece (at most
+        prefill_chunk tokens from its position), right-padded to the longest; a row whose prompt is
+        then complete gets its first token from the logits at its own last prompt token."""
+        pieces = [min(self.prefill_chunk, len(seq.prompt) - seq.position) for seq in seqs]
+        ids = np.zeros((len(seqs), max(pieces)), np.int64)                                    # [B, T_max]
+        for b, (seq, n) in enumerate(zip(seqs, pieces)):
+            ids[b, :n] = seq.prompt[seq.position:seq.position + n]
         t0 = time.perf_counter()
         try:
-            ids = np.array([seq.prompt], np.int64)                                             # [1, T]
-            full = self.session.prefill_rows(seq.slot, ids)                                    # [1, T, V]
-            logits = full[:, -1]                                                               # [1, V]
-            if seq.config.prompt_logprobs:
-                seq.prompt_logprobs = prompt_token_logprobs(full[0], seq.prompt)
-                if seq.config.logprobs:
-                    seq.prompt_top_logprobs = prompt_top_logprobs(full[0], seq.config.logprobs)
-        except Exception as e:  # a backend failure ends this sequence only
-            seq.error = f"internal error in prefill: {type(e).__name__}: {e}"
-            self._finish(seq, ERROR)
+            full = self.session.prefill_rows(seqs[0].slot, ids, np.array([s.position for s in seqs], np.int64))
+            for b, (seq, n) in enumerate(zip(seqs, pieces)):                                 # full: [B, T_max, V]
+                if seq.config.prompt_logprobs:
+                    add_prompt_logprobs(seq, full[b, :n])
+        except Exception as e:  # a backend failure ends the sequences of this call only
+            for seq in seqs:
+                seq.error = f"internal error in prefill: {type(e).__name__}: {e}"
+                self._finish(seq, ERROR)
             return
-        seq.position = len(seq.prompt)
-        if seq.config.keep_logits:
-            seq.logits.append(logits[0].copy())
-        token = int(sample(logits, seq.config.sampling, seq.rng)[0])     # no new tokens yet: nothing to penalize
+        first = []
+        for b, (seq, n) in enumerate(zip(seqs, pieces)):
+            seq.position += n
+            if seq.position < len(seq.prompt):
+                continue                                               # more chunks at the coming steps
+            logits = full[b:b + 1, n - 1]                                                      # [1, V]
+            if seq.config.keep_logits:
+                seq.logits.append(logits[0].copy())
+            token = int(sample(logits, seq.config.sampling, seq.rng)[0])  # no new tokens yet: nothing to penalize
+            first.append((seq, token, logits[0]))
         self._stats.prefill_s += time.perf_counter() - t0
-        self._deliver(seq, token, logits[0])
+        for seq, token, logits in first:
+            self._deliver(seq, token, logits)
 
     def _decode(self) -> None:
-        rows = [i for i, s in enumerate(self._running) if s is not None]
+        rows = [i for i, s in enumerate(self._running) if s is not None and s.tokens]          # past their prefill
         if not rows:
             return
         hi = rows[-1] + 1
         tokens = np.zeros(hi, np.int64)                                                        # [hi]
         position = np.zeros(hi, np.int64)                                                      # [hi]
-        for i in rows:
-            tokens[i] = self._running[i].tokens[-1]
-            position[i] = self._running[i].position
+        for i, seq in enumerate(self._running[:hi]):
+            if seq is not None:       # a prompt in the middle of its chunks: written where its next chunk starts
+                tokens[i] = seq.tokens[-1] if seq.tokens else 0
+                position[i] = seq.position
         t0 = time.perf_counter()
         try:
             logits = self.session.decode_rows(0, tokens, position)                            # [hi, V]
@@ -394,3 +451,46 @@ class BatchScheduler:
                 self._n_running -= 1
             self._stats.finished[seq.finish] += 1
         seq.done.set()
+
+
+def prefill_groups(pieces: list[int], free: list[int]) -> list[list[tuple[int, int]]]:
+    """Newcomers' first pieces (token counts, first come first) in the free slots `free` (ascending, one
+    each) as prefill calls: lists of (index into pieces, slot), in slot order. The longest piece goes to
+    the lowest slot, and the rows, so sorted, are cut into the calls of least estimated cost, the sum
+    over calls of PREFILL_CALL_TOKENS + rows x longest piece: a short row joins longer ones while the
+    padding it computes costs less than a call of its own. A call never spans a slot that is not free."""
+    order = sorted(range(len(pieces)), key=lambda i: -pieces[i])                         # stable: ties first come
+    slots = free[:len(order)]
+    best = [0.0] + [float("inf")] * len(order)      # best[j]: the least cost of the first j rows (sorted)
+    start = [0] * (len(order) + 1)                  # start[j]: where the last call of that cut begins
+    for j in range(1, len(order) + 1):
+        for i in range(j - 1, -1, -1):              # the last call: rows [i, j), longest first
+            if i < j - 1 and slots[i + 1] != slots[i] + 1:
+                break
+            cost = best[i] + PREFILL_CALL_TOKENS + (j - i) * pieces[order[i]]
+            if cost < best[j]:
+                best[j], start[j] = cost, i
+    calls, j = [], len(order)
+    while j:
+        calls.append([(order[k], slots[k]) for k in range(start[j], j)])
+        j = start[j]
+    return calls[::-1]
+
+
+def add_prompt_logprobs(seq: Sequence, logits: np.ndarray) -> None:
+    """Extend seq's prompt logprobs (and top alternatives with config.logprobs > 0) with a piece's logits
+    [n, V] for prompt tokens [position, position + n): row t predicts prompt token position + t + 1, as
+    runtime.generate's prompt_token_logprobs / prompt_top_logprobs over the whole prompt at once."""
+    p, k = seq.position, seq.config.logprobs
+    if p == 0:
+        seq.prompt_logprobs = [float("nan")]                                  # nothing predicts the first token
+        if k:
+            seq.prompt_top_logprobs = ([[-1] * k], [[float("nan")] * k])
+    rows = logits[:len(seq.prompt) - 1 - p]                    # the last prompt token's row predicts a new token
+    nxt = seq.prompt[p + 1:p + 1 + len(rows)]
+    seq.prompt_logprobs += log_softmax(rows)[np.arange(len(rows)), nxt].tolist()
+    if k:
+        for row in rows:
+            _, top, top_lp = top_logprobs(row, 0, k)
+            seq.prompt_top_logprobs[0].append(top)
+            seq.prompt_top_logprobs[1].append(top_lp)

@@ -2,7 +2,8 @@
 
     python -m runtime.triton repo   --build BUILD --out REPO [--engine FILE] [--max-batch-size 8]
                                     [--instances 1] [--kind cpu|gpu] [--max-new-tokens 32]
-                                    [--slots 8] [--max-queued 32] [--generate-backend auto|trt|ort-cuda|ort-cpu]
+                                    [--slots 8] [--max-queued 32] [--prefill-tokens 512] [--prefill-chunk 256]
+                                    [--generate-backend auto|trt|ort-cuda|ort-cpu]
     python -m runtime.triton check  --repo REPO
     python -m runtime.triton serve  --repo REPO [--host 127.0.0.1] [--http-port 8000] [--grpc-port 8001]
                                     [--metrics-port 8002] [--openai-port 9000 [--openai-host 127.0.0.1]
@@ -33,6 +34,7 @@ import threading
 
 from core.errors import ArgumentParser, UsageError, float_in, int_in, nonnegative_int, positive_int, seed_int
 from core.lifecycle import run_cli
+from runtime.scheduler import PREFILL_CHUNK, PREFILL_TOKENS
 
 port = int_in(1, 65535)
 
@@ -59,6 +61,12 @@ def _parser() -> ArgumentParser:
                    help="generate model: sequences decoded together per instance (the KV-cache slot pool; default 8)")
     r.add_argument("--max-queued", type=int_in(0, 100000), default=32,
                    help="generate model: requests waiting for a slot before 'server busy' (default 32)")
+    r.add_argument("--prefill-tokens", type=int_in(1, 1 << 20), default=PREFILL_TOKENS,
+                   help="generate model: prompt tokens prefilled per step, padding included, between two decode "
+                        f"steps (one piece at least; default {PREFILL_TOKENS})")
+    r.add_argument("--prefill-chunk", type=int_in(1, 1 << 20), default=PREFILL_CHUNK,
+                   help="generate model: the most tokens of one prompt prefilled in a step; a longer prompt is "
+                        f"prefilled in chunks over several steps (default {PREFILL_CHUNK})")
     c = sub.add_parser("check", help="parse and verify every config.pbtxt of a repository")
     c.add_argument("--repo", required=True)
     s = sub.add_parser("serve", help="run a Triton server over a repository (Ctrl-C stops it)")

@@ -58,7 +58,7 @@ import numpy as np
 
 from runtime.generate import GenerationConfig, check_capacity, default_stop_tokens
 from runtime.sampling import SamplingConfig
-from runtime.scheduler import CANCELLED, ERROR, STOP, BatchScheduler, ServerBusy
+from runtime.scheduler import CANCELLED, ERROR, PREFILL_CHUNK, PREFILL_TOKENS, STOP, BatchScheduler, ServerBusy
 from runtime.session import RuntimeUserError
 from runtime.text_stream import TextStream
 from runtime.triton import llm_tensors as T
@@ -270,7 +270,9 @@ class TritonPythonModel:
         # the model's stop tokens (generation.json beside the tokenizer, else <|endoftext|>); ignore_eos drops them
         self.stop_tokens = default_stop_tokens(self.tokenizer, False, model_dir, self.session.spec.vocab_size)
         self.scheduler = BatchScheduler(self.session, slots=int(params.get("slots", DEFAULT_SLOTS)),
-                                        max_queued=int(params.get("max_queued", DEFAULT_MAX_QUEUED))).start()
+                                        max_queued=int(params.get("max_queued", DEFAULT_MAX_QUEUED)),
+                                        prefill_tokens=int(params.get("prefill_tokens", PREFILL_TOKENS)),
+                                        prefill_chunk=int(params.get("prefill_chunk", PREFILL_CHUNK))).start()
         self._stop_metrics = threading.Event()
         self._metrics = threading.Thread(target=self._report_pool, args=(args.get("model_instance_name", "0"),),
                                          name="pool-metrics", daemon=True)

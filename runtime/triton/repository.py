@@ -48,6 +48,7 @@ from core.contract import (CACHE_PREFIX, INPUT_IDS, LOGITS, POSITION, ContractEr
 from core.errors import NO_ROOM
 from core.outputs import TRITON_REPOSITORY, output_dir
 from runtime.model_files import ORT_ONLY_GRAPH, is_ort_only, resolve_onnx
+from runtime.scheduler import PREFILL_CHUNK, PREFILL_TOKENS
 from runtime.session import MissingExtraError, ModelFileError, RuntimeUserError
 from runtime.trt_engine import (DECODE_PROFILE, PREFILL_PROFILE, engine_info_path, plan_problem,
                                 read_engine_info)
@@ -204,16 +205,19 @@ def decoder_config(name: str, platform: str, io: OnnxIO, max_batch_size: int, in
 
 def generate_config(name: str, instances: int, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                     intra_op_threads: int = 0, slots: int = DEFAULT_SLOTS, max_queued: int = DEFAULT_MAX_QUEUED,
-                    backend: str = "ort-cpu") -> str:
+                    backend: str = "ort-cpu", prefill_tokens: int = PREFILL_TOKENS,
+                    prefill_chunk: int = PREFILL_CHUNK) -> str:
     """config.pbtxt of the Python-backend generation model: one request = one prompt, decoupled, with the
     tensors of Triton's LLM conventions (runtime/triton/llm_tensors.py: text_input, max_tokens, ... ->
-    text_output, output_ids, ...; responses streamed by the model's batch scheduler; slots and max_queued size its pool; backend,
+    text_output, output_ids, ...; responses streamed by the model's batch scheduler; slots and max_queued size its pool, prefill_tokens and
+    prefill_chunk are its prefill budget per step and longest piece of one prompt (runtime/scheduler.py); backend,
     one of GENERATE_BACKENDS, is what it decodes with: KIND_GPU instances unless ort-cpu."""
     from runtime.triton.llm_tensors import INPUTS, OUTPUTS     # Triton's LLM conventions (see that module)
     inputs = ",\n".join(_tensor(n, f"TYPE_{dt}", list(dims), optional=opt) for n, dt, dims, opt in INPUTS)
     outputs = ",\n".join(_tensor(n, f"TYPE_{dt}", list(dims)) for n, dt, dims in OUTPUTS)
     params = {"max_new_tokens": str(max_new_tokens), "intra_op_threads": str(intra_op_threads),
-              "slots": str(slots), "max_queued": str(max_queued), "decode_backend": backend,
+              "slots": str(slots), "max_queued": str(max_queued), "prefill_tokens": str(prefill_tokens),
+              "prefill_chunk": str(prefill_chunk), "decode_backend": backend,
               **({"engine": ENGINE_PLAN} if backend == "trt" else {})}
     kind = KINDS["cpu" if backend == "ort-cpu" else "gpu"]        # where its decode session runs
     lines = [f'name: "{name}"', 'backend: "python"', "max_batch_size: 0",
@@ -523,13 +527,16 @@ def _check_ort_cpu(ort_path: Path, io: OnnxIO, kind: str, backend: str) -> None:
                               "fp32")
 
 
-def _check_options(kind: str, max_batch_size: int, instances: int, slots: int, max_queued: int) -> None:
+def _check_options(kind: str, max_batch_size: int, instances: int, slots: int, max_queued: int,
+                   prefill_tokens: int, prefill_chunk: int) -> None:
     if kind not in KINDS:
         raise RepositoryError(f"--kind {kind!r}: expected one of {', '.join(KINDS)}")
     if max_batch_size < 1 or instances < 1:
         raise RepositoryError(f"max_batch_size {max_batch_size}, instances {instances}: expected both >= 1")
     if slots < 1 or max_queued < 0:
         raise RepositoryError(f"slots {slots}, max_queued {max_queued}: expected slots >= 1 and max_queued >= 0")
+    if prefill_tokens < 1 or prefill_chunk < 1:
+        raise RepositoryError(f"prefill_tokens {prefill_tokens}, prefill_chunk {prefill_chunk}: expected both >= 1")
 
 
 def _write_decoder_trt(tmp: Path, engine: Path, engine_build: dict | None, onnx_path: Path, io: OnnxIO,
@@ -549,6 +556,7 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
                      max_batch_size: int = 8, instances: int = 1, kind: str = "cpu",
                      max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, intra_op_threads: int = 0,
                      slots: int = DEFAULT_SLOTS, max_queued: int = DEFAULT_MAX_QUEUED,
+                     prefill_tokens: int = PREFILL_TOKENS, prefill_chunk: int = PREFILL_CHUNK,
                      generate_backend: str = AUTO, validate: bool = True) -> Path:
     """Write the model repository for a build directory (see the module docstring); returns `repo`.
 
@@ -559,6 +567,8 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
     kind: instance kind of decoder_onnx (cpu | gpu); decoder_trt is always KIND_GPU.
     slots, max_queued: the generate model's slot pool (sequences decoded together, per
     instance) and how many requests may wait for a slot before "server busy".
+    prefill_tokens, prefill_chunk: the scheduler's prefill budget per step (padded prompt tokens)
+    and the most tokens of one prompt prefilled in a step (a longer prompt: chunks over several).
     generate_backend: what generate decodes with, auto | trt | ort-cuda | ort-cpu
     (choose_generate_backend; recorded in its config.pbtxt and in repository.json).
     validate: parse every config into ModelConfig and check it against the ONNX (skipped
@@ -579,7 +589,7 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
     if not (build / TOKENIZER).is_file():
         raise RepositoryError(f"{build / TOKENIZER}: expected the model's tokenizer, found no file; "
                               "copy the checkpoint's tokenizer.json there")
-    _check_options(kind, max_batch_size, instances, slots, max_queued)
+    _check_options(kind, max_batch_size, instances, slots, max_queued, prefill_tokens, prefill_chunk)
     ort_only = is_ort_only(onnx_path)
     engine, engine_build = _engine_of(onnx_path, engine, ort_only, max_batch_size)
     backend = choose_generate_backend(generate_backend, engine, kind, ort_only)
@@ -611,7 +621,8 @@ def write_repository(build: str | Path, repo: str | Path, *, engine: str | Path 
                 _link_or_copy(build / name, d / name)
         (d / "model.py").write_text(GENERATE_MODEL_PY)
         (tmp / GENERATE / "config.pbtxt").write_text(
-            generate_config(GENERATE, instances, max_new_tokens, intra_op_threads, slots, max_queued, backend))
+            generate_config(GENERATE, instances, max_new_tokens, intra_op_threads, slots, max_queued, backend,
+                            prefill_tokens, prefill_chunk))
         (tmp / "repository.json").write_text(json.dumps(
             {"build": str(build.resolve()), "onnx": ort_path.name, "engine": str(engine) if engine else None,
              # the TensorRT version, GPU and flags that built model.plan: it loads only in that TensorRT

@@ -321,3 +321,161 @@ def test_penalties_logprobs_and_stop_when_equal_runtime_generates(tiny):
         assert seq.prompt_top_logprobs[0][1:] == w.prompt_top_logprobs[0][0][1:]      # the prompt's top-2 ids
         np.testing.assert_allclose(seq.prompt_top_logprobs[1][1:], w.prompt_top_logprobs[0][1][1:], atol=1e-4)
     assert seqs[0].tokens[-1] == ends[0] and len(seqs[0].tokens) <= 4
+
+
+# --- batched and chunked prefill ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_gqa(tiny, tmp_path_factory):
+    """tiny's checkpoint built with --attention gqa (ONNX Runtime's GroupQueryAttention, what export.build
+    makes for the CPU): a multi-token step on several rows must start at position 0 there."""
+    import subprocess
+    import sys
+    out = tmp_path_factory.mktemp("tiny_gqa") / "build"
+    proc = subprocess.run([sys.executable, "-m", "export.build", "--fuse", "--attention", "gqa", "--checkpoint",
+                           str(tiny[0]), "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return tiny[0], out
+
+
+def _any_session(kind, tiny, tiny_gqa) -> DecoderSession:
+    return OrtSession(tiny_gqa[1], intra_op_threads=1) if kind == "ort-gqa" else _session(kind, tiny)
+
+
+def _count_prefills(session) -> list[tuple[int, tuple[int, int], list[int]]]:
+    """Wrap session.prefill_rows so that each call is recorded as (start, ids shape, positions)."""
+    calls, real = [], session.prefill_rows
+
+    def counted(start, ids, position=None):
+        calls.append((start, ids.shape, None if position is None else np.asarray(position).tolist()))
+        return real(start, ids, position)
+    session.prefill_rows = counted
+    return calls
+
+
+def _assert_solo(seq, want, config) -> None:
+    """seq's tokens, logprobs and prompt logprobs are those of runtime.generate's run of its prompt alone."""
+    if config.sampling.greedy:
+        compared = compare_greedy(want.tokens[0], [row[0] for row in want.logits], seq.tokens, seq.logits)
+        assert compared == config.max_new_tokens, f"only {compared} tokens compared (tie)"
+    else:
+        assert seq.tokens == want.tokens[0]
+    if config.logprobs is not None:
+        np.testing.assert_allclose([lp for lp, _, _ in seq.logprobs], [lp for lp, _, _ in want.logprobs[0]], atol=1e-4)
+    if config.prompt_logprobs:
+        assert len(seq.prompt_logprobs) == len(seq.prompt) and np.isnan(seq.prompt_logprobs[0])
+        np.testing.assert_allclose(seq.prompt_logprobs[1:], want.prompt_logprobs[0][1:], atol=1e-4)
+        assert seq.prompt_top_logprobs[0] == want.prompt_top_logprobs[0][0]
+        np.testing.assert_allclose(seq.prompt_top_logprobs[1][1:], want.prompt_top_logprobs[0][1][1:], atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["ort", "ort-gqa", "torch"])
+def test_newcomers_of_one_step_are_prefilled_in_one_call_and_equal_their_solo_runs(tiny, tiny_gqa, kind):
+    """Four newcomers of different lengths (greedy and sampled, logprobs and prompt logprobs) admitted in
+    one step: ONE prefill_rows call over slots 0-3, right-padded to the longest, longest in slot 0; each
+    sequence equals runtime.generate of its prompt alone, prompt logprobs included."""
+    prompts = [PROMPTS[i] for i in (1, 3, 8, 6)]                          # lengths 7, 5, 6, 9
+    configs = [GenerationConfig(max_new_tokens=12, seed=i, sampling=SamplingConfig(*SETTINGS[i][1]), keep_logits=True,
+                                logprobs=2, prompt_logprobs=True) for i in range(4)]
+    with _any_session(kind, tiny, tiny_gqa) as s:
+        want = [generate(s, [p], c) for p, c in zip(prompts, configs)]
+    with _any_session(kind, tiny, tiny_gqa) as s:
+        calls = _count_prefills(s)
+        scheduler = BatchScheduler(s, slots=4, max_queued=4)
+        seqs = [scheduler.submit(p, c) for p, c in zip(prompts, configs)]
+        scheduler.step()
+        assert calls == [(0, (4, 9), [0, 0, 0, 0])]
+        assert [seq.slot for seq in seqs] == [1, 3, 2, 0] and all(len(seq.tokens) == 2 for seq in seqs)
+        _run(scheduler, seqs)
+        assert len(calls) == 1 and scheduler.stats().prefill_s > 0
+    for seq, w, c in zip(seqs, want, configs):
+        _assert_solo(seq, w, c)
+
+
+def test_prefill_groups_cut_the_least_costly_calls_and_split_at_a_taken_slot():
+    """prefill_groups against every cut of the rows (sorted longest first) into calls of contiguous
+    slots: its calls cost the least, cost = sum of PREFILL_CALL_TOKENS + rows x longest piece."""
+    import itertools
+    from runtime.scheduler import PREFILL_CALL_TOKENS, prefill_groups
+    cost = lambda calls, pieces: sum(PREFILL_CALL_TOKENS + len(c) * max(pieces[i] for i, _ in c) for c in calls)  # noqa: E731
+    assert prefill_groups([5, 9, 7], [0, 1, 2]) == [[(1, 0), (2, 1), (0, 2)]]      # longest in the lowest slot
+    assert prefill_groups([5, 9, 7], [0, 1, 3]) == [[(1, 0), (2, 1)], [(0, 3)]]    # slot 2 taken: two calls
+    big, small = 4 * PREFILL_CALL_TOKENS, 1
+    assert prefill_groups([big, small], [0, 1]) == [[(0, 0)], [(1, 1)]]             # padding 1 to big: dearer
+    rng = np.random.default_rng(5)
+    for _ in range(40):
+        n = int(rng.integers(1, 8))
+        pieces = rng.integers(1, 4 * PREFILL_CALL_TOKENS, n).tolist()
+        free = sorted(rng.choice(12, n, replace=False).tolist())
+        got = prefill_groups(pieces, free)
+        rows = [r for call in got for r in call]
+        assert sorted(i for i, _ in rows) == list(range(n)) and [slot for _, slot in rows] == free
+        assert [pieces[i] for i, _ in rows] == sorted(pieces, reverse=True)
+        for call in got:
+            assert [slot for _, slot in call] == list(range(call[0][1], call[0][1] + len(call)))
+        best = min(cost([rows[a:b] for a, b in zip((0,) + cut, cut + (n,))], pieces)
+                   for k in range(n) for cut in itertools.combinations(range(1, n), k)
+                   if all(rows[j][1] + 1 == rows[j + 1][1] or j + 1 in cut for j in range(n - 1)))
+        assert cost(got, pieces) == best, (pieces, free, got)
+
+
+@pytest.mark.parametrize("kind", ["ort", "ort-gqa", "torch"])
+def test_a_long_prompt_is_prefilled_in_chunks_while_a_running_sequence_gets_its_tokens(tiny, tiny_gqa, kind):
+    """prefill_chunk 4: a 12-token prompt takes 3 prefill_rows calls at positions 0, 4, 8, one per step;
+    the running sequence gets one token in each of those steps; the long prompt's first token comes
+    after its last chunk; both equal their solo runs (prompt logprobs over the chunks included)."""
+    long, short = PROMPTS[4], PROMPTS[0]                                   # 12 and 3 tokens
+    configs = [GenerationConfig(max_new_tokens=n, keep_logits=True, logprobs=3, prompt_logprobs=True) for n in (10, 20)]
+    with _any_session(kind, tiny, tiny_gqa) as s:
+        want = [generate(s, [p], c) for p, c in zip((long, short), configs)]
+    with _any_session(kind, tiny, tiny_gqa) as s:
+        calls = _count_prefills(s)
+        scheduler = BatchScheduler(s, slots=2, max_queued=2, prefill_chunk=4)
+        running = scheduler.submit(short, configs[1])
+        scheduler.step()
+        assert calls == [(0, (1, 3), [0])] and len(running.tokens) == 2
+        chunked = scheduler.submit(long, configs[0])
+        for n in range(1, 4):
+            scheduler.step()
+            assert calls[-1] == (1, (1, 4), [4 * (n - 1)]) and len(running.tokens) == 2 + n
+            assert len(chunked.tokens) == (2 if n == 3 else 0)             # first token + a decode step's
+        assert len(calls) == 4
+        _run(scheduler, [running, chunked])
+    _assert_solo(chunked, want[0], configs[0])
+    _assert_solo(running, want[1], configs[1])
+
+
+def test_cancelling_a_prompt_between_its_chunks_frees_its_slot(tiny):
+    with _session("ort", tiny) as s:
+        calls = _count_prefills(s)
+        scheduler = BatchScheduler(s, slots=1, max_queued=2, prefill_chunk=4)
+        chunked = scheduler.submit(PROMPTS[4], GenerationConfig(max_new_tokens=5))
+        after = scheduler.submit(PROMPTS[0], GenerationConfig(max_new_tokens=5))
+        scheduler.step()
+        assert chunked.slot == 0 and scheduler.pool() == (1, 1) and not chunked.tokens
+        chunked.cancel()
+        scheduler.step()
+        assert chunked.finish == CANCELLED and chunked.tokens == [] and after.slot == 0
+        assert calls == [(0, (1, 4), [0]), (0, (1, 3), [0])]              # no more chunks of the cancelled one
+        _run(scheduler, [after])
+        assert after.finish == LENGTH and scheduler.stats().finished[CANCELLED] == 1
+
+
+def test_a_failed_batched_prefill_ends_only_the_sequences_of_that_call(tiny):
+    """A backend error in a 2-row prefill call ends those two with ERROR; the running sequence goes on,
+    and the next newcomers are served."""
+    with _session("ort", tiny) as s:
+        want = generate(s, [PROMPTS[0]], GenerationConfig(max_new_tokens=8)).tokens[0]
+        scheduler = BatchScheduler(s, slots=3, max_queued=4)
+        running = scheduler.submit(PROMPTS[0], GenerationConfig(max_new_tokens=8))
+        scheduler.step()
+        real = s.prefill_rows
+        s.prefill_rows = lambda *a: (_ for _ in ()).throw(RuntimeError("backend fell over"))
+        failed = [scheduler.submit(PROMPTS[i], GenerationConfig(max_new_tokens=8)) for i in (1, 3)]
+        scheduler.step()
+        assert [f.finish for f in failed] == [ERROR, ERROR] and all("backend fell over" in f.error for f in failed)
+        assert running.finish is None and len(running.tokens) == 3 and scheduler.pool() == (1, 0)
+        s.prefill_rows = real
+        again = scheduler.submit(PROMPTS[1], GenerationConfig(max_new_tokens=8))
+        _run(scheduler, [running, again])
+        assert running.tokens == want and again.finish == LENGTH and scheduler.pool() == (0, 0)

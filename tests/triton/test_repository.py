@@ -162,6 +162,22 @@ def test_errors_are_one_line_and_leave_the_old_repository(triton_build, tmp_path
     assert not list(tmp_path.glob(".new.*")) and not list(tmp_path.glob(".repo.*"))   # no temp leftovers
 
 
+def test_repo_cli_passes_the_schedulers_prefill_settings_to_generate(triton_build, tmp_path, capsys):
+    """--prefill-tokens / --prefill-chunk reach generate's config.pbtxt as the parameters its model gives
+    runtime.scheduler.BatchScheduler; the defaults are the scheduler's own."""
+    from runtime.scheduler import PREFILL_CHUNK, PREFILL_TOKENS
+    from runtime.triton.__main__ import main
+    assert main(["repo", "--build", str(triton_build), "--out", str(tmp_path / "set"), "--prefill-tokens", "300",
+                 "--prefill-chunk", "64"]) == 0
+    assert main(["repo", "--build", str(triton_build), "--out", str(tmp_path / "default")]) == 0
+    for repo, want in (("set", ("300", "64")), ("default", (str(PREFILL_TOKENS), str(PREFILL_CHUNK)))):
+        params = _config(tmp_path / repo, "generate").parameters
+        assert (params["prefill_tokens"].string_value, params["prefill_chunk"].string_value) == want
+    capsys.readouterr()
+    assert main(["repo", "--build", str(triton_build), "--out", str(tmp_path / "bad"), "--prefill-chunk", "0"]) == 2
+    assert "--prefill-chunk: 0 is out of range" in capsys.readouterr().err
+
+
 def test_export_build_triton_repo_flag_writes_the_same_repository(triton_build, tmp_path):
     """python -m export.build --fuse --triton-repo DIR (the fixture passes it where supported)."""
     from tests.triton.conftest import export_build_has_triton_repo
