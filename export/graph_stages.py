@@ -47,6 +47,8 @@ def _rewritten(proto, lazy: dict, report: BuildReport, passes: bool, attention: 
     summary = None
     if quantize is not None:
         from export.quantize import quantize_passes
+        if passes:
+            ctx.next_stage(proto)       # the shapes and names the folded graph had when quantized from its own load
         summary = quantize_passes(ctx, quantize)
     out = save_graph(ctx, proto)
     if summary is not None:

@@ -312,7 +312,6 @@ def quantize_passes(ctx, cfg: QuantConfig) -> QuantSummary:
     from graph_passes import run_passes_in
     from graph_passes.quantized import QuantizeWeights, find_tie
     t0 = time.perf_counter()
-    ctx.restart_names()                 # its new names as on the folded graph loaded alone (the graphs built before)
     summary = QuantSummary(asdict(cfg), head=cfg.head_dtype, weight_bytes_before=ctx.weight_bytes())
     tie = find_tie(ctx)                 # on the float graph: `quantize` rewrites both tables
     head = head_name(ctx)

@@ -182,10 +182,21 @@ class PassContext:
                 naming.used.add(name)
                 return name
 
-    def restart_names(self) -> None:
-        """Number new names from 1 again (still avoiding every name in the graph now): a later stage of passes
-        on the same loaded graph (export's quantization after its folds) names what it makes as it would on
-        the graph saved and loaded anew, so that a build's graph keeps its names when the stages share a load."""
+    def next_stage(self, template: onnx.ModelProto) -> None:
+        """Begin a later stage of passes on this loaded graph as on the graph saved (save_graph(self, template))
+        and loaded anew: onnx's shape inference runs again, so that the tensors the earlier passes made get the
+        shapes it finds (a merged [B, S, None] becomes [B, S, H * D]), and new names are numbered from 1 again
+        (still avoiding every name in the graph). The stage sees, and its graph keeps, what a second load gave:
+        export's quantization after its folds writes the graph it wrote when each stage loaded its own. It
+        costs one export and one inference, not a second graphsurgeon import."""
+        from onnx_graphsurgeon.importers.onnx_importer import OnnxImporter
+        inferred = _with_shapes(save_graph(self, template)).graph
+        tensors = self.root.tensors()
+        for info in [*inferred.value_info, *inferred.output]:
+            t = tensors.get(info.name)
+            if isinstance(t, gs.Variable):
+                found = OnnxImporter.import_tensor(info)
+                t.dtype, t.shape = found.dtype, found.shape
         self._naming.count, self._naming.used = 0, None
 
     def const(self, base: str, value) -> gs.Constant:

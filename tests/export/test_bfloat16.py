@@ -61,7 +61,7 @@ def test_bf16_build_is_the_fp32_build_rounded_and_verified(tmp_path, source, fus
     from export.verify import ATOL, SCALE_TOL
     fp32, bf16, report, bf16_path = _pair(tmp_path, source, fuse)
     assert report.graph == bf16_path.name and report.dtype == "bf16" and bf16_path.is_file()
-    assert (report.atol, report.scale_tol) == (ATOL["bf16"], SCALE_TOL["bf16"])
+    assert (report.verification.atol, report.verification.scale_tol) == (ATOL["bf16"], SCALE_TOL["bf16"])
     assert any("widened" in n for n in report.notes)                      # says what ran the check
     assert not list(bf16_path.parent.glob("*.widened.onnx"))               # the checked copy is gone
     assert contract_of(bf16_path).dtype == "bf16"                         # logits and caches
