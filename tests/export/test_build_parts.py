@@ -42,10 +42,12 @@ def test_an_options_object_is_a_checked_one():
     assert BuildOptions(True, attention="gqa", kv_cache="fp16").tolerance_key == "fp16"
 
 
-def test_the_folds_and_the_quantization_share_one_load_and_write_the_same_graph(monkeypatch):
-    """One PassContext (one shape inference, one graphsurgeon import) for the fold passes, the leftover check and
-    the quantize passes; the graph and its weights' recipes are those of a load per stage (run_passes, then
-    quantize_weights on the saved folded graph), names included."""
+@pytest.mark.parametrize("kind, attention, dtype", [("internal-taper", "gqa", "int4"), ("gemma3", "gqa", "int4"),
+                                                     ("qwen3", "plain", "int8")])
+def test_the_folds_and_the_quantization_share_one_load_and_write_the_same_graph(monkeypatch, kind, attention, dtype):
+    """One PassContext (one graphsurgeon import) for the fold passes, the leftover check and the quantize passes;
+    the graph and its weights' recipes are those of a load per stage (run_passes, then quantize_weights on the
+    saved folded graph), names and inferred shapes included (Gemma 3's QK-norms: the folds' merged heads)."""
     import graph_passes.base as base
     from export.emit import emit_graph
     from export.graph_stages import make_graph
@@ -53,15 +55,15 @@ def test_the_folds_and_the_quantization_share_one_load_and_write_the_same_graph(
     from export.report import BuildReport
     from graph_passes import passes_for, run_passes
     from models.weights import open_weights
-    source, cfg = open_weights(ZOO / "internal-taper"), QuantConfig("int4")
+    source, cfg = open_weights(ZOO / kind), QuantConfig(dtype)
     loads = []
     real = base.PassContext.__init__
     monkeypatch.setattr(base.PassContext, "__init__", lambda self, *a, **k: (loads.append(1), real(self, *a, **k))[1])
-    report = BuildReport("(zoo)", "(out)", "fp32", True, attention="gqa")
-    proto, lazy = make_graph(source, report, True, "fp32", "gqa", cfg)
+    report = BuildReport("(zoo)", "(out)", "fp32", True, attention=attention)
+    proto, lazy = make_graph(source, report, True, "fp32", attention, cfg)
     assert len(loads) == 1 and report.folded and report.quantized.summary.matmuls_quantized > 0
-    emitted = emit_graph(source, "fp32", "fused")
-    fused, _ = run_passes(emitted.proto, passes_for("gqa"), emitted.lazy)
+    emitted = emit_graph(source, "fp32", "fused" if attention == "gqa" else attention)
+    fused, _ = run_passes(emitted.proto, passes_for(attention), emitted.lazy)
     twice, summary = quantize_weights(fused, cfg, emitted.lazy)
     assert proto.SerializeToString() == twice.SerializeToString()
     assert {k: w.key for k, w in lazy.items()} == {k: w.key for k, w in emitted.lazy.items()}
