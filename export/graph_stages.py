@@ -1,5 +1,7 @@
 """A build's graph, before it is written: emitted from the model's spec, then folded and quantized on ONE
-loaded graph (a graph_passes PassContext: shape inference and the graphsurgeon import run once a build).
+loaded graph (a graph_passes PassContext: the graphsurgeon import runs once a build; shape inference runs
+again only between the folds and the quantization, PassContext.next_stage, so that the written graph is the
+one a load per stage wrote).
 
     emit (export/emit.py) ─▶ load_graph ─▶ the fold passes ─▶ the leftover TaperNorm check
                                         ─▶ the quantize passes (export/quantize.py) ─▶ save_graph
