@@ -11,7 +11,7 @@ folded so that every weight is a constant the quantizer can see):
     model.onnx ──DEFAULT_PASSES──▶ fused fp32    ──quantize──▶ "fused, then quantized"
 
 Per kind and dtype, against the fp32 graph (fused and unfolded fp32 agree to ~1e-5):
-  - top-1 agreement over a greedy run of 128 tokens on real text (export.quantize.top1_agreement)
+  - top-1 agreement over a greedy run of 128 tokens on real text (core.decode.greedy_top1_agreement)
   - top-1 agreement, teacher-forced, over every position of the held-out stories
   - held-out validation loss (mean next-token cross-entropy, nats) and its delta to fp32
 
@@ -60,7 +60,7 @@ GREEDY_TOKENS = 128            # length of the greedy run the top-1 agreement is
 def evaluate_kind(kind: str, dtypes: list[str], stories: int, log=print, **quant) -> dict:
     """`quant`: QuantConfig fields other than dtype (block_size, accuracy_level, algo)."""
     from export.emit import emit_graph
-    from export.pipeline import REAL_TEXT
+    from export.reference_check import REAL_TEXT
     from export.quantize import QuantConfig, quantize_weights
     from export.verify import ort_session, read_interface
     from graph_passes import DEFAULT_PASSES, run_passes
@@ -83,7 +83,7 @@ def evaluate_kind(kind: str, dtypes: list[str], stories: int, log=print, **quant
         for order, src in (("fused, then quantized", graphs["fused"]), ("quantized unfolded", graphs["unfolded"])):
             q, summary = quantize_weights(src, QuantConfig(dtype, **quant))
             sess = ort_session(q)
-            greedy, n = top1_agreement(ref, sess, iface, prompt, GREEDY_TOKENS)
+            greedy, n = greedy_top1_agreement(ref, sess, iface, prompt, GREEDY_TOKENS)
             loss, argmax = val_metrics(sess, iface, seqs)
             teacher = float(np.mean(np.concatenate([a == b for a, b in zip(argmax, ref_argmax)])))
             out["results"].append({"dtype": dtype, "order": order, "top1_greedy": greedy, "greedy_tokens": n,
@@ -96,10 +96,10 @@ def evaluate_kind(kind: str, dtypes: list[str], stories: int, log=print, **quant
     return out
 
 
-def top1_agreement(ref_sess, sess, iface, prompt: list[int], n: int = GREEDY_TOKENS) -> tuple[float, int]:
-    """core.decode.top1_agreement of two ONNX Runtime sessions: the share of n greedy tokens of
+def greedy_top1_agreement(ref_sess, sess, iface, prompt: list[int], n: int = GREEDY_TOKENS) -> tuple[float, int]:
+    """core.decode.greedy_top1_agreement of two ONNX Runtime sessions: the share of n greedy tokens of
     the reference after `prompt` whose argmax the other graph agrees with, teacher-forced, and n."""
-    from core.decode import graph_step, top1_agreement as agreement
+    from core.decode import graph_step, greedy_top1_agreement as agreement
     return agreement(graph_step(ref_sess), graph_step(sess), iface, prompt, n)
 
 

@@ -61,7 +61,7 @@ KINDS: dict[str, dict] = {
 class Variant:
     """One deployment, as data: the kind's model, a model transform before export and before the
     torch runners (a key of TRANSFORMS, None: as trained), and whether the norms are folded
-    (ONNX: export.pipeline's fuse stage; torch: models.fold.fold_norms)."""
+    (ONNX: export.graph_stages' fuse stage; torch: models.fold.fold_norms)."""
     name: str
     kind: str
     transform: str | None = None
@@ -280,22 +280,24 @@ class GraphInfo:
 
 
 def verification(report, kind: str, verify: bool) -> dict | None:
-    """What export's checks of one graph found (its export.pipeline.BuildReport): the tolerance, the
+    """What export's checks of one graph found (its export.report.BuildReport): the tolerance, the
     worst logits / any-output diff, and a quantized graph's drift (top-1 agreement included); None
     when verification is off."""
-    from export.pipeline import worst
     from export.quantize import MIN_TOP1
+    from export.report import GRAPH_VS_TORCH
     if not verify:
         return None
     r, key = report, kind if kind in MIN_TOP1 else "fp32"
-    tolerance = {"dtype": key, "atol": r.atol, "scale_tol": r.scale_tol}
+    v = r.verification
+    tolerance = {"dtype": key, "atol": v.atol, "scale_tol": v.scale_tol}
+    pairs = [GRAPH_VS_TORCH] if v.graph_vs_torch else []
     out = {"tolerance": tolerance,
-           "logits_max_abs_diff": {pair: worst(per, "logits") for pair, per in r.max_abs_diff.items()},
-           "max_abs_diff": {pair: worst(per) for pair, per in r.max_abs_diff.items()}}
+           "logits_max_abs_diff": {pair: v.worst("logits") for pair in pairs},
+           "max_abs_diff": {pair: v.worst() for pair in pairs}}
     if key in MIN_TOP1:
         tolerance["min_top1"] = MIN_TOP1[key]
         tolerance["min_top1_enforced"] = not any("not enforced" in n for n in r.notes)
-        out["drift"] = r.quantized["drift"]
+        out["drift"] = r.quantized.drift.to_json()
     return out
 
 
@@ -387,7 +389,7 @@ class ModelGraphs:
 
     def __init__(self, options: BuildOptions, model: Decoder, source: str, tokenizer: Path | None, rmsnorm: str,
                  log):
-        from export.pipeline import real_tokens
+        from export.reference_check import real_tokens
         from models.weights import model_weights
         self.options, self.source, self.log, self.params = options, source, log, model.num_params()
         self.weights, self.rmsnorm = model_weights(model), rmsnorm
@@ -418,15 +420,16 @@ class ModelGraphs:
     def build(self, name: str, path: Path, fuse: bool, quantize=None) -> GraphInfo:
         """One graph of the model into the cache (fused, or for ONNX Runtime's attention the rewrite alone;
         quantized), verified unless the bench runs with --no-verify."""
-        from export.pipeline import build_graph, report_kind
+        from export.options import graph_kind
+        from export.pipeline import build_graph
         o = self.options
         t0 = time.perf_counter()
         with replaced_graph_in(o.cache, path.name) as tmp:     # signed, replaced atomically; a refused graph leaves none
             report = build_graph(self.weights, tmp, fuse, o.attention, quantize, fold=fuse, verify=o.verify,
                                  trained=self.trained, tokens=self.tokens, rmsnorm=self.rmsnorm)
-            info = self.info(report, report_kind(fuse, quantize), tmp, path, time.perf_counter() - t0)
+            info = self.info(report, graph_kind(fuse, quantize), tmp, path, time.perf_counter() - t0)
         if quantize is not None:
-            info.quantized = report.quantized["config"]
+            info.quantized = report.quantized.summary.config
         write_meta(o.cache, path, info)
         return info
 

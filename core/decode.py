@@ -115,10 +115,11 @@ def prefill_logits(step, contract: DecodeContract, tokens: list[int]) -> np.ndar
     return DecodeDriver(step, contract, 1).prefill([tokens])[0]
 
 
-def top1_agreement(ref_step, step, contract: DecodeContract, prompt: list[int], n: int) -> tuple[float, int]:
-    """The reference generates n greedy tokens after `prompt`; both then read prompt + those
-    tokens (teacher-forced, so one early miss does not derail the rest) and the share of the n
-    positions where their next-token argmax agrees is returned, with n (cut to what the cache holds)."""
+def greedy_top1_agreement(ref_step, step, contract: DecodeContract, prompt: list[int], n: int) -> tuple[float, int]:
+    """Top-1 agreement over the reference's own greedy continuation: the reference generates n greedy tokens
+    after `prompt`; both then read prompt + those tokens (teacher-forced, so one early miss does not derail
+    the rest) and the share of the n positions where their next-token argmax agrees is returned, with n (cut
+    to what the cache holds). (export.reference_check.teacher_forced_top1 is the build's, over given text.)"""
     n = max(1, min(n, contract.capacity - len(prompt)))
     new = greedy(ref_step, contract, prompt, n)
     seq = prompt + new[:-1]

@@ -121,14 +121,13 @@ def run(argv: list[str]) -> int:
     check_output_dir(out, BUILD, inputs=[ckpt])
     if args.triton_repo is not None:        # refuse before an export that would be wasted
         check_output_dir(args.triton_repo, TRITON_REPOSITORY, inputs=[ckpt, out], option="--triton-repo")
-    from export.pipeline import build, check_options, check_quantize
-    check_quantize(quantize, args.fuse, args.dtype)         # before the target: it reads the config
+    from export.options import BuildOptions
+    from export.pipeline import build
     opened = functools.cache(lambda: _open_weights(ckpt, args.max_seq_len))      # read once, by whichever step needs it first
-    target = _target(args, opened)
-    check_options(quantize, args.genai, args.fuse, args.dtype, target.attention, args.kv_cache)
+    options = BuildOptions.resolved(args.fuse, args.dtype, quantize, args.genai, args.kv_cache,
+                                    resolve=lambda: _target(args, opened))
     _check_capacity(ckpt, opened().cfg.max_seq_len, args.max_seq_len)
-    build(ckpt, out, args.fuse, args.dtype, quantize=quantize, attention=target.attention, genai=args.genai,
-          target_why=target.why, source=opened(), kv_cache=args.kv_cache)
+    build(ckpt, out, options, source=opened())
     if args.triton_repo is not None:
         return _write_triton_repo(out, args.triton_repo)
     return 0

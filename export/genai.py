@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
-from core.errors import UsageError, UserError
+from core.errors import UserError
 
 GENAI_GRAPH, GENAI_CONFIG = "model.genai.onnx", "genai_config.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -251,7 +252,27 @@ def write_tokenizer_files(checkpoint: Path, tokenizer: Path | None, out: Path, c
 
 # --- the stage: write and verify -------------------------------------------------------------------
 
-def write_genai(folder: Path, source: str, cfg, checkpoint: Path, tokenizer: Path | None) -> dict:
+@dataclass
+class GenAIFolder:
+    """What the build report records of GenAI's folder (report.json's "genai"): the files written and the
+    GenAI graph's check against the graph it came from."""
+    graph: str                      # model.genai.onnx
+    source: str                     # the build's graph it was made from (report.json: "from")
+    config: str                     # genai_config.json
+    tokenizer_files: list[str]
+    token_ids: dict
+    tokenizer: bool                 # whether the checkpoint had a tokenizer.json
+    notes: list[str]
+    logits_max_abs_diff: float = 0.0
+    atol: float = GENAI_ATOL
+
+    def to_json(self) -> dict:
+        return {"graph": self.graph, "from": self.source, "config": self.config,
+                "tokenizer_files": self.tokenizer_files, "token_ids": self.token_ids, "tokenizer": self.tokenizer,
+                "notes": self.notes, "logits_max_abs_diff": self.logits_max_abs_diff, "atol": self.atol}
+
+
+def write_genai(folder: Path, source: str, cfg, checkpoint: Path, tokenizer: Path | None) -> GenAIFolder:
     """Into `folder` (the build's temporary folder): model.genai.onnx from the graph file `source`
     there (its weights shared when external), genai_config.json and the tokenizer files.
     Returns what the report records."""
@@ -264,8 +285,7 @@ def write_genai(folder: Path, source: str, cfg, checkpoint: Path, tokenizer: Pat
     token_ids, notes = special_token_ids(checkpoint, tokenizer, cfg.vocab_size)
     (folder / GENAI_CONFIG).write_text(json.dumps(genai_config(cfg, GENAI_GRAPH, token_ids), indent=4) + "\n")
     files = write_tokenizer_files(checkpoint, tokenizer, folder, cfg.max_seq_len)
-    return {"graph": GENAI_GRAPH, "from": source, "config": GENAI_CONFIG, "tokenizer_files": files,
-            "token_ids": token_ids, "tokenizer": tokenizer is not None, "notes": notes}
+    return GenAIFolder(GENAI_GRAPH, source, GENAI_CONFIG, files, token_ids, tokenizer is not None, notes)
 
 
 def verify_genai(folder: Path, source: str, tokens: list[int] | None) -> float:
@@ -296,21 +316,8 @@ def _structure(path: Path):
 
 
 def genai_stage(folder: Path, source: str, cfg, checkpoint: Path, tokenizer: Path | None,
-                tokens: list[int] | None) -> dict:
+                tokens: list[int] | None) -> GenAIFolder:
     """write_genai, then verify_genai: what the build report records under "genai"."""
     info = write_genai(folder, source, cfg, checkpoint, tokenizer)
-    info["logits_max_abs_diff"] = verify_genai(folder, source, tokens)
-    info["atol"] = GENAI_ATOL
+    info.logits_max_abs_diff = verify_genai(folder, source, tokens)
     return info
-
-
-def check_genai(genai: bool, fuse: bool, dtype: str, attention: str) -> None:
-    """--genai writes the folded fp32 GroupQueryAttention graph: refuse other combinations before any work."""
-    if not genai:
-        return
-    from export.pipeline import require_fused_fp32
-    require_fused_fp32("--genai", fuse, dtype, "GenAI gets the folded graph",
-                       "GenAI's CPU GroupQueryAttention is fp32; --quantize int4 for smaller weights")
-    if attention != "gqa":
-        raise UsageError(f"--genai: expected --attention gqa (GenAI shares one cache buffer between past and present, "
-                         f"which GroupQueryAttention writes in place), found --attention {attention}; drop --attention")

@@ -23,10 +23,11 @@ really multiplies by. MatMuls of two activations
 Algorithms: rtn (round to nearest per block: DefaultWeightOnlyQuantConfig) and hqq
 (half-quadratic, int4, MatMul only). Both need no calibration data.
 
-Drift against the fp32 graph the quantized one came from (`logits_diff`, `top1_agreement`):
-logits max / mean abs diff on the verifier's sessions, and top-1 agreement over a greedy
-run on real text (the fp32 graph generates; both graphs then read the same tokens and
-the share of positions where their argmax agrees is reported).
+Drift against the float model (`logits_diff`; the build reports it, export/reference_check.py):
+logits max / mean abs diff on the verifier's sessions, and the teacher-forced top-1 agreement on
+real text (both models read the same AGREEMENT_TOKENS tokens; the share of positions where their
+argmax agrees; MIN_TOP1 is its floor). bench.quant_quality also measures the greedy top-1 agreement
+(the float model generates; core.decode.greedy_top1_agreement).
 """
 from __future__ import annotations
 
@@ -289,14 +290,29 @@ def quantize_weights(proto: onnx.ModelProto, cfg: QuantConfig,
     """`proto` with its constant-weight MatMuls (and, in int4 with rtn, the token embedding) quantized
     (graph_passes/quantized.py); the graph's inputs and outputs are unchanged. `lazy`: the graph's weights
     computed when written (export/emit.py), replaced in place by the quantized graph's, whose blocks are
-    computed when written too; without it, a graph in memory, returned with its blocks computed."""
+    computed when written too; without it, a graph in memory, returned with its blocks computed. (A build
+    quantizes the graph it has loaded for its folds: quantize_passes, then quantized_graph.)"""
     from graph_passes.base import load_graph, save_graph
     from graph_passes.lazy import materialized
-    from graph_passes.quantized import QuantizeWeights, find_tie
     cfg.validate()
-    t0 = time.perf_counter()
-    summary = QuantSummary(asdict(cfg), head=cfg.head_dtype, weight_bytes_before=initializer_bytes(proto))
     ctx = load_graph(proto, lazy)
+    summary = quantize_passes(ctx, cfg)
+    out = save_graph(ctx, proto)
+    if lazy is None:
+        out = materialized(out, ctx.lazy_weights())
+    else:
+        lazy.clear()
+        lazy.update(ctx.lazy_weights())
+    return quantized_graph(out, cfg, summary), summary
+
+
+def quantize_passes(ctx, cfg: QuantConfig) -> QuantSummary:
+    """The quantization passes on a loaded float graph (a graph_passes PassContext, rewritten in place), through
+    graph_passes.run_passes_in; returns what they did (quantized_graph completes it once the graph is saved)."""
+    from graph_passes import run_passes_in
+    from graph_passes.quantized import QuantizeWeights, find_tie
+    t0 = time.perf_counter()
+    summary = QuantSummary(asdict(cfg), head=cfg.head_dtype, weight_bytes_before=ctx.weight_bytes())
     tie = find_tie(ctx)                 # on the float graph: `quantize` rewrites both tables
     head = head_name(ctx)
     int8 = set(_int8_layer_matmuls(ctx, cfg.int8_layers)) if cfg.int8_layers else set()
@@ -311,14 +327,15 @@ def quantize_weights(proto: onnx.ModelProto, cfg: QuantConfig,
             return {"fp32": None, "int8": 8, "int4": 4}[cfg.head_dtype]
         return 8 if node.name in int8 else cfg.bits
     quantizer = BlockQuantizer(cfg)
-    results = [p.run(ctx) for p in [QuantizeWeights(quantizer, bits_of), *_passes(cfg, tie, quantizer)]]
-    out = save_graph(ctx, proto)
-    if lazy is None:
-        out = materialized(out, ctx.lazy_weights())
-    else:
-        lazy.clear()
-        lazy.update(ctx.lazy_weights())
+    results = run_passes_in(ctx, [QuantizeWeights(quantizer, bits_of), *_passes(cfg, tie, quantizer)])
     _record_passes(summary, results[1:], cfg, gathers)
+    summary.seconds = round(time.perf_counter() - t0, 3)
+    return summary
+
+
+def quantized_graph(out: onnx.ModelProto, cfg: QuantConfig, summary: QuantSummary) -> onnx.ModelProto:
+    """The saved graph of quantize_passes: its counts in `summary` (a graph with nothing quantized is refused)
+    and the QuantConfig in its metadata (quantized_config reads it back)."""
     ops = [n.op_type for n in out.graph.node]
     summary.matmuls_quantized = ops.count("MatMulNBits")
     summary.matmuls_left = ops.count("MatMul")
@@ -328,8 +345,7 @@ def quantize_weights(proto: onnx.ModelProto, cfg: QuantConfig,
                             "quantize a graph exported by export.build")
     out.metadata_props.add(key=META_KEY, value=json.dumps(asdict(cfg)))
     summary.weight_bytes_after = initializer_bytes(out)
-    summary.seconds = round(time.perf_counter() - t0, 3)
-    return out, summary
+    return out
 
 
 def _passes(cfg: QuantConfig, tie, quantizer: BlockQuantizer) -> list:

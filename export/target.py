@@ -61,7 +61,7 @@ def resolve_target(target: str, attention: str | None, fuse: bool, dtype: str, g
             raise UsageError("--target portable: expected ort-cpu or none with --genai (GenAI shares one cache buffer "
                              "that GroupQueryAttention writes in place); drop --target portable")
         blocker = cfg is not None and fuse and dtype == "fp32" and ort_cpu_blocker(cfg, fuse, dtype)
-        if blocker:                                 # (no --fuse, other dtypes: check_genai's own lines)
+        if blocker:                                 # (no --fuse, other dtypes: export.options.check_genai's lines)
             raise UsageError(f"--genai: expected a model ONNX Runtime's GroupQueryAttention takes, found {blocker}; "
                              "GenAI cannot run this model: build without --genai")
         return Target("ort-cpu", "gqa")

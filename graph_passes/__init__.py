@@ -8,7 +8,7 @@ import importlib
 
 _FROM = {**dict.fromkeys(("GraphPass", "Match", "Skip", "Folded", "Finding", "PassError", "PassResult"),
                          "graph_passes.base"),
-         **dict.fromkeys(("PASSES", "DEFAULT_PASSES", "passes_for", "run_passes"), "graph_passes.registry")}
+         **dict.fromkeys(("PASSES", "DEFAULT_PASSES", "passes_for", "run_passes", "run_passes_in"), "graph_passes.registry")}
 __all__ = list(_FROM)
 
 

@@ -182,6 +182,23 @@ class PassContext:
                 naming.used.add(name)
                 return name
 
+    def next_stage(self, template: onnx.ModelProto) -> None:
+        """Begin a later stage of passes on this loaded graph as on the graph saved (save_graph(self, template))
+        and loaded anew: onnx's shape inference runs again, so that the tensors the earlier passes made get the
+        shapes it finds (a merged [B, S, None] becomes [B, S, H * D]), and new names are numbered from 1 again
+        (still avoiding every name in the graph). The stage sees, and its graph keeps, what a second load gave:
+        export's quantization after its folds writes the graph it wrote when each stage loaded its own. It
+        costs one export and one inference, not a second graphsurgeon import."""
+        from onnx_graphsurgeon.importers.onnx_importer import OnnxImporter
+        inferred = _with_shapes(save_graph(self, template)).graph
+        tensors = self.root.tensors()
+        for info in [*inferred.value_info, *inferred.output]:
+            t = tensors.get(info.name)
+            if isinstance(t, gs.Variable):
+                found = OnnxImporter.import_tensor(info)
+                t.dtype, t.shape = found.dtype, found.shape
+        self._naming.count, self._naming.used = 0, None
+
     def const(self, base: str, value) -> gs.Constant:
         """A NEW constant (never an edit of a shared one): an array, or a Lazy computed when written."""
         return gs.Constant(self.fresh_name(base), value if isinstance(value, Lazy) else np.ascontiguousarray(value))
@@ -208,14 +225,7 @@ class PassContext:
     # --- node provenance (torch exporter metadata) -------------------------
 
     def scopes_of(self, node: gs.Node, key: str) -> list[str]:
-        raw = self.node_meta.get(node.name, {}).get(key)
-        if not raw:
-            return []
-        try:
-            value = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            return []
-        return [str(v) for v in value] if isinstance(value, (list, tuple)) else []
+        return scopes(self.node_meta.get(node.name, {}), key)
 
     def has_provenance(self, node: gs.Node) -> bool:
         return bool(self.scopes_of(node, CLASS_HIERARCHY))
@@ -225,20 +235,21 @@ class PassContext:
         return self.scopes_of(node, CLASS_HIERARCHY)
 
     def layer_name(self, node: gs.Node) -> str:
-        """Module path of the node ('blocks.0.ln_1'); the node name when the graph has no provenance.
+        """Module path of the node ('blocks.0.ln_1'); the node name when the graph has no provenance."""
+        return layer_name_of(node.name, self.node_meta.get(node.name, {}))
 
-        name_scopes reads ['', 'model', 'model.blocks.0', 'model.blocks.0.ln_1', 'mul_32']:
-        the last entry is the op, the one before it the module, and the
-        wrapper's attribute name ('model', 'm', ...) prefixes every path.
-        """
-        scopes = [s for s in self.scopes_of(node, NAME_SCOPES) if s]
-        if len(scopes) < 2:
-            return node.name
-        module = scopes[-2]
-        wrapper = scopes[0]
-        if len(scopes) > 2 and module.startswith(wrapper + "."):
-            module = module[len(wrapper) + 1:]
-        return module
+    def weight_bytes(self) -> int:
+        """Bytes of the main graph's constants as stored (as core.onnx_writer.initializer_bytes counts the
+        initializers of the graph save_graph would write), values computed when written left unread."""
+        total = 0
+        for t in self.root.tensors().values():
+            if isinstance(t, gs.Constant):
+                lazy = stored_lazy(t)
+                value = lazy if lazy is not None else t.values
+                size = int(np.prod(value.shape, dtype=np.int64))
+                dtype = np.dtype(value.dtype)
+                total += -(-size // 2) if dtype.name in PACKED_DTYPES else size * dtype.itemsize
+        return total
 
     def meta_gate(self) -> float | None:
         raw = self.model_meta.get("tapernorm.gate")
@@ -246,6 +257,38 @@ class PassContext:
             return None if raw in (None, "", "None") else float(raw)
         except ValueError:
             return None
+
+
+PACKED_DTYPES = ("int4", "uint4")        # two values a byte as stored (numpy holds one a byte)
+
+
+def scopes(meta: dict[str, str], key: str) -> list[str]:
+    """A node's provenance list under `key` (the torch exporter's metadata: CLASS_HIERARCHY, NAME_SCOPES)."""
+    raw = meta.get(key)
+    if not raw:
+        return []
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return []
+    return [str(v) for v in value] if isinstance(value, (list, tuple)) else []
+
+
+def layer_name_of(name: str, meta: dict[str, str]) -> str:
+    """Module path of a node ('blocks.0.ln_1') from its metadata `meta`; `name` (the node's) without provenance.
+
+    name_scopes reads ['', 'model', 'model.blocks.0', 'model.blocks.0.ln_1', 'mul_32']:
+    the last entry is the op, the one before it the module, and the
+    wrapper's attribute name ('model', 'm', ...) prefixes every path.
+    """
+    names = [s for s in scopes(meta, NAME_SCOPES) if s]
+    if len(names) < 2:
+        return name
+    module = names[-2]
+    wrapper = names[0]
+    if len(names) > 2 and module.startswith(wrapper + "."):
+        module = module[len(wrapper) + 1:]
+    return module
 
 
 def _all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:

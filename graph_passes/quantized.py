@@ -273,7 +273,7 @@ class EmbeddingLikeHead(TableFromBlocks):
         else:
             data, scales = self.blocks_of(table)      # new constants, not yet in the graph
         source = node.inputs[0].name
-        # ONNX Runtime's names for a quantizer's outputs: the streamed build traces them by name (export/stream.py)
+        # ONNX Runtime's names for a quantizer's outputs (what its own quantizer calls this table's blocks)
         return BlocksTableMatch(ctx.layer_name(node), node, gs.Constant(f"{source}_Q{self.bits}", data),
                                 gs.Constant(f"{source}_scales", scales), table.shape[0], self.bits, self.block,
                                 f"token embedding int{self.bits} like the head (GatherBlockQuantized)")

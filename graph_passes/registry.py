@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import onnx
 
-from graph_passes.base import GraphPass, PassResult, load_graph, save_graph
+from graph_passes.base import GraphPass, PassContext, PassResult, load_graph, save_graph
 from graph_passes.channel_scale import FoldChannelScale
 from graph_passes.disabled_norm import FoldDisabledNorm
 from graph_passes.dyt_affine import FoldDyTAffine
@@ -41,11 +41,13 @@ def passes_for(attention: str) -> tuple[str, ...]:
 NORM_KIND_PASSES = {"taper": "taper_scale", "rmsnorm": "norm_gamma", "layernorm": "norm_gamma", "dyt": "dyt_affine"}
 
 
-def resolve(names) -> list[GraphPass]:
-    unknown = [n for n in names if n not in PASSES]
+def resolve(passes) -> list[GraphPass]:
+    """GraphPass objects of `passes`: registered names, or passes made already (e.g. export.quantize's, which
+    take the quantizer)."""
+    unknown = [n for n in passes if isinstance(n, str) and n not in PASSES]
     if unknown:
         raise KeyError(f"unknown pass {', '.join(unknown)}; known passes: {', '.join(PASSES)}")
-    return [PASSES[n]() for n in names]
+    return [PASSES[n]() if isinstance(n, str) else n for n in passes]
 
 
 def run_passes(proto: onnx.ModelProto, names=DEFAULT_PASSES,
@@ -56,10 +58,16 @@ def run_passes(proto: onnx.ModelProto, names=DEFAULT_PASSES,
 
     Raises graph_passes.PassError for a graph a pass refuses (e.g. a TaperNorm gate above 0).
     """
-    passes = resolve(names)
     ctx = load_graph(proto, lazy)
-    results = [p.run(ctx) for p in passes]
+    results = run_passes_in(ctx, names)
     if lazy is not None:
         lazy.clear()
         lazy.update(ctx.lazy_weights())
     return save_graph(ctx, proto), results
+
+
+def run_passes_in(ctx: PassContext, passes) -> list[PassResult]:
+    """Apply `passes` (registered names or GraphPass objects) in order to a loaded graph, one result per
+    pass: what a caller that runs several stages of passes on one graph (export's build: the folds, then
+    the quantization) calls between one load_graph and one save_graph."""
+    return [p.run(ctx) for p in resolve(passes)]

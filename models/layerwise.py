@@ -30,8 +30,8 @@ def used_slots(steps) -> int:
 
 class ModelParts:
     """What the layer-by-layer run reads from a WeightSource: the model as the checkpoint holds it.
-    A subclass may hand out other weights for the same structure (export/stream.py: folded and
-    quantized-dequantized, the reference of a quantized graph)."""
+    A subclass may hand out other weights for the same structure (export/quant_reference.py's GraphWeights:
+    the graph's own dequantized weights, the reference of a quantized graph)."""
 
     def __init__(self, source):
         self.source, self.cfg, self.skeleton = source, source.cfg, source.skeleton

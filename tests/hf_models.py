@@ -126,7 +126,7 @@ def save_hf(model, path: Path, tokenizer: bool = False, **save_kwargs) -> Path:
 
 def our_cached_logits(model, ids, prefill: int):
     """Our decoder's logits [B, T, V]: `prefill` tokens, then one token a call through its KV cache (the
-    twin of export.pipeline.transformers_cached_logits, for the tests that compare the two)."""
+    twin of export.transformers_check.transformers_cached_logits, for the tests that compare the two)."""
     import torch
     with torch.no_grad():
         cache = model.cfg.cache_layout().allocate(ids.shape[0])

@@ -24,6 +24,7 @@ def folder(tmp_path_factory):
 def test_the_all_taper_checkpoint_folds_every_norm_and_stays_finite(folder, tmp_path):
     import torch
     from bench.fold_vs_genai import all_taper_checkpoint, profile_graph
+    from export.options import BuildOptions
     from export.pipeline import build
     from models.checkpoint import load_checkpoint
     info = all_taper_checkpoint(folder, tmp_path / "ckpt", log=lambda *a: None)
@@ -33,7 +34,7 @@ def test_the_all_taper_checkpoint_folds_every_norm_and_stays_finite(folder, tmp_
     assert all(c > 0 for c in model.taper_c().values()) and len(set(model.taper_c().values())) > 1
     with torch.no_grad():
         assert torch.isfinite(model(torch.randint(0, 2048, (1, 9)))).all()
-    report = build(tmp_path / "ckpt", tmp_path / "build", fuse=True, log=lambda *a: None, attention="gqa")
+    report = build(tmp_path / "ckpt", tmp_path / "build", BuildOptions(fuse=True, attention="gqa"), log=lambda *a: None)
     assert report.norm_ops["fused"] == 0
     share = profile_graph(str(tmp_path / "build" / "model.fused.onnx"), steps=4, threads=1, genai=False)
     assert share["steps"] == 4 and share["f"] == 0.0 and share["node_us_per_step"] > 0

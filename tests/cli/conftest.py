@@ -70,9 +70,10 @@ def tiny_ckpt(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_build(tiny_ckpt, tmp_path_factory) -> Path:
     """A real fused build of tiny_ckpt (export.pipeline, in-process)."""
+    from export.options import BuildOptions
     from export.pipeline import build
     out = tmp_path_factory.mktemp("cli_build") / "build"
-    build(tiny_ckpt, out, fuse=True, log=lambda _: None)
+    build(tiny_ckpt, out, BuildOptions(fuse=True), log=lambda _: None)
     return out
 
 
@@ -80,9 +81,10 @@ def tiny_build(tiny_ckpt, tmp_path_factory) -> Path:
 def tiny_unfused_build(tiny_ckpt, tmp_path_factory) -> Path:
     """A real build of tiny_ckpt without --fuse: its one graph is model.onnx (a fused build holds only
     model.fused.onnx), the graph graph_passes folds and export.verify compares with the fused one."""
+    from export.options import BuildOptions
     from export.pipeline import build
     out = tmp_path_factory.mktemp("cli_unfused_build") / "build"
-    build(tiny_ckpt, out, fuse=False, log=lambda _: None)
+    build(tiny_ckpt, out, BuildOptions(fuse=False), log=lambda _: None)
     return out
 
 

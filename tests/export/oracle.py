@@ -199,5 +199,5 @@ def rounding_slack(model, iface: DecodeContract, steps: list[Step], fp32_runs: l
     can move that output by on these inputs (a float64 copy of the model, run once)."""
     import copy
     import torch
-    from export.pipeline import rounding_slack_of
+    from export.reference_check import rounding_slack_of
     return rounding_slack_of(fp32_runs, run_torch(copy.deepcopy(model).double(), iface, steps, dtype=torch.float64))

@@ -26,9 +26,10 @@ def _folder(source: str, tmp_path: Path) -> Path:
 
 
 def _build(folder: Path, out: Path, dtype: str, fuse: bool = True):
+    from export.options import BuildOptions
     from export.pipeline import build
     lines = []
-    report = build(folder, out, fuse, dtype, log=lines.append)
+    report = build(folder, out, BuildOptions(fuse, dtype), log=lines.append)
     return report, out / ("model.fused.onnx" if fuse else "model.onnx"), lines
 
 
@@ -60,7 +61,7 @@ def test_bf16_build_is_the_fp32_build_rounded_and_verified(tmp_path, source, fus
     from export.verify import ATOL, SCALE_TOL
     fp32, bf16, report, bf16_path = _pair(tmp_path, source, fuse)
     assert report.graph == bf16_path.name and report.dtype == "bf16" and bf16_path.is_file()
-    assert (report.atol, report.scale_tol) == (ATOL["bf16"], SCALE_TOL["bf16"])
+    assert (report.verification.atol, report.verification.scale_tol) == (ATOL["bf16"], SCALE_TOL["bf16"])
     assert any("widened" in n for n in report.notes)                      # says what ran the check
     assert not list(bf16_path.parent.glob("*.widened.onnx"))               # the checked copy is gone
     assert contract_of(bf16_path).dtype == "bf16"                         # logits and caches
@@ -78,7 +79,7 @@ def test_bf16_build_is_the_fp32_build_rounded_and_verified(tmp_path, source, fus
         assert diff <= 2.0 ** -6 * np.abs(a[finite]).max(initial=0), (n, diff)
     floats = sum(v.nbytes for v in bf16.values() if v.dtype == BF16)
     assert sum(bf16[n].nbytes for n in weights) >= 0.99 * floats           # the weights, not only a few constants
-    assert max(report.max_abs_diff["graph_vs_torch"]["random tokens, seed 0"].values()) > 0   # really compared
+    assert max(report.verification.graph_vs_torch["random tokens, seed 0"].values()) > 0   # really compared
     from runtime.ort_session import OrtSession
     from runtime.session import ModelFileError
     with pytest.raises(ModelFileError, match="bf16 graph.*TensorRT or --device cuda"):   # refused where it cannot run

@@ -153,8 +153,9 @@ def test_every_option_a_build_message_names_is_one_export_build_has():
     portable, ...): each such option exists (the streamed route once named `--stream`, which never did)."""
     import re
     from tests.cli.conftest import cli
-    sources = ["export/pipeline.py", "export/quantize.py", "export/genai.py", "export/target.py", "export/emit.py",
-               "export/bfloat16.py"]
+    sources = ["export/pipeline.py", "export/options.py", "export/graph_stages.py", "export/memory.py",
+               "export/reference_check.py", "export/transformers_check.py", "export/quantize.py", "export/genai.py",
+               "export/target.py", "export/emit.py", "export/bfloat16.py"]
     named = {o for f in sources for o in re.findall(r"--[a-z][a-z0-9-]*", (ROOT / f).read_text())}
     assert {"--quantize", "--dtype", "--fuse", "--attention", "--target"} <= named
     helped = cli("export.build", ["--help"]).out

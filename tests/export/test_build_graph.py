@@ -20,15 +20,15 @@ def source():
 def test_a_graph_of_a_model_in_memory_is_verified_like_builds(source, tmp_path):
     path = tmp_path / "model.fused.onnx"
     report = build_graph(source, path, fuse=True)
-    per = report.max_abs_diff["graph_vs_torch"]                     # verified like build()
-    assert per and 0 < max(v for d in per.values() for v in d.values()) <= report.atol
+    per = report.verification.graph_vs_torch                     # verified like build()
+    assert per and 0 < max(v for d in per.values() for v in d.values()) <= report.verification.atol
     assert report.source == "in-memory" and report.weight_bytes > 0
     assert set(report.op_counts) == {"emitted", "fused"} and report.norm_ops == {"emitted": 5, "fused": 5}
     assert [(f.pass_name, f.layer) for f in report.folded] == [                     # gains into W (ln_f: tied head)
         ("norm_gamma", f"blocks.{i}.{n}") for i in (0, 1) for n in ("ln_1", "ln_2")]
     assert {n.op_type for n in onnx.load(str(path)).graph.node} >= {"MatMul", "RMSNormalization", "TensorScatter"}
     unverified = build_graph(source, tmp_path / "unverified.onnx", fuse=True, verify=False)
-    assert unverified.max_abs_diff == {} and unverified.op_counts == report.op_counts
+    assert unverified.verification.graph_vs_torch == {} and unverified.op_counts == report.op_counts
 
 
 def test_a_wrong_weight_fails_its_verification(source, tmp_path, monkeypatch):
@@ -58,7 +58,7 @@ def test_the_top1_floor_is_enforced_for_trained_models_checked_against_the_float
     report = build_graph(source, path, fuse=True, quantize=cfg, trained=trained)
     floor = [n for n in report.notes if "top-1 agreement" in n]
     assert len(floor) == 1 and ("not enforced" in floor[0]) == (not trained), report.notes
-    assert report.quantized["drift"]["top1_agreement"] < 1.01
-    checked = report.quantized["tolerance"]["checked_against"]
+    assert report.quantized.drift.teacher_forced_top1 < 1.01
+    checked = report.quantized.tolerance.checked_against
     assert checked == ("dequantized weights" if algo == "rtn" else "float model")
-    assert report.max_abs_diff["graph_vs_torch"]                    # its outputs were compared all the same
+    assert report.verification.graph_vs_torch                    # its outputs were compared all the same

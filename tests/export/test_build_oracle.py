@@ -75,11 +75,13 @@ CASES = [
 
 @pytest.mark.parametrize("source,attention,quantize,dtype", CASES)
 def test_the_built_graph_equals_torchs_export_through_the_same_passes(tmp_path, source, attention, quantize, dtype):
+    from export.options import BuildOptions
     from export.pipeline import build
     from export.verify import ATOL, verify_pair
     folder = _folder(source, tmp_path)
     lines = []
-    report = build(folder, tmp_path / "out", True, dtype, log=lines.append, quantize=quantize, attention=attention)
+    report = build(folder, tmp_path / "out", BuildOptions(True, dtype, quantize=quantize, attention=attention),
+                   log=lines.append)
     assert lines[0].startswith("[1/5] open") and any("block 1/" in line for line in lines)    # progress per block
     path = tmp_path / "out" / report.graph
     assert report.graph == (quantize.file_name() if quantize else "model.fused.onnx") and path.is_file()
@@ -92,5 +94,5 @@ def test_the_built_graph_equals_torchs_export_through_the_same_passes(tmp_path, 
     atol = {"fp32": ATOL["fp32"], "fp16": 0.06}[dtype] if not quantize else None
     results = verify_pair(tmp_path / "reference.onnx", path, atol=atol)
     assert results and all(c.max_abs_diff for c in results)
-    per = report.max_abs_diff["graph_vs_torch"]
+    per = report.verification.graph_vs_torch
     assert per and max(v for d in per.values() for v in d.values()) > 0     # the build's own check ran (it raises)

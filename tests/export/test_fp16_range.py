@@ -51,5 +51,6 @@ def test_the_same_checkpoint_builds_in_bf16(out_of_range, tmp_path):
 
 def test_a_vector_beyond_fp16_builds_in_bf16(out_of_range, tmp_path):
     """bf16 has fp32's range, for vectors as for matrices: the fp16 refusal's advice holds."""
+    from export.options import BuildOptions
     from export.pipeline import build
-    build(out_of_range["vector"], tmp_path / "b", True, "bf16", log=lambda *a: None)
+    build(out_of_range["vector"], tmp_path / "b", BuildOptions(True, "bf16"), log=lambda *a: None)

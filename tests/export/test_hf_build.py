@@ -34,6 +34,7 @@ def _has_pass(name: str) -> bool:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """name -> (transformers model, build dir, log lines), built once per module on first use."""
+    from export.options import BuildOptions
     from export.pipeline import build
     root = tmp_path_factory.mktemp("hf_build")
     cache = {}
@@ -43,7 +44,7 @@ def built(tmp_path_factory):
             hf = hf_model(name)
             folder = save_hf(hf, root / name, tokenizer=(name in WITH_TOKENIZER))
             lines = []
-            build(folder, root / f"{name}.build", fuse=True, log=lines.append)
+            build(folder, root / f"{name}.build", BuildOptions(fuse=True), log=lines.append)
             cache[name] = (hf, root / f"{name}.build", lines)
         return cache[name]
     return get

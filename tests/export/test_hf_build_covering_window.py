@@ -54,7 +54,7 @@ def test_built_graph_equals_transformers(built):
 
 
 def test_build_checked_itself_against_transformers(built):
-    """The build's own transformers_vs_ours check (export/pipeline.py) ran and passed."""
+    """The build's own transformers_vs_ours check (export/transformers_check.py) ran and passed."""
     out, _, _, stdout = built
     assert any(line.startswith("  transformers_vs_ours max |d logits| ") for line in stdout.splitlines()), stdout
     found = json.loads((out / "report.json").read_text())["transformers_vs_ours"]

@@ -1,7 +1,7 @@
 """export/quant_reference.py: the torch reference of a quantized graph (GraphWeights: the folded model with the
 graph's own blocks dequantized), read from the written graph, and dequantized_rows against export/rtn.py.
 
-A quantized build is verified against this reference (export/pipeline.py verify_graph), so it must be what the
+A quantized build is verified against this reference (export/reference_check.py verify_graph), so it must be what the
 written graph computes: with MatMulNBits at accuracy level 0 (fp32 arithmetic) the two agree to fp32 rounding,
 on a zoo model (DyT's shifts folded through the float weights, its own int4 table) and on a tiny Hugging Face
 family (Q/K/V packed into one MatMulNBits under --attention gqa, the embedding in the int8 head's blocks); the
@@ -74,17 +74,19 @@ CASES = [
 
 @pytest.mark.parametrize("source, attention, cfg", CASES)
 def test_a_quantized_build_equals_its_dequantized_reference(tmp_path, source, attention, cfg):
+    from export.options import BuildOptions
     from export.pipeline import build
     from export.verify import ATOL, DEQUANTIZED, SCALE_TOL
     out = tmp_path / "out"
-    report = build(_folder(source, tmp_path), out, True, quantize=cfg, attention=attention, log=lambda *a: None)
-    assert report.quantized["tolerance"]["checked_against"] == "dequantized weights"
-    assert (report.atol, report.scale_tol) == (ATOL[DEQUANTIZED], SCALE_TOL[DEQUANTIZED])
-    per = report.max_abs_diff["graph_vs_torch"]
+    report = build(_folder(source, tmp_path), out, BuildOptions(True, quantize=cfg, attention=attention),
+                   log=lambda *a: None)
+    assert report.quantized.tolerance.checked_against == "dequantized weights"
+    assert (report.verification.atol, report.verification.scale_tol) == (ATOL[DEQUANTIZED], SCALE_TOL[DEQUANTIZED])
+    per = report.verification.graph_vs_torch
     worst = max(v for d in per.values() for v in d.values())
     # fp32 MatMulNBits against fp32 torch on the same weights: fp32 rounding, far inside the build's bound
     assert 0 < worst < 1e-4, per
-    assert report.quantized["drift"]["logits_max_abs_diff"] > 100 * worst      # the float model is another one
+    assert report.quantized.drift.logits_max_abs_diff > 100 * worst      # the float model is another one
 
 
 def test_a_graph_whose_scales_are_doubled_fails_against_the_reference(tmp_path):
@@ -92,11 +94,12 @@ def test_a_graph_whose_scales_are_doubled_fails_against_the_reference(tmp_path):
     of the graph it was made from, by far, and passes against its own (the reference follows the graph). The zoo's
     TaperNorm model: its tied table stored once, the embedding reading the head's blocks through a Reshape."""
     from core.onnx_writer import save_onnx
+    from export.options import BuildOptions
     from export.pipeline import build
     from export.verify import DEQUANTIZED, VerificationError, compare_sessions
     from models.weights import open_weights
     out = tmp_path / "out"
-    build(ZOO / "internal-taper", out, True, quantize=QuantConfig("int4"), log=lambda *a: None)
+    build(ZOO / "internal-taper", out, BuildOptions(True, quantize=QuantConfig("int4")), log=lambda *a: None)
     good = out / "model.int4.onnx"
     proto = onnx.load(str(good))
     doubled = 0

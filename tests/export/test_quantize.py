@@ -166,11 +166,11 @@ def test_a_broken_quantization_fails_verification():
 
 
 def test_top1_agreement_is_one_against_itself_and_measures_drift():
-    """export.pipeline.top1 over the agreement session a quantized build runs (agreement_steps: one prefill of
+    """export.reference_check.teacher_forced_top1 over the agreement session a quantized build runs (agreement_steps: one prefill of
     real text, AGREEMENT_TOKENS positions or the capacity): 1 against itself, between 0 and 1 for int4, and
     about 0 for logits negated (argmax becomes argmin)."""
     from export.conventions import run_onnx
-    from export.pipeline import agreement_steps, top1
+    from export.reference_check import agreement_steps, teacher_forced_top1
     from export.quantize import AGREEMENT_TOKENS
     _, _, fused, _ = exported("baseline")
     iface = read_interface(fused)
@@ -182,16 +182,16 @@ def test_top1_agreement_is_one_against_itself_and_measures_drift():
     def runs(proto):
         return [run_onnx(ort_session(proto), iface, steps) for steps in sessions]
     ref = runs(fused)
-    assert top1(ref, ref) == (1.0, n)
+    assert teacher_forced_top1(ref, ref) == (1.0, n)
     q, _ = quantize_weights(fused, QuantConfig("int4"))
-    agree, positions = top1(ref, runs(q))
+    agree, positions = teacher_forced_top1(ref, runs(q))
     assert positions == n and 0.0 < agree <= 1.0
     negated = onnx.ModelProto()
     negated.CopyFrom(fused)
     last = next(node for node in negated.graph.node if "logits" in node.output)
     last.output[list(last.output).index("logits")] = "logits_before_neg"
     negated.graph.node.append(onnx.helper.make_node("Neg", ["logits_before_neg"], ["logits"]))
-    agree, _ = top1(ref, runs(negated))
+    agree, _ = teacher_forced_top1(ref, runs(negated))
     assert agree < 0.05
 
 

@@ -1,4 +1,4 @@
-"""export.build at real sizes: memory known before any work (export.pipeline.build_memory), a build that
+"""export.build at real sizes: memory known before any work (export.memory.build_memory), a build that
 cannot fit refused in one line naming an option that fits (cheaper_option, core.inputs.check_memory), and
 the peak resident memory of real builds within the estimate and the issue's bound.
 
@@ -24,11 +24,12 @@ LLAMA_8B = dict(vocab_size=128256, d_model=4096, n_layer=32, n_head=32, n_kv_hea
 
 def test_a_build_that_cannot_fit_is_refused_in_one_line_and_writes_nothing(tmp_path, monkeypatch):
     from core.errors import UserError
+    from export.options import BuildOptions
     from export.pipeline import build
     monkeypatch.setattr("core.inputs.available_memory", lambda: 256 << 20)
     lines = []
     with pytest.raises(UserError) as e:
-        build(ZOO / "internal-taper", tmp_path / "out", True, log=lines.append)
+        build(ZOO / "internal-taper", tmp_path / "out", BuildOptions(True), log=lines.append)
     msg = str(e.value)
     assert "\n" not in msg and "needs ~" in msg and "available" in msg and "use a machine with more memory" in msg
     assert lines == []                                                  # refused before the first stage
@@ -39,21 +40,24 @@ def test_a_refused_build_names_the_option_that_fits(tmp_path, monkeypatch):
     """Memory between the int4 build's estimate and the fp32 one's: the fp32 build is refused, and its line
     names --quantize int4, which the same memory then builds."""
     from core.errors import UserError
-    from export.pipeline import build, build_memory
+    from export.memory import build_memory
+    from export.options import BuildOptions
+    from export.pipeline import build
     from models.weights import open_weights
     cfg = open_weights(ZOO / "internal-taper").cfg
     fp32, int4 = build_memory(cfg, "fp32", None), build_memory(cfg, "fp32", QuantConfig("int4"))
     assert int4.peak < fp32.peak
     monkeypatch.setattr("core.inputs.available_memory", lambda: (int4.peak + fp32.peak) // 2)
     with pytest.raises(UserError, match=r"needs ~.*; build with --quantize int4 \(needs ~") as e:
-        build(ZOO / "internal-taper", tmp_path / "out", True, log=lambda *a: None)
+        build(ZOO / "internal-taper", tmp_path / "out", BuildOptions(True), log=lambda *a: None)
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
-    report = build(ZOO / "internal-taper", tmp_path / "out", True, log=lambda *a: None, quantize=QuantConfig("int4"))
-    assert report.memory_estimate["peak_bytes"] == int4.peak and (tmp_path / "out" / "model.int4.onnx").is_file()
+    report = build(ZOO / "internal-taper", tmp_path / "out", BuildOptions(True, quantize=QuantConfig("int4")),
+                   log=lambda *a: None)
+    assert report.memory_estimate.peak == int4.peak and (tmp_path / "out" / "model.int4.onnx").is_file()
 
 
 def test_the_refusal_names_an_option_that_fits(monkeypatch):
-    from export.pipeline import build_memory, cheaper_option
+    from export.memory import build_memory, cheaper_option
     from models.decoder import DecoderConfig
     cfg = DecoderConfig(**LLAMA_8B)
     fp32, int4 = build_memory(cfg, "fp32", None), build_memory(cfg, "fp32", QuantConfig("int4"))

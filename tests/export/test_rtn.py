@@ -302,7 +302,7 @@ def test_the_private_bindings_bytes_are_unchanged(bits, dtype):
                  else rng.standard_normal((K, 9)).astype(np.float16))
             rows, cols = w.shape
             kb = -(-rows // block)
-            packed = np.zeros((cols, kb, block * bits // 8), np.uint8)          # as export/stream.py calls it
+            packed = np.zeros((cols, kb, block * bits // 8), np.uint8)          # as the private binding is called
             scales = np.zeros((cols, kb), dtype)
             fn(packed, np.pad(w, ((0, kb * block - rows), (0, 0))), scales, np.zeros((cols, kb), np.uint8),
                block, cols, rows, True)
@@ -365,7 +365,7 @@ def test_gather_block_quantized_returns_the_dequantized_rows(block):
 
 def test_speed_on_a_real_size_matrix(capsys):
     """matmul_blocks on Llama-3-8B's gate/up projection w [4096, 14336] fp32, int4 block 32, against the
-    private binding (as export/stream.py called it) and against quantize_one_node; same bytes all three."""
+    private binding (ONNX Runtime's own quantizer calls it) and against quantize_one_node; same bytes all three."""
     w = np.random.default_rng(0).standard_normal((4096, 14336)).astype(np.float32)
     times = {}
 

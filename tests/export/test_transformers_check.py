@@ -20,11 +20,12 @@ def folder(tmp_path_factory):
 
 
 def _check(folder, tokens=None):
-    from export.pipeline import BuildReport, transformers_check
+    from export.report import BuildReport
+    from export.transformers_check import transformers_check
     from models.weights import open_weights
     report, lines = BuildReport(str(folder), "(out)", "fp32", True), []
     transformers_check(open_weights(folder), report, lines.append, tokens)
-    return report.transformers_vs_ours, lines
+    return report.transformers_vs_ours.to_json(), lines
 
 
 def test_check_runs_and_says_what_it_compared(folder):
@@ -45,7 +46,7 @@ def test_skips_without_transformers(folder, monkeypatch):
 
 def test_skips_a_model_too_large_to_hold_twice(folder, monkeypatch):
     import core.inputs
-    from export.pipeline import transformers_check_bytes
+    from export.memory import transformers_check_bytes
     from models.weights import open_weights
     need = transformers_check_bytes(open_weights(folder).cfg)
     monkeypatch.setattr(core.inputs, "available_memory", lambda: need - 1)
@@ -55,19 +56,20 @@ def test_skips_a_model_too_large_to_hold_twice(folder, monkeypatch):
 
 
 def test_checkpoints_of_ours_are_not_checked(tmp_path):
-    from export.pipeline import BuildReport, transformers_check
+    from export.report import BuildReport
+    from export.transformers_check import transformers_check
     from models.weights import open_weights
     from tests.helpers import random_model, write_checkpoint
     ckpt = write_checkpoint(tmp_path / "ckpt", random_model(norm="rmsnorm"))
     report = BuildReport(str(ckpt), "(out)", "fp32", True)
     transformers_check(open_weights(ckpt), report, None, None)
-    assert report.transformers_vs_ours == {}
+    assert report.transformers_vs_ours is None
 
 
 def test_build_prints_the_check_and_a_mismatch_fails_it_in_one_line(folder, tmp_path, monkeypatch, capsys):
     """A whole build prints the line in its summary and report.json keeps it; a disagreement (here made by
     shifting transformers' logits) is one error line, a non-zero exit and no output folder."""
-    import export.pipeline as pipeline
+    import export.transformers_check as check
     from export.build import main
     out = tmp_path / "build"
     assert main(["--fuse", "--checkpoint", str(folder), "--out", str(out)]) == 0
@@ -75,8 +77,8 @@ def test_build_prints_the_check_and_a_mismatch_fails_it_in_one_line(folder, tmp_
     assert any(line.startswith("  transformers_vs_ours max |d logits| ") for line in printed.splitlines()), printed
     assert json.loads((out / "report.json").read_text())["transformers_vs_ours"]["prefill_tokens"] == 8
 
-    real = pipeline._transformers_vs_ours
-    monkeypatch.setattr(pipeline, "_transformers_vs_ours", lambda *a: (0.5, *real(*a)[1:]))
+    real = check._transformers_vs_ours
+    monkeypatch.setattr(check, "_transformers_vs_ours", lambda *a: (0.5, *real(*a)[1:]))
     bad = tmp_path / "bad"
     assert main(["--fuse", "--checkpoint", str(folder), "--out", str(bad)]) != 0
     err = capsys.readouterr().err.strip().splitlines()
@@ -88,7 +90,7 @@ def test_build_prints_the_check_and_a_mismatch_fails_it_in_one_line(folder, tmp_
 def test_past_the_fixed_tolerance_transformers_own_rounding_is_measured(folder):
     """An ill-conditioned model may round past the fixed bound: then transformers runs in float64 and its own
     fp32 rounding (times the build's FP32_ROUNDING_SLACK) is allowed, as graph_vs_torch allows torch's."""
-    from export.pipeline import _transformers_vs_ours
+    from export.transformers_check import _transformers_vs_ours
     from models.weights import open_weights
     diff, scale, prefill, steps, slack = _transformers_vs_ours(open_weights(folder), None, lambda scale: -1.0)
     assert 0 < slack < 1e-3 and diff < 1e-4 and (prefill, steps) == (8, 4)

@@ -100,7 +100,9 @@ def test_fold_then_rewrite_is_what_a_gqa_build_runs():
 
 
 def test_partial_rotary_layers_are_left_alone_and_a_gqa_build_refuses_them():
-    from export.pipeline import BuildError, BuildReport, make_graph
+    from export.graph_stages import make_graph
+    from export.options import BuildError
+    from export.report import BuildReport
     from models.weights import model_weights
     model = random_model(seed=1, norm="rmsnorm", pos_embedding="rope", rotary_dim=8, d_model=64, n_head=4)
     proto = export_onnx(model, _DIR / "partial-rope.att.onnx", attention="fused")

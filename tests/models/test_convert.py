@@ -33,7 +33,7 @@ def _logits(model, ids):
 
 def _hf_cached(hf, ids, prefill: int):
     """transformers' logits over its own KV cache: `prefill` tokens, then one token a call."""
-    from export.pipeline import transformers_cached_logits
+    from export.transformers_check import transformers_cached_logits
     with torch.no_grad():
         return transformers_cached_logits(hf, ids, prefill)
 

@@ -42,7 +42,7 @@ import torch
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st  # noqa: E402
 
-from export.pipeline import transformers_cached_logits  # noqa: E402
+from export.transformers_check import transformers_cached_logits  # noqa: E402
 from models.convert import SUPPORTED, ConvertError, convert  # noqa: E402
 from tests.hf_models import our_cached_logits, transformers_classes  # noqa: E402
 from tests.runtime.greedy import compare_greedy  # noqa: E402

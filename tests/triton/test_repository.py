@@ -293,12 +293,13 @@ def test_a_quantized_build_is_cloned_not_read(triton_build, tmp_path, monkeypatc
     computes what the build's does."""
     import onnx
     import onnxruntime as ort
+    from export.options import BuildOptions
     from export.pipeline import build as export_build
     from export.quantize import QuantConfig
     from runtime.triton import write_triton_repository
     ckpt = triton_build.parent / "ckpt"
     build = tmp_path / "int4"
-    export_build(ckpt, build, True, quantize=QuantConfig("int4"), log=lambda *a: None)
+    export_build(ckpt, build, BuildOptions(True, quantize=QuantConfig("int4")), log=lambda *a: None)
     assert sorted(p.name for p in build.glob("model*")) == ["model.int4.onnx", "model.int4.onnx.data"]
     loads = []
     real_load = onnx.load

@@ -1,0 +1,176 @@
+"""A Hugging Face folder's build checks our torch model against transformers' own forward of the same folder,
+so that the build is checked against an outside reference and not only against our own reading of the config
+(issue 42: a lost rope base passed graph_vs_torch). Into the report's transformers_vs_ours (TransformersCheck).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from core.inputs import human_bytes
+from export.memory import transformers_check_bytes
+from export.options import BuildError
+
+
+@dataclass
+class TransformersCheck:
+    """The check's figures (report.json's transformers_vs_ours), or why it was skipped."""
+    skipped: str = ""                   # why it did not run ("" when it ran)
+    logits_max_abs_diff: float = 0.0
+    max_abs_ref: float = 0.0            # max |transformers' logits|
+    prefill_tokens: int = 0
+    cached_steps: int = 0
+    atol: float = 0.0
+    scale_tol: float = 0.0
+    transformers: str = ""              # its version
+    rounding_slack: float = 0.0         # past the fixed tolerance: transformers' own fp32 rounding (x FP32_ROUNDING_SLACK)
+
+    def to_json(self) -> dict:
+        if self.skipped:
+            return {"skipped": self.skipped}
+        out = {"logits_max_abs_diff": self.logits_max_abs_diff, "max_abs_ref": self.max_abs_ref,
+               "prefill_tokens": self.prefill_tokens, "cached_steps": self.cached_steps, "atol": self.atol,
+               "scale_tol": self.scale_tol, "transformers": self.transformers}
+        if self.rounding_slack:
+            out["rounding_slack"] = self.rounding_slack
+        return out
+
+    def line(self) -> str:
+        """The report's line of the check."""
+        if self.skipped:
+            return f"transformers_vs_ours skipped: {self.skipped}"
+        slack = f" + rounding slack {self.rounding_slack:.3g}" if self.rounding_slack else ""
+        return (f"transformers_vs_ours max |d logits| {self.logits_max_abs_diff:.3g} (prefill {self.prefill_tokens} "
+                f"tokens + {self.cached_steps} cached steps; atol {self.atol:g} + {self.scale_tol:g} x max|ref| "
+                f"{self.max_abs_ref:.3g}{slack}; transformers {self.transformers})")
+
+
+TRANSFORMERS_TOKENS, TRANSFORMERS_STEPS = 12, 4     # the transformers check: a prefill, then cached one-token steps
+
+
+def _transformers_skip(cfg) -> str | None:
+    """Why the transformers check cannot run here (None: it can)."""
+    from core.inputs import available_memory      # looked up when called: tests replace it
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return "transformers is not installed (pip install transformers to compare with it)"
+    need, avail = transformers_check_bytes(cfg), available_memory()
+    if avail is not None and need > avail:
+        return (f"the model held twice (transformers' and ours, fp32) needs ~{human_bytes(need)}, this machine has "
+                f"{human_bytes(avail)} available")
+    return None
+
+
+def transformers_check(source, report, log, tokens: list[int] | None) -> None:
+    """A Hugging Face folder: our torch model (the reference graph_vs_torch checked the graph against) against
+    transformers' own forward of the same folder, so that the build is checked against an outside reference and
+    not only against our own reading of the config (issue 42: a lost rope base passed graph_vs_torch). A prefill,
+    then TRANSFORMERS_STEPS one-token steps through each side's KV cache, real text when there is some; the fp32
+    tolerance of export/verify.py whatever the graph's dtype (both sides run in fp32). Skipped, saying why, when
+    transformers is missing or the two models would not fit in memory at once (transformers_check_bytes) or it
+    cannot load the folder; a mismatch fails the build (BuildError, one line). Into `report` (an
+    export.report.BuildReport): its transformers_vs_ours and timings_s["transformers"]."""
+    if not source.source.startswith("hf:"):
+        return
+    from export.verify import ATOL, SCALE_TOL
+    cfg = source.cfg
+    skip = _transformers_skip(cfg)
+    if skip is None:
+        t0 = time.perf_counter()
+        try:
+            found = _transformers_vs_ours(source, tokens, lambda scale: ATOL["fp32"] + SCALE_TOL["fp32"] * scale)
+        except _TransformersCannot as e:
+            skip = str(e)
+        else:
+            report.timings_s["transformers"] = round(time.perf_counter() - t0, 3)
+    if skip is not None:
+        report.transformers_vs_ours = TransformersCheck(skipped=skip)
+        if log is not None:
+            log(f"      transformers_vs_ours skipped: {skip}")
+        return
+    diff, scale, prefill, steps, slack = found
+    tol = ATOL["fp32"] + SCALE_TOL["fp32"] * scale + slack
+    report.transformers_vs_ours = TransformersCheck(
+        "", diff, scale, prefill, steps, ATOL["fp32"], SCALE_TOL["fp32"], __import__("transformers").__version__, slack)
+    if log is not None:
+        log(f"      {report.transformers_vs_ours.line()}")
+    if not diff <= tol:     # (NaN too)
+        extra = f" + rounding slack {slack:.3g}" if slack else ""
+        raise BuildError(f"{source.where}: transformers_vs_ours: expected the converted model's logits within {tol:.3g} "
+                         f"of transformers' own (atol {ATOL['fp32']:g} + {SCALE_TOL['fp32']:g} x max|ref| {scale:.3g}"
+                         f"{extra}; prefill {prefill} tokens + {steps} cached steps), found max |d| {diff:.3g}; the converter "
+                         "reads this config.json otherwise than transformers does: nothing was written, report it "
+                         "with the folder's config.json")
+
+
+class _TransformersCannot(Exception):
+    """transformers cannot load or run the folder (its version, its own checks): the check is skipped."""
+
+
+def _transformers_vs_ours(source, tokens: list[int] | None, tolerance) -> tuple[float, float, int, int, float]:
+    """(max |d logits|, max |transformers' logits|, prefill tokens, cached steps, rounding slack) of the check.
+    Past `tolerance(max |transformers' logits|)`, transformers runs again in float64 (its model converted in
+    place: no more memory than the two fp32 models): the slack is FP32_ROUNDING_SLACK times its own fp32
+    rounding on these tokens, as the build's verification allows (export/verify.py)."""
+    import contextlib
+    import copy
+    import io
+    import warnings
+
+    import torch
+    from core.errors import first_line
+    cfg = source.cfg
+    total = min(TRANSFORMERS_TOKENS, cfg.max_seq_len)
+    steps = min(TRANSFORMERS_STEPS, total - 1)
+    ids = np.resize(np.asarray(tokens, np.int64), total) if tokens else \
+        np.random.default_rng(0).integers(0, cfg.vocab_size, total)
+    ids = torch.from_numpy(ids % cfg.vocab_size).long()[None]                           # [1, total]
+    prefill = total - steps
+    model = source.fill(copy.deepcopy(source.skeleton), "").eval()
+    for rotary in model.rotaries().values():       # non-persistent buffers: to_empty left them unset
+        rotary.reset_parameters()
+    with torch.no_grad():
+        cache = cfg.cache_layout().allocate(1)
+        logits, cache = model(ids[:, :prefill], torch.zeros(1, dtype=torch.long), cache)
+        ours = [logits]
+        for t in range(prefill, total):
+            logits, cache = model(ids[:, t:t + 1], torch.full((1,), t), cache)
+            ours.append(logits)
+    del model, cache
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    quiet = contextlib.redirect_stderr(io.StringIO())
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with quiet, warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            try:
+                hf = AutoModelForCausalLM.from_pretrained(source.where, dtype=torch.float32).eval()
+            except Exception as e:      # its version or its own checks: not ours to judge
+                raise _TransformersCannot(f"transformers cannot load {source.where} ({first_line(e)[:200]})") from None
+            want = transformers_cached_logits(hf, ids, prefill).double()
+            got = torch.cat(ours, 1).double()
+            diff, scale, slack = float((got - want).abs().max()), float(want.abs().max()), 0.0
+            if not diff <= tolerance(scale):
+                from export.verify import FP32_ROUNDING_SLACK
+                slack = FP32_ROUNDING_SLACK * float((want - transformers_cached_logits(hf.double(), ids, prefill)).abs().max())
+    finally:
+        hf_logging.set_verbosity(level)
+    return diff, scale, prefill, steps, slack
+
+
+def transformers_cached_logits(hf, ids, prefill: int):
+    """transformers' logits [B, T, V]: a prefill, then one token a call over its own cache (the build's
+    transformers_vs_ours check and the tests that compare with transformers)."""
+    import torch
+    out = hf(ids[:, :prefill], use_cache=True)
+    ref, past = [out.logits], out.past_key_values
+    for t in range(prefill, ids.shape[1]):
+        out = hf(ids[:, t:t + 1], past_key_values=past, use_cache=True)
+        ref.append(out.logits)
+        past = out.past_key_values
+    return torch.cat(ref, 1)
