@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.openai.conftest import require_api
-from tests.triton.conftest import REPO, require
+from tests.triton.conftest import CAPACITY, REPO, require
 
 TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -303,9 +303,9 @@ def test_disconnect_cancels(served):
     ({"model": "generate", "prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"model": "other", "prompt": "x"}, 404, "does not exist"),
     ({"model": "generate", "prompt": "x", "best_of": 3}, 400, "best_of"),
-    # token-id prompts: the model's checks (its vocabulary: 320; its capacity: 512), and the API's
+    # token-id prompts: the model's checks (its vocabulary: 320; its capacity: CAPACITY), and the API's
     ({"model": "generate", "prompt": [5, 320, 7], "max_tokens": 4}, 400, "input_ids: expected token ids in [0, 320)"),
-    ({"model": "generate", "prompt": [[5] * 600], "max_tokens": 4}, 400, "capacity"),
+    ({"model": "generate", "prompt": [[5] * (CAPACITY + 88)], "max_tokens": 4}, 400, "capacity"),
     ({"model": "generate", "prompt": [5, -1]}, 400, "expected token ids >= 0"),
     ({"model": "generate", "prompt": [[5], "x"]}, 400, "found a mix"),
     ({"model": "generate", "prompt": [[]]}, 400, "at least one token id"),
