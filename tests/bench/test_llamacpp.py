@@ -156,6 +156,18 @@ def test_compare_refuses_before_any_load(tmp_path, capsys):
     assert rc == 1 and "--gguf" in err and err.count("\n") == 1 and not (tmp_path / "o").exists()
 
 
+
+@pytest.mark.parametrize("quantizer, needle", [
+    ([], "one of the arguments --llamacpp-python --quantize-bin is required"),
+    (["--llamacpp-python", "py", "--quantize-bin", "q"], "not allowed with argument --llamacpp-python"),
+    (["--quantize-bin", "no-such-llama-quantize"], "--quantize-bin no-such-llama-quantize: expected llama.cpp's"),
+])
+def test_gguf_takes_exactly_one_quantizer_that_exists(tmp_path, capsys, quantizer, needle):
+    rc = llamacpp.main(["gguf", "--checkpoint", str(tmp_path), "--source", str(tmp_path), "--out",
+                        str(tmp_path / "o"), *quantizer])
+    err = capsys.readouterr().err
+    assert rc != 0 and needle in err and err.count("\n") == 1 and not (tmp_path / "o").exists(), err
+
 # --- llama.cpp for real ------------------------------------------------------------------------------
 
 LLAMACPP_PYTHON = os.environ.get("TAPERNORM_LLAMACPP_PYTHON", sys.executable)
