@@ -6,7 +6,11 @@ One graph serves prefill and decode (export/emit.py writes it):
              position    int64 [batch]                      cache slot of each sequence's first new token
              key_{i}     fp32|fp16|bf16 [batch, H_kv, S_max, D]  layer i key cache (value_{i} alike; the
                          graph's float type, or fp16 in an fp32 graph: export.build --kv-cache fp16)
-    outputs  logits      fp32|fp16|bf16 [batch, seq, vocab]
+             logits_from int64 [1], optional: an input with a default (an initializer of 0) that
+                         export.build's ONNX Runtime CPU graphs take; logits are computed for the
+                         positions [logits_from, seq) only (the scheduler's prefill asks for the
+                         last prompt token's: the head is up to a fifth of a small model's weights)
+    outputs  logits      fp32|fp16|bf16 [batch, seq - logits_from, vocab]
              present_key_{i}, present_value_{i}             the caches with the new tokens written
 
 `read_contract` checks a graph's I/O against it and returns a DecodeContract;
@@ -41,7 +45,8 @@ KV_CACHE_DTYPES = ("fp32", "fp16")
 # The contract's I/O names, spelled here and nowhere else (tests/core/test_contract_names.py greps the tree)
 INPUT_IDS = "input_ids"             # int64 [batch, seq]
 POSITION = "position"               # int64 [batch]
-LOGITS = "logits"                   # [batch, seq, vocab]
+LOGITS = "logits"                   # [batch, seq - logits_from, vocab]
+LOGITS_FROM = "logits_from"         # int64 [1], optional, default 0: the first position logits are computed for
 CACHE_KINDS = ("key", "value")
 CACHE_PREFIX = "key_"               # how a cache input list is recognised (key_0, key_1, ...)
 PRESENT_PREFIX = "present_"
@@ -119,6 +124,11 @@ class DecodeContract:
     outputs: tuple[TensorSpec, ...] = field(default=(), compare=False)
 
     @property
+    def takes_logits_from(self) -> bool:
+        """Whether the graph computes logits from a given position on (the optional logits_from input)."""
+        return any(t.name == LOGITS_FROM for t in self.inputs)
+
+    @property
     def np_dtype(self):
         return np_dtype(self.dtype)
 
@@ -173,6 +183,8 @@ def read_contract(where, inputs: dict, outputs: dict) -> DecodeContract:
             fail(f"a decode-step graph with input {name!r}", f"inputs {sorted(by_in)[:8]}")
         if by_in[name].dtype != "int64":
             fail(f"{name} of type int64", str(by_in[name]))
+    if LOGITS_FROM in by_in and (by_in[LOGITS_FROM].dtype != "int64" or by_in[LOGITS_FROM].shape != (1,)):
+        fail(f"{LOGITS_FROM} int64 [1]", str(by_in[LOGITS_FROM]))
     if LOGITS not in by_out:
         fail("output 'logits'", f"outputs {sorted(by_out)[:8]}")
     n_layer = sum(1 for n in by_in if n.startswith(CACHE_PREFIX))

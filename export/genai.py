@@ -95,7 +95,7 @@ def _batch_from_input_ids(proto) -> None:
 def genai_graph(proto, where="graph"):
     """Our GroupQueryAttention graph (weights loaded or not) with GenAI's I/O, edited in place; returns it."""
     from onnx import TensorProto, helper
-    from core.contract import INPUT_IDS, LOGITS, POSITION
+    from core.contract import INPUT_IDS, LOGITS, LOGITS_FROM, POSITION
     _batch_from_input_ids(proto)
     check_gqa_graph(proto, where)
     g, renames = proto.graph, _cache_renames(proto)
@@ -115,7 +115,9 @@ def genai_graph(proto, where="graph"):
         if v.name in (INPUT_IDS, LOGITS):
             dims[1].dim_param = "sequence_length"
     mask = helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"])
-    inputs = [v for v in g.input if v.name != POSITION]
+    # position becomes the mask's sum below; logits_from is no input of GenAI's: its initializer (0: every
+    # position's logits, which GenAI's own graphs compute) stays as a constant
+    inputs = [v for v in g.input if v.name not in (POSITION, LOGITS_FROM)]
     del g.input[:]
     g.input.extend([inputs[0], mask, *inputs[1:]] if inputs[0].name == INPUT_IDS else [mask, *inputs])
     g.initializer.extend([helper.make_tensor("genai_axis_1", TensorProto.INT64, [1], [1]),

@@ -5,7 +5,7 @@ one a load per stage wrote).
 
     emit (export/emit.py) ─▶ load_graph ─▶ the fold passes ─▶ the leftover TaperNorm check
                                         ─▶ the quantize passes (export/quantize.py) ─▶ save_graph
-                          ─▶ [bf16 weights] ─▶ [fp16 KV cache] ─▶ op counts, norm layers
+                          ─▶ [bf16 weights] ─▶ [fp16 KV cache] ─▶ [logits_from] ─▶ op counts, norm layers
 
 Nothing is read but the norms' vectors: every matrix is a Lazy, and the folds and the quantization
 record their arithmetic on it, run when the graph is written (export.pipeline.write_graph). The
@@ -35,6 +35,9 @@ def make_graph(source, report: BuildReport, fuse: bool, dtype: str, attention: s
     if kv_cache != "fp32":              # (check_kv_cache: a GroupQueryAttention graph)
         from graph_passes.ort_attention import with_cache_dtype
         proto = with_cache_dtype(proto, kv_cache)
+    if attention == "gqa":              # the ONNX Runtime graph the scheduler serves: a prefill's logits at its
+        from graph_passes.logits_from import with_logits_from       # last token only (the input's default: all)
+        proto = with_logits_from(proto)
     graph_stats(report, graph_kind(fuse, quantize), proto)
     return proto, lazy
 

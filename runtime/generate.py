@@ -114,12 +114,14 @@ def prefill(session: DecoderSession, prompts: list[list[int]], prompt_logprobs: 
     prompt_logprobs, each prompt's token logprobs are appended to it (see prompt_token_logprobs); with a
     list prompt_top and k > 0, each prompt's top-k alternatives (see prompt_top_logprobs)."""
     ids, lengths = pad_right(prompts)
-    logits = session.prefill(ids, np.zeros(len(prompts), np.int64))                          # [B, T, V]
+    every = prompt_logprobs is not None or (prompt_top is not None and k > 0)
+    logits_from = 0 if every else int(lengths.min()) - 1    # the logits needed: from the shortest prompt's last on
+    logits = session.prefill(ids, np.zeros(len(prompts), np.int64), logits_from)          # [B, T - logits_from, V]
     if prompt_logprobs is not None:
         prompt_logprobs.extend(prompt_token_logprobs(logits[b, :len(p)], p) for b, p in enumerate(prompts))
     if prompt_top is not None and k > 0:
         prompt_top.extend(prompt_top_logprobs(logits[b, :len(p)], k) for b, p in enumerate(prompts))
-    return logits[np.arange(len(prompts)), lengths - 1], lengths
+    return logits[np.arange(len(prompts)), lengths - 1 - logits_from], lengths
 
 
 def prompt_token_logprobs(logits: np.ndarray, prompt: list[int]) -> list[float]:

@@ -78,9 +78,11 @@ def load_tokenizer(path: str | Path, vocab_size: int | None = None):
 
 
 def spec_from_ort_session(session, where) -> DecodeContract:
-    """The decode contract of a loaded onnxruntime.InferenceSession; ModelFileError if its I/O is not one."""
+    """The decode contract of a loaded onnxruntime.InferenceSession; ModelFileError if its I/O is not one.
+    An input with a default (logits_from) is one of the session's overridable initializers, not its inputs."""
+    inputs = [*session.get_inputs(), *session.get_overridable_initializers()]
     try:
-        return read_contract(where, {i.name: (i.shape, i.type) for i in session.get_inputs()},
+        return read_contract(where, {i.name: (i.shape, i.type) for i in inputs},
                              {o.name: (o.shape, o.type) for o in session.get_outputs()})
     except ContractError as e:
         raise ModelFileError(str(e)) from None

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from core.contract import (INPUT_IDS, LOGITS, POSITION, ContractError, check_external_data_file, contract_of,
-                           present_name)
+from core.contract import (INPUT_IDS, LOGITS, LOGITS_FROM, POSITION, ContractError, check_external_data_file,
+                           contract_of, present_name)
 from runtime.model_files import ORT_ONLY_MARK, resolve_onnx, spec_from_ort_session
 from runtime.session import DecoderSession, DeviceError, MissingExtraError, ModelFileError, RuntimeUserError
 
@@ -82,7 +82,10 @@ class OrtSession(DecoderSession):
             raise MissingExtraError(f"ort --device {self.device}", "gpu", "onnxruntime-gpu",
                                     f"onnxruntime {ort.__version__} has no {providers[0]}")
         so = ort.SessionOptions()
-        so.log_severity_level = self.log_severity
+        # loading: warnings off (level 2 -> 3), since ONNX Runtime warns that an input with a default (the
+        # contract's logits_from) "will not be treated as constant", which is its purpose; running: the level
+        # asked for (the run options' logger prints the in-place cache warning, tests/runtime/test_ort_session.py)
+        so.log_severity_level = 3 if self.log_severity == ORT_WARNING else self.log_severity
         so.intra_op_num_threads = self.intra_op_threads
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if self.profile_prefix is not None:
@@ -117,6 +120,7 @@ class OrtSession(DecoderSession):
         # missing entry costs a C++ exception thrown and caught, ~60-100 us a step (a third of a
         # 1M-parameter decode step); -1 is the documented "no graph capture", what we run anyway.
         self._run_options = ort.RunOptions()
+        self._run_options.log_severity_level = self.log_severity
         self._run_options.add_run_config_entry("gpu_graph_id", "-1")
         self._ort_device = "cpu" if self.device == "cpu" else "cuda"
         # a GroupQueryAttention graph (export.build --target ort-cpu) continues a cached prompt at batch 1 only
@@ -156,6 +160,7 @@ class OrtSession(DecoderSession):
         self._logits = np.zeros((batch, 1, spec.vocab_size), self._logits_dtype)               # [B, 1, V]
         self._logits_row = self._logits[:, 0]            # [B, V] view, returned by every CPU decode step
         self._ids_ov, self._pos_ov, self._logits_ov = map(self._bound, (self._ids, self._pos, self._logits))
+        self._logits_from_0 = self._ort.OrtValue.ortvalue_from_numpy(np.zeros(1, np.int64), dev, 0)   # kept: bound
         self._buffers = {**{n: (v, spec.np_dtype) for n, v in self.caches.items()},     # what row bindings address
                          INPUT_IDS: (self._ids_ov, np.int64), POSITION: (self._pos_ov, np.int64),
                          LOGITS: (self._logits_ov, self._logits_dtype)}
@@ -186,13 +191,25 @@ class OrtSession(DecoderSession):
         self._decode_bound = False
         return logits
 
-    def _prefill_with(self, binding, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
-        """input_ids [b, T] and position [b] bound to `binding` (its caches already bound); one run -> logits [b, T, V]."""
+    def _run_prefill_tail(self, start: int, input_ids: np.ndarray, position: np.ndarray, logits_from: int) -> np.ndarray:
+        if start == 0 and len(input_ids) == self.batch:
+            logits = self._prefill_with(self.binding, input_ids, position, logits_from)
+            self._decode_bound = False
+            return logits
+        return self._prefill_with(self._rows_binding(start, start + len(input_ids), decode=False), input_ids, position,
+                                  logits_from)
+
+    def _prefill_with(self, binding, input_ids: np.ndarray, position: np.ndarray, logits_from: int = 0) -> np.ndarray:
+        """input_ids [b, T] and position [b] bound to `binding` (its caches already bound); one run -> logits
+        [b, T - logits_from, V] (a graph that takes logits_from gets it bound every time: a binding keeps its inputs)."""
         b, t = input_ids.shape
         ort, dev = self._ort, self._ort_device
-        logits = np.empty((b, t, self.spec.vocab_size), self._logits_dtype)                   # [b, T, V]
+        logits = np.empty((b, t - logits_from, self.spec.vocab_size), self._logits_dtype)     # [b, T - from, V]
         binding.bind_ortvalue_input(INPUT_IDS, ort.OrtValue.ortvalue_from_numpy(input_ids, dev, 0))
         binding.bind_ortvalue_input(POSITION, ort.OrtValue.ortvalue_from_numpy(position, dev, 0))
+        if self.spec.takes_logits_from:
+            binding.bind_ortvalue_input(LOGITS_FROM, ort.OrtValue.ortvalue_from_numpy(
+                np.array([logits_from], np.int64), dev, 0))
         out = self._bound(logits)
         binding.bind_ortvalue_output(LOGITS, out)
         self._run(binding)
@@ -203,6 +220,8 @@ class OrtSession(DecoderSession):
             self.binding.bind_ortvalue_input(INPUT_IDS, self._ids_ov)
             self.binding.bind_ortvalue_input(POSITION, self._pos_ov)
             self.binding.bind_ortvalue_output(LOGITS, self._logits_ov)
+            if self.spec.takes_logits_from:  # a prefill left its own bound: a 1-token step's logits are from 0
+                self.binding.bind_ortvalue_input(LOGITS_FROM, self._logits_from_0)
             self._decode_bound = True
         return self._decode_with(self.binding, 0, len(tokens), tokens, position)
 

@@ -29,7 +29,8 @@ One step (`step()`; the loop thread runs it while there is work):
      token of a 16-row prefill costs less than a token of a 1-row one (weights read once, a
      GEMM instead of a GEMV). The calls run smallest first (the least TTFT in total). Each
      row's first token is sampled from the logits at its own last prompt token and
-     delivered (TTFT). The budget counts rows x T_max of each call;
+     delivered (TTFT); the call asks the graph for the logits from the earliest such token on
+     (`logits_from`: a graph that takes it skips the LM head for the positions before). The budget counts rows x T_max of each call;
   3. one decode step over rows [0, hi), hi = highest slot past its prefill + 1:
      `session.decode_rows(0, tokens [hi], position [hi])`; a free row below hi is fed
      token 0 at position 0 (its contents are garbage anyway), a row in the middle of its
@@ -346,12 +347,18 @@ class BatchScheduler:
         ids = np.zeros((len(seqs), max(pieces)), np.int64)                                    # [B, T_max]
         for b, (seq, n) in enumerate(zip(seqs, pieces)):
             ids[b, :n] = seq.prompt[seq.position:seq.position + n]
+        # the logits asked of the graph: from the first position a row needs on (its last prompt token, or every
+        # token for prompt logprobs); a row that only continues its prompt needs none
+        ends = [n - 1 for seq, n in zip(seqs, pieces) if seq.position + n == len(seq.prompt)]
+        every = any(seq.config.prompt_logprobs for seq in seqs)
+        logits_from = 0 if every else min(ends, default=max(pieces) - 1)
         t0 = time.perf_counter()
         try:
-            full = self.session.prefill_rows(seqs[0].slot, ids, np.array([s.position for s in seqs], np.int64))
-            for b, (seq, n) in enumerate(zip(seqs, pieces)):                                 # full: [B, T_max, V]
+            tail = self.session.prefill_rows(seqs[0].slot, ids, np.array([s.position for s in seqs], np.int64),
+                                             logits_from)                     # [B, T_max - logits_from, V]
+            for b, (seq, n) in enumerate(zip(seqs, pieces)):
                 if seq.config.prompt_logprobs:
-                    add_prompt_logprobs(seq, full[b, :n])
+                    add_prompt_logprobs(seq, tail[b, :n])
         except Exception as e:  # a backend failure ends the sequences of this call only
             for seq in seqs:
                 seq.error = f"internal error in prefill: {type(e).__name__}: {e}"
@@ -362,7 +369,7 @@ class BatchScheduler:
             seq.position += n
             if seq.position < len(seq.prompt):
                 continue                                               # more chunks at the coming steps
-            logits = full[b:b + 1, n - 1]                                                      # [1, V]
+            logits = tail[b:b + 1, n - 1 - logits_from]                                        # [1, V]
             if seq.config.keep_logits:
                 seq.logits.append(logits[0].copy())
             token = int(sample(logits, seq.config.sampling, seq.rng)[0])  # no new tokens yet: nothing to penalize

@@ -138,14 +138,14 @@ class DecoderSession(abc.ABC):
             return {LOGITS: self.decode_step(ids[:, 0], pos)[:, None]}
         return {LOGITS: self.prefill(ids, pos)}
 
-    def prefill(self, input_ids: np.ndarray, position: np.ndarray | None = None) -> np.ndarray:
-        """input_ids int64 [B, T] written at position (default 0) -> logits [B, T, V] (may be reused)."""
-        input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+    def prefill(self, input_ids: np.ndarray, position: np.ndarray | None = None, logits_from: int = 0) -> np.ndarray:
+        """input_ids int64 [B, T] written at position (default 0) -> logits [B, T - logits_from, V] of the positions
+        [logits_from, T) (may be reused); see prefill_rows for logits_from."""
+        input_ids, position = self._prefill_args(input_ids, position, logits_from)
         b, t = input_ids.shape
-        position = np.zeros(b, np.int64) if position is None else np.ascontiguousarray(position, dtype=np.int64)
         self._check(b, t, position)
         self._check_prompt(b, t, position)
-        return self._run_prefill(input_ids, position)
+        return self._prefill_from(0, input_ids, position, logits_from)
 
     def decode_step(self, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
         """tokens int64 [B] written at position [B] -> next-token logits [B, V] (may be reused)."""
@@ -166,16 +166,35 @@ class DecoderSession(abc.ABC):
 
     row_steps: bool = False     # True where the backend implements _run_prefill_rows / _run_decode_rows
 
-    def prefill_rows(self, start: int, input_ids: np.ndarray, position: np.ndarray | None = None) -> np.ndarray:
-        """prefill on rows [start, start + B) of the caches only: input_ids int64 [B, T] -> logits [B, T, V]."""
-        input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+    def prefill_rows(self, start: int, input_ids: np.ndarray, position: np.ndarray | None = None,
+                     logits_from: int = 0) -> np.ndarray:
+        """prefill on rows [start, start + B) of the caches only: input_ids int64 [B, T] -> logits
+        [B, T - logits_from, V] of the positions [logits_from, T). A graph that takes the contract's optional
+        logits_from input (export.build's ONNX Runtime CPU graphs) computes only those; any other backend
+        computes every position's and returns a view of the tail: the same values either way."""
+        input_ids, position = self._prefill_args(input_ids, position, logits_from)
         b, t = input_ids.shape
-        position = np.zeros(b, np.int64) if position is None else np.ascontiguousarray(position, dtype=np.int64)
         self._check(b, t, position, start)
         self._check_prompt(b, t, position)
-        if start == 0 and b == self.batch:
-            return self._run_prefill(input_ids, position)
-        return self._run_prefill_rows(start, input_ids, position)
+        return self._prefill_from(start, input_ids, position, logits_from)
+
+    def _prefill_args(self, input_ids, position, logits_from: int) -> tuple[np.ndarray, np.ndarray]:
+        input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+        b, t = input_ids.shape
+        if not 0 <= logits_from < t:
+            raise ValueError(f"{self.backend} session: logits_from {logits_from} for a {t}-token step; expected "
+                             f"0 <= logits_from < {t}")
+        position = np.zeros(b, np.int64) if position is None else np.ascontiguousarray(position, dtype=np.int64)
+        return input_ids, position
+
+    def _prefill_from(self, start: int, input_ids: np.ndarray, position: np.ndarray, logits_from: int) -> np.ndarray:
+        if logits_from and self.spec.takes_logits_from:
+            return self._run_prefill_tail(start, input_ids, position, logits_from)
+        if start == 0 and len(input_ids) == self.batch:
+            logits = self._run_prefill(input_ids, position)
+        else:
+            logits = self._run_prefill_rows(start, input_ids, position)
+        return logits[:, logits_from:]
 
     def decode_rows(self, start: int, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
         """decode_step on rows [start, start + B) of the caches only: tokens [B], position [B] -> logits [B, V]."""
@@ -191,6 +210,11 @@ class DecoderSession(abc.ABC):
 
     def _run_decode_rows(self, start: int, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
         raise NotImplementedError(f"{self.backend} session: no steps on part of the batch (row_steps is False)")
+
+    def _run_prefill_tail(self, start: int, input_ids: np.ndarray, position: np.ndarray, logits_from: int) -> np.ndarray:
+        """A prefill on rows [start, start + B) whose graph computes the logits of [logits_from, T) only (a backend
+        whose spec takes_logits_from)."""
+        raise NotImplementedError(f"{self.backend} session: its graph takes no logits_from")
 
     def _check(self, b: int, t: int, position: np.ndarray, start: int | None = None) -> None:
         if start is not None:

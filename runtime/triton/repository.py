@@ -43,8 +43,8 @@ from pathlib import Path
 
 from core.build_files import TOKENIZER
 from core.generation import MODEL_FILES
-from core.contract import (CACHE_PREFIX, INPUT_IDS, LOGITS, POSITION, ContractError, cache_names, external_files,
-                           load_onnx, onnx_io as _proto_io, present_name, read_contract)
+from core.contract import (CACHE_PREFIX, INPUT_IDS, LOGITS, POSITION, ContractError, cache_names,
+                           external_files, load_onnx, onnx_io as _proto_io, present_name, read_contract)
 from core.errors import NO_ROOM
 from core.outputs import TRITON_REPOSITORY, output_dir
 from runtime.model_files import ORT_ONLY_GRAPH, is_ort_only, resolve_onnx
@@ -108,7 +108,10 @@ def _io_of(proto) -> OnnxIO:
         return {n: OnnxTensor(n, t, tuple(d if isinstance(d, int) and d > 0 else -1 for d in dims))
                 for n, (dims, t) in values.items()}
     ins, outs = _proto_io(proto)
-    return OnnxIO(tensors(ins), tensors(outs))
+    # an input with a default (an initializer too: the contract's logits_from) is no Triton input: ONNX Runtime
+    # lists it among the overridable initializers, not the inputs, and its backend runs the default
+    defaults = {t.name for t in proto.graph.initializer}
+    return OnnxIO(tensors({n: v for n, v in ins.items() if n not in defaults}), tensors(outs))
 
 
 def _check_contract(where: Path, io: OnnxIO) -> None:

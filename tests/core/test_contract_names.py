@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HOME = "core/contract.py"
-NAMES = ("input_ids", "position")           # exact literals
+NAMES = ("input_ids", "position", "logits_from")   # exact literals
 PREFIXES = ("key_", "value_", "present_")   # a literal starting with one of these
 # (file, name or prefix): why that file spells it itself. Other conventions only.
 ALLOWED = {

@@ -50,6 +50,9 @@ def _oracle_graph(folder: Path, attention: str, quantize, dtype: str) -> onnx.Mo
     if quantize is not None:
         from export.quantize import quantize_weights
         proto, _ = quantize_weights(proto, quantize)
+    if attention == "gqa":                  # the ONNX Runtime graph's last stage (export/graph_stages.py)
+        from graph_passes.logits_from import with_logits_from
+        proto = with_logits_from(proto)
     return proto
 
 

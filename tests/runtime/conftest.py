@@ -53,3 +53,14 @@ def tiny(tiny_checkpoint, tmp_path_factory):
     build = make_build(tiny_checkpoint, tmp_path_factory.mktemp("tiny") / "build",
                        use_export_build=False)  # fast; the zoo test uses export.build
     return tiny_checkpoint, build
+
+
+@pytest.fixture(scope="session")
+def tiny_gqa(tiny, tmp_path_factory):
+    """tiny's checkpoint built with --attention gqa (ONNX Runtime's GroupQueryAttention, what export.build
+    makes for the CPU): a multi-token step on several rows must start at position 0 there."""
+    out = tmp_path_factory.mktemp("tiny_gqa") / "build"
+    proc = subprocess.run([sys.executable, "-m", "export.build", "--fuse", "--attention", "gqa", "--checkpoint",
+                           str(tiny[0]), "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return tiny[0], out

@@ -222,3 +222,32 @@ def test_cuda_that_silently_falls_back_to_cpu_is_one_clear_error(tiny, monkeypat
     with pytest.raises(DeviceError, match="expected the session to run on CUDAExecutionProvider, found CPUExecutionProvider"):
         session.activate()
     assert not session.is_active and session.session is None
+
+
+@pytest.mark.parametrize("graph", ["gqa", "plain"])
+def test_a_prefill_asked_for_its_last_logits_equals_the_full_ones_tail(tiny, tiny_gqa, graph):
+    """export.build's ONNX Runtime CPU graph takes logits_from and computes the LM head of the positions
+    [logits_from, T) only; a graph without the input (tiny's plain export) returns a view of its full logits.
+    Either way: the full prefill's tail, and the decode steps after it (whole batch and rows) are those after a
+    full prefill (the binding's logits_from goes back to 0 for them)."""
+    build, takes = (tiny_gqa[1], True) if graph == "gqa" else (tiny[1], False)
+    rng = np.random.default_rng(3)
+    ids, tok = rng.integers(0, 300, (3, 9)), rng.integers(0, 300, 3)
+    with OrtSession(build) as full, OrtSession(build) as cut:
+        assert cut.spec.takes_logits_from == takes
+        for s in (full, cut):
+            s.reset(3)
+        want = full.prefill(ids).copy()
+        got = cut.prefill(ids, None, 6).copy()
+        assert got.shape == (3, 3, cut.spec.vocab_size)
+        np.testing.assert_allclose(got, want[:, 6:], rtol=0, atol=1e-6)     # the same arithmetic per row
+        np.testing.assert_allclose(cut.decode_step(tok, np.full(3, 9)), full.decode_step(tok, np.full(3, 9)),
+                                   rtol=0, atol=1e-6)
+        want = full.prefill_rows(1, ids[1:, :5]).copy()
+        got = cut.prefill_rows(1, ids[1:, :5], None, 4).copy()
+        assert got.shape == (2, 1, cut.spec.vocab_size)
+        np.testing.assert_allclose(got, want[:, 4:], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(cut.decode_rows(1, tok[1:], np.full(2, 5)), full.decode_rows(1, tok[1:], np.full(2, 5)),
+                                   rtol=0, atol=1e-6)
+        with pytest.raises(ValueError, match="logits_from 5 for a 5-token step; expected 0 <= logits_from < 5"):
+            cut.prefill_rows(1, ids[1:, :5], None, 5)

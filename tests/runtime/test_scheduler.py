@@ -325,19 +325,6 @@ def test_penalties_logprobs_and_stop_when_equal_runtime_generates(tiny):
 
 # --- batched and chunked prefill ------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny_gqa(tiny, tmp_path_factory):
-    """tiny's checkpoint built with --attention gqa (ONNX Runtime's GroupQueryAttention, what export.build
-    makes for the CPU): a multi-token step on several rows must start at position 0 there."""
-    import subprocess
-    import sys
-    out = tmp_path_factory.mktemp("tiny_gqa") / "build"
-    proc = subprocess.run([sys.executable, "-m", "export.build", "--fuse", "--attention", "gqa", "--checkpoint",
-                           str(tiny[0]), "--out", str(out)], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return tiny[0], out
-
-
 def _any_session(kind, tiny, tiny_gqa) -> DecoderSession:
     return OrtSession(tiny_gqa[1], intra_op_threads=1) if kind == "ort-gqa" else _session(kind, tiny)
 
@@ -346,9 +333,9 @@ def _count_prefills(session) -> list[tuple[int, tuple[int, int], list[int]]]:
     """Wrap session.prefill_rows so that each call is recorded as (start, ids shape, positions)."""
     calls, real = [], session.prefill_rows
 
-    def counted(start, ids, position=None):
+    def counted(start, ids, position=None, logits_from=0):
         calls.append((start, ids.shape, None if position is None else np.asarray(position).tolist()))
-        return real(start, ids, position)
+        return real(start, ids, position, logits_from)
     session.prefill_rows = counted
     return calls
 
@@ -479,3 +466,28 @@ def test_a_failed_batched_prefill_ends_only_the_sequences_of_that_call(tiny):
         again = scheduler.submit(PROMPTS[1], GenerationConfig(max_new_tokens=8))
         _run(scheduler, [running, again])
         assert running.tokens == want and again.finish == LENGTH and scheduler.pool() == (0, 0)
+
+
+@pytest.mark.parametrize("prompt_logprobs", [False, True])
+def test_a_prefill_call_asks_for_the_logits_from_its_earliest_last_prompt_token(tiny, tiny_gqa, prompt_logprobs):
+    """Newcomers of lengths 7, 5, 6, 9 in one call: the graph is asked for the logits from position 4 on (the
+    5-token prompt's last), or from 0 when one of them wants its prompt's logprobs; each sequence's greedy
+    tokens equal runtime.generate's of its prompt alone (ONNX Runtime's CPU graph: the head cut for real)."""
+    prompts = [PROMPTS[i] for i in (1, 3, 8, 6)]                          # lengths 7, 5, 6, 9
+    configs = [GenerationConfig(max_new_tokens=6, keep_logits=True, logprobs=2, prompt_logprobs=prompt_logprobs and i == 2)
+               for i in range(4)]
+    with _any_session("ort-gqa", tiny, tiny_gqa) as s:
+        want = [generate(s, [p], c) for p, c in zip(prompts, configs)]
+    with _any_session("ort-gqa", tiny, tiny_gqa) as s:
+        asked, real = [], s.prefill_rows
+
+        def recorded(start, ids, position=None, logits_from=0):
+            asked.append(logits_from)
+            return real(start, ids, position, logits_from)
+        s.prefill_rows = recorded
+        scheduler = BatchScheduler(s, slots=4, max_queued=4)
+        seqs = [scheduler.submit(p, c) for p, c in zip(prompts, configs)]
+        _run(scheduler, seqs)
+    assert asked == [0 if prompt_logprobs else 4]
+    for seq, w, c in zip(seqs, want, configs):
+        _assert_solo(seq, w, c)
