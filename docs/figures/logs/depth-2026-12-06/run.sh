@@ -1,0 +1,25 @@
+#!/bin/bash
+# issue 44 on this machine: Llama-3.2-1B shape int4, fp32 vs fp16 KV cache (ours, ORT CPU GQA) vs llama.cpp Q4_0
+set -u
+cd /work/main && source /work/venv/bin/activate
+OUT=/work/prof/depth
+for kv in fp32 fp16; do
+  [ -f /work/real/build-1b-int4-d$kv/model.int4.onnx ] || \
+  python -m export.build --checkpoint /work/real/llama-3.2-1b-ours --fuse --quantize int4 --max-seq-len 4200 \
+      --kv-cache $kv --out /work/real/build-1b-int4-d$kv > $OUT/build-$kv.log 2>&1
+  tail -1 $OUT/build-$kv.log
+done
+LB=/work/peers/llama-server-build/bin/llama-bench
+G=/work/real/llama-3.2-1b-gguf/model-q4_0.gguf
+for r in 1 2 3; do
+  echo "round $r $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
+  for kv in fp32 fp16; do
+    python -m bench.scale decode /work/real/build-1b-int4-d$kv/model.int4.onnx --threads 2 --decode-tokens 32 \
+      --depths 0,1024,4096 --prefills 128,1024 > $OUT/ours-$kv-r$r.json 2> $OUT/ours-$kv-r$r.err
+    echo "  ours $kv: $(cat $OUT/ours-$kv-r$r.json | head -c 600)"
+  done
+  $LB -m $G -t 2 -p 0 -n 32 -d 0,1024,4096 -fa on,off -r 1 -o jsonl > $OUT/llama-decode-r$r.jsonl 2> $OUT/llama-decode-r$r.err
+  $LB -m $G -t 2 -p 128,1024 -n 0 -fa on,off -r 1 -o jsonl > $OUT/llama-prefill-r$r.jsonl 2> $OUT/llama-prefill-r$r.err
+  echo "  llama.cpp done $(date -u +%T)"
+done
+echo "end $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
