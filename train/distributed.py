@@ -15,12 +15,15 @@ and calibration sums through `Parallel.sum`, so every rank takes the same decisi
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import os
 import re
+import shutil
 import signal
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -227,23 +230,20 @@ def writing_together(par: Parallel, where: str | os.PathLike):
     raise failure if failure is not None else no_room(where, code)
 
 
+FULL_BYTES = 64 << 10     # a file system with less free space than this is full for a checkpoint's write
+
+
 def _room_errno(e: BaseException, where) -> int | None:
     """io_errno(e), or ENOSPC for torch.save's "unexpected pos" with no OSError behind it when `where`'s file
     system has no room left: a short write on a full disk sometimes reaches torch's zip writer unraised (seen
     once in the suite: two ranks filling a 64 KiB file system, rank 0's error with no __context__)."""
     code = io_errno(e)
     if code is None and "unexpected pos" in str(e):
-        import errno
-        import shutil
-        from pathlib import Path
         folder = next((p for p in Path(where).parents if p.is_dir()), None)
         with contextlib.suppress(OSError):
             if folder is not None and shutil.disk_usage(folder).free < FULL_BYTES:
                 return errno.ENOSPC
     return code
-
-
-FULL_BYTES = 64 << 10     # a file system with less free space than this is full for a checkpoint's write
 
 
 def peer_lost(e: BaseException) -> bool:
