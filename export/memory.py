@@ -73,8 +73,9 @@ def cheaper_option(cfg, dtype: str, quantize) -> str:
                         ("--dtype fp16", "fp16", None)):
         if (label.endswith("fp16") and dtype in ("fp16", "bf16")) or (q is not None and quantize is not None and q.bits >= quantize.bits):
             continue
-        if build_memory(cfg, d, q).peak <= avail:
-            return f"build with {label} (needs ~{human_bytes(build_memory(cfg, d, q).peak)})"
+        peak = build_memory(cfg, d, q).peak
+        if peak <= avail:
+            return f"build with {label} (needs ~{human_bytes(peak)})"
     return "use a machine with more memory"
 
 

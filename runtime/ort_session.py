@@ -186,18 +186,10 @@ class OrtSession(DecoderSession):
         self.session.run_with_iobinding(binding, self._run_options)
         self._last_inference_s = time.perf_counter() - t0
 
-    def _run_prefill(self, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
-        logits = self._prefill_with(self.binding, input_ids, position)
+    def _run_prefill(self, input_ids: np.ndarray, position: np.ndarray, logits_from: int = 0) -> np.ndarray:
+        logits = self._prefill_with(self.binding, input_ids, position, logits_from)
         self._decode_bound = False
         return logits
-
-    def _run_prefill_tail(self, start: int, input_ids: np.ndarray, position: np.ndarray, logits_from: int) -> np.ndarray:
-        if start == 0 and len(input_ids) == self.batch:
-            logits = self._prefill_with(self.binding, input_ids, position, logits_from)
-            self._decode_bound = False
-            return logits
-        return self._prefill_with(self._rows_binding(start, start + len(input_ids), decode=False), input_ids, position,
-                                  logits_from)
 
     def _prefill_with(self, binding, input_ids: np.ndarray, position: np.ndarray, logits_from: int = 0) -> np.ndarray:
         """input_ids [b, T] and position [b] bound to `binding` (its caches already bound); one run -> logits
@@ -261,8 +253,10 @@ class OrtSession(DecoderSession):
             self._row_bindings[key] = binding
         return self._row_bindings[key]
 
-    def _run_prefill_rows(self, start: int, input_ids: np.ndarray, position: np.ndarray) -> np.ndarray:
-        return self._prefill_with(self._rows_binding(start, start + len(input_ids), decode=False), input_ids, position)
+    def _run_prefill_rows(self, start: int, input_ids: np.ndarray, position: np.ndarray,
+                          logits_from: int = 0) -> np.ndarray:
+        return self._prefill_with(self._rows_binding(start, start + len(input_ids), decode=False), input_ids, position,
+                                  logits_from)
 
     def _run_decode_rows(self, start: int, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
         stop = start + len(tokens)

@@ -188,13 +188,13 @@ class DecoderSession(abc.ABC):
         return input_ids, position
 
     def _prefill_from(self, start: int, input_ids: np.ndarray, position: np.ndarray, logits_from: int) -> np.ndarray:
-        if logits_from and self.spec.takes_logits_from:
-            return self._run_prefill_tail(start, input_ids, position, logits_from)
+        cut = logits_from if self.spec.takes_logits_from else 0       # the positions the graph leaves out itself
+        args = (input_ids, position, cut) if cut else (input_ids, position)     # (backends without it: 2 args)
         if start == 0 and len(input_ids) == self.batch:
-            logits = self._run_prefill(input_ids, position)
+            logits = self._run_prefill(*args)
         else:
-            logits = self._run_prefill_rows(start, input_ids, position)
-        return logits[:, logits_from:]
+            logits = self._run_prefill_rows(start, *args)
+        return logits[:, logits_from - cut:]
 
     def decode_rows(self, start: int, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
         """decode_step on rows [start, start + B) of the caches only: tokens [B], position [B] -> logits [B, V]."""
@@ -210,11 +210,6 @@ class DecoderSession(abc.ABC):
 
     def _run_decode_rows(self, start: int, tokens: np.ndarray, position: np.ndarray) -> np.ndarray:
         raise NotImplementedError(f"{self.backend} session: no steps on part of the batch (row_steps is False)")
-
-    def _run_prefill_tail(self, start: int, input_ids: np.ndarray, position: np.ndarray, logits_from: int) -> np.ndarray:
-        """A prefill on rows [start, start + B) whose graph computes the logits of [logits_from, T) only (a backend
-        whose spec takes_logits_from)."""
-        raise NotImplementedError(f"{self.backend} session: its graph takes no logits_from")
 
     def _check(self, b: int, t: int, position: np.ndarray, start: int | None = None) -> None:
         if start is not None:

@@ -212,8 +212,10 @@ def writing_together(par: Parallel, where: str | os.PathLike):
     try:
         yield
     except BaseException as e:
+        if not par.distributed:
+            raise
         code = _room_errno(e, where)
-        if not par.distributed or code not in NO_ROOM:
+        if code not in NO_ROOM:
             raise
         failure = e if io_errno(e) else None        # one that names no errno is said as no_room(where) below
     if not par.distributed:
