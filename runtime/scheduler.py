@@ -25,9 +25,9 @@ One step (`step()`; the loop thread runs it while there is work):
      rest of the budget go into the lowest free slots, longest first piece in the lowest,
      and rows of similar lengths in contiguous slots are ONE call (`prefill_groups`: the cut
      of least padding plus per-call cost), `prefill_rows(slot, ids [n, T_max])`, right-padded
-     as runtime.generate pads a batch: a call has a fixed cost (PREFILL_CALL_TOKENS) and a
-     token of a 16-row prefill costs less than a token of a 1-row one (weights read once, a
-     GEMM instead of a GEMV). The calls run smallest first (the least TTFT in total). Each
+     as runtime.generate pads a batch: a call has a fixed cost (PREFILL_CALL_TOKENS, the weights
+     read once more), and past a few tokens a prefill is compute-bound, each token, padded or
+     not, costing about the same at 1 row or 16. The calls run smallest first (the least TTFT in total). Each
      row's first token is sampled from the logits at its own last prompt token and
      delivered (TTFT); the call asks the graph for the logits from the earliest such token on
      (`logits_from`: a graph that takes it skips the LM head for the positions before). The budget counts rows x T_max of each call;
@@ -78,9 +78,10 @@ STOP, LENGTH, CANCELLED, ERROR = "stop", "length", "cancelled", "error"   # why 
 PREFILL_TOKENS = 512          # padded prompt tokens prefilled per step (one piece at least): bounds the stall
                               # a burst of newcomers puts on the running sequences' next token
 PREFILL_CHUNK = 256           # the most tokens of one prompt prefilled in a step: a longer one takes several
-PREFILL_CALL_TOKENS = 10      # one more prefill call costs about as much as this many more prompt tokens: on the
-                              # 1B int4 build (ORT CPU, 2 threads, AVX2, a loaded VM) prefill_rows [1, 16] took
-                              # 2.5 s, [1, 32] 4.0 s, [16, 32] 48 s: ~92 ms a token plus ~1 s (~10 tokens) a call
+PREFILL_CALL_TOKENS = 2       # one more prefill call costs about as much as this many more prompt tokens: on the
+                              # 1B int4 build (ORT CPU, 2 threads, AVX2, a quiet machine) prefill_rows of rows x T
+                              # from [1, 3] to [16, 13] took 13.1 ms a token plus ~28 ms a call (and ~2 ms a row):
+                              # padding a short prompt to a longer one's length costs more than a call of its own
 CANCEL_POLL_S = 0.02          # a sequence's cancelled_by() is asked at most this often: an IPC call in Triton (~60-90 us)
 
 

@@ -357,10 +357,12 @@ def _assert_solo(seq, want, config) -> None:
 
 
 @pytest.mark.parametrize("kind", ["ort", "ort-gqa", "torch"])
-def test_newcomers_of_one_step_are_prefilled_in_one_call_and_equal_their_solo_runs(tiny, tiny_gqa, kind):
+def test_newcomers_of_one_step_are_prefilled_in_one_call_and_equal_their_solo_runs(tiny, tiny_gqa, kind, monkeypatch):
     """Four newcomers of different lengths (greedy and sampled, logprobs and prompt logprobs) admitted in
     one step: ONE prefill_rows call over slots 0-3, right-padded to the longest, longest in slot 0; each
     sequence equals runtime.generate of its prompt alone, prompt logprobs included."""
+    import runtime.scheduler
+    monkeypatch.setattr(runtime.scheduler, "PREFILL_CALL_TOKENS", 10)     # a call dear enough to pad 5 rows to 9
     prompts = [PROMPTS[i] for i in (1, 3, 8, 6)]                          # lengths 7, 5, 6, 9
     configs = [GenerationConfig(max_new_tokens=12, seed=i, sampling=SamplingConfig(*SETTINGS[i][1]), keep_logits=True,
                                 logprobs=2, prompt_logprobs=True) for i in range(4)]
@@ -385,8 +387,9 @@ def test_prefill_groups_cut_the_least_costly_calls_and_split_at_a_taken_slot():
     import itertools
     from runtime.scheduler import PREFILL_CALL_TOKENS, prefill_groups
     cost = lambda calls, pieces: sum(PREFILL_CALL_TOKENS + len(c) * max(pieces[i] for i, _ in c) for c in calls)  # noqa: E731
-    assert prefill_groups([5, 9, 7], [0, 1, 2]) == [[(1, 0), (2, 1), (0, 2)]]      # longest in the lowest slot
-    assert prefill_groups([5, 9, 7], [0, 1, 3]) == [[(1, 0), (2, 1)], [(0, 3)]]    # slot 2 taken: two calls
+    assert PREFILL_CALL_TOKENS > 1        # below: padding a 5 to 6 (1 token) is cheaper than a call of its own
+    assert prefill_groups([5, 6, 6], [0, 1, 2]) == [[(1, 0), (2, 1), (0, 2)]]      # longest in the lowest slot
+    assert prefill_groups([5, 6, 6], [0, 1, 3]) == [[(1, 0), (2, 1)], [(0, 3)]]    # slot 2 taken: two calls
     big, small = 4 * PREFILL_CALL_TOKENS, 1
     assert prefill_groups([big, small], [0, 1]) == [[(0, 0)], [(1, 1)]]             # padding 1 to big: dearer
     rng = np.random.default_rng(5)
@@ -469,10 +472,13 @@ def test_a_failed_batched_prefill_ends_only_the_sequences_of_that_call(tiny):
 
 
 @pytest.mark.parametrize("prompt_logprobs", [False, True])
-def test_a_prefill_call_asks_for_the_logits_from_its_earliest_last_prompt_token(tiny, tiny_gqa, prompt_logprobs):
+def test_a_prefill_call_asks_for_the_logits_from_its_earliest_last_prompt_token(tiny, tiny_gqa, prompt_logprobs,
+                                                                                 monkeypatch):
     """Newcomers of lengths 7, 5, 6, 9 in one call: the graph is asked for the logits from position 4 on (the
     5-token prompt's last), or from 0 when one of them wants its prompt's logprobs; each sequence's greedy
     tokens equal runtime.generate's of its prompt alone (ONNX Runtime's CPU graph: the head cut for real)."""
+    import runtime.scheduler
+    monkeypatch.setattr(runtime.scheduler, "PREFILL_CALL_TOKENS", 10)     # a call dear enough to pad 5 rows to 9
     prompts = [PROMPTS[i] for i in (1, 3, 8, 6)]                          # lengths 7, 5, 6, 9
     configs = [GenerationConfig(max_new_tokens=6, keep_logits=True, logprobs=2, prompt_logprobs=prompt_logprobs and i == 2)
                for i in range(4)]
