@@ -15,7 +15,8 @@ gguf     the folder as llama.cpp's Q4_0 GGUF, in two steps, each in a child proc
             random folder has no tokenizer, so the converter's set_vocab is replaced by a copy of the
             `tokenizer.*` keys of a vocab-only GGUF that llama.cpp ships for its tests
             (vendor/llama.cpp/models/ggml-vocab-<--vocab>.gguf; llama-bpe is Llama 3's 128256 tokens, so
-            a Llama-3.2-shaped folder matches it; a folder whose vocab_size differs is refused);
+            a Llama-3.2-shaped folder matches it, qwen2 Qwen's 151936, a Qwen3-shaped one; a folder whose
+            vocab_size differs is refused);
          2. llama.cpp's quantizer (`llama_cpp.llama_model_quantize`, LLAMA_FTYPE_MOSTLY_Q4_0), run by
             --llamacpp-python, writes OUT/model-q4_0.gguf; or, with --quantize-bin, llama.cpp's own
             `llama-quantize` binary (built with llama-server: no llama-cpp-python needed), the same
@@ -99,9 +100,10 @@ def set_vocab_from_gguf(self):
     for name, f in fields.items():
         self.gguf_writer.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[1] if len(f.types) > 1 else None)
 
-import conversion.base, conversion.llama
-conversion.base.TextModel.set_vocab = set_vocab_from_gguf
-conversion.llama.LlamaModel.set_vocab = set_vocab_from_gguf
+import conversion.base, conversion.llama, conversion.qwen
+for cls in (conversion.base.TextModel, conversion.llama.LlamaModel, conversion.qwen.Qwen2Model,
+            conversion.qwen.Qwen3Model):        # the families' own set_vocab read a tokenizer the folder lacks
+    cls.set_vocab = set_vocab_from_gguf
 sys.argv = ["convert_hf_to_gguf.py", str(folder), "--outtype", "f16", "--outfile", outfile]
 import runpy
 runpy.run_path(str(src / "convert_hf_to_gguf.py"), run_name="__main__")

@@ -4,8 +4,8 @@ One graph serves prefill and decode (export/emit.py writes it):
 
     inputs   input_ids   int64 [batch, seq]
              position    int64 [batch]                      cache slot of each sequence's first new token
-             key_{i}     fp32|fp16|bf16 [batch, H_kv, S_max, D]  layer i key cache (value_{i} alike; the
-                         graph's float type, or fp16 in an fp32 graph: export.build --kv-cache fp16)
+             key_{i}     fp32|fp16|bf16|int8 [batch, H_kv, S_max, D]  layer i key cache (value_{i} alike; the
+                         graph's float type, or fp16 / int8 in an fp32 graph: export.build --kv-cache)
              logits_from int64 [1], optional: an input with a default (an initializer of 0) that
                          export.build's ONNX Runtime CPU graphs take; logits are computed for the
                          positions [logits_from, seq) only (the scheduler's prefill asks for the
@@ -37,10 +37,10 @@ _ORT_TYPES = {"tensor(float)": "fp32", "tensor(float16)": "fp16", "tensor(bfloat
               "tensor(uint8)": "uint8", "tensor(int8)": "int8", "tensor(string)": "string"}
 _NUMPY = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64", "int64": "int64", "int32": "int32",
           "bool": "bool", "uint8": "uint8", "int8": "int8"}
-CACHE_DTYPES = ("fp32", "fp16", "bf16")
-# export.build --kv-cache: the cache dtypes a build writes into an fp32 graph (fp16: ONNX Runtime's CPU
+CACHE_DTYPES = ("fp32", "fp16", "bf16", "int8")
+# export.build --kv-cache: the cache dtypes a build writes into an fp32 graph (fp16, int8: ONNX Runtime's CPU
 # GroupQueryAttention graph, graph_passes/ort_attention.py); a DecodeContract's dtype is its caches'
-KV_CACHE_DTYPES = ("fp32", "fp16")
+KV_CACHE_DTYPES = ("fp32", "fp16", "int8")
 
 # The contract's I/O names, spelled here and nowhere else (tests/core/test_contract_names.py greps the tree)
 INPUT_IDS = "input_ids"             # int64 [batch, seq]
@@ -87,12 +87,12 @@ def dtype_name(t) -> str:
 
 
 def np_dtype(name: str):
-    """The numpy dtype of a float dtype name; bf16 is ml_dtypes' bfloat16 (what onnx itself uses)."""
+    """The numpy dtype of a cache dtype name; bf16 is ml_dtypes' bfloat16 (what onnx itself uses)."""
     import numpy as np
     if name == "bf16":
         import ml_dtypes
         return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype({"fp32": np.float32, "fp16": np.float16}[name])
+    return np.dtype({"fp32": np.float32, "fp16": np.float16, "int8": np.int8}[name])
 
 
 def _dim(d) -> int | None:
@@ -118,8 +118,8 @@ class DecodeContract:
     head_dim: int
     capacity: int
     vocab_size: int
-    dtype: str = "fp32"         # the caches' dtype: fp32 | fp16 | bf16 (the graph's, or --kv-cache fp16 in an
-                                # fp32 graph: sessions allocate caches of it, logits have their own output type)
+    dtype: str = "fp32"         # the caches' dtype: fp32 | fp16 | bf16 | int8 (the graph's, or --kv-cache fp16 / int8
+                                # in an fp32 graph: sessions allocate caches of it, logits have their own output type)
     inputs: tuple[TensorSpec, ...] = field(default=(), compare=False)
     outputs: tuple[TensorSpec, ...] = field(default=(), compare=False)
 

@@ -1,7 +1,7 @@
 """python -m export.build [--fuse] [--checkpoint DIR] [--out DIR] [--dtype fp32|fp16|bf16] [--triton-repo DIR]
                         [--quantize int8|int4 [--block-size N] [--accuracy-level N] [--algo rtn|hqq] [--head int8|int4|fp32] [--int8-layers NAMES]]
                         [--target auto|ort-cpu|portable] [--attention plain|fused|gqa] [--genai] [--max-seq-len N]
-                        [--kv-cache fp32|fp16]
+                        [--kv-cache fp32|fp16|int8]
 
 --target picks the graph for the runtime it will run on (export/target.py): by default (auto) the
 ONNX Runtime CPU graph with GroupQueryAttention, the fastest there, where the model and options allow
@@ -101,8 +101,9 @@ def _parser() -> ArgumentParser:
                     help="KV-cache capacity of the graphs (default: the checkpoint's; a Hugging Face folder's "
                          "max_position_embeddings, at most 2048, as models.convert)")
     ap.add_argument("--kv-cache", choices=KV_CACHE_DTYPES, default="fp32",
-                    help="the KV caches' dtype (default fp32); fp16: half the bytes, for the ONNX Runtime CPU graph "
-                         "(--target ort-cpu), its GroupQueryAttention computing on fp16 q, k, v (docs/export.md)")
+                    help="the KV caches' dtype (default fp32), for the ONNX Runtime CPU graph (--target ort-cpu): "
+                         "fp16, half the bytes, its GroupQueryAttention computing on fp16 q, k, v; int8, a quarter, "
+                         "with per-channel scales calibrated on text and the drift checked (docs/export.md)")
     ap.add_argument("--triton-repo", type=Path, default=None,
                     help="also write a Triton model repository for the build (python -m runtime.triton repo)")
     return ap

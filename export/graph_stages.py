@@ -32,7 +32,8 @@ def make_graph(source, report: BuildReport, fuse: bool, dtype: str, attention: s
     if dtype == "bf16":                 # the weights, folded in fp32, rounded to bf16 once
         from export.bfloat16 import bf16_graph
         proto = bf16_graph(proto, lazy, emitted.fp32)
-    if kv_cache != "fp32":              # (check_kv_cache: a GroupQueryAttention graph)
+    if kv_cache == "fp16":              # (check_kv_cache: a GroupQueryAttention graph; int8 is made once the
+                                        # weights are written: its scales are calibrated on them, export/kv_int8.py)
         from graph_passes.ort_attention import with_cache_dtype
         proto = with_cache_dtype(proto, kv_cache)
     if attention == "gqa":              # the ONNX Runtime graph the scheduler serves: a prefill's logits at its

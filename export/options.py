@@ -126,8 +126,8 @@ def check_attention(attention: str, fuse: bool, dtype: str) -> None:
 
 
 def check_kv_cache(kv_cache: str, attention: str, genai: bool) -> None:
-    """--kv-cache fp16 is GroupQueryAttention's (graph_passes/ort_attention.py's with_cache_dtype): refuse it
-    for the portable graph and for GenAI's folder (not verified there)."""
+    """--kv-cache fp16 / int8 are GroupQueryAttention's (graph_passes/ort_attention.py's with_cache_dtype,
+    with_int8_cache): refuse them for the portable graph and for GenAI's folder (not verified there)."""
     if kv_cache == "fp32":
         return
     if attention != "gqa":

@@ -74,7 +74,7 @@ def build(checkpoint: Path, out: Path, options: BuildOptions, log=print, source=
     report.memory_estimate = estimate
     name = o.graph_name
     report.graph = name
-    stages = Stages(report, 5 + (1 if o.genai else 0), log)
+    stages = Stages(report, 5 + (1 if o.genai else 0) + (1 if o.kv_cache == "int8" else 0), log)
     t0 = stages.start(f"open {checkpoint} ({_source_line(source.source)}): weights read as they are written")
     stages.done("open", t0, f": {cfg.norm}{' (' + cfg.taper_scope + ')' if cfg.taper_scope else ''}, {params:,} "
                 f"params, {cfg.n_layer} layers, gate {'-' if gate is None else gate}; estimated peak {estimate.line()}")
@@ -103,6 +103,11 @@ def build(checkpoint: Path, out: Path, options: BuildOptions, log=print, source=
         verify_graph(source, tmp / name, report, stages, o.dtype, quantize, tokens, same_start=o.attention == "gqa")
         report.eps_approximation = eps_approximation(source, tmp / name, tokens, o.attention == "gqa")
         transformers_check(source, report, stages.log, tokens)
+        if o.kv_cache == "int8":        # on the graph just verified with its fp32 cache (export/kv_int8.py)
+            from export.kv_int8 import int8_cache
+            t0 = stages.start(f"int8 KV cache: scales calibrated on {name} (fp32 cache), then checked against it")
+            report.kv_cache_check = int8_cache(tmp / name, tokenizer, stages.log)
+            stages.done("kv_int8", t0)
         if o.genai:
             report.genai = genai_files(stages, tmp, name, cfg, checkpoint, tokenizer, tokens)
         write_report(report, tmp, t_start, source, tokenizer)

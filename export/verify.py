@@ -103,11 +103,12 @@ class VerificationError(UserError):
 read_interface = contract_of     # the decode-step contract of one graph (a ModelProto: where "graph"), from its I/O
 
 
-def ort_session(path_or_proto, optimize: bool = False) -> ort.InferenceSession:
+def ort_session(path_or_proto, optimize: bool = False, threads: int = 1) -> ort.InferenceSession:
+    """A CPU session for the checks (threads 0: every core)."""
     opts = ort.SessionOptions()
     opts.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
                                      else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
-    opts.intra_op_num_threads = 1
+    opts.intra_op_num_threads = threads
     opts.log_severity_level = 3
     # ONNX Runtime's DEFAULT order may run every node whose inputs are ready first: a widened bf16
     # graph's weight Casts (export/bfloat16.py) then all ran before the first MatMul, holding every

@@ -47,7 +47,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from core.contract import INPUT_IDS, KV_CACHE_DTYPES, POSITION, np_dtype
+from core.contract import INPUT_IDS, POSITION, np_dtype
 from graph_passes.base import NAME_SCOPES, GraphPass, Match, PassContext, Skip, const_value, is_float, producer
 from graph_passes.lazy import concat
 
@@ -433,7 +433,7 @@ class OrtGroupQueryAttention(GraphPass):
 # rotary) of max |logits|; deeper, trained models carry more (docs/export.md). 1 % leaves room for
 # them and stays below what a whole-graph fp16 build is allowed (export/verify.py); a cache written at
 # the wrong slot, or read as the wrong type, moves the logits by about their whole scale.
-KV_CACHE_DRIFT = {"fp16": 0.01}
+KV_CACHE_DRIFT = {"fp16": 0.01, "int8": 0.05}
 _ELEM = {"fp32": onnx.TensorProto.FLOAT, "fp16": onnx.TensorProto.FLOAT16}
 
 
@@ -451,22 +451,11 @@ def with_cache_dtype(proto: onnx.ModelProto, dtype: str) -> onnx.ModelProto:
     if dtype == "fp32":
         return proto
     if dtype not in _ELEM:
-        raise ValueError(f"cache dtype {dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+        raise ValueError(f"cache dtype {dtype!r}: expected one of {', '.join(_ELEM)} (int8: with_int8_cache, "
+                         "with calibrated scales)")
     g, to = proto.graph, _ELEM[dtype]
-    inputs, outputs = {t.name: t for t in g.input}, {t.name: t for t in g.output}
     inits = {t.name: t for t in g.initializer}
-    gqa = [n for n in g.node if _is_gqa(n)]
-    caches = [(n.input[i], n.output[i - 2]) for n in gqa for i in (3, 4)]
-    if not gqa or any(c not in inputs or p not in outputs for c, p in caches):
-        raise ValueError("expected GroupQueryAttention nodes whose caches are graph inputs and outputs "
-                         "(export.build --target ort-cpu)")
-    for c, p in caches:
-        inputs[c].type.tensor_type.elem_type = to
-        outputs[p].type.tensor_type.elem_type = to
-    dropped = {n for pair in caches for n in pair}
-    kept = [v for v in g.value_info if v.name not in dropped]
-    del g.value_info[:]
-    g.value_info.extend(kept)
+    _retype_caches(proto, to)
     cast_of: dict[str, str] = {}        # fp32 tensor -> its cast (q/k/v) or converted table (cos / sin)
     nodes = []
     for original in g.node:
@@ -499,6 +488,102 @@ def with_cache_dtype(proto: onnx.ModelProto, dtype: str) -> onnx.ModelProto:
     del g.node[:]
     g.node.extend(nodes)
     return proto
+
+
+def _retype_caches(proto: onnx.ModelProto, to: int) -> list[onnx.NodeProto]:
+    """Give the GroupQueryAttention caches' graph inputs and outputs the ONNX type `to` (no value_info left
+    claiming another); returns the GroupQueryAttention nodes. ValueError when the caches are not graph I/O."""
+    g = proto.graph
+    inputs, outputs = {t.name: t for t in g.input}, {t.name: t for t in g.output}
+    gqa = [n for n in g.node if _is_gqa(n)]
+    caches = [(n.input[i], n.output[i - 2]) for n in gqa for i in (3, 4)]
+    if not gqa or any(c not in inputs or p not in outputs for c, p in caches):
+        raise ValueError("expected GroupQueryAttention nodes whose caches are graph inputs and outputs "
+                         "(export.build --target ort-cpu)")
+    for c, p in caches:
+        inputs[c].type.tensor_type.elem_type = to
+        outputs[p].type.tensor_type.elem_type = to
+    dropped = {n for pair in caches for n in pair}
+    kept = [v for v in g.value_info if v.name not in dropped]
+    del g.value_info[:]
+    g.value_info.extend(kept)
+    return gqa
+
+
+# --- the int8 KV cache (export.build --kv-cache int8) ---------------------------------------------------
+
+# ONNX Runtime's CPU GroupQueryAttention keeps an int8 cache with static scales (k_scale / v_scale inputs,
+# k_quant_type / v_quant_type PER_CHANNEL: one scale per key/value head and channel): it stores
+# clip(round(k / scale)) of the keys it writes (after its rotary embedding) and the values, and reads
+# them back times the scale, q / k / v and the output staying fp32. A step then reads a quarter of an
+# fp32 cache's bytes (docs/export.md: 2.6-3.6x faster per cached position). The scales come from the
+# keys and values of a calibration prefill (export/kv_int8.py): INT8_SCALE_ROOM times the largest |k|,
+# |v| seen per channel, / 127; a key channel that the rotary embedding turns (d with d + D/2, GQA's
+# half-split rotation) is bounded by the pair's norm, which no position's rotation exceeds.
+INT8_SCALE_ROOM = 1.25      # head room over the calibration's largest value: text it did not see
+INT8_MIN_SCALE = 1e-8       # a channel that stayed 0 (a scale of 0 would divide by zero)
+
+
+def int8_scales(cache: np.ndarray, rotary: bool) -> np.ndarray:
+    """The PER_CHANNEL scales [1, H_kv, 1, D] (fp32) of one cache from its calibration contents [B, H_kv, n, D]
+    (the positions written); `rotary`: the keys of a GroupQueryAttention that rotates them (do_rotary)."""
+    x = np.abs(np.asarray(cache, np.float32))
+    if rotary:
+        half = x.shape[-1] // 2
+        pair = np.sqrt(np.square(x[..., :half]) + np.square(x[..., half:])).max(axis=(0, 2))      # [H_kv, D/2]
+        largest = np.concatenate([pair, pair], axis=-1)
+    else:
+        largest = x.max(axis=(0, 2))                                                              # [H_kv, D]
+    scale = np.maximum(largest * INT8_SCALE_ROOM / 127.0, INT8_MIN_SCALE)
+    return scale.astype(np.float32)[None, :, None, :]
+
+
+def rotated_key_caches(proto: onnx.ModelProto) -> set[str]:
+    """The key caches whose GroupQueryAttention applies the rotary embedding before writing them."""
+    out = set()
+    for n in proto.graph.node:
+        if _is_gqa(n) and any(a.name == "do_rotary" and a.i for a in n.attribute):
+            out.add(n.input[3])
+    return out
+
+
+def with_int8_cache(proto: onnx.ModelProto, scales: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """The GroupQueryAttention graph `proto` with int8 KV caches: the caches' graph I/O int8, each
+    GroupQueryAttention given its caches' PER_CHANNEL scales (`scales`: cache input name -> [1, H_kv, 1, D]
+    fp32, from int8_scales) as initializers and the quantization attributes; nothing else changes.
+    `proto` is changed in place and returned. ValueError for a graph without GroupQueryAttention over
+    graph-input caches, or a cache without its scales."""
+    gqa = [n for n in proto.graph.node if _is_gqa(n)]
+    missing = sorted({n.input[i] for n in gqa for i in (3, 4)} - set(scales))
+    if missing:
+        raise ValueError(f"int8 cache: expected scales for every cache, found none for {', '.join(missing[:4])}")
+    _retype_caches(proto, onnx.TensorProto.INT8)
+    for node in gqa:
+        names = []
+        for cache in (node.input[3], node.input[4]):
+            names.append(f"{cache}_int8_scale")
+            proto.graph.initializer.append(onnx.numpy_helper.from_array(
+                np.asarray(scales[cache], np.float32), names[-1]))
+        inputs = list(node.input) + [""] * (12 - len(node.input))         # k_scale, v_scale: inputs 12, 13
+        del node.input[:]
+        node.input.extend(inputs[:12] + names)
+        node.attribute.extend([onnx.helper.make_attribute("k_quant_type", "PER_CHANNEL"),
+                               onnx.helper.make_attribute("v_quant_type", "PER_CHANNEL"),
+                               onnx.helper.make_attribute("kv_cache_bit_width", 8)])
+    return proto
+
+
+def int8_cache_scales(proto: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """{cache input name: its scales [1, H_kv, 1, D]} of a with_int8_cache graph ({} for another graph):
+    what a reader of its caches multiplies them by."""
+    inits = {t.name: t for t in proto.graph.initializer}
+    out = {}
+    for n in proto.graph.node:
+        if _is_gqa(n) and len(n.input) > 13:
+            for cache, scale in ((n.input[3], n.input[12]), (n.input[4], n.input[13])):
+                if scale in inits:
+                    out[cache] = onnx.numpy_helper.to_array(inits[scale])
+    return out
 
 
 def _is_gqa(node: onnx.NodeProto) -> bool:

@@ -56,7 +56,8 @@ from runtime.trt_engine import (DECODE_PROFILE, PREFILL_PROFILE, engine_info_pat
 DECODER_ONNX, DECODER_TRT, GENERATE = "decoder_onnx", "decoder_trt", "generate"
 CONTROLS = {"START": "CONTROL_SEQUENCE_START", "READY": "CONTROL_SEQUENCE_READY"}
 # ONNX TensorProto element type -> Triton data type
-ONNX_TO_TRITON = {1: "TYPE_FP32", 10: "TYPE_FP16", 16: "TYPE_BF16", 6: "TYPE_INT32", 7: "TYPE_INT64", 9: "TYPE_BOOL"}
+ONNX_TO_TRITON = {1: "TYPE_FP32", 10: "TYPE_FP16", 16: "TYPE_BF16", 3: "TYPE_INT8", 6: "TYPE_INT32", 7: "TYPE_INT64",
+                  9: "TYPE_BOOL"}
 KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 IDLE_US = 60_000_000          # a sequence with no request for 60 s releases its state slot
 DEFAULT_MAX_NEW_TOKENS = 32   # runtime.generate's default
@@ -125,7 +126,7 @@ def _check_contract(where: Path, io: OnnxIO) -> None:
     for t in list(io.inputs.values()) + list(io.outputs.values()):
         if t.elem_type not in ONNX_TO_TRITON:
             raise RepositoryError(f"{where}: tensor {t.name} has ONNX element type {t.elem_type}; expected one of "
-                                  f"{sorted(ONNX_TO_TRITON)} (fp32/fp16/bf16/int32/int64/bool)")
+                                  f"{sorted(ONNX_TO_TRITON)} (fp32/fp16/bf16/int8/int32/int64/bool)")
         if not t.dims or t.dims[0] != -1:
             raise RepositoryError(f"{where}: tensor {t.name} has dims {list(t.dims)}; expected a dynamic batch axis first")
 

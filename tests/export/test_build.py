@@ -240,13 +240,49 @@ def test_kv_cache_fp16_build(tmp_path):
     np.testing.assert_array_equal(tokens["fp16"], tokens["fp32"])
 
 
+def test_kv_cache_int8_build(tmp_path):
+    """--kv-cache int8 on the ONNX Runtime CPU graph: verified against torch with its fp32 cache (fp32's
+    tolerance), then its caches made int8 with scales calibrated on that graph and the logits checked against
+    it (report "kv_cache_check": within KV_CACHE_DRIFT["int8"]); the contract's caches are int8, so an
+    OrtSession keeps int8 caches in place and its greedy text mostly agrees with the fp32 cache's."""
+    from core.contract import contract_of
+    from core.decode import DecodeDriver, greedy_tokens
+    from graph_passes.ort_attention import KV_CACHE_DRIFT
+    from runtime.ort_session import OrtSession
+    ckpt = write_checkpoint(tmp_path / "ckpt", random_model(seed=3, norm="rmsnorm", pos_embedding="rope", n_kv_head=2,
+                                                            mlp="swiglu", d_model=64, n_head=4, max_seq_len=96))
+    outs = {c: tmp_path / c for c in ("fp32", "int8")}
+    for cache, out in outs.items():
+        r = _build("--fuse", "--checkpoint", ckpt, "--out", out, "--kv-cache", cache)
+        assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads((outs["int8"] / "report.json").read_text())
+    assert report["kv_cache"] == "int8" and report["atol"] == 1e-4          # verified with its fp32 cache first
+    check = report["kv_cache_check"]
+    assert 0 < check["drift"] <= KV_CACHE_DRIFT["int8"] == check["bound"] and check["steps"] == 32
+    assert check["text"] == "CHECK_TEXT (63 tokens)" and check["calibration_tokens"] == 31    # cut to leave room
+    assert ", int8 KV cache" in r.stdout and "kv_cache int8 KV cache vs fp32 cache max |d logits|" in r.stdout
+    assert "[6/6] int8 KV cache: scales calibrated on model.fused.onnx" in r.stdout
+    assert contract_of(outs["int8"] / "model.fused.onnx").dtype == "int8"
+    prompt = np.arange(3, 20)[None]
+    tokens = {}
+    for cache, out in outs.items():
+        with OrtSession(out / "model.fused.onnx") as s:
+            s.reset(1)
+            tokens[cache] = greedy_tokens(DecodeDriver(s.step, s.spec, 1, owns_caches=True), prompt, 30)
+            assert s.cache_array("key_0").dtype == np.dtype(np.int8 if cache == "int8" else np.float32)
+    assert (tokens["int8"] == tokens["fp32"]).mean() >= 0.9
+
+
 @pytest.mark.parametrize("args, expected", [
     (("--fuse", "--target", "portable"), "error: --kv-cache fp16: expected the ONNX Runtime CPU graph (--target "
                                          "ort-cpu: GroupQueryAttention), found plain attention (--target portable); "
                                          "add --fuse --target ort-cpu, or drop --kv-cache"),
     ((), "error: --kv-cache fp16: expected the ONNX Runtime CPU graph"),                   # no --fuse: portable
     (("--fuse", "--genai"), "error: --kv-cache fp16: expected a build without --genai"),
-    (("--fuse", "--kv-cache", "int8"), "argument --kv-cache: invalid choice"),
+    (("--fuse", "--kv-cache", "int4"), "argument --kv-cache: invalid choice"),
+    (("--fuse", "--target", "portable", "--kv-cache", "int8"), "error: --kv-cache int8: expected the ONNX Runtime "
+                                                               "CPU graph (--target ort-cpu: GroupQueryAttention)"),
+    (("--fuse", "--genai", "--kv-cache", "int8"), "error: --kv-cache int8: expected a build without --genai"),
 ])
 def test_kv_cache_refusals(ckpts, tmp_path, args, expected):
     out = tmp_path / "out"
