@@ -210,14 +210,25 @@ def test_max_seq_len_past_max_position_embeddings_refused(tmp_path):
 
 # --- --kv-cache: the caches' dtype ---------------------------------------------------------------------
 
+def _greedy_in_place(graph, cache: str) -> np.ndarray:
+    """30 greedy tokens after a fixed prompt from an OrtSession over `graph`, which must keep its caches in
+    place in the `cache` dtype."""
+    from core.contract import np_dtype
+    from core.decode import DecodeDriver, greedy_tokens
+    from runtime.ort_session import OrtSession
+    with OrtSession(graph) as s:
+        s.reset(1)
+        tokens = greedy_tokens(DecodeDriver(s.step, s.spec, 1, owns_caches=True), np.arange(3, 20)[None], 30)
+        assert s.cache_array("key_0").dtype == np_dtype(cache)
+    return tokens
+
+
 def test_kv_cache_fp16_build(tmp_path):
     """--kv-cache fp16 on the ONNX Runtime CPU graph: the graph's caches are fp16 (its contract, so every
     session allocates them so), its logits fp32; verified against torch at fp16's tolerance; the report and
     the summary say so. An OrtSession over it keeps fp16 caches in place and greedy-generates what the
     build's fp32-cache graph does."""
     from core.contract import contract_of
-    from core.decode import DecodeDriver, greedy_tokens
-    from runtime.ort_session import OrtSession
     ckpt = write_checkpoint(tmp_path / "ckpt", random_model(seed=3, norm="rmsnorm", pos_embedding="rope", n_kv_head=2,
                                                             mlp="swiglu", d_model=64, n_head=4, max_seq_len=64))
     outs = {}
@@ -230,13 +241,7 @@ def test_kv_cache_fp16_build(tmp_path):
         assert contract_of(outs[cache] / "model.fused.onnx").dtype == cache
         assert (", fp16 KV cache" in r.stdout) == (cache == "fp16")
     assert report["atol"] == 1e-2 and report["scale_tol"] == 4e-3         # fp16's tolerance (export/verify.py)
-    prompt = np.arange(3, 20)[None]
-    tokens = {}
-    for cache, out in outs.items():
-        with OrtSession(out / "model.fused.onnx") as s:
-            s.reset(1)
-            tokens[cache] = greedy_tokens(DecodeDriver(s.step, s.spec, 1, owns_caches=True), prompt, 30)
-            assert s.cache_array("key_0").dtype == np.dtype(np.float16 if cache == "fp16" else np.float32)
+    tokens = {cache: _greedy_in_place(out / "model.fused.onnx", cache) for cache, out in outs.items()}
     np.testing.assert_array_equal(tokens["fp16"], tokens["fp32"])
 
 
@@ -246,9 +251,7 @@ def test_kv_cache_int8_build(tmp_path):
     it (report "kv_cache_check": within KV_CACHE_DRIFT["int8"]); the contract's caches are int8, so an
     OrtSession keeps int8 caches in place and its greedy text mostly agrees with the fp32 cache's."""
     from core.contract import contract_of
-    from core.decode import DecodeDriver, greedy_tokens
     from graph_passes.ort_attention import KV_CACHE_DRIFT
-    from runtime.ort_session import OrtSession
     ckpt = write_checkpoint(tmp_path / "ckpt", random_model(seed=3, norm="rmsnorm", pos_embedding="rope", n_kv_head=2,
                                                             mlp="swiglu", d_model=64, n_head=4, max_seq_len=96))
     outs = {c: tmp_path / c for c in ("fp32", "int8")}
@@ -263,13 +266,7 @@ def test_kv_cache_int8_build(tmp_path):
     assert ", int8 KV cache" in r.stdout and "kv_cache int8 KV cache vs fp32 cache max |d logits|" in r.stdout
     assert "[6/6] int8 KV cache: scales calibrated on model.fused.onnx" in r.stdout
     assert contract_of(outs["int8"] / "model.fused.onnx").dtype == "int8"
-    prompt = np.arange(3, 20)[None]
-    tokens = {}
-    for cache, out in outs.items():
-        with OrtSession(out / "model.fused.onnx") as s:
-            s.reset(1)
-            tokens[cache] = greedy_tokens(DecodeDriver(s.step, s.spec, 1, owns_caches=True), prompt, 30)
-            assert s.cache_array("key_0").dtype == np.dtype(np.int8 if cache == "int8" else np.float32)
+    tokens = {cache: _greedy_in_place(out / "model.fused.onnx", cache) for cache, out in outs.items()}
     assert (tokens["int8"] == tokens["fp32"]).mean() >= 0.9
 
 
