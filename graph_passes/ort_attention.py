@@ -573,18 +573,5 @@ def with_int8_cache(proto: onnx.ModelProto, scales: dict[str, np.ndarray]) -> on
     return proto
 
 
-def int8_cache_scales(proto: onnx.ModelProto) -> dict[str, np.ndarray]:
-    """{cache input name: its scales [1, H_kv, 1, D]} of a with_int8_cache graph ({} for another graph):
-    what a reader of its caches multiplies them by."""
-    inits = {t.name: t for t in proto.graph.initializer}
-    out = {}
-    for n in proto.graph.node:
-        if _is_gqa(n) and len(n.input) > 13:
-            for cache, scale in ((n.input[3], n.input[12]), (n.input[4], n.input[13])):
-                if scale in inits:
-                    out[cache] = onnx.numpy_helper.to_array(inits[scale])
-    return out
-
-
 def _is_gqa(node: onnx.NodeProto) -> bool:
     return node.op_type == "GroupQueryAttention" and node.domain == MS_DOMAIN

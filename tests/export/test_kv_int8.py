@@ -30,11 +30,12 @@ def test_check_tokens_without_a_tokenizer_are_seeded_random_ids_that_leave_the_s
 def test_int8_cache_rewrites_the_graph_in_place_and_reports_its_drift(tmp_path):
     from core.contract import contract_of
     from export.kv_int8 import int8_cache
-    from graph_passes.ort_attention import KV_CACHE_DRIFT, int8_cache_scales
+    from graph_passes.ort_attention import KV_CACHE_DRIFT
+    from tests.graph_passes.test_ort_attention import _int8_cache_scales
     path = _gqa_file(tmp_path)
     lines = []
     result = int8_cache(path, None, lines.append)
-    assert contract_of(path).dtype == "int8" and len(int8_cache_scales(onnx.load(str(path)))) == 2 * 2
+    assert contract_of(path).dtype == "int8" and len(_int8_cache_scales(onnx.load(str(path)))) == 2 * 2
     assert 0 < result.drift <= KV_CACHE_DRIFT["int8"] and 0 <= result.agreement <= 1
     assert result.text == "random ids (47)" and result.calibration_tokens == 23
     assert lines == ["      " + result.line()] and "int8 KV cache vs fp32 cache max |d logits|" in lines[0]

@@ -188,28 +188,38 @@ def _cache_pair(kind: str, capacity: int):
     return gqa, with_cache_dtype(copy.deepcopy(gqa), "fp16")
 
 
-def _drift_and_agreement(kind: str, capacity: int, prompt_len: int, steps: int):
-    """(worst |logits fp16 cache - fp32 cache| / max |logits fp32|, over the prefill and every step of a
-    teacher-forced run of the fp32 cache's greedy text; the share of greedy tokens both caches generate)."""
-    from core.contract import contract_of
+def _cache_drift(ref_graph, graph, prompt: np.ndarray, steps: int, dtype: str, last_only: bool = False):
+    """(worst |logits of `graph` - of `ref_graph` (its fp32 cache)| / max |logits of ref_graph|, over the prefill
+    of `prompt` (its last position alone with last_only) and every step of a teacher-forced run of ref_graph's
+    greedy text; the share of greedy tokens both generate). `graph`'s caches must be `dtype`."""
+    from core.contract import contract_of, np_dtype
     from core.decode import DecodeDriver, graph_step, greedy_tokens
-    gqa, half = _cache_pair(kind, capacity)
-    c32, c16 = contract_of(gqa), contract_of(half)
-    assert (c32.dtype, c16.dtype) == ("fp32", "fp16") and c16.capacity == capacity
-    s32, s16 = graph_step(ort_session(gqa)), graph_step(ort_session(half))
-    prompt = np.random.default_rng(0).integers(0, c32.vocab_size, (1, prompt_len))
+    c32, c = contract_of(ref_graph), contract_of(graph)
+    assert (c32.dtype, c.dtype) == ("fp32", dtype) and c.capacity == c32.capacity
+    s32, s = graph_step(ort_session(ref_graph)), graph_step(ort_session(graph))
+    prompt_len = prompt.shape[1]
     t32 = greedy_tokens(DecodeDriver(s32, c32, 1), prompt, steps)
-    t16 = greedy_tokens(DecodeDriver(s16, c16, 1), prompt, steps)
+    t = greedy_tokens(DecodeDriver(s, c, 1), prompt, steps)
     seq = np.concatenate([prompt, t32[:, :-1]], axis=1)
-    a, b = DecodeDriver(s32, c32, 1), DecodeDriver(s16, c16, 1)
+    a, b = DecodeDriver(s32, c32, 1), DecodeDriver(s, c, 1)
     x, y = a.prefill(seq[:, :prompt_len]), b.prefill(seq[:, :prompt_len])
+    if last_only:
+        x, y = x[:, -1], y[:, -1]
     assert x.dtype == y.dtype == np.float32            # the logits stay fp32
     worst = np.abs(x - y).max() / np.abs(x).max()
-    for t in range(prompt_len, seq.shape[1]):
-        x, y = a.decode(seq[:, t], np.array([t])), b.decode(seq[:, t], np.array([t]))
+    for i in range(prompt_len, seq.shape[1]):
+        x, y = a.decode(seq[:, i], np.array([i])), b.decode(seq[:, i], np.array([i]))
         worst = max(worst, np.abs(x - y).max() / np.abs(x).max())
-    assert b.caches["key_0"].dtype == np.float16
-    return float(worst), float((t32 == t16).mean())
+    assert b.caches["key_0"].dtype == np_dtype(dtype)
+    return float(worst), float((t32 == t).mean())
+
+
+def _drift_and_agreement(kind: str, capacity: int, prompt_len: int, steps: int):
+    """_cache_drift of the kind's fp16-cache graph against its fp32-cache one, over the whole prefill."""
+    from core.contract import contract_of
+    gqa, half = _cache_pair(kind, capacity)
+    prompt = np.random.default_rng(0).integers(0, contract_of(gqa).vocab_size, (1, prompt_len))
+    return _cache_drift(gqa, half, prompt, steps, "fp16")
 
 
 @pytest.mark.parametrize("kind", sorted(GQA_KINDS))
@@ -287,26 +297,10 @@ def _int8_pair(kind: str, capacity: int, prompt_len: int):
 
 
 def _int8_drift_and_agreement(kind: str, capacity: int, prompt_len: int, steps: int):
-    """(worst |logits int8 cache - fp32 cache| / max |logits fp32|, over the prefill's last position and every
-    step teacher-forced on the fp32 cache's greedy text; the share of greedy tokens both caches choose)."""
-    from core.contract import contract_of
-    from core.decode import DecodeDriver, graph_step, greedy_tokens
+    """_cache_drift of the kind's int8-cache graph against its fp32-cache one, over the prefill's last position
+    (its first half calibrated the scales) and the steps."""
     gqa, q8, prompt, _ = _int8_pair(kind, capacity, prompt_len)
-    c32, c8 = contract_of(gqa), contract_of(q8)
-    assert (c32.dtype, c8.dtype) == ("fp32", "int8") and c8.capacity == capacity
-    s32, s8 = graph_step(ort_session(gqa)), graph_step(ort_session(q8))
-    t32 = greedy_tokens(DecodeDriver(s32, c32, 1), prompt, steps)
-    t8 = greedy_tokens(DecodeDriver(s8, c8, 1), prompt, steps)
-    seq = np.concatenate([prompt, t32[:, :-1]], axis=1)
-    a, b = DecodeDriver(s32, c32, 1), DecodeDriver(s8, c8, 1)
-    x, y = a.prefill(seq[:, :prompt_len])[:, -1], b.prefill(seq[:, :prompt_len])[:, -1]
-    assert y.dtype == np.float32                        # the logits stay fp32
-    worst = np.abs(x - y).max() / np.abs(x).max()
-    for t in range(prompt_len, seq.shape[1]):
-        x, y = a.decode(seq[:, t], np.array([t])), b.decode(seq[:, t], np.array([t]))
-        worst = max(worst, np.abs(x - y).max() / np.abs(x).max())
-    assert b.caches["key_0"].dtype == np.int8
-    return float(worst), float((t32 == t8).mean())
+    return _cache_drift(gqa, q8, prompt, steps, "int8", last_only=True)
 
 
 @pytest.mark.parametrize("kind", sorted(GQA_KINDS))
@@ -378,11 +372,11 @@ def test_int8_scales_bound_every_rotation_of_the_keys():
 
 def test_int8_cache_graph_shape_and_refusals():
     """with_int8_cache: the cache I/O int8, each GroupQueryAttention given its two scales (inputs 12 and 13) and
-    PER_CHANNEL attributes, nothing else changed; int8_cache_scales reads them back; a missing scale and the
+    PER_CHANNEL attributes, nothing else changed; _int8_cache_scales reads them back; a missing scale and the
     portable graph are refused, unchanged."""
     import copy
     import onnx
-    from graph_passes.ort_attention import int8_cache_scales, with_int8_cache
+    from graph_passes.ort_attention import with_int8_cache
     gqa, q8, _, scales = _int8_pair("llama-rope", 32, 8)
     caches = [t for t in list(q8.graph.input) + list(q8.graph.output) if "key_" in t.name or "value_" in t.name]
     assert len(caches) == 4 * 2 and {t.type.tensor_type.elem_type for t in caches} == {onnx.TensorProto.INT8}
@@ -393,9 +387,9 @@ def test_int8_cache_graph_shape_and_refusals():
             assert (attrs["k_quant_type"], attrs["v_quant_type"], attrs["kv_cache_bit_width"]) == \
                 (b"PER_CHANNEL", b"PER_CHANNEL", 8)
             assert list(n.input[12:]) == [f"{n.input[3]}_int8_scale", f"{n.input[4]}_int8_scale"]
-    read = int8_cache_scales(q8)
+    read = _int8_cache_scales(q8)
     assert sorted(read) == sorted(scales) and all(np.array_equal(read[k], scales[k]) for k in scales)
-    assert int8_cache_scales(gqa) == {}
+    assert _int8_cache_scales(gqa) == {}
     with pytest.raises(ValueError, match="expected scales for every cache"):
         with_int8_cache(copy.deepcopy(gqa), {k: v for k, v in scales.items() if k != "value_1"})
     _, before, _, _ = _fused_attention_graphs("llama-rope")
@@ -403,3 +397,17 @@ def test_int8_cache_graph_shape_and_refusals():
     with pytest.raises(ValueError, match="GroupQueryAttention"):
         with_int8_cache(portable, {})
     assert portable == before
+
+
+def _int8_cache_scales(proto) -> dict[str, np.ndarray]:
+    """{cache input name: its scales [1, H_kv, 1, D]} of a with_int8_cache graph ({} for another graph):
+    what a reader of its caches multiplies them by."""
+    import onnx
+    inits = {t.name: t for t in proto.graph.initializer}
+    out = {}
+    for n in proto.graph.node:
+        if n.op_type == "GroupQueryAttention" and len(n.input) > 13:
+            for cache, scale in ((n.input[3], n.input[12]), (n.input[4], n.input[13])):
+                if scale in inits:
+                    out[cache] = onnx.numpy_helper.to_array(inits[scale])
+    return out

@@ -272,6 +272,9 @@ def _cancels(metrics: str, attempt) -> None:
     pytest.fail("no request was still running when its client went away (20 tries)")
 
 
+RUNNING_WAIT_S = 0.5      # the request is in the model's queue or running by then (gRPC submits in milliseconds)
+
+
 def test_disconnect_cancels(served):
     """A streamed request whose client closes after the first chunk, and a whole one whose client goes away
     while it runs, both end as cancelled in the model (its Prometheus counter), not by running to length."""
@@ -291,7 +294,9 @@ def test_disconnect_cancels(served):
         with socket.create_connection((host, int(port))) as s:
             s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
-            deadline = time.monotonic() + 5
+            # gone once the model runs it, or after RUNNING_WAIT_S: the running gauge is published by a thread
+            # that a loaded machine starves, so waiting for it alone let every try run to its length
+            deadline = time.monotonic() + RUNNING_WAIT_S
             while _finished(metrics).get("running", 0) < 1 and time.monotonic() < deadline:
                 time.sleep(0.02)
     _cancels(metrics, streamed)
