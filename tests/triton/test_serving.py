@@ -10,8 +10,11 @@ generate model's batch scheduler (runtime/scheduler.py) behind gRPC streaming an
 - `runtime.triton client --stream` prints the text piece by piece, the same text as
   `python -m runtime.generate`;
 - the server's resident memory (tritonserver and its backend stub together) stays flat over
-  RSS_REQUESTS = 500 requests after RSS_WARMUP: it grows less than RSS_BOUND = 4 MiB (the slow
-  variant: 2000 requests, the same bound).
+  RSS_REQUESTS = 500 requests after RSS_WARMUP: it grows less than RSS_BOUND = 4 MiB in one of the
+  first RSS_WINDOWS windows of that many requests (the slow variant: 2000 requests, the same bound).
+  A leak grows in every window; the allocators' warm-up, which a loaded CI machine stretches past
+  RSS_WARMUP (4.7 MiB in CI's first window once; 0.4, 0.2, 0.4, 0.1, 0.1, 0.0 MiB in six windows of
+  500 here on two busy cores), settles.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ REQUESTS = [(1 + (7 * i) % 12, (1, 4, 9, 16, 24, 33, 48, 60)[i % 8],
              ((0.0, 0, 1.0), (0.8, 0, 1.0), (1.0, 20, 0.9), (1.3, 0, 0.6))[i % 4], 100 + i, i % 3 != 0)
             for i in range(32)]
 LONG = CAPACITY - 32    # new tokens of a request that must outlive its client's disconnect or a second request
-RSS_REQUESTS, RSS_WARMUP = 500, 100
+RSS_REQUESTS, RSS_WARMUP, RSS_WINDOWS = 500, 100, 3
 RSS_BOUND = 4 << 20     # bytes the server tree may grow over RSS_REQUESTS requests after RSS_WARMUP:
                         # 8 KiB per request; measured growth here is < 1 MiB per 500 requests
 
@@ -295,14 +298,22 @@ def _rss_load(server, n: int, seed: int) -> None:
 
 
 def _check_rss_flat(server, requests: int) -> None:
+    """Windows of `requests` requests until one grows the server's RSS less than RSS_BOUND, at most
+    RSS_WINDOWS of them."""
     from runtime.process_memory import rss_bytes
     _rss_load(server, RSS_WARMUP, seed=0)
-    base = rss_bytes(server.pids())
-    _rss_load(server, requests, seed=1)
-    grown = rss_bytes(server.pids()) - base
-    print(f"server RSS {base / 2**20:.0f} MiB after {RSS_WARMUP} warm-up requests, grew {grown / 2**20:.2f} MiB "
-          f"over {requests} more (bound {RSS_BOUND / 2**20:.0f} MiB)")    # shown with pytest -s or -rP
-    assert grown < RSS_BOUND, f"server RSS grew {grown / 2**20:.1f} MiB over {requests} requests (from {base / 2**20:.0f} MiB)"
+    base0, growth = rss_bytes(server.pids()), []
+    for window in range(RSS_WINDOWS):
+        base = rss_bytes(server.pids())
+        _rss_load(server, requests, seed=1 + window)
+        growth.append(rss_bytes(server.pids()) - base)
+        if growth[-1] < RSS_BOUND:
+            break
+    shown = ", ".join(f"{g / 2**20:.2f}" for g in growth)
+    print(f"server RSS {base0 / 2**20:.0f} MiB after {RSS_WARMUP} warm-up requests, grew {shown} MiB "
+          f"in windows of {requests} more (bound {RSS_BOUND / 2**20:.0f} MiB)")    # shown with pytest -s or -rP
+    assert growth[-1] < RSS_BOUND, (f"server RSS grew {shown} MiB in {len(growth)} windows of {requests} requests "
+                                    f"(from {base0 / 2**20:.0f} MiB): more than {RSS_BOUND >> 20} MiB in each")
     assert _wait_pool_empty(server)["running"] == 0
 
 
