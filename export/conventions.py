@@ -362,8 +362,18 @@ def sliding_window_caches(proto) -> dict[str, int]:
 def prefills_from_slot_zero(proto) -> bool:
     """Whether a batched prefill (batch > 1, seq > 1) must start at slot 0: ONNX Runtime's
     GroupQueryAttention (graph_passes/ort_attention.py) takes a prompt that continues a
-    cached one only at batch 1."""
-    return any(n.op_type == "GroupQueryAttention" for n in proto.graph.node)
+    cached one only at batch 1. The int8-cache graph keeps its GroupQueryAttention inside If branches
+    (graph_passes/ort_attention.py, with_fp32_first_prompt)."""
+    return any(n.op_type == "GroupQueryAttention" for n in _nodes(proto.graph))
+
+
+def _nodes(graph):
+    """The graph's nodes and, depth first, those of its nodes' subgraphs (If branches)."""
+    for node in graph.node:
+        yield node
+        for a in node.attribute:
+            if a.type == 5:                     # AttributeProto.GRAPH
+                yield from _nodes(a.g)
 
 
 def detect(proto, where: str = "graph"):

@@ -14,7 +14,9 @@ model before and after on the same inputs:
   2. before: the fp32-cache graph prefills the whole check text (its second half unseen by the
      calibration), then CHECK_STEPS greedy steps: their logits and tokens;
   3. the graph file is rewritten with int8 caches (the proto only: the weights' file is as written;
-     a failed check leaves the build's temporary folder, never a finished build, with it);
+     a failed check leaves the build's temporary folder, never a finished build, with it); a first
+     prompt attends in fp32 and quantizes what it writes (with_fp32_first_prompt: ONNX Runtime's
+     int8 kernel is slow on prompts), so the check's prefill logits are the fp32 cache's;
   4. after: the int8-cache graph runs the same tokens, teacher-forced on the fp32 cache's greedy
      text, and its own greedy steps. The build fails when the logits move further than
      KV_CACHE_DRIFT["int8"] of max |logits|; the share of greedy tokens both choose is reported.
@@ -96,7 +98,8 @@ def int8_cache(path: Path, tokenizer: Path | None, log=None) -> Int8Cache:
     from core.decode import DecodeDriver, graph_step
     from core.onnx_writer import save_onnx
     from core.outputs import sign_onnx
-    from graph_passes.ort_attention import KV_CACHE_DRIFT, int8_scales, rotated_key_caches, with_int8_cache
+    from graph_passes.ort_attention import (KV_CACHE_DRIFT, int8_scales, rotated_key_caches, with_fp32_first_prompt,
+                                           with_int8_cache)
     contract = contract_of(path)
     if contract.capacity < CHECK_STEPS + 3:
         raise BuildError(f"--kv-cache int8: expected a capacity of at least {CHECK_STEPS + 3} tokens to calibrate "
@@ -110,7 +113,7 @@ def int8_cache(path: Path, tokenizer: Path | None, log=None) -> Int8Cache:
         driver.prefill([ids[:calibration]])
         scales = {n: int8_scales(c[:, :, :calibration], n in rotated) for n, c in driver.caches.items()}
         before, tokens = _run(DecodeDriver(graph_step(sess), contract, 1), ids, None)
-    sign_onnx(with_int8_cache(proto, scales))
+    sign_onnx(with_fp32_first_prompt(with_int8_cache(proto, scales)))
     save_onnx(proto, path)        # the proto only: its weights stay in the file they were written to
     contract = contract_of(path)                                        # its caches now int8
     with _session(path) as sess:

@@ -573,5 +573,81 @@ def with_int8_cache(proto: onnx.ModelProto, scales: dict[str, np.ndarray]) -> on
     return proto
 
 
+# ONNX Runtime 1.32's int8-cache kernel computes a prompt's attention from the quantized cache, ~3.5x slower
+# per (query, key) pair than its fp32 kernel (1024 new tokens: 214 against 62 ms a layer, Qwen3-0.6B's heads;
+# docs/export.md), which made an int8 build's prefill slower than llama.cpp's. A first prompt (no row has a past:
+# the kernel's own test, sequence length == total length) runs the fp32 kernel without a past instead and
+# writes the cache itself, the kernel's quantization spelt in ONNX: clip(round(x / scale)) to int8, the same
+# bytes (round half to even, as the kernel rounds; a test compares them). Every other call (decode steps,
+# a prompt after a past) takes the int8 kernel. The price is an If per layer on each step.
+_QUANT_ATTRS = ("k_quant_type", "v_quant_type", "kv_cache_bit_width")
+
+
+def with_fp32_first_prompt(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The int8-cache graph `proto` (with_int8_cache's output) with each GroupQueryAttention behind an If: a first
+    prompt attends in fp32 and quantizes the keys and values it writes, padded to the cache's capacity; other
+    calls run the node as it was. `proto` is changed in place and returned. ValueError when it has no int8-cache
+    GroupQueryAttention."""
+    g = proto.graph
+    gqa = [n for n in g.node if _is_gqa(n) and any(a.name == "kv_cache_bit_width" for a in n.attribute)]
+    if not gqa:
+        raise ValueError("expected GroupQueryAttention nodes with an int8 cache (with_int8_cache's graph)")
+    make, scope = onnx.helper.make_node, "first_prompt/"
+    i64 = lambda name, values: onnx.numpy_helper.from_array(np.asarray(values, np.int64), scope + name)
+    g.initializer.extend([i64("seq_axis", [1]), i64("cache_axis", [2]), i64("no_pads", np.zeros(6)), i64("no_pad", [0]),
+                          onnx.numpy_helper.from_array(np.float32(-128), scope + "int8_min"),
+                          onnx.numpy_helper.from_array(np.float32(127), scope + "int8_max")])
+    n0 = gqa[0]
+    shared = [make("Shape", [INPUT_IDS], [scope + "ids_shape"]),
+              make("Gather", [scope + "ids_shape", scope + "seq_axis"], [scope + "new"], axis=0),
+              make("Cast", [n0.input[6]], [scope + "total32"], to=onnx.TensorProto.INT64),
+              make("Reshape", [scope + "total32", scope + "seq_axis"], [scope + "total"]),
+              make("Equal", [scope + "new", scope + "total"], [scope + "is_first"]),
+              make("Shape", [n0.input[3]], [scope + "cache_shape"]),
+              make("Gather", [scope + "cache_shape", scope + "cache_axis"], [scope + "capacity"], axis=0),
+              make("Sub", [scope + "capacity", scope + "new"], [scope + "room"]),
+              make("Concat", [scope + "no_pads", scope + "room", scope + "no_pad"], [scope + "pads"], axis=0)]
+    nodes = []
+    for node in g.node:
+        if node not in gqa:
+            nodes.append(node)
+            continue
+        if node is n0:
+            nodes.extend(shared)
+        nodes.append(_first_prompt_if(node, scope))
+    del g.node[:]
+    g.node.extend(nodes)
+    return proto
+
+
+def _first_prompt_if(node: onnx.NodeProto, scope: str) -> onnx.NodeProto:
+    """`node` (an int8-cache GroupQueryAttention) as If(first prompt: fp32 attention, the cache quantized here;
+    else: `node`)."""
+    make, name = onnx.helper.make_node, node.name
+    out = lambda suffix, elem, rank: [onnx.helper.make_tensor_value_info(f"{name}/{o}_{suffix}", t, [None] * r)
+                                      for o, t, r in zip(("output", "present_key", "present_value"), elem, rank)]
+    types = (onnx.TensorProto.FLOAT, onnx.TensorProto.INT8, onnx.TensorProto.INT8)
+    inputs = list(node.input)
+    fp32_inputs = inputs[:3] + ["", ""] + inputs[5:12]
+    while fp32_inputs[-1] == "":
+        fp32_inputs.pop()
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute if a.name not in _QUANT_ATTRS}
+    first = [make("GroupQueryAttention", fp32_inputs, [f"{name}/output_first"] + [f"{name}/{c}_fp32" for c in ("key", "value")],
+                  domain=MS_DOMAIN, name=f"{name}/fp32", **attrs)]
+    for c, scale in (("key", inputs[12]), ("value", inputs[13])):
+        x = f"{name}/{c}"
+        first += [make("Div", [f"{x}_fp32", scale], [f"{x}_scaled"]), make("Round", [f"{x}_scaled"], [f"{x}_rounded"]),
+                  make("Clip", [f"{x}_rounded", scope + "int8_min", scope + "int8_max"], [f"{x}_clipped"]),
+                  make("Cast", [f"{x}_clipped"], [f"{x}_int8"], to=onnx.TensorProto.INT8),
+                  make("Pad", [f"{x}_int8", scope + "pads"], [f"{name}/present_{c}_first"])]
+    inner = onnx.NodeProto()
+    inner.CopyFrom(node)
+    del inner.output[:]
+    inner.output.extend(f"{name}/{o}_other" for o in ("output", "present_key", "present_value"))
+    return make("If", [scope + "is_first"], list(node.output), name=f"{name}/first_prompt",
+                then_branch=onnx.helper.make_graph(first, f"{name}_first", [], out("first", types, (3, 4, 4))),
+                else_branch=onnx.helper.make_graph([inner], f"{name}_other", [], out("other", types, (3, 4, 4))))
+
+
 def _is_gqa(node: onnx.NodeProto) -> bool:
     return node.op_type == "GroupQueryAttention" and node.domain == MS_DOMAIN

@@ -277,7 +277,7 @@ def test_cache_dtype_must_not_rewrite():
         with_cache_dtype(copy.deepcopy(gqa), "bf16")
 
 
-# --- the int8 cache: int8_scales, with_int8_cache (export.build --kv-cache int8, export/kv_int8.py) -------------
+# --- the int8 cache: int8_scales, with_int8_cache, with_fp32_first_prompt (export.build --kv-cache int8, export/kv_int8.py) -------------
 
 def _int8_pair(kind: str, capacity: int, prompt_len: int):
     """The kind's GroupQueryAttention graph (fp32 cache) and its int8-cache copy, the scales calibrated on the
@@ -399,13 +399,55 @@ def test_int8_cache_graph_shape_and_refusals():
     assert portable == before
 
 
+@pytest.mark.parametrize("kind", sorted(GQA_KINDS))
+def test_fp32_first_prompt_attends_in_fp32_and_writes_the_int8_kernels_bytes(kind):
+    """with_fp32_first_prompt: a first prompt (2 rows from slot 0) attends in fp32, its logits the fp32 cache's
+    within 1e-5 of max |logits| (the int8 kernel's move further); it writes layer 0's int8 caches byte for byte
+    as the int8 kernel does (the same inputs) and every layer's as the fp32 cache's over its scales, rounded
+    half to even and clipped (later layers' inputs differ from the int8 kernel's, being fp32-attended). From
+    the same caches, the steps after it and a second prompt after a past take the int8 kernel: the int8 graph's
+    logits and caches exactly."""
+    import copy
+    from core.contract import contract_of
+    from core.decode import DecodeDriver, graph_step
+    from export.conventions import prefills_from_slot_zero
+    from graph_passes.ort_attention import with_fp32_first_prompt
+    gqa, q8, prompt, scales = _int8_pair(kind, 64, 24)
+    first = with_fp32_first_prompt(copy.deepcopy(q8))
+    rows = np.concatenate([prompt, prompt[:, ::-1]])                     # 2 rows, 24 tokens
+    ref, kernel, ours = (DecodeDriver(graph_step(ort_session(g)), contract_of(g), 2) for g in (gqa, q8, first))
+    logits = [d.prefill(rows[:, :16]) for d in (ref, kernel, ours)]
+    worst = [np.abs(x - logits[0]).max() / np.abs(logits[0]).max() for x in logits[1:]]
+    assert worst[1] <= 1e-5 < worst[0], worst
+    for name, cache in ours.caches.items():
+        written = cache[:, :, :16].astype(np.int32)
+        if name.endswith("_0"):
+            assert np.array_equal(written, kernel.caches[name][:, :, :16]), name
+        want = np.clip(np.round(ref.caches[name][:, :, :16] / scales[name]), -128, 127)
+        assert np.abs(written - want).max() <= 1 and (written == want).mean() > 0.999, name
+        assert not cache[:, :, 16:].any(), name
+    kernel.caches = {n: c.copy() for n, c in ours.caches.items()}
+    assert np.array_equal(kernel.decode(rows[:, 16], [16, 16]), ours.decode(rows[:, 16], [16, 16]))
+    # ONNX Runtime takes a prompt after a past one row at a time
+    later = [DecodeDriver(graph_step(ort_session(g)), contract_of(g), 1) for g in (q8, first)]
+    for d in later:
+        d.caches = {n: c[:1].copy() for n, c in ours.caches.items()}
+    assert np.array_equal(*(d.prefill(rows[:1, 17:], [17]) for d in later))
+    assert all(np.array_equal(later[1].caches[n], c) for n, c in later[0].caches.items())
+    assert prefills_from_slot_zero(first)          # its GroupQueryAttention, in If branches, still bounds prefills
+    with pytest.raises(ValueError, match="int8 cache"):
+        with_fp32_first_prompt(copy.deepcopy(gqa))
+
+
 def _int8_cache_scales(proto) -> dict[str, np.ndarray]:
     """{cache input name: its scales [1, H_kv, 1, D]} of a with_int8_cache graph ({} for another graph):
     what a reader of its caches multiplies them by."""
     import onnx
     inits = {t.name: t for t in proto.graph.initializer}
     out = {}
-    for n in proto.graph.node:
+    nodes = list(proto.graph.node)
+    nodes += [m for n in nodes if n.op_type == "If" for a in n.attribute for m in a.g.node]   # with_fp32_first_prompt's
+    for n in nodes:
         if n.op_type == "GroupQueryAttention" and len(n.input) > 13:
             for cache, scale in ((n.input[3], n.input[12]), (n.input[4], n.input[13])):
                 if scale in inits:
