@@ -625,7 +625,7 @@ def _first_prompt_if(node: onnx.NodeProto, scope: str) -> onnx.NodeProto:
     else: `node`)."""
     make, name = onnx.helper.make_node, node.name
     out = lambda suffix, elem, rank: [onnx.helper.make_tensor_value_info(f"{name}/{o}_{suffix}", t, [None] * r)
-                                      for o, t, r in zip(("output", "present_key", "present_value"), elem, rank)]
+                                      for o, t, r in zip(("output", "key", "value"), elem, rank)]
     types = (onnx.TensorProto.FLOAT, onnx.TensorProto.INT8, onnx.TensorProto.INT8)
     inputs = list(node.input)
     fp32_inputs = inputs[:3] + ["", ""] + inputs[5:12]
@@ -639,11 +639,11 @@ def _first_prompt_if(node: onnx.NodeProto, scope: str) -> onnx.NodeProto:
         first += [make("Div", [f"{x}_fp32", scale], [f"{x}_scaled"]), make("Round", [f"{x}_scaled"], [f"{x}_rounded"]),
                   make("Clip", [f"{x}_rounded", scope + "int8_min", scope + "int8_max"], [f"{x}_clipped"]),
                   make("Cast", [f"{x}_clipped"], [f"{x}_int8"], to=onnx.TensorProto.INT8),
-                  make("Pad", [f"{x}_int8", scope + "pads"], [f"{name}/present_{c}_first"])]
+                  make("Pad", [f"{x}_int8", scope + "pads"], [f"{name}/{c}_first"])]
     inner = onnx.NodeProto()
     inner.CopyFrom(node)
     del inner.output[:]
-    inner.output.extend(f"{name}/{o}_other" for o in ("output", "present_key", "present_value"))
+    inner.output.extend(f"{name}/{o}_other" for o in ("output", "key", "value"))
     return make("If", [scope + "is_first"], list(node.output), name=f"{name}/first_prompt",
                 then_branch=onnx.helper.make_graph(first, f"{name}_first", [], out("first", types, (3, 4, 4))),
                 else_branch=onnx.helper.make_graph([inner], f"{name}_other", [], out("other", types, (3, 4, 4))))
