@@ -70,6 +70,34 @@ def test_the_refusal_names_an_option_that_fits(monkeypatch):
     assert cheaper_option(cfg, "fp32", None) == "use a machine with more memory"
 
 
+def test_the_estimate_counts_the_verifications_caches_at_full_capacity():
+    """A verification step holds its caches in and out at the model's capacity (VERIFY_BATCH rows): Qwen3-0.6B's
+    shape at 8448 tokens, 3.9 GB a set, is in ONNX Runtime's part of the estimate twice; at 256 tokens 30x less."""
+    from export.memory import VERIFY_BATCH, build_memory, cache_bytes
+    from models.decoder import DecoderConfig
+    qwen = dict(vocab_size=151936, d_model=1024, n_layer=28, n_head=16, n_kv_head=8, head_size=128, mlp="swiglu",
+                mlp_hidden=3072, pos_embedding="rope")
+    long, short = DecoderConfig(**qwen, max_seq_len=8448), DecoderConfig(**qwen, max_seq_len=256)
+    assert cache_bytes(long, "fp32", VERIFY_BATCH) == 2 * 28 * 2 * 8 * 8448 * 128 * 4 == 3_875_536_896
+    assert cache_bytes(long, "fp16", 1) * 4 == cache_bytes(long, "bf16", 2)
+    q = QuantConfig("int4")
+    grown = build_memory(long, "fp32", q).parts["ONNX Runtime over the graph"] - \
+        build_memory(short, "fp32", q).parts["ONNX Runtime over the graph"]
+    assert grown == 2 * (cache_bytes(long, "fp32", VERIFY_BATCH) - cache_bytes(short, "fp32", VERIFY_BATCH))
+    assert build_memory(long, "fp32", q).peak > 8.3 * 2**30          # what that build measured (docs/export.md)
+
+
+@pytest.mark.slow
+def test_a_long_capacity_build_stays_within_its_estimate(tmp_path):
+    """The zoo's Qwen3 (232K parameters) at a capacity of 1,048,576 tokens, the GroupQueryAttention graph: its
+    caches (2 GiB a set of 2 rows) are most of the peak, which passes the estimate without them (BASE_BYTES)
+    and stays under the estimate with them."""
+    from export.memory import BASE_BYTES
+    peak = _peak_of_build(ZOO / "qwen3", tmp_path / "build", "--target", "ort-cpu", "--max-seq-len", "1048576")
+    estimate = json.loads((tmp_path / "build" / "report.json").read_text())["memory_estimate"]
+    assert BASE_BYTES < peak <= estimate["peak_bytes"], (peak, estimate)
+
+
 def _peak_of_build(folder: Path, out: Path, *args: str) -> int:
     """Peak resident bytes of `export.build --fuse` on `folder`, run under a fresh parent so that
     RUSAGE_CHILDREN is this build's alone."""
