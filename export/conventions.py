@@ -364,16 +364,8 @@ def prefills_from_slot_zero(proto) -> bool:
     GroupQueryAttention (graph_passes/ort_attention.py) takes a prompt that continues a
     cached one only at batch 1. The int8-cache graph keeps its GroupQueryAttention inside If branches
     (graph_passes/ort_attention.py, with_fp32_first_prompt)."""
-    return any(n.op_type == "GroupQueryAttention" for n in _nodes(proto.graph))
-
-
-def _nodes(graph):
-    """The graph's nodes and, depth first, those of its nodes' subgraphs (If branches)."""
-    for node in graph.node:
-        yield node
-        for a in node.attribute:
-            if a.type == 5:                     # AttributeProto.GRAPH
-                yield from _nodes(a.g)
+    from graph_passes.base import all_nodes          # when called: graph_passes loads onnx_graphsurgeon
+    return any(n.op_type == "GroupQueryAttention" for n in all_nodes(proto.graph))
 
 
 def detect(proto, where: str = "graph"):

@@ -136,7 +136,7 @@ class PassContext:
     def __init__(self, proto: onnx.ModelProto, lazy: dict[str, Lazy] | None = None):
         self.model_meta = {p.key: p.value for p in proto.metadata_props}
         self.node_meta: dict[str, dict[str, str]] = {}
-        for node in _all_nodes(proto.graph):
+        for node in all_nodes(proto.graph):
             if node.metadata_props:
                 self.node_meta.setdefault(node.name, {p.key: p.value for p in node.metadata_props})
         self.root = gs.import_onnx(_with_shapes(proto))
@@ -291,14 +291,15 @@ def layer_name_of(name: str, meta: dict[str, str]) -> str:
     return module
 
 
-def _all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """The graph's nodes and, depth first, those of their subgraphs (If / Loop / Scan bodies)."""
     for node in graph.node:
         yield node
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _all_nodes(attr.g)
+                yield from all_nodes(attr.g)
             for g in attr.graphs:
-                yield from _all_nodes(g)
+                yield from all_nodes(g)
 
 
 def _with_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
@@ -311,7 +312,7 @@ def _with_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 def op_counts(proto: onnx.ModelProto) -> dict[str, int]:
     """Op type -> count over the main graph and every subgraph."""
-    return dict(sorted(Counter(n.op_type for n in _all_nodes(proto.graph)).items()))
+    return dict(sorted(Counter(n.op_type for n in all_nodes(proto.graph)).items()))
 
 
 def load_graph(proto: onnx.ModelProto, lazy: dict[str, Lazy] | None = None) -> PassContext:
@@ -328,7 +329,7 @@ def save_graph(ctx: PassContext, template: onnx.ModelProto | None = None) -> onn
         _keep_declared_io(proto.graph, template.graph)
     for k, v in ctx.model_meta.items():
         proto.metadata_props.add(key=k, value=v)
-    for node in _all_nodes(proto.graph):
+    for node in all_nodes(proto.graph):
         for k, v in ctx.node_meta.get(node.name, {}).items():
             node.metadata_props.add(key=k, value=v)
     return proto

@@ -443,11 +443,10 @@ def _int8_cache_scales(proto) -> dict[str, np.ndarray]:
     """{cache input name: its scales [1, H_kv, 1, D]} of a with_int8_cache graph ({} for another graph):
     what a reader of its caches multiplies them by."""
     import onnx
+    from graph_passes.base import all_nodes          # with_fp32_first_prompt's nodes sit in If branches
     inits = {t.name: t for t in proto.graph.initializer}
     out = {}
-    nodes = list(proto.graph.node)
-    nodes += [m for n in nodes if n.op_type == "If" for a in n.attribute for m in a.g.node]   # with_fp32_first_prompt's
-    for n in nodes:
+    for n in all_nodes(proto.graph):
         if n.op_type == "GroupQueryAttention" and len(n.input) > 13:
             for cache, scale in ((n.input[3], n.input[12]), (n.input[4], n.input[13])):
                 if scale in inits:
