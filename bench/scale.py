@@ -1,6 +1,7 @@
 """python -m bench.scale make SHAPE --out DIR [--layers N] [--seed N] [--dtype bf16|fp16|fp32] [--shard-gb G]
 python -m bench.scale run --shapes SHAPE[,SHAPE...] --work DIR --options "NAME=BUILD ARGS[;NAME=BUILD ARGS...]"
-                          [--rounds N] [--decode-tokens N] [--threads N] [--layers N] [--peers genai]
+                          [--rounds N] [--decode-tokens N] [--threads N] [--layers N] [--peers genai,llamacpp]
+                          [--gguf FILE] [--llama-bench BIN] [--reuse-builds]
                           [--depths N,N,...] [--prefills N,N,...] [--memory-cap GB] --json OUT.json
 python -m bench.scale plot REPORT.json [REPORT.json...] --out FIGURE.png
 python -m bench.scale drift REFERENCE.onnx OTHER.onnx [--prompt-tokens N] [--new-tokens N] [--threads N]
@@ -23,6 +24,13 @@ batch 1, a prompt of --prompt-tokens random ids, an untimed warm-up, then --deco
 steps at --threads intra-op threads; tokens/s over the decode steps only, and that child's peak
 RSS. --peers genai adds ONNX Runtime GenAI's model builder (`-p int4 -e cpu`, fed the folder plus
 a tokenizer, which the builder needs) measured the same way, decoded with bench.genai's runner.
+--peers llamacpp adds llama.cpp (one shape; --gguf: the GGUF of that shape's folder, e.g. Q4_0 from
+`python -m bench.llamacpp gguf`): in each round, in its turn, llama.cpp's own `llama-bench` (--llama-bench)
+decodes --decode-tokens tokens at each depth and prefills each prompt length with flash attention on and
+off (`-fa on,off -r 1`), two rows (llamacpp-fa-on, llamacpp-fa-off); with a llama.cpp peer the table adds
+ours / the faster of the two, per round (median [min, max]). --reuse-builds decodes a build folder that
+an earlier run of bench.scale wrote with the same arguments instead of building it again (its row says
+so and has no build figures), for runs about decode and prefill speed alone.
 A failed build is reported with its last error line; a bf16 graph is built and measured but not
 decoded (ONNX Runtime's CPU has no bf16 kernels). Every child runs under --memory-cap: its process
 tree is stopped when it passes the cap (and the row says so) instead of meeting the kernel's OOM
@@ -70,11 +78,13 @@ from core.build_files import FUSED, QUANTIZED, UNFUSED
 from core.errors import ArgumentParser, UsageError, UserError, float_in, int_in, positive_int
 from core.lifecycle import run_cli
 from core.outputs import (BENCH_CACHE, BUILD, FIGURE, REPORT_JSON, SCALE_FOLDER, check_output_dir, check_output_file,
-                          output_dir, output_file, png_signature_metadata, write_json)
+                          is_earlier_output, marker_stamp, output_dir, output_file, png_signature_metadata, write_json)
 
 GRAPHS = (*QUANTIZED, FUSED, UNFUSED)    # decoded: the first found (ONNX Runtime's order, runtime/model_files.py)
-PEERS = ("genai",)
+PEERS = ("genai", "llamacpp")
 GENAI = "genai-int4"
+LLAMACPP = "llamacpp"            # the round's slot of llama-bench, which gives the two rows below
+LLAMACPP_ROWS = {1: "llamacpp-fa-on", 0: "llamacpp-fa-off"}      # by llama-bench's flash_attn
 OPTION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*$")
 GB = 1e9
 ROOT = Path(__file__).resolve().parent.parent
@@ -316,14 +326,40 @@ def genai_build(inp: Path, out: Path, cache: Path, cap_bytes: int = 0) -> dict:
     return row
 
 
+def build_record(out: Path) -> Path:
+    """Beside a build folder bench.scale wrote: the arguments it built with and the marker it got (--reuse-builds)."""
+    return out.with_name(out.name + ".bench-args.json")
+
+
+def reusable(out: Path, argv: list[str], folder: Path, kind) -> bool:
+    """Whether `out` is the finished build an earlier bench.scale run wrote from `folder` with these arguments: its
+    record names them and the build's own marker (a folder written again since, by anyone, is not that build)."""
+    try:
+        record = json.loads(build_record(out).read_text())
+    except (OSError, ValueError):
+        return False
+    stamp = marker_stamp(out)
+    return (is_earlier_output(out, kind, made_after=folder) and stamp is not None
+            and record.get("build_args") == argv and record.get("marker") == list(stamp))
+
+
 def measure_option(name: str, argv: list[str], folder: Path, out: Path, args, genai_in: Path | None = None) -> dict:
-    """One build of one option set and, when it succeeded, the decode speed of what it wrote."""
-    if name == GENAI:
+    """One build of one option set (or, with --reuse-builds, the same build from an earlier run) and, when it
+    succeeded, the decode speed of what it wrote."""
+    kind = BENCH_CACHE if name == GENAI else BUILD
+    if getattr(args, "reuse_builds", False) and reusable(out, argv, folder, kind):
+        row = {"rc": 0, "reused": True, "wall_s": None, "peak_rss_bytes": None, "stdout": "", "error": None,
+               "capped": False}
+    elif name == GENAI:
         row = genai_build(genai_in, out, args.work / "genai-cache", args.cap_bytes)
-        graph = out if row["rc"] == 0 and (out / "genai_config.json").is_file() else None   # not an earlier one
     else:
         row = measured([sys.executable, "-m", "export.build", "--checkpoint", str(folder), "--out", str(out), *argv],
                        args.cap_bytes)
+    if row["rc"] == 0 and not row.get("reused") and marker_stamp(out) is not None:
+        write_json(build_record(out), {"build_args": argv, "marker": list(marker_stamp(out))})
+    if name == GENAI:
+        graph = out if row["rc"] == 0 and (out / "genai_config.json").is_file() else None   # not an earlier one
+    else:
         graph = next((out / g for g in GRAPHS if (out / g).is_file()), None) if row["rc"] == 0 else None
     del row["stdout"]
     row["output_bytes"] = folder_bytes(out) if row["rc"] == 0 and out.is_dir() else 0
@@ -348,6 +384,77 @@ def measure_option(name: str, argv: list[str], folder: Path, out: Path, args, ge
     return row
 
 
+def flash_attn_of(value) -> int | None:
+    """llama-bench's flash_attn field (1 / 0, true / false, or "on" / "off" / "enabled" by version) as 1 / 0."""
+    text = str(value).strip().lower()
+    return 1 if text in ("1", "true", "on", "enabled") else 0 if text in ("0", "false", "off", "disabled") else None
+
+
+def llamacpp_round(args) -> dict[str, dict]:
+    """One round of llama.cpp's llama-bench on --gguf: decode at each depth (0 without --depths) and prefill at
+    each prompt length, flash attention on and off; a row per setting (LLAMACPP_ROWS), shaped as ours are."""
+    base = [args.llama_bench, "-m", str(args.gguf), "-r", "1", "-fa", "on,off", "-o", "jsonl"]
+    base += ["-t", str(args.threads)] if args.threads else []
+    depths = args.depths or (0,)
+    calls = [base + ["-p", "0", "-n", str(args.decode_tokens), "-d", ",".join(map(str, depths))]]
+    if args.prefills:
+        calls.append(base + ["-p", ",".join(map(str, args.prefills)), "-n", "0"])
+    results = [measured(c, args.cap_bytes) for c in calls]
+    failed = next((r for r in results if r["rc"] != 0), None)
+    lines = [json.loads(ln) for r in results if r["rc"] == 0 for ln in r["stdout"].splitlines()
+             if ln.strip().startswith("{")]
+    rows = {}
+    for fa, name in LLAMACPP_ROWS.items():
+        mine = [ln for ln in lines if flash_attn_of(ln.get("flash_attn")) == fa]
+        dec = {"rc": 0, "error": None, "wall_s": round(sum(r["wall_s"] for r in results), 2),
+               "peak_rss_bytes": max(r["peak_rss_bytes"] for r in results)}      # both settings' process
+        decode = {str(ln["n_depth"]): {"tokens_per_s": ln["avg_ts"], "steps": ln["n_gen"]} for ln in mine if ln["n_gen"]}
+        if failed is not None:
+            dec.update(rc=failed["rc"] or -1, error=f"llama-bench: {failed['error']}")
+        elif not decode or str(depths[0]) not in decode:
+            dec.update(rc=-1, error=f"llama-bench printed no decode result with flash attention {'on' if fa else 'off'} "
+                                    f"at depth {depths[0]}")
+        else:
+            dec.update(tokens_per_s=decode[str(depths[0])]["tokens_per_s"], steps=args.decode_tokens)
+            if args.depths:
+                dec["depths"] = decode
+            if args.prefills:
+                dec["prefills"] = {str(ln["n_prompt"]): {"tokens_per_s": ln["avg_ts"]} for ln in mine
+                                   if ln["n_prompt"] and not ln["n_gen"]}
+        rows[name] = {"rc": 0, "peer": "llama-bench", "wall_s": None, "peak_rss_bytes": None, "error": None,
+                      "output_bytes": os.path.getsize(args.gguf), "graph": Path(args.gguf).name, "decode": dec}
+    return rows
+
+
+def ratios_to_llamacpp(shape: dict) -> dict:
+    """Per option of ours, decode at each depth and prefill at each length divided by the faster of llama.cpp's two
+    settings in the same round: {option: {"depths" | "prefills": {point: spread}}} ({} without the peer)."""
+    faster: dict = {}                  # round -> key -> point -> the faster llama.cpp tokens/s
+    for name in LLAMACPP_ROWS.values():
+        for run in shape["options"].get(name, {}).get("runs", []):
+            dec = run.get("decode", {})
+            for key in ("depths", "prefills") if dec.get("rc") == 0 else ():
+                for k, v in dec.get(key, {}).items():
+                    slot = faster.setdefault(run["round"], {}).setdefault(key, {})
+                    slot[k] = max(slot.get(k, 0.0), v["tokens_per_s"])
+    out = {}
+    for name, o in shape["options"].items():
+        if name in LLAMACPP_ROWS.values() or not faster:
+            continue
+        for key in ("depths", "prefills"):
+            per_point: dict = {}
+            for run in o["runs"]:
+                dec = run.get("decode", {})
+                for k, v in (dec.get(key, {}).items() if dec.get("rc") == 0 else ()):
+                    peer = faster.get(run["round"], {}).get(key, {}).get(k)
+                    if peer:
+                        per_point.setdefault(k, []).append(v["tokens_per_s"] / peer)
+            if per_point:
+                out.setdefault(name, {})[key] = {k: stats.Spread.of(r).as_dict() for k, r in
+                                                 sorted(per_point.items(), key=lambda kv: int(kv[0]))}
+    return out
+
+
 def summarize(runs: list[dict]) -> dict:
     ok = [r for r in runs if r["rc"] == 0]
     dec = [r["decode"] for r in ok if r.get("decode", {}).get("rc") == 0]
@@ -355,8 +462,9 @@ def summarize(runs: list[dict]) -> dict:
     def spread(values):
         values = list(values)
         return stats.Spread.of(values).as_dict() if values else None
-    out = {"rounds": len(runs), "failed": len(runs) - len(ok), "wall_s": spread(r["wall_s"] for r in ok),
-           "peak_rss_gb": spread(r["peak_rss_bytes"] / GB for r in ok),
+    built = [r for r in ok if r["wall_s"] is not None]     # not a reused build, not llama-bench's row
+    out = {"rounds": len(runs), "failed": len(runs) - len(ok), "wall_s": spread(r["wall_s"] for r in built),
+           "peak_rss_gb": spread(r["peak_rss_bytes"] / GB for r in built),
            "output_gb": spread(r["output_bytes"] / GB for r in ok),
            "decode_tokens_per_s": spread(d["tokens_per_s"] for d in dec),
            "decode_peak_rss_gb": spread(d["peak_rss_bytes"] / GB for d in dec)}
@@ -390,6 +498,15 @@ def table(shape: dict) -> str:
             lines += ["", f"| option | " + " | ".join(f"{what} {k}" for k in points) + " |", "|" + "---|" * (len(points) + 1)]
             lines += [f"| {name} | " + " | ".join(f(o["summary"].get(key, {}).get(str(k)), 1) for k in points) + " |"
                       for name, o in shape["options"].items()]
+    for key, what in (("depths", "decode at depth"), ("prefills", "prefill at")):
+        ratios = {name: r[key] for name, r in shape.get("ratios_to_llamacpp", {}).items() if key in r}
+        points = sorted({int(k) for r in ratios.values() for k in r})
+        if points:
+            lines += ["", "| option / llama.cpp's faster setting, per round: median [min, max] | " +
+                      " | ".join(f"{what} {k}" for k in points) + " |", "|" + "---|" * (len(points) + 1)]
+            lines += [f"| {name} | " + " | ".join(
+                      (f"{sp['median']:.2f}x [{sp['min']:.2f}, {sp['max']:.2f}]" if (sp := r.get(str(k))) else "-")
+                      for k in points) + " |" for name, r in ratios.items()]
     lines += [f"  {name} round {r['round']}: {err}" for name, o in shape["options"].items() for r in o["runs"]
               if (err := r.get("error") or r.get("decode", {}).get("error") or r.get("decode", {}).get("skipped"))]
     lines += [f"  peer {k}: {v}" for k, v in shape["peers"].items() if isinstance(v, str)]
@@ -404,14 +521,16 @@ def work_folder(work: Path, shape: str, option: str) -> Path:
 
 
 def check_work(work: Path, shapes: list[str], options, genai: bool) -> None:
-    """Every folder a run writes, checked before it writes the first (one line, not a failed round hours in)."""
+    """Every folder and file a run writes, checked before it writes the first (one line, not a failed round hours in)."""
     for shape in shapes:
-        kinds = {work / shape: SCALE_FOLDER, **{work_folder(work, shape, o): BUILD for o in options}}
+        builds = {work_folder(work, shape, o): BUILD for o in options}
         if genai:
-            kinds |= {work_folder(work, shape, "genai-input"): SCALE_FOLDER,
-                      work_folder(work, shape, GENAI): BENCH_CACHE}
-        for folder, kind in kinds.items():
+            builds[work_folder(work, shape, GENAI)] = BENCH_CACHE
+        for folder, kind in {work / shape: SCALE_FOLDER, **builds, **({work_folder(work, shape, "genai-input"):
+                                                                       SCALE_FOLDER} if genai else {})}.items():
             check_output_dir(folder, kind, option="--work")
+        for folder in builds if work.is_dir() else ():      # (a new work folder holds none)
+            check_output_file(build_record(folder), REPORT_JSON)
 
 
 def bench_shape(spec: str, options: dict[str, list[str]], args, log=print) -> dict:
@@ -434,22 +553,68 @@ def bench_shape(spec: str, options: dict[str, list[str]], args, log=print) -> di
             shape["options"][GENAI] = {"build_args": ["bench.genai_builder", "-p", "int4", "-e", "cpu"],
                                        "runs": []}
             shape["peers"]["genai"] = {"option": GENAI, "input": str(genai_in)}
+    slots = list(shape["options"])
+    if "llamacpp" in args.peers:
+        shape["options"].update({n: {"build_args": ["llama-bench", "-m", str(args.gguf), "-fa", "on,off"], "runs": []}
+                                 for n in LLAMACPP_ROWS.values()})
+        shape["peers"]["llamacpp"] = {"options": list(LLAMACPP_ROWS.values()), "gguf": str(args.gguf),
+                                      "llama_bench": args.llama_bench}
+        slots.append(LLAMACPP)
     for r in range(args.rounds):
-        for opt in stats.round_order(list(shape["options"]), r):
-            out = work_folder(args.work, name, opt)
-            row = measure_option(opt, shape["options"][opt]["build_args"], folder, out, args, genai_in)
-            row["round"] = r + 1
-            shape["options"][opt]["runs"].append(row)
-            dec = row.get("decode", {})
-            log(f"  {name} {opt} round {r + 1}: " + (
-                f"build {row['wall_s']:.1f} s, peak {human(row['peak_rss_bytes'], 'B')}, "
-                f"output {human(row['output_bytes'], 'B')}; " if row["rc"] == 0 else f"build failed: {row['error']}") + (
-                f"decode {dec['tokens_per_s']:.1f} tok/s, peak {human(dec['peak_rss_bytes'], 'B')}"
-                if dec.get("rc") == 0 else (f"decode skipped: {dec['skipped']}" if "skipped" in dec else
-                                            f"decode failed: {dec['error']}" if dec else "")), flush=True)
+        for slot in stats.round_order(slots, r):
+            if slot == LLAMACPP:
+                rows = llamacpp_round(args)
+            else:
+                out = work_folder(args.work, name, slot)
+                rows = {slot: measure_option(slot, shape["options"][slot]["build_args"], folder, out, args, genai_in)}
+            for opt, row in rows.items():
+                row["round"] = r + 1
+                shape["options"][opt]["runs"].append(row)
+                log(f"  {name} {opt} round {r + 1}: {row_line(row)}", flush=True)
     for o in shape["options"].values():
         o["summary"] = summarize(o["runs"])
+    shape["ratios_to_llamacpp"] = ratios_to_llamacpp(shape)
     return shape
+
+
+def row_line(row: dict) -> str:
+    """One round of one option, for the log."""
+    dec = row.get("decode", {})
+    if row["rc"] != 0:
+        head = f"build failed: {row['error']}"
+    elif row.get("reused"):
+        head = f"build reused (an earlier run's, same arguments), output {human(row['output_bytes'], 'B')}; "
+    elif row.get("peer"):
+        head = f"{row['peer']} on {row['graph']}; "
+    else:
+        head = (f"build {row['wall_s']:.1f} s, peak {human(row['peak_rss_bytes'], 'B')}, "
+                f"output {human(row['output_bytes'], 'B')}; ")
+    if dec.get("rc") == 0:
+        return head + f"decode {dec['tokens_per_s']:.1f} tok/s, peak {human(dec['peak_rss_bytes'], 'B')}"
+    return head + (f"decode skipped: {dec['skipped']}" if "skipped" in dec else
+                   f"decode failed: {dec['error']}" if dec else "")
+
+
+def check_llamacpp(args, specs: list[str]) -> None:
+    """--peers llamacpp needs one shape, its --gguf and a llama-bench to run; --gguf alone is a mistake."""
+    import shutil
+    if "llamacpp" not in args.peers:
+        if args.gguf is not None:
+            raise UsageError("--gguf: expected --peers llamacpp too (the GGUF is llama.cpp's); add it, or drop --gguf")
+        return
+    if len(specs) != 1:
+        raise UsageError(f"--peers llamacpp: expected one shape (--gguf is one shape's model), found {len(specs)}; "
+                         "run one shape at a time")
+    if args.gguf is None or not args.gguf.is_file():
+        error = UsageError if args.gguf is None else UserError
+        raise error(f"{args.gguf or '--peers llamacpp'}: expected llama.cpp's GGUF of the shape's folder, found "
+                    f"{'no --gguf' if args.gguf is None else 'no file'}; make it with python -m bench.llamacpp gguf "
+                    f"--checkpoint {args.work / resolve_shape(specs[0])[0]} ... and pass --gguf OUT/model-q4_0.gguf")
+    found = shutil.which(args.llama_bench)
+    if found is None:
+        raise UserError(f"{args.llama_bench}: expected llama.cpp's llama-bench (an executable), found none; "
+                        "build llama.cpp and pass --llama-bench PATH")
+    args.llama_bench = found
 
 
 def run_bench(args) -> int:
@@ -464,6 +629,7 @@ def run_bench(args) -> int:
     args.peers = [p for p in args.peers.split(",") if p]
     if any(p not in PEERS for p in args.peers):
         raise UsageError(f"--peers {','.join(args.peers)}: expected {', '.join(PEERS)}; drop the others")
+    check_llamacpp(args, specs)
     if args.work.exists() and not args.work.is_dir():
         raise UserError(f"{args.work}: expected a work directory, found a file; choose another --work")
     check_output_file(args.json, REPORT_JSON)
@@ -525,12 +691,14 @@ def plot(reports: list[dict], out: Path) -> Path:
         med = [sp["median"] if sp else 0 for sp in spreads]
         err = [[sp["median"] - sp["min"] if sp else 0 for sp in spreads], [sp["max"] - sp["median"] if sp else 0
                                                                           for sp in spreads]]
-        ax.barh(y, med, xerr=err, capsize=3, color=["tab:orange" if GENAI in label else "tab:blue" for label, _ in rows])
+        ax.barh(y, med, xerr=err, capsize=3, color=["tab:orange" if GENAI in label else "tab:green" if LLAMACPP in label
+                                                    else "tab:blue" for label, _ in rows])
         ax.set_yticks(y, [label for label, _ in rows] if ax is axes[0] else [""] * len(rows), fontsize=7)
         ax.invert_yaxis()
         ax.set_title(title, fontsize=9)
     starts = ", ".join(sorted({r["started"][:16] for r in reports}))
-    fig.suptitle(f"bench.scale (median, min-max over rounds; orange: ONNX Runtime GenAI's builder), {starts}", fontsize=8)
+    fig.suptitle(f"bench.scale (median, min-max over rounds; orange: ONNX Runtime GenAI's builder, green: llama.cpp), "
+                 f"{starts}", fontsize=8)
     fig.tight_layout()
     with output_file(out, FIGURE) as tmp:
         fig.savefig(tmp, dpi=110, format="png", metadata=png_signature_metadata())
@@ -573,7 +741,14 @@ def run(argv: list[str]) -> int:
     rn.add_argument("--prompt-tokens", type=int_in(1, 1024), default=16)
     rn.add_argument("--threads", type=int_in(0, 1024), default=2, help="decode intra-op threads (0: ONNX Runtime's choice)")
     rn.add_argument("--layers", type=int_in(1, 1024), default=None, help="override every shape's layer count")
-    rn.add_argument("--peers", default="", help="genai: also ONNX Runtime GenAI's builder, int4 (when installed)")
+    rn.add_argument("--peers", default="", help="genai: also ONNX Runtime GenAI's builder, int4 (when installed); "
+                    "llamacpp: also llama.cpp's llama-bench on --gguf, flash attention on and off")
+    rn.add_argument("--gguf", type=Path, default=None, help="--peers llamacpp: llama.cpp's GGUF of the shape's folder "
+                    "(python -m bench.llamacpp gguf)")
+    rn.add_argument("--llama-bench", default="llama-bench", help="--peers llamacpp: llama.cpp's llama-bench "
+                    "(default: the one on PATH)")
+    rn.add_argument("--reuse-builds", action="store_true", help="decode a build an earlier run wrote with the same "
+                    "arguments instead of building it again (no build figures for it)")
     rn.add_argument("--depths", type=_counts(0), default=(), metavar="N,N,...",
                     help="also decode tokens/s after a prefill of each N tokens (e.g. 0,1024,4096,8192)")
     rn.add_argument("--prefills", type=_counts(1), default=(), metavar="N,N,...",

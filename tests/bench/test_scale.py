@@ -378,3 +378,85 @@ def test_drift_of_an_fp16_cache_against_the_fp32_cache(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {graphs[0]}: expected a cache of at least 210 slots (--prompt-tokens + --new-tokens), "
                    "found 160; build with --max-seq-len 210 or ask for fewer tokens"], err
+
+
+FAKE_LLAMA_BENCH = '''import json, sys
+a = sys.argv[1:]
+val = lambda f, d: a[a.index(f) + 1] if f in a else d
+open(sys.argv[0] + ".calls", "a").write(" ".join(a) + "\\n")
+n, p = int(val("-n", "128")), [int(x) for x in val("-p", "512").split(",")]
+for fa in [1 if x == "on" else 0 for x in val("-fa", "off").split(",")]:
+    for d in [int(x) for x in val("-d", "0").split(",")] if n else ():
+        print(json.dumps({"flash_attn": fa, "n_prompt": 0, "n_gen": n, "n_depth": d, "avg_ts": 1000.0 / (1 + d) + fa}))
+    for q in p if not n else ():
+        print(json.dumps({"flash_attn": fa, "n_prompt": q, "n_gen": 0, "n_depth": 0, "avg_ts": 2000.0 - fa}))
+'''
+
+
+def fake_llama_bench(tmp_path) -> Path:
+    """llama-bench's command line and JSONL lines, from a script: decode tokens/s 1000 / (1 + depth) (+1 with flash
+    attention on), prefill 2000 (-1 with it on); its calls are logged beside it."""
+    path = tmp_path / "llama-bench"
+    path.write_text(f"#!{sys.executable}\n" + FAKE_LLAMA_BENCH)
+    path.chmod(0o755)
+    return path
+
+
+def test_llamacpp_peer_and_reused_builds_on_a_tiny_llama(tmp_path):
+    """--peers llamacpp: llama-bench runs in its turn of each round, flash attention on and off, its two rows in the
+    report, the table and the plot, and ours divided by the faster one per round; --reuse-builds decodes the build
+    the first run wrote with the same arguments (no build figures), and builds again when they differ."""
+    shape = tmp_path / "tiny-llama.json"
+    shape.write_text(json.dumps(dict(TINY["llama"], num_hidden_layers=2)))
+    gguf, bench = tmp_path / "model-q4_0.gguf", fake_llama_bench(tmp_path)
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    out, work = tmp_path / "scale.json", tmp_path / "work"
+    cmd = [sys.executable, "-m", "bench.scale", "run", "--shapes", str(shape), "--work", str(work),
+           "--options", "fp32=--fuse --max-seq-len 64", "--rounds", "2", "--decode-tokens", "4", "--threads", "1",
+           "--depths", "0,16", "--prefills", "8", "--peers", "llamacpp", "--gguf", str(gguf),
+           "--llama-bench", str(bench), "--json", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    calls = Path(str(bench) + ".calls").read_text().splitlines()
+    assert len(calls) == 4 and all("-fa on,off" in c and "-t 1" in c and str(gguf) in c for c in calls), calls
+    assert "-p 0 -n 4 -d 0,16" in calls[0] and "-p 8 -n 0" in calls[1]
+    (s,) = json.loads(out.read_text())["shapes"]
+    on, off = (s["options"][n] for n in ("llamacpp-fa-on", "llamacpp-fa-off"))
+    assert [r["round"] for r in on["runs"]] == [1, 2] and on["runs"][0]["output_bytes"] == 64
+    assert on["runs"][0]["decode"]["depths"]["16"]["tokens_per_s"] == pytest.approx(1000 / 17 + 1)
+    assert off["runs"][1]["decode"]["prefills"]["8"]["tokens_per_s"] == 2000
+    assert on["summary"]["wall_s"] is None and on["summary"]["decode_tokens_per_s"]["median"] == 1001
+    ours = s["options"]["fp32"]["runs"]
+    for key, point, peer in (("depths", "16", 1000 / 17 + 1), ("prefills", "8", 2000)):
+        ratios = [run["decode"][key][point]["tokens_per_s"] / peer for run in ours]
+        assert s["ratios_to_llamacpp"]["fp32"][key][point]["median"] == pytest.approx(sum(ratios) / 2)
+    assert "llamacpp-fa-on" in r.stdout and "| option / llama.cpp's faster setting" in r.stdout
+    assert scale.main(["plot", str(out), "--out", str(tmp_path / "scale.png")]) == 0
+    # the second run decodes the first run's build; a changed option builds again
+    assert ours[0]["wall_s"] > 0 and "reused" not in ours[0]
+    cmd[cmd.index("--rounds") + 1] = "1"
+    for extra, reused in (([], True), (["--options", "fp32=--fuse --max-seq-len 80"], False)):
+        r = subprocess.run(cmd + ["--reuse-builds"] + extra, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        (run,) = json.loads(out.read_text())["shapes"][0]["options"]["fp32"]["runs"]
+        assert run.get("reused", False) is reused and run["decode"]["rc"] == 0, run
+        assert (run["wall_s"] is None) is reused and ("build reused" in r.stdout) is reused
+
+
+@pytest.mark.parametrize("extra, code, complaint", [
+    (["--gguf", "GGUF"], 2, "--gguf: expected --peers llamacpp too"),
+    (["--peers", "llamacpp"], 2, "expected llama.cpp's GGUF of the shape's folder, found no --gguf"),
+    (["--peers", "llamacpp", "--gguf", "NOFILE"], 1, "expected llama.cpp's GGUF of the shape's folder, found no file"),
+    (["--peers", "llamacpp", "--gguf", "GGUF", "--llama-bench", "no-such-llama-bench"], 1,
+     "no-such-llama-bench: expected llama.cpp's llama-bench"),
+    (["--peers", "llamacpp", "--gguf", "GGUF", "--shapes", "qwen3-0.6b,llama-3.2-1b"], 2, "expected one shape")])
+def test_llamacpp_peer_refusals_are_one_line_before_any_work(tmp_path, capsys, extra, code, complaint):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    argv = ["run", "--shapes", "qwen3-0.6b", "--work", str(tmp_path / "w"), "--options", "a=--fuse",
+            "--json", str(tmp_path / "s.json")] + [{"GGUF": str(gguf), "NOFILE": str(tmp_path / "no.gguf")}.get(a, a)
+                                                    for a in extra]
+    rc = scale.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == code and len(err) == 1 and complaint in err[0], err
+    assert not (tmp_path / "w").exists()
