@@ -22,7 +22,7 @@ import numpy as np
 
 from core.contract import (CACHE_DTYPES, CACHE_PREFIX, POSITION, ContractError, DecodeContract, TensorSpec, np_dtype,
                            onnx_io, read_contract, tensor_specs)
-from core.decode import Step, graph_step, run_steps, token_steps
+from core.decode import Step, graph_step, run_steps, run_steps_in_place, token_steps
 
 PAST = re.compile(r"past_key_values\.(\d+)\.(key|value)$")
 PRESENT = re.compile(r"present\.(\d+)\.(key|value)$")
@@ -70,8 +70,11 @@ def verification_sessions(iface: DecodeContract, tokens: list[int] | None = None
 
 
 def run_onnx(sess, iface: DecodeContract, steps: list[Step], trim: int | None = None) -> list[dict[str, np.ndarray]]:
-    """Outputs of every step of an ONNX Runtime session, driven by core.decode (see run_steps for `trim`)."""
-    return run_steps(graph_step(sess), iface, steps, trim)
+    """Outputs of every step of an ONNX Runtime session, driven by core.decode (see run_steps for `trim`; with it,
+    the caches stay in place: run_steps_in_place)."""
+    if trim is not None:
+        return run_steps_in_place(sess, iface, steps, trim)
+    return run_steps(graph_step(sess), iface, steps)
 
 
 def interface_mismatches(a, b) -> list[str]:

@@ -64,12 +64,14 @@ class Int8Cache:
     bound: float               # KV_CACHE_DRIFT["int8"]
     agreement: float           # share of the CHECK_STEPS + 1 greedy tokens both caches choose
     first_difference: int | None   # the first greedy step where they part (None: never)
+    kept_fp32: bool = False    # --kv-cache auto: it drifted past the bound, and the graph kept its fp32 cache
 
     def line(self) -> str:
         parted = "" if self.first_difference is None else f", first parting at step {self.first_difference}"
+        kept = "; past the bound, so the fp32 cache was kept" if self.kept_fp32 else ""
         return (f"int8 KV cache vs fp32 cache max |d logits| {self.drift:.2%} of max |logits| (bound "
                 f"{self.bound:.0%}) over {self.text} + {self.steps} greedy steps; greedy agreement "
-                f"{self.agreement:.0%}{parted}; scales from the first {self.calibration_tokens} tokens")
+                f"{self.agreement:.0%}{parted}; scales from the first {self.calibration_tokens} tokens{kept}")
 
     def to_json(self) -> dict:
         return {**asdict(self), "summary": self.line()}
@@ -90,12 +92,13 @@ def check_tokens(tokenizer: Path | None, vocab_size: int, capacity: int) -> tupl
     return ids, f"CHECK_TEXT ({len(ids)} tokens)"
 
 
-def int8_cache(path: Path, tokenizer: Path | None, log=None) -> Int8Cache:
+def int8_cache(path: Path, tokenizer: Path | None, log=None, keep_fp32: bool = False) -> Int8Cache:
     """Calibrate, rewrite and check (module docstring) the fp32-cache GroupQueryAttention graph at `path`, in
-    place. BuildError when the int8 cache moves the logits past its bound."""
+    place. When the int8 cache moves the logits past its bound: BuildError, or with keep_fp32 (--kv-cache auto)
+    the graph file as it was (fp32 cache) and the result saying so (kept_fp32)."""
     import onnx
     from core.contract import contract_of
-    from core.decode import DecodeDriver, graph_step
+    from core.decode import DecodeDriver, InPlaceStep
     from core.onnx_writer import save_onnx
     from core.outputs import sign_onnx
     from graph_passes.ort_attention import (KV_CACHE_DRIFT, int8_scales, rotated_key_caches, with_fp32_first_prompt,
@@ -107,29 +110,41 @@ def int8_cache(path: Path, tokenizer: Path | None, log=None) -> Int8Cache:
     ids, text = check_tokens(tokenizer, contract.vocab_size, contract.capacity)
     calibration = max(1, len(ids) // 2)
     proto = onnx.load(str(path), load_external_data=False)
+    fp32_graph = path.read_bytes()         # the proto only (its weights are in their own file): to put back
     rotated = rotated_key_caches(proto)
     with _session(path) as sess:
-        driver = DecodeDriver(graph_step(sess), contract, 1)
-        driver.prefill([ids[:calibration]])
-        scales = {n: int8_scales(c[:, :, :calibration], n in rotated) for n, c in driver.caches.items()}
-        before, tokens = _run(DecodeDriver(graph_step(sess), contract, 1), ids, None)
+        step = InPlaceStep(sess, contract, 1)
+        DecodeDriver(step, contract, 1, owns_caches=True).prefill([ids[:calibration]])
+        scales = {n: int8_scales(c[:, :, :calibration], n in rotated) for n, c in step.caches.items()}
+        del step                                   # its caches: one capacity's worth held at a time
+        before, tokens = _run(_driver(sess, contract), ids, None)
     sign_onnx(with_fp32_first_prompt(with_int8_cache(proto, scales)))
     save_onnx(proto, path)        # the proto only: its weights stay in the file they were written to
     contract = contract_of(path)                                        # its caches now int8
     with _session(path) as sess:
-        forced, _ = _run(DecodeDriver(graph_step(sess), contract, 1), ids, tokens)
-        _, own = _run(DecodeDriver(graph_step(sess), contract, 1), ids, None)
+        forced, _ = _run(_driver(sess, contract), ids, tokens)
+        _, own = _run(_driver(sess, contract), ids, None)
     drift = max(float(np.abs(a - b).max() / max(float(np.abs(a).max()), 1e-30)) for a, b in zip(before, forced))
     same = np.asarray(tokens) == np.asarray(own)
     result = Int8Cache(text, calibration, CHECK_STEPS, drift, KV_CACHE_DRIFT["int8"], float(same.mean()),
                        None if same.all() else int(np.argmin(same)))
+    if drift > result.bound and keep_fp32:
+        result.kept_fp32 = True
+        path.write_bytes(fp32_graph)       # (in the build's temporary folder, as save_onnx wrote it above)
     if log is not None:
         log(f"      {result.line()}")
-    if drift > result.bound:
+    if drift > result.bound and not keep_fp32:
         raise BuildError(f"--kv-cache int8: expected the int8 cache to keep the logits within {result.bound:.0%} of "
                          f"max |logits| of the fp32 cache's, found {drift:.2%} ({text}); build with --kv-cache fp16 "
                          "or fp32")
     return result
+
+
+def _driver(sess, contract):
+    """A batch-1 driver of the session over zeroed caches kept in place (core.decode.InPlaceStep: the check's steps
+    do not copy the whole capacity each)."""
+    from core.decode import DecodeDriver, InPlaceStep
+    return DecodeDriver(InPlaceStep(sess, contract, 1), contract, 1, owns_caches=True)
 
 
 def _run(driver, ids: list[int], forced: list[int] | None) -> tuple[list[np.ndarray], list[int]]:

@@ -452,3 +452,34 @@ def _int8_cache_scales(proto) -> dict[str, np.ndarray]:
                 if scale in inits:
                     out[cache] = onnx.numpy_helper.to_array(inits[scale])
     return out
+
+
+@pytest.mark.parametrize("graph", ["portable", "gqa", "int8-first-prompt-in-fp32"])
+def test_in_place_step_equals_the_step_that_copies_the_caches(graph):
+    """core.decode.InPlaceStep (the caches bound as past and present, written in place) gives graph_step's logits
+    and caches exactly: the portable graph's TensorScatter, GroupQueryAttention, and the int8 cache's If branches;
+    a batch of 2 prefilled from slot 0 then decoded; run_onnx with trim (the verification's) the same outputs."""
+    import copy
+    from core.contract import contract_of
+    from core.decode import DecodeDriver, InPlaceStep, graph_step, run_steps
+    from graph_passes.ort_attention import with_fp32_first_prompt
+    gqa, q8, prompt, _ = _int8_pair("llama-rope", 64, 24)
+    proto = {"portable": _fused_attention_graphs("llama-rope")[1], "gqa": gqa,
+             "int8-first-prompt-in-fp32": with_fp32_first_prompt(copy.deepcopy(q8))}[graph]
+    path = save(proto, f"in-place-{graph}.onnx")
+    contract, sess = contract_of(path), ort_session(path)
+    rows = np.concatenate([prompt, prompt[:, ::-1]])
+    copying = DecodeDriver(graph_step(sess), contract, 2)
+    step = InPlaceStep(sess, contract, 2)
+    in_place = DecodeDriver(step, contract, 2, owns_caches=True)
+    assert np.array_equal(copying.prefill(rows[:, :16]), in_place.prefill(rows[:, :16]))
+    want = [copying.decode(rows[:, t], [t, t]) for t in range(16, 24)]
+    got = [in_place.decode(rows[:, t], [t, t]) for t in range(16, 24)]       # compared after all: none overwritten
+    assert all(np.array_equal(w, g) for w, g in zip(want, got))
+    assert all(np.array_equal(c, step.caches[n]) for n, c in copying.caches.items())
+    assert step.caches["key_0"][:, :, :24].any() and not step.caches["key_0"][:, :, 24:].any()
+    steps = session_steps(read_interface(path), seed=3, same_start=True)
+    trim = max(int((s.position + s.input_ids.shape[1]).max()) for s in steps)
+    want, got = run_steps(graph_step(sess), contract, steps, trim), run_onnx(sess, contract, steps, trim=trim)
+    assert [sorted(w) for w in want] == [sorted(g) for g in got]
+    assert all(np.array_equal(w[k], g[k]) for w, g in zip(want, got) for k in w)
