@@ -1,7 +1,7 @@
 """python -m export.build [--fuse] [--checkpoint DIR] [--out DIR] [--dtype fp32|fp16|bf16] [--triton-repo DIR]
                         [--quantize int8|int4 [--block-size N] [--accuracy-level N] [--algo rtn|hqq] [--head int8|int4|fp32] [--int8-layers NAMES]]
                         [--target auto|ort-cpu|portable] [--attention plain|fused|gqa] [--genai] [--max-seq-len N]
-                        [--kv-cache fp32|fp16|int8]
+                        [--kv-cache auto|fp32|fp16|int8]
 
 --target picks the graph for the runtime it will run on (export/target.py): by default (auto) the
 ONNX Runtime CPU graph with GroupQueryAttention, the fastest there, where the model and options allow
@@ -100,10 +100,12 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--max-seq-len", type=int_in(1, MAX_CAPACITY), default=None, metavar="N",
                     help="KV-cache capacity of the graphs (default: the checkpoint's; a Hugging Face folder's "
                          "max_position_embeddings, at most 2048, as models.convert)")
-    ap.add_argument("--kv-cache", choices=KV_CACHE_DTYPES, default="fp32",
-                    help="the KV caches' dtype (default fp32), for the ONNX Runtime CPU graph (--target ort-cpu): "
-                         "fp16, half the bytes, its GroupQueryAttention computing on fp16 q, k, v; int8, a quarter, "
-                         "with per-channel scales calibrated on text and the drift checked (docs/export.md)")
+    ap.add_argument("--kv-cache", choices=("auto", *KV_CACHE_DTYPES), default="auto",
+                    help="the KV caches' dtype. auto (default): int8 for the ONNX Runtime CPU graph (--target "
+                         "ort-cpu) at a capacity of 4096 tokens or more when it passes its check (else fp32), fp32 "
+                         "otherwise; fp16 (ort-cpu), half the bytes, its GroupQueryAttention computing on fp16 q, k, "
+                         "v; int8 (ort-cpu), a quarter, with per-channel scales calibrated on text and the drift "
+                         "checked (a build that drifts past the bound fails); docs/export.md")
     ap.add_argument("--triton-repo", type=Path, default=None,
                     help="also write a Triton model repository for the build (python -m runtime.triton repo)")
     return ap
@@ -126,7 +128,8 @@ def run(argv: list[str]) -> int:
     from export.pipeline import build
     opened = functools.cache(lambda: _open_weights(ckpt, args.max_seq_len))      # read once, by whichever step needs it first
     options = BuildOptions.resolved(args.fuse, args.dtype, quantize, args.genai, args.kv_cache,
-                                    resolve=lambda: _target(args, opened))
+                                    resolve=lambda: _target(args, opened),
+                                    capacity=lambda: args.max_seq_len or opened().cfg.max_seq_len)
     _check_capacity(ckpt, opened().cfg.max_seq_len, args.max_seq_len)
     build(ckpt, out, options, source=opened())
     if args.triton_repo is not None:

@@ -4,7 +4,8 @@ refusal naming its option (a UsageError: the command line is wrong, whatever the
 
     BuildOptions(fuse, dtype, quantize, attention, genai, kv_cache, target_why)   # checked in __post_init__
     BuildOptions.resolved(..., resolve=...)      # export.build's: --quantize checked before the target is
-                                                 # resolved (which reads the model's config), the rest after
+                                                 # resolved (which reads the model's config), the rest after;
+                                                 # --kv-cache auto resolved with the target and the capacity
 
 The checks of the options against a model (check_gate, check_dtype) run once the weights are open.
 """
@@ -30,8 +31,9 @@ class BuildOptions:
     """What export.build builds. `attention`: "plain" ops (portable), "fused" (one ONNX Attention op per
     layer) or "gqa" (ONNX Runtime's GroupQueryAttention, graph_passes/ort_attention.py). `quantize`: an
     export.quantize.QuantConfig (needs fuse and fp32). `genai` (needs fuse, fp32, gqa): also the ONNX
-    Runtime GenAI folder's files (export/genai.py). `kv_cache`: the caches' dtype (fp16: gqa only).
-    `target_why`: why export.build --target auto chose the attention."""
+    Runtime GenAI folder's files (export/genai.py). `kv_cache`: the caches' dtype (fp16, int8: gqa only).
+    `target_why`: why export.build --target auto chose the attention; `kv_cache_why`: why --kv-cache auto chose
+    the dtype ("" when the option named it; an auto int8 cache that fails its check falls back to fp32)."""
     fuse: bool
     dtype: str = "fp32"
     quantize: QuantConfig | None = None
@@ -39,6 +41,7 @@ class BuildOptions:
     genai: bool = False
     kv_cache: str = "fp32"
     target_why: str = ""
+    kv_cache_why: str = ""
     quantize_checked: InitVar[bool] = False     # resolved() checked --quantize already, before the target
 
     def __post_init__(self, quantize_checked: bool) -> None:
@@ -50,12 +53,17 @@ class BuildOptions:
 
     @classmethod
     def resolved(cls, fuse: bool, dtype: str, quantize, genai: bool, kv_cache: str,
-                 resolve: Callable[[], Target]) -> BuildOptions:
+                 resolve: Callable[[], Target], capacity: Callable[[], int] | None = None) -> BuildOptions:
         """export.build's options: --quantize checked first, then `resolve()` picks the target (export/target.py;
-        it may read the model's config, whose errors are the input's), then the rest; each check once."""
+        it may read the model's config, whose errors are the input's), then --kv-cache auto (auto_kv_cache, at the
+        graph's `capacity()`), then the rest; each check once."""
         check_quantize(quantize, fuse, dtype)
         target = resolve()
-        return cls(fuse, dtype, quantize, target.attention, genai, kv_cache, target.why, quantize_checked=True)
+        why = ""
+        if kv_cache == "auto":
+            long = target.attention == "gqa" and not genai and capacity is not None    # (only then is it read)
+            kv_cache, why = auto_kv_cache(target.attention, genai, capacity() if long else 0)
+        return cls(fuse, dtype, quantize, target.attention, genai, kv_cache, target.why, why, quantize_checked=True)
 
     @property
     def graph_name(self) -> str:
@@ -123,6 +131,27 @@ def check_attention(attention: str, fuse: bool, dtype: str) -> None:
         require_fused_fp32("--attention gqa", fuse, dtype, "the GroupQueryAttention rewrite runs after the fold",
                            "ONNX Runtime's CPU GroupQueryAttention is fp32 only",
                            "drop --dtype or use --attention fused")
+
+
+# --kv-cache auto's int8 cache from this capacity on: where contexts get long enough for the cache's bytes to
+# dominate a decode step (the Qwen3-0.6B shape, int4: int8 1.2x the fp32 cache at depth 1024, 1.5x at 4096,
+# 1.9x at 8192; docs/bench.md), and the calibration and check it adds to a build pay for themselves.
+INT8_CACHE_FROM = 4096
+
+
+def auto_kv_cache(attention: str, genai: bool, capacity: int) -> tuple[str, str]:
+    """--kv-cache auto (the default): (the caches' dtype, why). int8 for ONNX Runtime's CPU graph at a capacity of
+    INT8_CACHE_FROM or more, checked against the fp32 cache like --kv-cache int8 but kept fp32 where it drifts past
+    its bound (export/kv_int8.py); fp32 otherwise (the portable graph and GenAI's folder keep fp32 caches; fp16 is
+    no faster on the CPUs measured, docs/export.md)."""
+    if attention != "gqa":
+        return "fp32", f"auto: fp32 ({attention} attention: the portable graph's caches are fp32)"
+    if genai:
+        return "fp32", "auto: fp32 (--genai: GenAI's folder keeps an fp32 cache)"
+    if capacity < INT8_CACHE_FROM:
+        return "fp32", f"auto: fp32 (capacity {capacity} < {INT8_CACHE_FROM} tokens; --kv-cache int8 for long contexts)"
+    return "int8", (f"auto: int8 (capacity {capacity} >= {INT8_CACHE_FROM} tokens on ONNX Runtime's CPU graph; "
+                    "kept fp32 if it drifts past its bound)")
 
 
 def check_kv_cache(kv_cache: str, attention: str, genai: bool) -> None:

@@ -67,7 +67,7 @@ def build(checkpoint: Path, out: Path, options: BuildOptions, log=print, source=
     key = o.tolerance_key
     report = BuildReport(str(checkpoint), str(out), o.dtype, o.fuse, attention=o.attention,
                          verification=Verification(ATOL[key], SCALE_TOL[key]), target=target_of(o.attention),
-                         target_why=o.target_why, kv_cache=o.kv_cache)
+                         target_why=o.target_why, kv_cache=o.kv_cache, kv_cache_why=o.kv_cache_why)
     gate = source.skeleton.gate.value if cfg.norm == "taper" else None
     report.model = ModelSummary.of(cfg, gate, params)
     report.source, report.notes = source.source, list(source.notes)
@@ -105,8 +105,14 @@ def build(checkpoint: Path, out: Path, options: BuildOptions, log=print, source=
         transformers_check(source, report, stages.log, tokens)
         if o.kv_cache == "int8":        # on the graph just verified with its fp32 cache (export/kv_int8.py)
             from export.kv_int8 import int8_cache
-            t0 = stages.start(f"int8 KV cache: scales calibrated on {name} (fp32 cache), then checked against it")
-            report.kv_cache_check = int8_cache(tmp / name, tokenizer, stages.log)
+            t0 = stages.start(f"int8 KV cache: scales calibrated on {name} (fp32 cache), then checked against it"
+                              f"{' (' + o.kv_cache_why + ')' if o.kv_cache_why else ''}")
+            report.kv_cache_check = int8_cache(tmp / name, tokenizer, stages.log, keep_fp32=bool(o.kv_cache_why))
+            if report.kv_cache_check.kept_fp32:
+                c = report.kv_cache_check
+                report.kv_cache = "fp32"
+                report.kv_cache_why = f"auto: fp32 (the int8 cache tried first drifted {c.drift:.2%} > {c.bound:.0%})"
+                report.notes.append(f"--kv-cache auto: {report.kv_cache_check.line()}")
             stages.done("kv_int8", t0)
         if o.genai:
             report.genai = genai_files(stages, tmp, name, cfg, checkpoint, tokenizer, tokens)

@@ -148,6 +148,7 @@ class BuildReport:
     target: str = ""                     # ort-cpu | portable: the runtime the graphs are for (export/target.py)
     target_why: str = ""                 # why --target auto chose it
     kv_cache: str = "fp32"               # the KV caches' dtype (--kv-cache; fp16, int8: GroupQueryAttention graphs)
+    kv_cache_why: str = ""               # why --kv-cache auto chose it ("" when the option named the dtype)
     kv_cache_check: object | None = None    # --kv-cache int8: export.kv_int8.Int8Cache (calibration and drift)
     # a Hugging Face folder: our torch model (the reference above) against transformers' own forward, or why
     # it was skipped (export/transformers_check.py)
@@ -176,7 +177,7 @@ class BuildReport:
             "weight_bytes": self.weight_bytes,
             "genai": {} if self.genai is None else self.genai.to_json(),
             "target": self.target, "target_why": self.target_why, "kv_cache": self.kv_cache,
-            "kv_cache_check": {} if self.kv_cache_check is None else self.kv_cache_check.to_json(),
+            "kv_cache_why": self.kv_cache_why, "kv_cache_check": {} if self.kv_cache_check is None else self.kv_cache_check.to_json(),
             "transformers_vs_ours": {} if self.transformers_vs_ours is None else self.transformers_vs_ours.to_json(),
             "norm_ops": self.norm_ops,
         }
@@ -239,6 +240,8 @@ def summary(r: BuildReport, log) -> None:
             f"(atol {v.atol:g} + {v.scale_tol:g} x max|ref|)")
     if r.transformers_vs_ours is not None:
         log(f"  {r.transformers_vs_ours.line()}")
+    if r.kv_cache_why and r.attention == "gqa":       # (where auto had a choice to make)
+        log(f"  kv_cache {r.kv_cache_why}")
     if r.kv_cache_check is not None:
         log(f"  kv_cache {r.kv_cache_check.line()}")
     if r.eps_approximation is not None:

@@ -286,3 +286,40 @@ def test_kv_cache_refusals(ckpts, tmp_path, args, expected):
     line = _one_error_line(_build("--checkpoint", ckpts["taper"], "--out", out, "--kv-cache", "fp16", *args))
     assert line.startswith(expected) or expected in line, line
     assert not out.exists()
+
+
+def test_kv_cache_auto_builds_int8_at_a_long_capacity_and_keeps_fp32_when_it_drifts(tmp_path, monkeypatch):
+    """The default --kv-cache auto: at a capacity of 4096 the ONNX Runtime CPU graph gets the int8 cache, checked as
+    --kv-cache int8 checks it, and the report and the summary say why; at 256, fp32. An auto int8 cache that drifts
+    past its bound puts the fp32 graph back (the same bytes) and says so, where --kv-cache int8 fails."""
+    import export.kv_int8 as kv_int8
+    from core.contract import contract_of
+    from graph_passes import ort_attention
+    spec = dict(seed=3, norm="rmsnorm", pos_embedding="rope", n_kv_head=2, mlp="swiglu", d_model=64, n_head=4)
+    for capacity, cache in ((4096, "int8"), (256, "fp32")):
+        ckpt = write_checkpoint(tmp_path / f"ckpt{capacity}", random_model(**spec, max_seq_len=capacity))
+        out = tmp_path / f"out{capacity}"
+        r = _build("--fuse", "--checkpoint", ckpt, "--out", out)
+        assert r.returncode == 0, r.stdout + r.stderr
+        report = json.loads((out / "report.json").read_text())
+        assert report["kv_cache"] == cache and contract_of(out / "model.fused.onnx").dtype == cache
+        assert report["kv_cache_why"].startswith(f"auto: {cache} (capacity {capacity} ")
+        assert f"  kv_cache auto: {cache} (capacity {capacity}" in r.stdout
+        assert (report["kv_cache_check"] != {}) == (cache == "int8")
+    graph = out / "model.fused.onnx"                     # the fp32-cache graph of capacity 256
+    before = graph.read_bytes()
+    monkeypatch.setitem(ort_attention.KV_CACHE_DRIFT, "int8", 0.0)
+    result = kv_int8.int8_cache(graph, None, keep_fp32=True)
+    assert result.kept_fp32 and result.drift > 0 and graph.read_bytes() == before
+    assert result.line().endswith("past the bound, so the fp32 cache was kept")
+    with pytest.raises(kv_int8.BuildError, match="expected the int8 cache to keep the logits within 0%"):
+        kv_int8.int8_cache(graph, None)
+    assert contract_of(graph).dtype == "int8"            # (a failed build's temporary folder holds it; never ours)
+    from export.options import BuildOptions
+    from export.pipeline import build             # the build, told auto chose int8, keeps its fp32 graph
+    options = BuildOptions(True, attention="gqa", kv_cache="int8", kv_cache_why="auto: int8 (capacity 256, a test)")
+    report = build(tmp_path / "ckpt256", tmp_path / "kept", options, log=lambda *a: None)
+    assert report.kv_cache == "fp32" and report.kv_cache_check.kept_fp32
+    assert report.kv_cache_why.startswith("auto: fp32 (the int8 cache tried first drifted ")
+    assert contract_of(tmp_path / "kept" / "model.fused.onnx").dtype == "fp32"
+    assert any(n.startswith("--kv-cache auto: int8 KV cache vs fp32 cache") for n in report.notes)

@@ -71,3 +71,28 @@ def test_the_folds_and_the_quantization_share_one_load_and_write_the_same_graph(
     assert proto.SerializeToString() == twice.SerializeToString()
     assert {k: w.key for k, w in lazy.items()} == {k: w.key for k, w in emitted.lazy.items()}
     assert report.quantized.summary.weight_bytes_before == summary.weight_bytes_before > 0
+
+
+@pytest.mark.parametrize("attention, genai, capacity, dtype, why", [
+    ("gqa", False, 4096, "int8", "auto: int8 (capacity 4096 >= 4096 tokens on ONNX Runtime's CPU graph"),
+    ("gqa", False, 4095, "fp32", "auto: fp32 (capacity 4095 < 4096 tokens"),
+    ("gqa", True, 8192, "fp32", "auto: fp32 (--genai"),
+    ("plain", False, 8192, "fp32", "auto: fp32 (plain attention"),
+    ("fused", False, 8192, "fp32", "auto: fp32 (fused attention")])
+def test_kv_cache_auto_picks_int8_for_long_ort_cpu_caches(attention, genai, capacity, dtype, why):
+    """--kv-cache auto (the default): int8 on ONNX Runtime's CPU graph from INT8_CACHE_FROM tokens of capacity,
+    fp32 below, for the portable graph and for GenAI's folder; the capacity is read only when it decides; a dtype
+    named on the command line is taken as it is, with no reason."""
+    from export.options import INT8_CACHE_FROM
+    read = []
+
+    def capacity_of():
+        read.append(capacity)
+        return capacity
+    o = BuildOptions.resolved(True, "fp32", None, genai, "auto", resolve=lambda: Target("x", attention),
+                              capacity=capacity_of)
+    assert INT8_CACHE_FROM == 4096 and (o.kv_cache, o.kv_cache_why[:len(why)]) == (dtype, why)
+    assert read == ([capacity] if attention == "gqa" and not genai else [])
+    named = BuildOptions.resolved(True, "fp32", None, False, "fp32", resolve=lambda: Target("x", "gqa"),
+                                  capacity=capacity_of)
+    assert (named.kv_cache, named.kv_cache_why) == ("fp32", "")
