@@ -34,7 +34,8 @@ ARGV = {"runtime.triton": ["client", "--url", "127.0.0.1:9", "--prompt", "hi"],
                            "--threads", "1", "--out", "o"]}
 
 STALL = '''
-import importlib.abc, os, sys, time
+import faulthandler, importlib.abc, os, signal, sys, time
+faulthandler.register(signal.SIGUSR1, all_threads=True)     # the test's diagnosis of a child that hangs
 
 class _StallFirstHeavyImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
@@ -99,7 +100,15 @@ def _interrupt_while_importing(tmp_path: Path, name: str, sig: int) -> tuple[int
         pytest.fail(f"python -m {name} imported none of {HEAVY} (exit {proc.returncode}); give it an argv in ARGV "
                     f"that gets it to one:\n{err[-2000:]}")
     proc.send_signal(sig)
-    out, err = proc.communicate(timeout=60)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:      # (seen once in CI, not reproduced): say where it stood, not only that it hung
+        proc.send_signal(signal.SIGUSR1)            # every thread's stack to its stderr (faulthandler)
+        time.sleep(1)
+        proc.kill()
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"python -m {name} still ran 60 s after the signal, stalled in `import {stalled}` (the marker "
+                    f"read {stalled!r}); its stderr, stacks at 60 s:\n{err[-4000:]}")
     return proc.returncode, err, stalled
 
 
