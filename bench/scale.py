@@ -355,8 +355,9 @@ def measure_option(name: str, argv: list[str], folder: Path, out: Path, args, ge
     else:
         row = measured([sys.executable, "-m", "export.build", "--checkpoint", str(folder), "--out", str(out), *argv],
                        args.cap_bytes)
-    if row["rc"] == 0 and not row.get("reused") and marker_stamp(out) is not None:
-        write_json(build_record(out), {"build_args": argv, "marker": list(marker_stamp(out))})
+    stamp = marker_stamp(out) if row["rc"] == 0 and not row.get("reused") else None
+    if stamp is not None:
+        write_json(build_record(out), {"build_args": argv, "marker": list(stamp)})
     if name == GENAI:
         graph = out if row["rc"] == 0 and (out / "genai_config.json").is_file() else None   # not an earlier one
     else:

@@ -109,25 +109,18 @@ def token_steps(ids: np.ndarray, prompt: int, start: np.ndarray | None = None) -
                                                     for t in range(prompt, ids.shape[1])]
 
 
-def run_steps(step, contract: DecodeContract, steps: list[Step], trim: int | None = None) -> list[dict]:
-    """Every output of every step of a planned session (prefill, then one-token steps).
-    trim: keep the logits of every step and, of the last step only, the caches cut to their
-    first `trim` slots (what a real-size verification can hold: models/layerwise.py)."""
+def run_steps(step, contract: DecodeContract, steps: list[Step]) -> list[dict]:
+    """Every output of every step of a planned session (prefill, then one-token steps). To keep only the logits
+    and the last step's caches cut to the slots written (what a real-size verification can hold:
+    models/layerwise.py), run_steps_in_place."""
     driver = DecodeDriver(step, contract, steps[0].input_ids.shape[0])
-    results = []
-    for i, s in enumerate(steps):
-        outs = driver.run(s.input_ids, s.position)
-        if trim is not None:
-            last = i == len(steps) - 1
-            outs = {k: (v[:, :, :trim].copy() if k != LOGITS else v) for k, v in outs.items() if k == LOGITS or last}
-        results.append(outs)
-    return results
+    return [driver.run(s.input_ids, s.position) for s in steps]
 
 
 def run_steps_in_place(sess, contract: DecodeContract, steps: list[Step], trim: int) -> list[dict]:
-    """run_steps(graph_step(sess), contract, steps, trim) with the caches kept in place (InPlaceStep): the same
-    outputs, the logits of every step and the last step's caches cut to `trim` slots, without a copy of the
-    whole caches per step."""
+    """A planned session on an ONNX Runtime session with the caches kept in place (InPlaceStep): the logits of
+    every step and the last step's caches cut to their first `trim` slots, without a copy of the whole caches
+    per step."""
     step = InPlaceStep(sess, contract, steps[0].input_ids.shape[0])
     driver = DecodeDriver(step, contract, steps[0].input_ids.shape[0], owns_caches=True)
     results = [driver.run(s.input_ids, s.position) for s in steps]

@@ -98,7 +98,6 @@ def int8_cache(path: Path, tokenizer: Path | None, log=None, keep_fp32: bool = F
     the graph file as it was (fp32 cache) and the result saying so (kept_fp32)."""
     import onnx
     from core.contract import contract_of
-    from core.decode import DecodeDriver, InPlaceStep
     from core.onnx_writer import save_onnx
     from core.outputs import sign_onnx
     from graph_passes.ort_attention import (KV_CACHE_DRIFT, int8_scales, rotated_key_caches, with_fp32_first_prompt,
@@ -110,13 +109,13 @@ def int8_cache(path: Path, tokenizer: Path | None, log=None, keep_fp32: bool = F
     ids, text = check_tokens(tokenizer, contract.vocab_size, contract.capacity)
     calibration = max(1, len(ids) // 2)
     proto = onnx.load(str(path), load_external_data=False)
-    fp32_graph = path.read_bytes()         # the proto only (its weights are in their own file): to put back
+    fp32_graph = path.read_bytes() if keep_fp32 else None      # the file as written: put back on a failed check
     rotated = rotated_key_caches(proto)
     with _session(path) as sess:
-        step = InPlaceStep(sess, contract, 1)
-        DecodeDriver(step, contract, 1, owns_caches=True).prefill([ids[:calibration]])
-        scales = {n: int8_scales(c[:, :, :calibration], n in rotated) for n, c in step.caches.items()}
-        del step                                   # its caches: one capacity's worth held at a time
+        calibrating = _driver(sess, contract)
+        calibrating.prefill([ids[:calibration]])
+        scales = {n: int8_scales(c[:, :, :calibration], n in rotated) for n, c in calibrating.step.caches.items()}
+        del calibrating                            # its caches: one capacity's worth held at a time
         before, tokens = _run(_driver(sess, contract), ids, None)
     sign_onnx(with_fp32_first_prompt(with_int8_cache(proto, scales)))
     save_onnx(proto, path)        # the proto only: its weights stay in the file they were written to

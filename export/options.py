@@ -61,9 +61,14 @@ class BuildOptions:
         target = resolve()
         why = ""
         if kv_cache == "auto":
-            long = target.attention == "gqa" and not genai and capacity is not None    # (only then is it read)
-            kv_cache, why = auto_kv_cache(target.attention, genai, capacity() if long else 0)
+            decides = target.attention == "gqa" and not genai and capacity is not None   # (only then is it read)
+            kv_cache, why = auto_kv_cache(target.attention, genai, capacity() if decides else 0)
         return cls(fuse, dtype, quantize, target.attention, genai, kv_cache, target.why, why, quantize_checked=True)
+
+    @property
+    def kv_cache_falls_back(self) -> bool:
+        """--kv-cache auto chose it: an int8 cache that fails its check leaves the fp32 cache, not a failed build."""
+        return bool(self.kv_cache_why)
 
     @property
     def graph_name(self) -> str:

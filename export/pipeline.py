@@ -107,12 +107,12 @@ def build(checkpoint: Path, out: Path, options: BuildOptions, log=print, source=
             from export.kv_int8 import int8_cache
             t0 = stages.start(f"int8 KV cache: scales calibrated on {name} (fp32 cache), then checked against it"
                               f"{' (' + o.kv_cache_why + ')' if o.kv_cache_why else ''}")
-            report.kv_cache_check = int8_cache(tmp / name, tokenizer, stages.log, keep_fp32=bool(o.kv_cache_why))
-            if report.kv_cache_check.kept_fp32:
-                c = report.kv_cache_check
+            check = report.kv_cache_check = int8_cache(tmp / name, tokenizer, stages.log,
+                                                       keep_fp32=o.kv_cache_falls_back)
+            if check.kept_fp32:
                 report.kv_cache = "fp32"
-                report.kv_cache_why = f"auto: fp32 (the int8 cache tried first drifted {c.drift:.2%} > {c.bound:.0%})"
-                report.notes.append(f"--kv-cache auto: {report.kv_cache_check.line()}")
+                report.kv_cache_why = f"auto: fp32 (the int8 cache tried first drifted {check.drift:.2%} > {check.bound:.0%})"
+                report.notes.append(f"--kv-cache auto: {check.line()}")
             stages.done("kv_int8", t0)
         if o.genai:
             report.genai = genai_files(stages, tmp, name, cfg, checkpoint, tokenizer, tokens)
