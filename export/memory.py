@@ -73,8 +73,9 @@ def build_memory(cfg, dtype: str, quantize) -> MemoryEstimate:
 
 
 def transformers_check_bytes(cfg) -> int:
-    """The peak of the transformers check (transformers_check): the model whole twice in fp32, transformers'
-    and ours, on top of BASE_BYTES; it runs after the build's own stages have released theirs."""
+    """The peak of the transformers check (transformers_check): transformers' model whole, 8 bytes a parameter
+    (its float64 rerun past the fixed tolerance converts it in place; ours is the block-by-block reference), on
+    top of BASE_BYTES; it runs after the build's own stages have released theirs."""
     return BASE_BYTES + 2 * 4 * cfg.approx_param_count()
 
 

@@ -5,7 +5,7 @@
          [fold] and [quantize] by graph_passes on one loaded graph, each recorded on the weight it changes
       ─▶ write: each weight read, folded, cast or quantized and written, one at a time (write_graph)
       ─▶ verify (export/reference_check.py): the torch reference, block by block, vs the graph in ONNX Runtime
-      ─▶ [a Hugging Face folder: our torch model vs transformers' (export/transformers_check.py)]
+      ─▶ [a Hugging Face folder: our torch reference (its fp32 run above) vs transformers' (export/transformers_check.py)]
       ─▶ [--genai: GenAI's folder (export/genai.py)] ─▶ config.json, tokenizer.json, report.json
 
 The options are one export.options.BuildOptions, checked when it is made; the report is an
@@ -40,7 +40,7 @@ from export.options import BuildOptions, check_dtype, check_gate
 from export.reference_check import eps_approximation, real_tokens, verify_graph
 from export.report import BuildReport, ModelSummary, Stages, Verification, summary
 from export.target import target_of
-from export.transformers_check import transformers_check
+from export.transformers_check import transformers_check, transformers_steps
 
 
 def build(checkpoint: Path, out: Path, options: BuildOptions, log=print, source=None) -> BuildReport:
@@ -100,9 +100,10 @@ def build(checkpoint: Path, out: Path, options: BuildOptions, log=print, source=
             report.quantized.summary.weight_bytes_after = report.weight_bytes
         del proto, lazy
         stages.done("write", t0, f": {report.weight_bytes / 1e9:.2f} GB of weights")
-        verify_graph(source, tmp / name, report, stages, o.dtype, quantize, tokens, same_start=o.attention == "gqa")
+        ours = verify_graph(source, tmp / name, report, stages, o.dtype, quantize, tokens,
+                            same_start=o.attention == "gqa", also=transformers_steps(source, tokens))
         report.eps_approximation = eps_approximation(source, tmp / name, tokens, o.attention == "gqa")
-        transformers_check(source, report, stages.log, tokens)
+        transformers_check(source, report, stages.log, tokens, ours)
         if o.kv_cache == "int8":        # on the graph just verified with its fp32 cache (export/kv_int8.py)
             from export.kv_int8 import int8_cache
             t0 = stages.start(f"int8 KV cache: scales calibrated on {name} (fp32 cache), then checked against it"

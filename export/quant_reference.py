@@ -142,13 +142,17 @@ class GraphWeights(ModelParts):
 
     def _top(self):
         """The model without its blocks (embedding, positions, final norm, head), the final norm folded as the
-        graph passes fold it; read when asked for, not kept: each table of a real model is a GB."""
+        graph passes fold it; read when asked for, not kept: each table of a real model is a GB. With a quantized
+        head, no head bias and no shift to fold, only the final norm is read: the float tables would be replaced
+        unread (they stay on the meta device, where the fold's arithmetic on them costs nothing)."""
         from models.fold import fold_final_norm
         top = copy.deepcopy(self.skeleton)
         top.blocks = torch.nn.ModuleList()
-        top = self.source.fill(top, "")
-        for rotary in top.rotaries().values():       # non-persistent buffers: to_empty left them unset
-            rotary.reset_parameters()
+        if "lm_head" in self.matmuls and top.lm_head.bias is None and not self._shifts():
+            if any(True for _ in top.ln_f.parameters()):
+                top.ln_f = self.source.fill(top.ln_f, "ln_f.")
+        else:
+            top = self.source.fill(top, "")
         fold_final_norm(top, keep_tied=True)
         return top
 

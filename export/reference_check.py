@@ -71,9 +71,12 @@ def quantized_drift(float_runs, runs, agree: float, n: int, prompt: str) -> Quan
 
 
 def verify_graph(source, path: Path, report: BuildReport, stages: Stages, dtype: str, quantize,
-                 tokens: list[int] | None, same_start: bool, trained: bool = True) -> None:
+                 tokens: list[int] | None, same_start: bool, trained: bool = True,
+                 also: list | None = None) -> list[dict] | None:
     """The written graph against the torch reference, block by block (see the module doc); into
-    report.verification.graph_vs_torch (and report.quantized's drift and tolerance for a quantized graph)."""
+    report.verification.graph_vs_torch (and report.quantized's drift and tolerance for a quantized graph).
+    `also`: a session (Steps) the fp32 reference runs beside its own (the transformers check's): its outputs,
+    or None when the reference computes in another dtype (an fp16 graph's) or there is none."""
     from core.contract import contract_of
     from export.conventions import run_onnx, verification_sessions
     from export.verify import DEQUANTIZED, VerificationError, compare_sessions, ort_session
@@ -89,8 +92,10 @@ def verify_graph(source, path: Path, report: BuildReport, stages: Stages, dtype:
     # the reference computes in the graph's dtype; a bf16 graph is checked widened, so against fp32
     torch_dtype = TORCH_DTYPES["fp32" if dtype == "bf16" else dtype]
     agreement = agreement_steps(tokens, iface) if quantize is not None else []
-    runs_ref = layerwise_run(source, steps + agreement, torch_dtype, log=log)
-    runs_ref, agreement_ref = runs_ref[:len(steps)], runs_ref[len(steps):]
+    also = [also] if also is not None and torch_dtype == TORCH_DTYPES["fp32"] else []
+    runs_ref = layerwise_run(source, steps + agreement + also, torch_dtype, log=log)
+    runs_ref, agreement_ref, also_ref = (runs_ref[:len(steps)], runs_ref[len(steps):len(steps) + len(agreement)],
+                                         runs_ref[len(steps) + len(agreement):])
     runs_deq = None
     if quantize is not None and quantize.algo == "rtn":
         from export.quant_reference import GraphWeights
@@ -126,6 +131,7 @@ def verify_graph(source, path: Path, report: BuildReport, stages: Stages, dtype:
         _quantized_quality(report, quantize, runs_ref, runs, text, exact, trained, path.name, log)
     if checked != path:
         checked.unlink()                # our own temporary graph (the weights are the build's)
+    return also_ref[0] if also_ref else None
 
 
 def rounding_slack_of(ref: list[dict], exact: list[dict]) -> dict[str, float]:

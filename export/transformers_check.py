@@ -1,6 +1,10 @@
 """A Hugging Face folder's build checks our torch model against transformers' own forward of the same folder,
 so that the build is checked against an outside reference and not only against our own reading of the config
 (issue 42: a lost rope base passed graph_vs_torch). Into the report's transformers_vs_ours (TransformersCheck).
+
+Our side is the torch reference the graph was verified against (models/layerwise.py, block by block): the
+build hands the check session (transformers_steps) to its fp32 reference run, so our model is never filled
+whole for it; a caller without those logits (an fp16 build, the tests) gets them from a layerwise run here.
 """
 from __future__ import annotations
 
@@ -59,19 +63,39 @@ def _transformers_skip(cfg) -> str | None:
         return "transformers is not installed (pip install transformers to compare with it)"
     need, avail = transformers_check_bytes(cfg), available_memory()
     if avail is not None and need > avail:
-        return (f"the model held twice (transformers' and ours, fp32) needs ~{human_bytes(need)}, this machine has "
-                f"{human_bytes(avail)} available")
+        return (f"transformers' model (fp32, and float64 past the fixed tolerance) needs ~{human_bytes(need)}, this "
+                f"machine has {human_bytes(avail)} available")
     return None
 
 
-def transformers_check(source, report, log, tokens: list[int] | None) -> None:
+def transformers_steps(source, tokens: list[int] | None):       # -> list[core.decode.Step] | None
+    """The check's session for our torch reference (a prefill from slot 0, then TRANSFORMERS_STEPS one-token
+    steps, batch 1): None for a folder that is not a Hugging Face one (nothing to check)."""
+    if not source.source.startswith("hf:"):
+        return None
+    from core.decode import token_steps
+    ids, prefill = _check_ids(source.cfg, tokens)
+    return token_steps(ids[None], prefill)
+
+
+def _check_ids(cfg, tokens: list[int] | None) -> tuple[np.ndarray, int]:
+    """The check's token ids [total] (real text repeated, else seeded random ids) and its prefill length."""
+    total = min(TRANSFORMERS_TOKENS, cfg.max_seq_len)
+    steps = min(TRANSFORMERS_STEPS, total - 1)
+    ids = np.resize(np.asarray(tokens, np.int64), total) if tokens else \
+        np.random.default_rng(0).integers(0, cfg.vocab_size, total)
+    return ids % cfg.vocab_size, total - steps
+
+
+def transformers_check(source, report, log, tokens: list[int] | None, ours: list[dict] | None = None) -> None:
     """A Hugging Face folder: our torch model (the reference graph_vs_torch checked the graph against) against
     transformers' own forward of the same folder, so that the build is checked against an outside reference and
     not only against our own reading of the config (issue 42: a lost rope base passed graph_vs_torch). A prefill,
     then TRANSFORMERS_STEPS one-token steps through each side's KV cache, real text when there is some; the fp32
     tolerance of export/verify.py whatever the graph's dtype (both sides run in fp32). Skipped, saying why, when
     transformers is missing or the two models would not fit in memory at once (transformers_check_bytes) or it
-    cannot load the folder; a mismatch fails the build (BuildError, one line). Into `report` (an
+    cannot load the folder; a mismatch fails the build (BuildError, one line). `ours`: our reference's outputs of
+    transformers_steps (models.layerwise.layerwise_run in fp32; None: run here). Into `report` (an
     export.report.BuildReport): its transformers_vs_ours and timings_s["transformers"]."""
     if not source.source.startswith("hf:"):
         return
@@ -81,7 +105,7 @@ def transformers_check(source, report, log, tokens: list[int] | None) -> None:
     if skip is None:
         t0 = time.perf_counter()
         try:
-            found = _transformers_vs_ours(source, tokens, lambda scale: ATOL["fp32"] + SCALE_TOL["fp32"] * scale)
+            found = _transformers_vs_ours(source, tokens, lambda scale: ATOL["fp32"] + SCALE_TOL["fp32"] * scale, ours)
         except _TransformersCannot as e:
             skip = str(e)
         else:
@@ -110,36 +134,25 @@ class _TransformersCannot(Exception):
     """transformers cannot load or run the folder (its version, its own checks): the check is skipped."""
 
 
-def _transformers_vs_ours(source, tokens: list[int] | None, tolerance) -> tuple[float, float, int, int, float]:
+def _transformers_vs_ours(source, tokens: list[int] | None, tolerance,
+                          ours: list[dict] | None = None) -> tuple[float, float, int, int, float]:
     """(max |d logits|, max |transformers' logits|, prefill tokens, cached steps, rounding slack) of the check.
+    `ours`: our reference's outputs of transformers_steps (None: a layerwise fp32 run of them here).
     Past `tolerance(max |transformers' logits|)`, transformers runs again in float64 (its model converted in
-    place: no more memory than the two fp32 models): the slack is FP32_ROUNDING_SLACK times its own fp32
-    rounding on these tokens, as the build's verification allows (export/verify.py)."""
+    place): the slack is FP32_ROUNDING_SLACK times its own fp32 rounding on these tokens, as the build's
+    verification allows (export/verify.py)."""
     import contextlib
-    import copy
     import io
     import warnings
 
     import torch
     from core.errors import first_line
-    cfg = source.cfg
-    total = min(TRANSFORMERS_TOKENS, cfg.max_seq_len)
-    steps = min(TRANSFORMERS_STEPS, total - 1)
-    ids = np.resize(np.asarray(tokens, np.int64), total) if tokens else \
-        np.random.default_rng(0).integers(0, cfg.vocab_size, total)
-    ids = torch.from_numpy(ids % cfg.vocab_size).long()[None]                           # [1, total]
-    prefill = total - steps
-    model = source.fill(copy.deepcopy(source.skeleton), "").eval()
-    for rotary in model.rotaries().values():       # non-persistent buffers: to_empty left them unset
-        rotary.reset_parameters()
-    with torch.no_grad():
-        cache = cfg.cache_layout().allocate(1)
-        logits, cache = model(ids[:, :prefill], torch.zeros(1, dtype=torch.long), cache)
-        ours = [logits]
-        for t in range(prefill, total):
-            logits, cache = model(ids[:, t:t + 1], torch.full((1,), t), cache)
-            ours.append(logits)
-    del model, cache
+    ids, prefill = _check_ids(source.cfg, tokens)
+    if ours is None:
+        from models.layerwise import layerwise_run
+        ours = layerwise_run(source, [transformers_steps(source, tokens)], torch.float32)[0]
+    got = torch.from_numpy(np.concatenate([step["logits"] for step in ours], axis=1)).double()     # [1, total, V]
+    ids = torch.from_numpy(ids).long()[None]                                                       # [1, total]
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
     quiet = contextlib.redirect_stderr(io.StringIO())
@@ -153,14 +166,13 @@ def _transformers_vs_ours(source, tokens: list[int] | None, tolerance) -> tuple[
             except Exception as e:      # its version or its own checks: not ours to judge
                 raise _TransformersCannot(f"transformers cannot load {source.where} ({first_line(e)[:200]})") from None
             want = transformers_cached_logits(hf, ids, prefill).double()
-            got = torch.cat(ours, 1).double()
             diff, scale, slack = float((got - want).abs().max()), float(want.abs().max()), 0.0
             if not diff <= tolerance(scale):
                 from export.verify import FP32_ROUNDING_SLACK
                 slack = FP32_ROUNDING_SLACK * float((want - transformers_cached_logits(hf.double(), ids, prefill)).abs().max())
     finally:
         hf_logging.set_verbosity(level)
-    return diff, scale, prefill, steps, slack
+    return diff, scale, prefill, ids.shape[1] - prefill, slack
 
 
 def transformers_cached_logits(hf, ids, prefill: int):

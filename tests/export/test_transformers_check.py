@@ -44,14 +44,14 @@ def test_skips_without_transformers(folder, monkeypatch):
     assert lines == ["      transformers_vs_ours skipped: " + found["skipped"]]
 
 
-def test_skips_a_model_too_large_to_hold_twice(folder, monkeypatch):
+def test_skips_a_model_too_large_to_hold(folder, monkeypatch):
     import core.inputs
     from export.memory import transformers_check_bytes
     from models.weights import open_weights
     need = transformers_check_bytes(open_weights(folder).cfg)
     monkeypatch.setattr(core.inputs, "available_memory", lambda: need - 1)
     found, _ = _check(folder)
-    assert found["skipped"].startswith("the model held twice (transformers' and ours, fp32) needs ~")
+    assert found["skipped"].startswith("transformers' model (fp32, and float64 past the fixed tolerance) needs ~")
     assert "available" in found["skipped"]
 
 
