@@ -82,16 +82,20 @@ class BuildOptions:
 
     @property
     def tolerance_key(self) -> str:
-        """export.verify's tolerance the written graph is checked with: a quantized graph's (rtn: against its
-        own dequantized weights), else its float dtype's (verified_as)."""
-        from export.verify import DEQUANTIZED
-        if self.quantize is not None:
-            return DEQUANTIZED if self.quantize.algo == "rtn" else self.quantize.dtype
-        return verified_as(self.dtype, self.kv_cache)
+        return tolerance_key(self.dtype, self.kv_cache, self.quantize)
 
 
 def graph_kind(fuse: bool, quantize) -> str:
     return quantize.dtype if quantize is not None else ("fused" if fuse else "unfused")
+
+
+def tolerance_key(dtype: str, cache: str, quantize) -> str:
+    """export.verify's tolerance a written graph is checked with: a quantized graph's (rtn: against its own
+    dequantized weights, the reference that has them), else its float dtype's (verified_as)."""
+    from export.verify import DEQUANTIZED
+    if quantize is not None:
+        return DEQUANTIZED if quantize.algo == "rtn" else quantize.dtype
+    return verified_as(dtype, cache)
 
 
 def verified_as(dtype: str, cache: str) -> str:

@@ -36,7 +36,7 @@ from core.inputs import check_memory
 from core.outputs import BUILD, MARKER, check_output_dir, output_dir, sign_onnx
 from export.graph_stages import make_graph
 from export.memory import build_memory, cheaper_option
-from export.options import BuildOptions, check_dtype, check_gate
+from export.options import BuildOptions, check_dtype, check_gate, tolerance_key
 from export.reference_check import eps_approximation, real_tokens, verify_graph
 from export.report import BuildReport, ModelSummary, Stages, Verification, summary
 from export.target import target_of
@@ -133,8 +133,8 @@ def build_graph(source, path: Path, fuse: bool, attention: str = "plain", quanti
     export/emit.py's form of an RMSNorm), folded (fold=False with attention "gqa": ONNX Runtime's rewrites
     alone), quantized, and verified against the torch reference unless verify=False (a quantized graph's
     top-1 floor: a note for trained=False)."""
-    from export.verify import ATOL, DEQUANTIZED, SCALE_TOL
-    key = (DEQUANTIZED if quantize.algo == "rtn" else quantize.dtype) if quantize is not None else "fp32"
+    from export.verify import ATOL, SCALE_TOL
+    key = tolerance_key("fp32", "fp32", quantize)
     report = BuildReport("(in memory)", str(path), "fp32", fuse, attention=attention,
                          verification=Verification(ATOL[key], SCALE_TOL[key]), target=target_of(attention),
                          source=source.source)

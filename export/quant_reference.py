@@ -157,17 +157,17 @@ class GraphWeights(ModelParts):
         return top
 
     def embedding(self) -> torch.Tensor:
-        from export.rtn import dequantize_gather, dequantize_matmul
+        from export.rtn import dequantize_gather
         if self.table is None:
             return super().embedding()
         data, scales, bits, block = self.table
         t = self.inits[data]
         if t.data_type == onnx.TensorProto.INT4:                                     # int4 codes [V, d]
             v, d = t.dims
-            table = dequantize_gather(self._array(data), self._array(scales), (v, d), block)
-        else:                                                # MatMulNBits blocks [V, d/block, blob] of E^T
-            table = dequantize_matmul(self._array(data), self._array(scales), self.cfg.d_model, bits, block).T  # [V, d]
-        return torch.from_numpy(np.ascontiguousarray(table))
+            return torch.from_numpy(np.ascontiguousarray(dequantize_gather(self._array(data), self._array(scales),
+                                                                           (v, d), block)))
+        # MatMulNBits blocks [V, d/block, blob] of E^T (a tied table): their rows are the table [V, d]
+        return dequantized_rows(self._array(data), self._array(scales), self.cfg.d_model, bits, block)
 
     def final(self):
         top = self._top()

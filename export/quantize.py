@@ -214,7 +214,7 @@ class WeightRangeError(QuantizeError):
 
 def check_weight_range(w: np.ndarray, where: str, dtype: str) -> None:
     """WeightRangeError (one line naming the weight and the fix) for a weight --quantize cannot hold."""
-    peak = float(np.max(np.abs(w))) if w.size else 0.0
+    peak = max(float(w.max()), -float(w.min())) if w.size else 0.0      # (no |w| copy; a NaN propagates)
     if not peak <= QUANT_MAX_ABS:          # NaN fails too
         found = "NaN or inf" if not np.isfinite(peak) else f"|w| up to {peak:.3g}"
         raise WeightRangeError(f"{where}: expected finite weights of magnitude <= {QUANT_MAX_ABS:.3g} to quantize to "

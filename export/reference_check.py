@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from export.memory import release_freed_memory
-from export.options import verified_as
+from export.options import tolerance_key
 from export.report import BuildReport, QuantDrift, QuantTolerance, Stages
 
 REAL_TEXT = ("Once upon a time there was a little girl named Lily. She loved to play in the garden "
@@ -79,7 +79,7 @@ def verify_graph(source, path: Path, report: BuildReport, stages: Stages, dtype:
     or None when the reference computes in another dtype (an fp16 graph's) or there is none."""
     from core.contract import contract_of
     from export.conventions import run_onnx, verification_sessions
-    from export.verify import DEQUANTIZED, VerificationError, compare_sessions, ort_session
+    from export.verify import VerificationError, compare_sessions, ort_session
     from models.decoder import TORCH_DTYPES
     from models.layerwise import layerwise_run, used_slots
     log = stages.log
@@ -87,12 +87,13 @@ def verify_graph(source, path: Path, report: BuildReport, stages: Stages, dtype:
     iface = contract_of(checked)
     sessions = verification_sessions(iface, tokens, same_start=same_start)
     steps = [s for _, s in sessions]
-    t0 = stages.start(f"torch reference, block by block ({len(sessions)} sessions: prefill + decode steps"
-                      f"{'; and with the graph dequantized weights' if quantize is not None else ''})")
     # the reference computes in the graph's dtype; a bf16 graph is checked widened, so against fp32
     torch_dtype = TORCH_DTYPES["fp32" if dtype == "bf16" else dtype]
-    agreement = agreement_steps(tokens, iface) if quantize is not None else []
     also = [also] if also is not None and torch_dtype == TORCH_DTYPES["fp32"] else []
+    beside = "; the transformers check's session beside them" if also else ""
+    t0 = stages.start(f"torch reference, block by block ({len(sessions)} sessions: prefill + decode steps{beside}"
+                      f"{'; and with the graph dequantized weights' if quantize is not None else ''})")
+    agreement = agreement_steps(tokens, iface) if quantize is not None else []
     runs_ref = layerwise_run(source, steps + agreement + also, torch_dtype, log=log)
     runs_ref, agreement_ref, also_ref = (runs_ref[:len(steps)], runs_ref[len(steps):len(steps) + len(agreement)],
                                          runs_ref[len(steps) + len(agreement):])
@@ -106,13 +107,13 @@ def verify_graph(source, path: Path, report: BuildReport, stages: Stages, dtype:
     release_freed_memory()
     t0 = stages.start(f"verify {path.name} in ONNX Runtime vs the torch reference"
                       f"{' with its dequantized weights; drift and top-1 vs the float model' if quantize else ''}")
-    sess = ort_session(checked)
+    sess = ort_session(checked, threads=0)        # every core: the 128-token agreement prompt is most of the stage
     runs = [run_onnx(sess, iface, s, trim=used_slots(s)) for s in steps]
     agreement_runs = [run_onnx(sess, iface, s, trim=used_slots(s)) for s in agreement]
     del sess
     exact = runs_deq is not None                      # against its own dequantized weights
     refs = runs_deq if exact else runs_ref
-    key = (DEQUANTIZED if exact else quantize.dtype) if quantize is not None else verified_as(dtype, iface.dtype)
+    key = tolerance_key(dtype, iface.dtype, quantize)
     what = f"{path.name} vs torch{' with its dequantized weights' if exact else ''}"
     try:
         results = compare_sessions(sessions, refs, runs, key, what)
@@ -164,11 +165,11 @@ def _quantized_quality(report: BuildReport, quantize, runs_ref, runs, text, exac
     quantized runs, else the verification sessions) against the float model; below MIN_TOP1 a graph that
     could not be checked against its own dequantized weights fails when the model is trained."""
     from export.quantize import MIN_TOP1
-    from export.verify import ATOL, DEQUANTIZED, SCALE_TOL, VerificationError
+    from export.verify import ATOL, SCALE_TOL, VerificationError
     agree, n = teacher_forced_top1(*text)
     what = "real text" if text[0] is not runs_ref else "the verification sessions"
     report.quantized.drift = quantized_drift(runs_ref, runs, agree, n, f"{what}, teacher-forced, vs the float model")
-    key = DEQUANTIZED if exact else quantize.dtype
+    key = tolerance_key("fp32", "fp32", quantize)
     report.quantized.tolerance = QuantTolerance(ATOL[key], SCALE_TOL[key], MIN_TOP1[quantize.dtype],
                                                 "dequantized weights" if exact else "float model")
     if agree >= MIN_TOP1[quantize.dtype]:
