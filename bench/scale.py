@@ -665,6 +665,19 @@ CURVES = (("depth_decode_tokens_per_s", ("decode tokens/s against depth", "token
           ("prefill_tokens_per_s", ("prefill tokens/s against prompt length", "prompt tokens")))
 
 
+OURS_COLOURS = ("tab:blue", "tab:purple", "tab:brown", "tab:pink", "tab:gray", "tab:olive", "tab:cyan", "tab:red")
+
+
+def _style(label: str, ours_index: int) -> dict:
+    """A row's colour (and line style) in every panel: GenAI's builder orange, llama.cpp green (flash attention
+    off dashed), ours the other colours in turn, so that the title's key holds for the curves as for the bars."""
+    if GENAI in label:
+        return {"color": "tab:orange"}
+    if LLAMACPP in label:
+        return {"color": "tab:green", "linestyle": "--" if label.endswith("-off") else "-"}
+    return {"color": OURS_COLOURS[ours_index % len(OURS_COLOURS)]}
+
+
 def plot(reports: list[dict], out: Path) -> Path:
     """One bar per (shape, option) of the reports, median with its min-max, for build peak memory,
     build time and decode speed; a bar is missing where that row has no number (bf16 decode)."""
@@ -674,6 +687,8 @@ def plot(reports: list[dict], out: Path) -> Path:
     rows = [(f"{sh['name']}\n{name}", o["summary"]) for r in reports for sh in r["shapes"]
             for name, o in sh["options"].items()]
     curves = [key for key, _ in CURVES if any(key in s for _, s in rows)]
+    ours = [label for label, _ in rows if GENAI not in label and LLAMACPP not in label]
+    styles = {label: _style(label, ours.index(label) if label in ours else 0) for label, _ in rows}
     fig, axes = plt.subplots(1, len(PLOTTED) + len(curves), figsize=(4.2 * (len(PLOTTED) + len(curves)),
                                                                      0.45 * len(rows) + 1.6))
     for ax, key in zip(axes[len(PLOTTED):], curves):       # tokens/s against depth or prompt length
@@ -682,7 +697,7 @@ def plot(reports: list[dict], out: Path) -> Path:
             if points:
                 x, med = [k for k, _ in points], [sp["median"] for _, sp in points]
                 err = [[sp["median"] - sp["min"] for _, sp in points], [sp["max"] - sp["median"] for _, sp in points]]
-                ax.errorbar(x, med, yerr=err, capsize=3, marker="o", label=label.replace("\n", " "))
+                ax.errorbar(x, med, yerr=err, capsize=3, marker="o", label=label.replace("\n", " "), **styles[label])
         ax.set_xlabel(dict(CURVES)[key][1], fontsize=8)
         ax.set_title(dict(CURVES)[key][0], fontsize=9)
         ax.legend(fontsize=6)
@@ -692,13 +707,13 @@ def plot(reports: list[dict], out: Path) -> Path:
         med = [sp["median"] if sp else 0 for sp in spreads]
         err = [[sp["median"] - sp["min"] if sp else 0 for sp in spreads], [sp["max"] - sp["median"] if sp else 0
                                                                           for sp in spreads]]
-        ax.barh(y, med, xerr=err, capsize=3, color=["tab:orange" if GENAI in label else "tab:green" if LLAMACPP in label
-                                                    else "tab:blue" for label, _ in rows])
+        ax.barh(y, med, xerr=err, capsize=3, color=[styles[label]["color"] for label, _ in rows])
         ax.set_yticks(y, [label for label, _ in rows] if ax is axes[0] else [""] * len(rows), fontsize=7)
         ax.invert_yaxis()
         ax.set_title(title, fontsize=9)
     starts = ", ".join(sorted({r["started"][:16] for r in reports}))
-    fig.suptitle(f"bench.scale (median, min-max over rounds; orange: ONNX Runtime GenAI's builder, green: llama.cpp), "
+    fig.suptitle(f"bench.scale (median, min-max over rounds; orange: ONNX Runtime GenAI's builder, green: llama.cpp, "
+                 "dashed: its flash attention off), "
                  f"{starts}", fontsize=8)
     fig.tight_layout()
     with output_file(out, FIGURE) as tmp:

@@ -460,3 +460,14 @@ def test_llamacpp_peer_refusals_are_one_line_before_any_work(tmp_path, capsys, e
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == code and len(err) == 1 and complaint in err[0], err
     assert not (tmp_path / "w").exists()
+
+
+def test_plot_colours_follow_the_title_key_in_every_panel():
+    """The figure's title says orange is GenAI's builder and green llama.cpp (dashed: flash attention off): the
+    curves keep that key as the bars do, and no option of ours takes either colour."""
+    from bench.scale import GENAI, LLAMACPP_ROWS, _style
+    assert _style(f"qwen3-0.6b\n{GENAI}", 0) == {"color": "tab:orange"}
+    assert _style(f"qwen3-0.6b\n{LLAMACPP_ROWS[1]}", 0) == {"color": "tab:green", "linestyle": "-"}
+    assert _style(f"qwen3-0.6b\n{LLAMACPP_ROWS[0]}", 0) == {"color": "tab:green", "linestyle": "--"}
+    ours = {_style("qwen3-0.6b\nint8", k)["color"] for k in range(8)}
+    assert len(ours) == 8 and not ours & {"tab:orange", "tab:green"}
