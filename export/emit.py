@@ -23,7 +23,11 @@ concerned (so that both compute the same values, and the graph passes fold both 
     and to name layers, and every intermediate its shape (value_info), which their checks read;
   - attention is "plain" (MatMul / Mul / Where / Softmax, grouped-query through 5-D views) or "fused"
     (one opset-24 Attention per layer), the two forms of export_onnx, down to the mask and rotary
-    structure that graph_passes/ort_attention.py matches.
+    structure that graph_passes/ort_attention.py matches;
+  - from LIVE_CUT_FROM slots (live_cut), each layer's attention is an If whose branch attends over the
+    caches cut to the live slots L = max(position) + T while CUT_BELOW x L <= S_max, and whose other
+    branch is the attention above (attend_live): a step then costs its depth, not the capacity. torch's
+    export has no such If (tests/export/test_emit.py compares below that capacity, or live_cut=False).
 
 Where it is not torch's graph node for node, no value changes: a tied head is the table's Lazy transposed
 (torch writes Transpose(table), which fold_constants then folds); names are module paths
@@ -60,6 +64,15 @@ RMSNORM_FORMS = ("op", "naive")  # one RMSNormalization | x * rsqrt(mean(x^2) + 
 DTYPES = ("fp32", "fp16", "bf16")
 ATTENTION = ("plain", "fused")
 B, T = "batch", "seq"            # the symbolic dims of the contract
+L = "live"                       # the slots a step attends to when cut (live_cut): max(position) + T
+# From this capacity the portable graph attends over the live slots when that is cheaper: per layer an If on
+# CUT_BELOW x L <= S_max, whose branch cuts the caches to their first L slots (a Slice, which ONNX Runtime
+# copies) and whose other branch reads the whole cache as below. Under it the cut gains nothing (measured:
+# capacity 256 at depth 100 costs the same either way); the GroupQueryAttention graph reads the written slots
+# itself. CUT_BELOW: on ONNX Runtime's CPU a cut slot (copied, then read) costs ~2.7x a masked slot of the whole
+# cache (docs/export.md, the portable graph's cost against depth), so the cut pays below about a third of S_max.
+LIVE_CUT_FROM = 1024
+CUT_BELOW = 3
 INT64, BOOL = TensorProto.INT64, TensorProto.BOOL
 ELEM = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}
 # the export wrapper torch's provenance starts with (tests/export/oracle.py's _DecodeStep holding `model`)
@@ -121,6 +134,24 @@ class _Graph:
         self.shapes: dict = {}            # Reshape targets by their dims, and the batch / step lengths: made once
         self.rope_heads: dict = {}        # (cos, sin) [B, T, rd] -> [B, 1, T, rd] in the graph's dtype: made once
         self.table: Lazy | None = None    # the token embedding (a tied head is its transpose)
+        self.live_cut = False             # attention over the live slots (LIVE_CUT_FROM): set by emit_graph
+        self.live: tuple[str, str] = ("", "")    # (2 L <= S_max: bool [], L: int64 [1]), made once by step_inputs
+        self.live_masks: dict[str, str] = {}     # a layer's mask -> the same over the first L slots
+        self.in_branch = False            # nodes go to an If's branch (branch()): constants are Constant nodes
+
+    @contextlib.contextmanager
+    def branch(self):
+        """The nodes written inside go to a subgraph of their own (an If's branch): yields a dict that holds
+        them ("nodes", "value_info") on exit. What they make is not reused outside (Reshape targets, rope
+        heads), and a constant made inside is a Constant node inside, not an initializer."""
+        saved = (self.nodes, self.value_info, dict(self.shapes), dict(self.rope_heads), self.in_branch)
+        body: dict = {}
+        self.nodes, self.value_info, self.in_branch = [], [], True
+        try:
+            yield body
+        finally:
+            body["nodes"], body["value_info"] = self.nodes, self.value_info
+            self.nodes, self.value_info, self.shapes, self.rope_heads, self.in_branch = saved
 
     @contextlib.contextmanager
     def module(self, path: str):
@@ -176,6 +207,9 @@ class _Graph:
             exact = np.abs(np.asarray(exact, np.float64))
             if np.isfinite(exact).all():            # (a mask's -inf is meant)
                 raise Fp16RangeError(name or "a constant", f"max |w| {exact.max():g}")
+        if self.in_branch:              # an If's branch: its own Constant node (no outer initializer to rename)
+            return self.op("Constant", shape=list(value.shape), elem=helper.np_dtype_to_tensor_dtype(value.dtype),
+                           value=numpy_helper.from_array(value))
         key = (by_design, value.dtype.str, value.shape, value.tobytes()) if value.size <= 16 and name is None else None
         if key in self._consts:
             return self._consts[key]
@@ -252,6 +286,14 @@ def step_inputs(g: _Graph) -> StepInputs:
                                                elem=INT64), shape=[B, T, S], elem=BOOL)
             sliding = g.op("And", mask, g.op("Unsqueeze", after, g.ints(1), shape=[B, 1, T, S], elem=BOOL),
                            shape=[B, 1, T, S], elem=BOOL)
+        if g.live_cut:
+            live = g.op("Add", g.op("ReduceMax", POSITION, shape=[], elem=INT64, keepdims=0), seq, shape=[], elem=INT64)
+            cheaper = g.op("LessOrEqual", g.op("Mul", live, g.const(CUT_BELOW, np.int64), shape=[], elem=INT64),
+                           g.const(S, np.int64), shape=[], elem=BOOL)          # the cut copies L slots, reads L
+            end = g.op("Unsqueeze", live, g.ints(0), shape=[1], elem=INT64)
+            g.live = (cheaper, end)
+            g.live_masks = {m: g.op("Slice", m, g.ints(0), end, g.ints(3), shape=[B, 1, T, L], elem=BOOL)
+                            for m in (mask, sliding) if m is not None}
     rotaries = g.model.rotaries()
     used = {cfg.rope_kind(i) for i in range(cfg.n_layer)} - {None}
     ropes = {k: rope_tables(g, k, rotaries[k], pos_ids, query) for k in sorted(used)}
@@ -385,7 +427,11 @@ def attention(g: _Graph, i: int, x: str, mask: str, rope, attn_form: str) -> str
         k, v = (g.op("TensorScatter", cache_name(i, kind), t, POSITION, shape=[B, Hkv, S, D],
                      out=present_name(cache_name(i, kind)), axis=-2, mode="linear")
                 for kind, t in (("key", k), ("value", v)))
-        y = attend_fused(g, q, k, v, mask) if attn_form == "fused" else attend_plain(g, q, k, v, mask)
+        attend = attend_fused if attn_form == "fused" else attend_plain
+        if g.live_cut:
+            y = attend_live(g, attend, q, k, v, mask)
+        else:
+            y = attend(g, q, k, v, mask, S)
         y = g.op("Transpose", y, shape=[B, T, H, D], perm=[0, 2, 1, 3])
         y = g.op("Reshape", y, _shape(g, "B", "T", H * D), shape=[B, T, H * D], allowzero=1)
     return linear(g, f"{prefix}.out_proj", y, [B, T, H * D], i)
@@ -424,7 +470,30 @@ def apply_rope(g: _Graph, prefix: str, x: str, n: int, rope: tuple[str, str]) ->
         return y if rd == D else g.op("Concat", y, rest, shape=[B, n, T, D], axis=-1)
 
 
-def attend_fused(g: _Graph, q: str, k: str, v: str, mask: str) -> str:
+def attend_live(g: _Graph, attend, q: str, k: str, v: str, mask: str) -> str:
+    """attend() over the live slots when that is cheaper: If(CUT_BELOW L <= S_max) then the caches and mask cut
+    to their first L slots, else the whole cache (the Slice copies what it keeps: past a third of the capacity
+    the copy costs more than the masked slots it saves; measured in docs/export.md)."""
+    cfg = g.cfg
+    H, Hkv, D, group = cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.n_head // cfg.kv_heads
+    if group > 1 and attend is attend_plain:     # its Reshape targets, made once outside both branches
+        _shape(g, "B", Hkv, group, "T", D), _shape(g, "B", H, "T", D)
+    cheaper, end = g.live
+    outputs = []
+    for which in ("cut", "whole"):
+        with g.branch() as body:
+            if which == "cut":
+                kk, vv = (g.op("Slice", t, g.ints(0), end, g.ints(2), shape=[B, Hkv, L, D]) for t in (k, v))
+                out = attend(g, q, kk, vv, g.live_masks[mask], L)
+            else:
+                out = attend(g, q, k, v, mask, cfg.max_seq_len)
+        outputs.append(helper.make_graph(body["nodes"], f"{g.path}.{which}", [],
+                                         [helper.make_tensor_value_info(out, g.elem, [B, H, T, D])],
+                                         value_info=[v for v in body["value_info"] if v.name != out]))
+    return g.op("If", cheaper, shape=[B, H, T, D], then_branch=outputs[0], else_branch=outputs[1])
+
+
+def attend_fused(g: _Graph, q: str, k: str, v: str, mask: str, S=None) -> str:
     """One opset-24 Attention (tests/export/oracle.py's attention_onnx): scale and softcap as attributes."""
     cfg = g.cfg
     attrs = {"is_causal": 0, "qk_matmul_output_mode": 0, "softcap": float(cfg.attn_softcap or 0.0)}
@@ -433,11 +502,12 @@ def attend_fused(g: _Graph, q: str, k: str, v: str, mask: str) -> str:
     return g.op("Attention", q, k, v, mask, shape=[B, cfg.n_head, T, cfg.head_dim], **attrs)
 
 
-def attend_plain(g: _Graph, q: str, k: str, v: str, mask: str) -> str:
+def attend_plain(g: _Graph, q: str, k: str, v: str, mask: str, S) -> str:
     """models/attention.py's attend_plain: softmax(cap(q k^T * scale) where mask) v -> [B, H, T, D]; with
-    grouped-query attention q is viewed [B, H_kv, G, T, D] and k, v, mask get a group axis (no copies)."""
+    grouped-query attention q is viewed [B, H_kv, G, T, D] and k, v, mask get a group axis (no copies).
+    S: the slots k, v and mask hold (the capacity, or L cut)."""
     cfg = g.cfg
-    H, Hkv, D, S = cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.max_seq_len
+    H, Hkv, D = cfg.n_head, cfg.kv_heads, cfg.head_dim
     group, lead = H // Hkv, [B, Hkv, H // Hkv] if H != Hkv else [B, H]
     if group > 1:
         q = g.op("Reshape", q, _shape(g, "B", Hkv, group, "T", D), shape=[*lead, T, D], allowzero=1)
@@ -524,11 +594,14 @@ def head(g: _Graph, x: str) -> str:
 
 # --- the graph ------------------------------------------------------------------------------------
 
-def emit_graph(source, dtype: str = "fp32", attention: str = "plain", rmsnorm: str = "op") -> Emitted:
+def emit_graph(source, dtype: str = "fp32", attention: str = "plain", rmsnorm: str = "op",
+               live_cut: bool | None = None) -> Emitted:
     """The decode-step graph of `source` (.cfg, .skeleton with gate and c set, .tensor(name)); no 2-D
     tensor is read (each is a Lazy in Emitted.lazy). attention: "plain" | "fused" (export_onnx's forms).
     rmsnorm: "op" (one RMSNormalization, the strongest baseline) | "naive" (its arithmetic as
-    separate ops, what a hand-written RMSNorm exports as: bench's rmsnorm-plain)."""
+    separate ops, what a hand-written RMSNorm exports as: bench's rmsnorm-plain). live_cut: attend over the
+    live slots when cheaper (attend_live; None: from a capacity of LIVE_CUT_FROM, fp32 and fp16; a graph for
+    ONNX Runtime's GroupQueryAttention passes False: that op reads the written slots itself)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; expected one of {', '.join(DTYPES)}")
     if attention not in ATTENTION:
@@ -537,6 +610,7 @@ def emit_graph(source, dtype: str = "fp32", attention: str = "plain", rmsnorm: s
         raise ValueError(f"rmsnorm {rmsnorm!r}; expected one of {', '.join(RMSNORM_FORMS)}")
     cfg = source.cfg
     g = _Graph(source, dtype, rmsnorm)
+    g.live_cut = live_cut if live_cut is not None else (cfg.max_seq_len >= LIVE_CUT_FROM and dtype != "bf16")
     steps = step_inputs(g)
     x = embed(g, steps.pos_ids)
     for i in range(cfg.n_layer):

@@ -24,7 +24,8 @@ def make_graph(source, report: BuildReport, fuse: bool, dtype: str, attention: s
     attention "gqa" also ONNX Runtime's rewrites; fold=False: those alone), quantized. Nothing is read
     but the norms' vectors; the folds and the quantization run on each weight when it is written."""
     from export.emit import emit_graph
-    emitted = emit_graph(source, dtype, "fused" if attention == "gqa" else attention, rmsnorm)
+    emitted = emit_graph(source, dtype, "fused" if attention == "gqa" else attention, rmsnorm,
+                         live_cut=False if attention == "gqa" else None)
     proto, lazy = emitted.proto, emitted.lazy
     graph_stats(report, "emitted", proto)
     if fuse or attention == "gqa" or quantize is not None:
