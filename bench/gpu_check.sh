@@ -26,7 +26,8 @@
 #   pytest_gpu    pytest -m gpu tests/runtime (torch CUDA graphs, ORT CUDA provider, its row steps) and the
 #                 Triton generate model on ort-cuda (tests/triton/test_generate_backend.py), TensorRT tests apart
 #   trt_tests     pytest -m gpu tests/runtime/test_trt_session.py (parse, KV-cache layers, both profiles,
-#                 aliasing, prefill + decode vs ORT CPU with TF32 off and on), then TensorRT's row steps and
+#                 aliasing, prefill + decode vs ORT CPU with TF32 off and on, the portable graph's If over the
+#                 live slots at 1024 slots), then TensorRT's row steps and
 #                 the Triton generate model on the repository's engine (trt), where tensorrt imports
 #   trt_bench     decode step timing of fused builds on the trt backend, where tensorrt imports
 set -uo pipefail

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import types
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,16 +142,16 @@ class _Graph:
 
     @contextlib.contextmanager
     def branch(self):
-        """The nodes written inside go to a subgraph of their own (an If's branch): yields a dict that holds
-        them ("nodes", "value_info") on exit. What they make is not reused outside (Reshape targets, rope
+        """The nodes written inside go to a subgraph of their own (an If's branch): yields a namespace that
+        holds them (.nodes, .value_info) on exit. What they make is not reused outside (Reshape targets, rope
         heads), and a constant made inside is a Constant node inside, not an initializer."""
         saved = (self.nodes, self.value_info, dict(self.shapes), dict(self.rope_heads), self.in_branch)
-        body: dict = {}
+        body = types.SimpleNamespace()
         self.nodes, self.value_info, self.in_branch = [], [], True
         try:
             yield body
         finally:
-            body["nodes"], body["value_info"] = self.nodes, self.value_info
+            body.nodes, body.value_info = self.nodes, self.value_info
             self.nodes, self.value_info, self.shapes, self.rope_heads, self.in_branch = saved
 
     @contextlib.contextmanager
@@ -487,9 +488,9 @@ def attend_live(g: _Graph, attend, q: str, k: str, v: str, mask: str) -> str:
                 out = attend(g, q, kk, vv, g.live_masks[mask], L)
             else:
                 out = attend(g, q, k, v, mask, cfg.max_seq_len)
-        outputs.append(helper.make_graph(body["nodes"], f"{g.path}.{which}", [],
+        outputs.append(helper.make_graph(body.nodes, f"{g.path}.{which}", [],
                                          [helper.make_tensor_value_info(out, g.elem, [B, H, T, D])],
-                                         value_info=[v for v in body["value_info"] if v.name != out]))
+                                         value_info=[v for v in body.value_info if v.name != out]))
     return g.op("If", cheaper, shape=[B, H, T, D], then_branch=outputs[0], else_branch=outputs[1])
 
 

@@ -88,3 +88,40 @@ def test_trt_generate_ragged_batch_equals_ort(trt_build):
         rt, ro = generate(t, prompts, cfg), generate(o, prompts, cfg)
     for b in range(4):
         compare_greedy(ro.tokens[b], [l[b] for l in ro.logits], rt.tokens[b], [l[b] for l in rt.logits])
+
+
+@pytest.fixture(scope="module")
+def trt_live_build(trt_ready, tmp_path_factory):
+    """A portable build at 1024 slots: its attention is export/emit.py's If per layer over the live slots."""
+    import subprocess
+    import sys
+    from export.emit import LIVE_CUT_FROM
+    from tests.helpers import random_model, write_checkpoint
+    root = tmp_path_factory.mktemp("trt_live")
+    ckpt = write_checkpoint(root / "ckpt", random_model(seed=4, n_layer=2, max_seq_len=LIVE_CUT_FROM))
+    proc = subprocess.run([sys.executable, "-m", "export.build", "--fuse", "--target", "portable", "--checkpoint",
+                           str(ckpt), "--out", str(root / "build")], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return root / "build"
+
+
+def test_trt_runs_the_live_slot_cut_as_ort_does(trt_live_build, record_property):
+    """The If per layer (the caches cut to the live slots while 3 L <= S_max, else the whole cache) parses,
+    keeps one KV-cache update layer per cache, and gives ORT CPU's logits on both sides of the condition."""
+    from export.emit import CUT_BELOW, LIVE_CUT_FROM
+    from runtime.ort_session import OrtSession
+    from runtime.trt_engine import BuildOptions
+    from runtime.trt_session import TrtSession
+    diffs = []
+    with TrtSession(trt_live_build, options=BuildOptions(max_batch=2, tf32=False)) as t, OrtSession(trt_live_build) as o:
+        assert t.loader.report()["kv_cache_layers"] == len(t.spec.cache_names())
+        t.reset(1), o.reset(1)
+        ids = np.arange(1, 201)[None] % 300
+        a, b = t.prefill(ids), o.prefill(ids)                      # L = 200: the cut branch
+        diffs.append(float(np.abs(a - b).max()))
+        for p in range(200, LIVE_CUT_FROM // CUT_BELOW + 40, 7):    # past a third: the whole cache
+            tok = np.array([p % 300])
+            a, b = t.decode_step(tok, np.array([p])), o.decode_step(tok, np.array([p]))
+            diffs.append(float(np.abs(a - b).max()))
+    record_property("max_abs_diff_vs_ort_cpu", max(diffs))
+    assert max(diffs) <= ATOL_FP32, diffs
