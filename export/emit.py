@@ -136,7 +136,7 @@ class _Graph:
         self.rope_heads: dict = {}        # (cos, sin) [B, T, rd] -> [B, 1, T, rd] in the graph's dtype: made once
         self.table: Lazy | None = None    # the token embedding (a tied head is its transpose)
         self.live_cut = False             # attention over the live slots (LIVE_CUT_FROM): set by emit_graph
-        self.live: tuple[str, str] = ("", "")    # (2 L <= S_max: bool [], L: int64 [1]), made once by step_inputs
+        self.live: tuple[str, str] = ("", "")    # (CUT_BELOW L <= S_max: bool [], L: int64 [1]): step_inputs
         self.live_masks: dict[str, str] = {}     # a layer's mask -> the same over the first L slots
         self.in_branch = False            # nodes go to an If's branch (branch()): constants are Constant nodes
 
@@ -478,7 +478,8 @@ def attend_live(g: _Graph, attend, q: str, k: str, v: str, mask: str) -> str:
     cfg = g.cfg
     H, Hkv, D, group = cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.n_head // cfg.kv_heads
     if group > 1 and attend is attend_plain:     # its Reshape targets, made once outside both branches
-        _shape(g, "B", Hkv, group, "T", D), _shape(g, "B", H, "T", D)
+        _shape(g, "B", Hkv, group, "T", D)
+        _shape(g, "B", H, "T", D)
     cheaper, end = g.live
     outputs = []
     for which in ("cut", "whole"):
@@ -495,7 +496,8 @@ def attend_live(g: _Graph, attend, q: str, k: str, v: str, mask: str) -> str:
 
 
 def attend_fused(g: _Graph, q: str, k: str, v: str, mask: str, S=None) -> str:
-    """One opset-24 Attention (tests/export/oracle.py's attention_onnx): scale and softcap as attributes."""
+    """One opset-24 Attention (tests/export/oracle.py's attention_onnx): scale and softcap as attributes (S, the
+    slots k and v hold, as attend_plain takes it: the op reads them off its inputs)."""
     cfg = g.cfg
     attrs = {"is_causal": 0, "qk_matmul_output_mode": 0, "softcap": float(cfg.attn_softcap or 0.0)}
     if cfg.attn_scale is not None:
