@@ -209,6 +209,8 @@ class _Graph:
             if np.isfinite(exact).all():            # (a mask's -inf is meant)
                 raise Fp16RangeError(name or "a constant", f"max |w| {exact.max():g}")
         if self.in_branch:              # an If's branch: its own Constant node (no outer initializer to rename)
+            if self.target == "bf16" and dtype is None:     # rounded to bf16 once now, held exactly in the fp16
+                value = value.astype(np_dtype("bf16")).astype(np.float16)      # the nodes have until bf16_graph
             return self.op("Constant", shape=list(value.shape), elem=helper.np_dtype_to_tensor_dtype(value.dtype),
                            value=numpy_helper.from_array(value))
         key = (by_design, value.dtype.str, value.shape, value.tobytes()) if value.size <= 16 and name is None else None
@@ -603,7 +605,7 @@ def emit_graph(source, dtype: str = "fp32", attention: str = "plain", rmsnorm: s
     tensor is read (each is a Lazy in Emitted.lazy). attention: "plain" | "fused" (export_onnx's forms).
     rmsnorm: "op" (one RMSNormalization, the strongest baseline) | "naive" (its arithmetic as
     separate ops, what a hand-written RMSNorm exports as: bench's rmsnorm-plain). live_cut: attend over the
-    live slots when cheaper (attend_live; None: from a capacity of LIVE_CUT_FROM, fp32 and fp16; a graph for
+    live slots when cheaper (attend_live; None: from a capacity of LIVE_CUT_FROM; a graph for
     ONNX Runtime's GroupQueryAttention passes False: that op reads the written slots itself)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; expected one of {', '.join(DTYPES)}")
@@ -613,7 +615,7 @@ def emit_graph(source, dtype: str = "fp32", attention: str = "plain", rmsnorm: s
         raise ValueError(f"rmsnorm {rmsnorm!r}; expected one of {', '.join(RMSNORM_FORMS)}")
     cfg = source.cfg
     g = _Graph(source, dtype, rmsnorm)
-    g.live_cut = live_cut if live_cut is not None else (cfg.max_seq_len >= LIVE_CUT_FROM and dtype != "bf16")
+    g.live_cut = live_cut if live_cut is not None else cfg.max_seq_len >= LIVE_CUT_FROM
     steps = step_inputs(g)
     x = embed(g, steps.pos_ids)
     for i in range(cfg.n_layer):
