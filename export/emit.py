@@ -209,8 +209,9 @@ class _Graph:
             if np.isfinite(exact).all():            # (a mask's -inf is meant)
                 raise Fp16RangeError(name or "a constant", f"max |w| {exact.max():g}")
         if self.in_branch:              # an If's branch: its own Constant node (no outer initializer to rename)
-            if self.target == "bf16" and dtype is None:     # rounded to bf16 once now, held exactly in the fp16
-                value = value.astype(np_dtype("bf16")).astype(np.float16)      # the nodes have until bf16_graph
+            if self.target == "bf16" and dtype is None:     # rounded to bf16 once now, held in the fp16 the nodes
+                # have until bf16_graph (exact in fp16's normal range: a branch's constants are scales, caps, -inf)
+                value = value.astype(np_dtype("bf16")).astype(np.float16)
             return self.op("Constant", shape=list(value.shape), elem=helper.np_dtype_to_tensor_dtype(value.dtype),
                            value=numpy_helper.from_array(value))
         key = (by_design, value.dtype.str, value.shape, value.tobytes()) if value.size <= 16 and name is None else None
