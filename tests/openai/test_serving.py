@@ -255,7 +255,7 @@ def _finished(metrics: str) -> dict[str, float]:
 
 def _cancels(metrics: str, attempt) -> None:
     """attempt() starts a long request and goes away while it runs; it must end as cancelled in the model.
-    The tiny model may finish 480 tokens before the client is gone (a loaded machine): that try ends as
+    The tiny model may finish its tokens before the client is gone (a loaded machine): that try ends as
     length and is made again, 20 tries at most (5 were not enough once with the load average near 7)."""
     for _ in range(20):
         before = _finished(metrics)
@@ -273,6 +273,10 @@ def _cancels(metrics: str, attempt) -> None:
 
 
 RUNNING_WAIT_S = 0.5      # the request is in the model's queue or running by then (gRPC submits in milliseconds)
+# a request long enough to outlive its client's disconnect: the cancellation reaches the scheduler tens to
+# hundreds of steps after it (tests/triton/conftest.py), and the portable graph's first third of the capacity
+# decodes fast (it attends over the live slots: export/emit.py), so 480 tokens could all run first
+LONG_TOKENS = CAPACITY - 32
 
 
 def test_disconnect_cancels(served):
@@ -282,7 +286,7 @@ def test_disconnect_cancels(served):
 
     def streamed():
         c = client(base)
-        it = c.completions.create(model="generate", prompt=_prompt(3), max_tokens=480, stream=True,
+        it = c.completions.create(model="generate", prompt=_prompt(3), max_tokens=LONG_TOKENS, stream=True,
                                   extra_body={"ignore_eos": True})
         next(iter(it))
         it.close()
@@ -290,7 +294,7 @@ def test_disconnect_cancels(served):
 
     def whole():
         host, port = base[len("http://"):].split(":")
-        body = json.dumps({"model": "generate", "prompt": _prompt(3), "max_tokens": 480, "ignore_eos": True})
+        body = json.dumps({"model": "generate", "prompt": _prompt(3), "max_tokens": LONG_TOKENS, "ignore_eos": True})
         with socket.create_connection((host, int(port))) as s:
             s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
@@ -371,7 +375,7 @@ def test_full_scheduler_is_503_with_its_message(triton_build, tmp_path):
     repo = write_triton_repository(triton_build, tmp_path / "repo", intra_op_threads=1, slots=1, max_queued=0)
     with TritonServer(repo) as server, OpenAIServerThread(repo, server.grpc_url, free_port()) as api:
         c = client(api.url)
-        long = c.completions.create(model="generate", prompt=_prompt(3), max_tokens=480, stream=True,
+        long = c.completions.create(model="generate", prompt=_prompt(3), max_tokens=LONG_TOKENS, stream=True,
                                     extra_body={"ignore_eos": True})
         next(iter(long))
         for stream in (False, True):
