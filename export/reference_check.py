@@ -89,14 +89,14 @@ def verify_graph(source, path: Path, report: BuildReport, stages: Stages, dtype:
     steps = [s for _, s in sessions]
     # the reference computes in the graph's dtype; a bf16 graph is checked widened, so against fp32
     torch_dtype = TORCH_DTYPES["fp32" if dtype == "bf16" else dtype]
-    also = [also] if also is not None and torch_dtype == TORCH_DTYPES["fp32"] else []
-    beside = "; the transformers check's session beside them" if also else ""
+    extra = [also] if also is not None and torch_dtype == TORCH_DTYPES["fp32"] else []
+    beside = "; the transformers check's session beside them" if extra else ""
     t0 = stages.start(f"torch reference, block by block ({len(sessions)} sessions: prefill + decode steps{beside}"
                       f"{'; and with the graph dequantized weights' if quantize is not None else ''})")
     agreement = agreement_steps(tokens, iface) if quantize is not None else []
-    runs_ref = layerwise_run(source, steps + agreement + also, torch_dtype, log=log)
-    runs_ref, agreement_ref, also_ref = (runs_ref[:len(steps)], runs_ref[len(steps):len(steps) + len(agreement)],
-                                         runs_ref[len(steps) + len(agreement):])
+    runs_ref = layerwise_run(source, steps + agreement + extra, torch_dtype, log=log)
+    n, a = len(steps), len(agreement)
+    runs_ref, agreement_ref, extra_ref = runs_ref[:n], runs_ref[n:n + a], runs_ref[n + a:]
     runs_deq = None
     if quantize is not None and quantize.algo == "rtn":
         from export.quant_reference import GraphWeights
@@ -132,7 +132,7 @@ def verify_graph(source, path: Path, report: BuildReport, stages: Stages, dtype:
         _quantized_quality(report, quantize, runs_ref, runs, text, exact, trained, path.name, log)
     if checked != path:
         checked.unlink()                # our own temporary graph (the weights are the build's)
-    return also_ref[0] if also_ref else None
+    return extra_ref[0] if extra_ref else None
 
 
 def rounding_slack_of(ref: list[dict], exact: list[dict]) -> dict[str, float]:
