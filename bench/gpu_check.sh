@@ -18,7 +18,7 @@
 #                 PYTHONPATH), else with GPU_CHECK_ONLINE=1 each extra in its own pip call (a failing
 #                 one, e.g. tensorrt without NVIDIA's index, cannot take the others down), torch pinned
 #                 to the installed version; skipped otherwise. GPU_CHECK_DRY_RUN=1 prints the commands.
-#   probe         torch / CUDA device, ONNX Runtime providers, tensorrt, onnx-graphsurgeon, polygraphy
+#   probe         torch / CUDA device, ONNX Runtime providers, tensorrt, onnx-graphsurgeon
 #   torch_decode  the paper's headline: python -m bench.gpu_decode (torch backend, CUDA graphs,
 #                 rmsnorm-strong vs internal-/all-taper-fused, sizes 1M..124M, batch 1 and 8, fp32 and bf16)
 #   families_decode  issue 34's pair on the GPU: python -m bench.gpu_decode --shapes qwen3-0.6b,gemma-3-1b
@@ -101,7 +101,7 @@ machine() {
     date -u; uname -a
     command -v nvidia-smi >/dev/null && nvidia-smi || echo "nvidia-smi: not on PATH"
     echo "python: $PY ($("$PY" --version 2>&1))"; cat /proc/loadavg
-    "$PY" -m pip list 2>/dev/null | grep -iE '^(torch|onnx|onnxruntime|onnxscript|tensorrt|numpy|pytest|polygraphy|transformers|tokenizers|safetensors)[- ]' || true
+    "$PY" -m pip list 2>/dev/null | grep -iE '^(torch|onnx|onnxruntime|onnxscript|tensorrt|numpy|pytest|transformers|tokenizers|safetensors)[- ]' || true
 }
 
 # Requirements of one extra of pyproject.toml, one per line (tomllib: Python >= 3.11).
@@ -151,7 +151,7 @@ def version(name):
         return getattr(m, "__version__", "?")
     except Exception as e:
         return f"not importable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-for name in ("torch", "onnx", "onnxruntime", "onnxscript", "tensorrt", "onnx_graphsurgeon", "polygraphy", "numpy"):
+for name in ("torch", "onnx", "onnxruntime", "onnxscript", "tensorrt", "onnx_graphsurgeon", "numpy"):
     print(f"{name:18s} {version(name)}")
 try:
     import torch

@@ -23,6 +23,7 @@ from __future__ import annotations
 from core.lifecycle import guard_startup
 guard_startup(__name__)     # before the imports below: a Ctrl-C while they load exits 130 with one line
 
+import functools
 import json
 import math
 import os
@@ -222,17 +223,25 @@ def check_checkpoint_tokenizer(path: Path, raw: dict, cfg: DecoderConfig) -> Non
 
 def load_tokenizer(path: str | os.PathLike):
     """The checkpoint's tokenizer (tokenizers.Tokenizer) from DIR/tokenizer.json."""
-    from tokenizers import Tokenizer
     where = Path(path) / TOKENIZER
     if where.is_dir() or not where.exists():
         why = ("the model was converted from a folder without one, and generation needs it: "
                if not where.exists() and has_tokenizer(path) is False else "")
         raise CheckpointError(f"{where}: expected a tokenizer.json file, found {'a directory' if where.is_dir() else 'nothing'}; "
                               f"{why}copy the tokenizer the model was trained with there")
+    stat = where.stat()
     try:
-        return Tokenizer.from_file(str(where))
+        return _tokenizer_file(str(where.resolve()), stat.st_mtime_ns, stat.st_size)
     except Exception as e:  # tokenizers raises plain Exception on bad files
         raise CheckpointError(f"{where}: not a readable tokenizer.json ({first_line(e)})") from None
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_file(where: str, mtime_ns: int, size: int):
+    """One parse per file and version (a Llama 3 tokenizer.json takes 0.5 s; a build reads it twice): callers
+    share the object and only encode and decode with it."""
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(where)
 
 
 def has_tokenizer(path: str | os.PathLike) -> bool | None:

@@ -7,8 +7,13 @@ Every session's steps go through block 0, then block 1, ...: one block's weights
 the memory-mapped checkpoint, models/weights.py) are alive at a time, and what is kept
 between blocks is the hidden state of every step (a few tokens) and the cache slots the
 steps wrote. The result is the same computation as Decoder.forward over a cache, step by
-step (the steps of a session are fixed in advance, teacher-forced, so they do not depend on
-the outputs). Used by every build's verification (export/pipeline.py).
+step. The steps of a session are fixed in advance (teacher-forced: they do not depend on the
+outputs), so a session whose steps follow each other runs as ONE forward over all its tokens
+(one_forward): the same positions, masks and cache slots, and the causal mask lets no token
+read a later one, so each token's outputs are the step's, up to fp32 summation order. That
+reads each weight once a session instead of once a step: a one-token step costs what a
+64-token forward does on this CPU (MKL packs the weight either way). Used by every build's
+verification (export/pipeline.py).
 """
 from __future__ import annotations
 
@@ -53,6 +58,87 @@ class ModelParts:
         return ln_f, self.source.tensor("lm_head.weight"), None
 
 
+def one_forward(steps) -> list:
+    """A session's Steps as one Step when each starts, on every row, where the previous one ended (their tokens
+    side by side from the first step's slots); else the Steps as they are."""
+    from core.decode import Step
+    follow = all(np.array_equal(b.position, a.position + a.input_ids.shape[1]) for a, b in zip(steps, steps[1:]))
+    if len(steps) == 1 or not follow:
+        return list(steps)
+    return [Step(np.concatenate([s.input_ids for s in steps], axis=1), steps[0].position)]
+
+
+class _Plan:
+    """What a layerwise run computes for its sessions, each row once. A session run as one forward is cut into
+    its rows; a row whose tokens begin another row's from the same slot is that row's beginning (causal: a
+    token's outputs depend on the tokens up to it alone), so the build's real-text rows and the transformers
+    check's row are the first tokens of the agreement prompt's row. `runs`: the sessions to run (a row each,
+    then the sessions whose steps do not follow each other, as they are); `outputs` puts their outputs back
+    into the sessions asked for."""
+
+    def __init__(self, sessions):
+        from core.decode import Step
+        self.sessions = sessions
+        self.forwards = [one_forward(steps) for steps in sessions]
+        rows = [(s, b) for s, f in enumerate(self.forwards) if len(f) == 1 for b in range(f[0].input_ids.shape[0])]
+        self.host = {row: self._longest(row, rows) for row in rows}
+        hosts = list(dict.fromkeys(self.host.values()))
+        self.run_of = {h: k for k, h in enumerate(hosts)}
+        self.runs = [[Step(self._ids(h)[None], np.array([self._start(h)], np.int64))] for h in hosts]
+        self.whole = {s: len(self.runs) + k for k, s in enumerate(s for s, f in enumerate(self.forwards) if len(f) > 1)}
+        self.runs += [self.forwards[s] for s in self.whole]
+
+    def _ids(self, row) -> np.ndarray:
+        s, b = row
+        return self.forwards[s][0].input_ids[b]
+
+    def _start(self, row) -> int:
+        s, b = row
+        return int(self.forwards[s][0].position[b])
+
+    def _longest(self, row, rows):
+        """The longest row from the same slot whose tokens begin with `row`'s tokens (of equals, the first: rows
+        alike share one)."""
+        ids, start = self._ids(row), self._start(row)
+        covering = [o for o in rows if self._start(o) == start and len(self._ids(o)) >= len(ids)
+                    and np.array_equal(self._ids(o)[:len(ids)], ids)]
+        return min(covering, key=lambda o: (-len(self._ids(o)), o))
+
+    def outputs(self, ran: list[list[dict]]) -> list[list[dict]]:
+        """Every session's outputs (layerwise_run's) from the runs' (`ran`: per run, per step, its own slots)."""
+        out = []
+        for s, steps in enumerate(self.sessions):
+            if s in self.whole:
+                out.append(ran[self.whole[s]])
+                continue
+            rows = [self._row_outputs(ran[self.run_of[self.host[(s, b)]]][0], (s, b), used_slots(steps))
+                    for b in range(steps[0].input_ids.shape[0])]
+            merged = {name: np.concatenate([r[name] for r in rows]) for name in rows[0]}
+            out.append(_split(merged, steps))
+        return out
+
+    def _row_outputs(self, host: dict, row, used: int) -> dict:
+        """One row's outputs out of its host row's: the first tokens' logits; in the caches, the slots the row
+        writes (the others zero, as a run of its own leaves them), `used` slots."""
+        n, start = len(self._ids(row)), self._start(row)
+        got = {"logits": host["logits"][:, :n]}
+        for name, cache in host.items():
+            if name != "logits":
+                mine = np.zeros(cache.shape[:2] + (used,) + cache.shape[3:], cache.dtype)
+                mine[:, :, start:start + n] = cache[:, :, start:start + n]
+                got[name] = mine
+        return got
+
+
+def _split(merged: dict, steps) -> list[dict]:
+    """The outputs of a session run as one forward, cut back into its steps: each step its logits, the last
+    also the caches."""
+    cuts = np.cumsum([s.input_ids.shape[1] for s in steps])[:-1]
+    split = [{"logits": np.ascontiguousarray(x)} for x in np.split(merged["logits"], cuts, axis=1)]
+    split[-1].update({k: v for k, v in merged.items() if k != "logits"})
+    return split
+
+
 def _batched(sessions) -> tuple[list, list[tuple[int, int, int]]]:
     """The sessions as few as possible: those with the same steps' lengths side by side in one batch (each
     sequence has its own positions, so they stay independent), and where each session's rows are:
@@ -82,12 +168,13 @@ def layerwise_run(source, sessions, dtype: torch.dtype = torch.float32, parts: M
     `log`: called with one progress line per block (a 1B model's reference takes a minute).
     Sessions run side by side (_batched), over caches as long as the slots they write (attention over
     the slots past them, always masked, would cost as much as the rest)."""
-    merged, where = _batched(sessions)
+    plan = _Plan(sessions)
+    merged, where = _batched(plan.runs)
     outs = _run(source, merged, dtype, parts or ModelParts(source), log, len(sessions))
-    return [[{name: np.ascontiguousarray(value[row:row + rows] if name == "logits" else
-                                         value[row:row + rows, :, :used_slots(steps)])
-              for name, value in step.items()} for step in outs[g]]
-            for (g, row, rows), steps in zip(where, sessions)]
+    return plan.outputs([[{name: np.ascontiguousarray(value[row:row + rows] if name == "logits" else
+                                                      value[row:row + rows, :, :used_slots(steps)])
+                           for name, value in step.items()} for step in outs[g]]
+                         for (g, row, rows), steps in zip(where, plan.runs)])
 
 
 def _run(source, sessions, dtype, parts: ModelParts, log, labelled: int) -> list[list[dict[str, np.ndarray]]]:
@@ -123,8 +210,14 @@ def _run(source, sessions, dtype, parts: ModelParts, log, labelled: int) -> list
             log(f"      [{i + 1}/{cfg.n_layer}] block {i + 1} through {labelled} session(s)")
     ln_f, head, bias = parts.final()
     ln_f, head = ln_f.to(dtype), head.to(dtype)                                 # head [V, d]
+    # every token of every step through the head at once: one pass over its weights (a real model's is ~1 GB)
+    hidden = torch.cat([x.reshape(-1, x.shape[-1]) for xx in xs for x in xx])  # [tokens, d]
+    logits = finish_logits(cfg, F.linear(ln_f(hidden), head, None if bias is None else bias.to(dtype)))
+    logits = logits.float().numpy()
+    start = 0
     for s, xx in enumerate(xs):
         for t, x in enumerate(xx):
-            logits = F.linear(ln_f(x), head, None if bias is None else bias.to(dtype))
-            outs[s][t]["logits"] = finish_logits(cfg, logits).float().numpy()
+            n = x.shape[0] * x.shape[1]
+            outs[s][t]["logits"] = logits[start:start + n].reshape(x.shape[0], x.shape[1], -1)
+            start += n
     return outs

@@ -94,10 +94,11 @@ class WeightSource:
         if source == "checkpoint":
             apply_taper_state(where / CONFIG, self.skeleton, raw_config)
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """Our tensor `name` (e.g. blocks.0.attn.q_proj.weight) in fp32, checked float and finite."""
+    def tensor(self, name: str, own: bool = False) -> torch.Tensor:
+        """Our tensor `name` (e.g. blocks.0.attn.q_proj.weight) in fp32, checked float and finite. `own`: one
+        that shares no memory with the stored tensor (copied where that is fp32 already), which may be changed."""
         place = self.places[name]
-        return self._checked(place, place.read)
+        return self._checked(place, place.read, own)
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of dim 0 of our tensor `name`, fp32, checked as tensor() checks it. From our
@@ -109,7 +110,7 @@ class WeightSource:
         return self._checked(place, lambda: place.read_rows(start, stop))
 
     @staticmethod
-    def _checked(place: _Place, read: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def _checked(place: _Place, read: Callable[[], torch.Tensor], own: bool = False) -> torch.Tensor:
         """read()'s raw tensor through place.fn, fp32; CheckpointError for unreadable, non-float or non-finite.
         A Ctrl-C or SIGTERM during the read is the interrupt it is, never "cannot be read" (interruptible)."""
         with interruptible() as interrupted:
@@ -125,16 +126,21 @@ class WeightSource:
             raise CheckpointError(f"{place.file}: tensor {place.name!r} has dtype {str(raw.dtype).replace('torch.', '')}; "
                                   "expected floating-point weights")
         t = place.fn(raw.to(torch.float32)).contiguous()
+        if own and t.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr():
+            t = t.clone()                       # (a bf16 or fp16 one was converted: already a tensor of its own)
         if not all_finite(t):
             raise CheckpointError(f"{place.file}: tensor {place.name!r} contains NaN or Inf; the weights are corrupt")
         return t
 
     def fill(self, module: nn.Module, prefix: str) -> nn.Module:
         """Give the meta-device `module` (our names under `prefix`) its weights, fp32 on the CPU."""
-        module = module.to_empty(device="cpu")
-        with torch.no_grad():
-            for name, p in module.named_parameters():
-                p.copy_(self.tensor(prefix + name))
+        module = module.to_empty(device="cpu")      # (its buffers; the parameters' untouched pages are let go below)
+        for name, p in module.named_parameters():
+            t = self.tensor(prefix + name, own=True)    # converted from bf16 already: taken, not copied again
+            if t.shape != p.shape:
+                raise CheckpointError(f"{self.where}: tensor {prefix + name!r} has shape {list(t.shape)}, "
+                                      f"expected {list(p.shape)}; re-save the weights")
+            p.data = t
         return module
 
     def block(self, i: int) -> Block:

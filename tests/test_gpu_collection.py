@@ -1,5 +1,5 @@
-"""`pytest -m gpu tests` collects cleanly where onnx-graphsurgeon and polygraphy are missing (the
-borrowed GPU machine has neither): the folders that need them are left out by tests/conftest.py
+"""`pytest -m gpu tests` collects cleanly where onnx-graphsurgeon is missing (the
+borrowed GPU machine has none): the folders that need them are left out by tests/conftest.py
 and the run says so; every gpu-marked test is still collected."""
 import os
 import subprocess
@@ -15,9 +15,9 @@ GPU_TESTS = ("test_torch_session.py::test_cuda_graph_decode_matches_cpu",
 
 
 def test_gpu_marked_tests_collect_without_graphsurgeon(tmp_path):
-    for name in ("onnx_graphsurgeon", "polygraphy"):     # importable names that fail as a missing package does
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "__init__.py").write_text(f'raise ImportError("No module named {name} (hidden by the test)")\n')
+    name = "onnx_graphsurgeon"                           # an importable name that fails as a missing package does
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "__init__.py").write_text(f'raise ImportError("No module named {name} (hidden by the test)")\n')
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "tests", "--collect-only", "-q",
                            "-p", "no:cacheprovider"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

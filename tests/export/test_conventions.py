@@ -72,7 +72,7 @@ def test_different_conventions_are_not_equal():
 
 
 def _cli(capsys, *args):
-    """python -m export.verify ARGS, in this process (a subprocess would pay polygraphy's torch import each time)."""
+    """python -m export.verify ARGS, in this process (a subprocess would pay the imports each time)."""
     from export.verify import main
     code = main([str(a) for a in args])
     out, err = capsys.readouterr()
