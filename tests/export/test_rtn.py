@@ -135,13 +135,19 @@ def _check_gather(table: np.ndarray, block: int, what: str) -> None:
 
 # --- byte equality with the public quantizer ----------------------------------------------------
 
+LAYOUTS = {"columns": lambda w: w,                  # w [K, N] row-major: read by tiles of its columns
+           "rows": np.asfortranarray}                # nn.Linear's rows [N, K] seen transposed (a build's weights)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("block", BLOCKS)
-def test_matmul_blocks_are_the_quantizers_bytes(bits, block):
+def test_matmul_blocks_are_the_quantizers_bytes(bits, block, layout):
     rng = np.random.default_rng(block * 10 + bits)
     for K in _ks(block):
         for extra in (0, 1):                                        # N even (14) and odd (15)
-            _check_matmul(_weights(K, block, bits, rng, extra), bits, block, f"int{bits} block {block} K {K}")
+            _check_matmul(LAYOUTS[layout](_weights(K, block, bits, rng, extra)), bits, block,
+                          f"int{bits} block {block} K {K} {layout}")
 
 
 @pytest.mark.parametrize("block", BLOCKS)
@@ -160,7 +166,8 @@ def test_fp16_weights_give_the_quantizers_fp16_scales(bits):
     for K in (33, 100):
         w = rng.standard_normal((K, 7)).astype(np.float16)
         w[:16, 0] = 0.0
-        _check_matmul(w, bits, 32, f"fp16 int{bits} K {K}")
+        for layout, laid in LAYOUTS.items():
+            _check_matmul(laid(w), bits, 32, f"fp16 int{bits} K {K} {layout}")
         if bits == 4:
             _check_gather(np.ascontiguousarray(w.T), 32, f"fp16 table d {K}")
     assert matmul_blocks(w, bits, 32)[1].dtype == np.float16
@@ -172,7 +179,8 @@ def test_tiles_and_row_chunks_change_no_byte(monkeypatch):
     monkeypatch.setattr(rtn, "CHUNK_ELEMENTS", 100)
     rng = np.random.default_rng(7)
     for bits in (4, 8):
-        _check_matmul(_weights(7 * 16 + 9, 16, bits, rng, 1), bits, 16, f"tiled int{bits}")
+        for layout, laid in LAYOUTS.items():
+            _check_matmul(laid(_weights(7 * 16 + 9, 16, bits, rng, 1)), bits, 16, f"tiled int{bits} {layout}")
     _check_gather(np.ascontiguousarray(_weights(4 * 16 + 5, 16, 4, rng, 1).T), 16, "row chunks, d odd, V odd")
     _check_gather(np.ascontiguousarray(_weights(200, 128, 4, rng).T), 128, "row chunks, block 128")
     w = _weights(100, 32, 4, rng, 1)                 # a strided view (an LM head's E^T) needs no copy first
