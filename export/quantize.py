@@ -249,15 +249,25 @@ class BlockQuantizer:
 
     def blocks(self, op: str, w: np.ndarray, bits: int, where: str = "") -> list[np.ndarray]:
         from export import rtn
-        check_weight_range(w, where or f"a {op} weight {list(w.shape)}", f"int{bits}")
+        where = where or f"a {op} weight {list(w.shape)}"
+        if op == "MatMul" and not (self.cfg.algo == "hqq" and bits == 4):
+            # the range check read from the scales (max |scale| x 2^(bits-1) is max |w|, exactly: the scale is
+            # the block's extreme over a power of 2), not from another pass over w; rtn refuses NaN and inf
+            try:
+                B, scales = _by_columns(w.astype(np.float32, copy=False), bits, self.cfg.block_size)
+            except ValueError:
+                check_weight_range(w, where, f"int{bits}")      # NaN or inf: said as the range check says it
+                raise
+            if scales.size and not float(np.abs(scales).max()) * (1 << (bits - 1)) <= QUANT_MAX_ABS:
+                check_weight_range(w, where, f"int{bits}")
+            return [B, scales]
+        check_weight_range(w, where, f"int{bits}")
         if op == "Gather":
             t = rtn.gather_blocks(np.ascontiguousarray(w, np.float32), 4, self.cfg.block_size)   # a table: rows
             return [t.data, t.scales]
-        if self.cfg.algo == "hqq" and bits == 4:
-            from onnx import numpy_helper
-            out = quantize_one_node("MatMul", w, self.cfg)
-            return [numpy_helper.to_array(out[i]) for i in (1, 2, 3)]
-        return list(_by_columns(w.astype(np.float32, copy=False), bits, self.cfg.block_size))
+        from onnx import numpy_helper
+        out = quantize_one_node("MatMul", w, self.cfg)                  # hqq
+        return [numpy_helper.to_array(out[i]) for i in (1, 2, 3)]
 
     def head_blocks(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """An embedding table E [V, d] in the int8 head's format: E^T quantized as a MatMul weight (the head's

@@ -2,6 +2,7 @@
 blocks export/rtn.py's), checked against the fp32 graph with the per-dtype tolerance of export.verify; the top-1
 agreement a quantized build reports; and the --quantize stage of export.build."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -274,3 +275,20 @@ def test_build_quantize_and_gqa_attention_end_to_end(tmp_path):
     r = subprocess.run([sys.executable, "-m", "export.verify", str(fused), str(out / "model.int4.onnx")],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0 and "EQUAL" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -3e38, 2.0 ** 65])
+def test_a_weight_past_the_range_is_refused_in_one_line_whatever_its_layout(bad):
+    """rtn's range check reads the blocks' scales (max |scale| x 2^(bits-1) is max |w|): a NaN, an inf or a weight
+    past QUANT_MAX_ABS is the same WeightRangeError as the check over w says it; one within the range passes."""
+    from export.quantize import QUANT_MAX_ABS, BlockQuantizer, WeightRangeError
+    q = BlockQuantizer(QuantConfig("int4"))
+    w = np.ones((64, 48), np.float32)
+    w[3, 5] = bad
+    found = "NaN or inf" if not np.isfinite(bad) else f"|w| up to {abs(bad):.3g}"
+    for laid in (w, np.asfortranarray(w)):
+        with pytest.raises(WeightRangeError, match=rf"^x: expected finite weights of magnitude <= 1.84e\+19 to "
+                                                   rf"quantize to int4, found {re.escape(found)} "):
+            q.blocks("MatMul", laid, 4, "x")
+    w[3, 5] = QUANT_MAX_ABS
+    assert len(q.blocks("MatMul", w, 4, "x")) == 2
