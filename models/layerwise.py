@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from core.contract import CACHE_KINDS, cache_name, present_name
-from models.decoder import embed_tokens, finish_logits, rotary_embeddings, step_inputs
+from models.decoder import StepInputs, embed_tokens, finish_logits, rotary_embeddings, step_inputs
 
 
 def used_slots(steps) -> int:
@@ -58,35 +58,51 @@ class ModelParts:
         return ln_f, self.source.tensor("lm_head.weight"), None
 
 
-def one_forward(steps) -> list:
+def one_forward(steps, switch: int | None = None) -> list:
     """A session's Steps as one Step when each starts, on every row, where the previous one ended (their tokens
-    side by side from the first step's slots); else the Steps as they are."""
+    side by side from the first step's slots); else the Steps as they are. `switch`: longrope's switch length
+    (a forward reaching past it reads the long factors; long_switch), which the one Step must not reach past
+    where a step alone would not."""
     from core.decode import Step
     follow = all(np.array_equal(b.position, a.position + a.input_ids.shape[1]) for a, b in zip(steps, steps[1:]))
-    if len(steps) == 1 or not follow:
+    if len(steps) == 1 or not follow or (switch is not None and used_slots(steps) > switch):
         return list(steps)
     return [Step(np.concatenate([s.input_ids for s in steps], axis=1), steps[0].position)]
 
 
-class _Plan:
-    """What a layerwise run computes for its sessions, each row once. A session run as one forward is cut into
-    its rows; a row whose tokens begin another row's from the same slot is that row's beginning (causal: a
-    token's outputs depend on the tokens up to it alone), so the build's real-text rows and the transformers
-    check's row are the first tokens of the agreement prompt's row. `runs`: the sessions to run (a row each,
-    then the sessions whose steps do not follow each other, as they are); `outputs` puts their outputs back
-    into the sessions asked for."""
+def long_switch(rotaries: dict) -> int | None:
+    """The length past which a forward's rotary tables change (longrope's long factors; None: never)."""
+    return min((r.switch_after for r in rotaries.values() if r.switch_after is not None), default=None)
 
-    def __init__(self, sessions):
+
+class _Plan:
+    """What a layerwise run computes for its sessions, each row once, in as few forwards as it can.
+
+    A session run as one forward (one_forward) is cut into its rows; a row whose tokens begin another row's from
+    the same slot is that row's beginning (causal: a token's outputs depend on the tokens up to it alone), so the
+    build's real-text rows and the transformers check's row are the first tokens of the agreement prompt's row.
+    The rows left from slot 0 run side by side in ONE sequence (`packed`: packed_inputs keeps each to itself), so
+    every weight is read once for all their tokens; `separate`: what runs as it is (the sessions whose steps do
+    not follow each other, and the other rows, one a session). `outputs` puts the outputs back into the sessions
+    asked for."""
+
+    def __init__(self, sessions, switch: int | None):
         from core.decode import Step
         self.sessions = sessions
-        self.forwards = [one_forward(steps) for steps in sessions]
+        self.forwards = [one_forward(steps, switch) for steps in sessions]
         rows = [(s, b) for s, f in enumerate(self.forwards) if len(f) == 1 for b in range(f[0].input_ids.shape[0])]
         self.host = {row: self._longest(row, rows) for row in rows}
         hosts = list(dict.fromkeys(self.host.values()))
-        self.run_of = {h: k for k, h in enumerate(hosts)}
-        self.runs = [[Step(self._ids(h)[None], np.array([self._start(h)], np.int64))] for h in hosts]
-        self.whole = {s: len(self.runs) + k for k, s in enumerate(s for s, f in enumerate(self.forwards) if len(f) > 1)}
-        self.runs += [self.forwards[s] for s in self.whole]
+        # packed: the rows from slot 0 (a row from slot p > 0 also attends to the p slots before it, empty in
+        # its own forward: it runs alone) that stay short of longrope's switch
+        self.pack = [h for h in hosts if self._start(h) == 0 and (switch is None or len(self._ids(h)) <= switch)]
+        self.alone = [h for h in hosts if h not in self.pack]
+        self.rows = [(0, len(self._ids(h))) for h in self.pack]                    # (first slot, tokens)
+        self.whole = {s: k for k, s in enumerate(s for s, f in enumerate(self.forwards) if len(f) > 1)}
+        self.packed = [Step(np.concatenate([self._ids(h) for h in self.pack])[None], np.zeros(1, np.int64))] \
+            if self.pack else None
+        self.separate = [self.forwards[s] for s in self.whole] + \
+            [[Step(self._ids(h)[None], np.array([self._start(h)], np.int64))] for h in self.alone]
 
     def _ids(self, row) -> np.ndarray:
         s, b = row
@@ -104,18 +120,36 @@ class _Plan:
                     and np.array_equal(self._ids(o)[:len(ids)], ids)]
         return min(covering, key=lambda o: (-len(self._ids(o)), o))
 
-    def outputs(self, ran: list[list[dict]]) -> list[list[dict]]:
-        """Every session's outputs (layerwise_run's) from the runs' (`ran`: per run, per step, its own slots)."""
+    def outputs(self, separate: list[list[dict]], packed: list[dict] | None) -> list[list[dict]]:
+        """Every session's outputs (layerwise_run's) from those of `separate` and of the packed forward (each run's
+        per step, its caches cut to its own slots)."""
+        hosts = dict(zip(self.pack, self._unpacked(packed[0]) if packed is not None else []))
+        hosts.update(zip(self.alone, (run[0] for run in separate[len(self.whole):])))
         out = []
         for s, steps in enumerate(self.sessions):
             if s in self.whole:
-                out.append(ran[self.whole[s]])
+                out.append(separate[self.whole[s]])
                 continue
-            rows = [self._row_outputs(ran[self.run_of[self.host[(s, b)]]][0], (s, b), used_slots(steps))
+            rows = [self._row_outputs(hosts[self.host[(s, b)]], (s, b), used_slots(steps))
                     for b in range(steps[0].input_ids.shape[0])]
             merged = {name: np.concatenate([r[name] for r in rows]) for name in rows[0]}
             out.append(_split(merged, steps))
         return out
+
+    def _unpacked(self, packed: dict) -> list[dict]:
+        """Each host row's outputs out of the packed forward's: its tokens' logits, and caches [1, H, first slot +
+        tokens, D] holding its keys and values at its own slots."""
+        hosts, offset = [], 0
+        for start, n in self.rows:
+            got = {"logits": packed["logits"][:, offset:offset + n]}
+            for name, cache in packed.items():
+                if name != "logits":
+                    mine = np.zeros(cache.shape[:2] + (start + n,) + cache.shape[3:], cache.dtype)
+                    mine[:, :, start:] = cache[:, :, offset:offset + n]
+                    got[name] = mine
+            hosts.append(got)
+            offset += n
+        return hosts
 
     def _row_outputs(self, host: dict, row, used: int) -> dict:
         """One row's outputs out of its host row's: the first tokens' logits; in the caches, the slots the row
@@ -159,6 +193,23 @@ def _batched(sessions) -> tuple[list, list[tuple[int, int, int]]]:
     return merged, where
 
 
+def packed_inputs(cfg, rotaries: dict, rows: list[tuple[int, int]]) -> StepInputs:
+    """The inputs of one forward of `rows` ((first slot, tokens) each) side by side in one sequence from slot 0,
+    cache slot k holding the sequence's k-th token: each token at its own position, attending to its own row's
+    tokens up to it (on a sliding layer, those within the window), the rule step_inputs makes for each row alone."""
+    pos = torch.cat([torch.arange(start, start + n) for start, n in rows])                  # [L]
+    row = torch.cat([torch.full((n,), r) for r, (_, n) in enumerate(rows)])
+    key_pos = torch.full((cfg.max_seq_len,), -1)
+    key_row = torch.full((cfg.max_seq_len,), -1)
+    key_pos[:len(pos)], key_row[:len(row)] = pos, row
+    mask = (key_row[None, :] == row[:, None]) & (key_pos[None, :] <= pos[:, None])          # [L, S]
+    sliding = None
+    if cfg.sliding_layers:
+        sliding = (mask & (key_pos[None, :] > pos[:, None] - cfg.sliding_window))[None, None]
+    used = {cfg.rope_kind(i) for i in range(cfg.n_layer)} - {None}
+    return StepInputs(cfg, pos[None], mask[None, None], sliding, {k: rotaries[k](pos[None]) for k in sorted(used)})
+
+
 @torch.no_grad()
 def layerwise_run(source, sessions, dtype: torch.dtype = torch.float32, parts: ModelParts | None = None,
                   log=None) -> list[list[dict[str, np.ndarray]]]:
@@ -166,25 +217,34 @@ def layerwise_run(source, sessions, dtype: torch.dtype = torch.float32, parts: M
     every step and, on the last step, present_key_i / present_value_i cut to the slots written
     ([B, H_kv, used_slots, D]). `parts`: where the weights come from (default: the checkpoint's).
     `log`: called with one progress line per block (a 1B model's reference takes a minute).
-    Sessions run side by side (_batched), over caches as long as the slots they write (attention over
-    the slots past them, always masked, would cost as much as the rest)."""
-    plan = _Plan(sessions)
-    merged, where = _batched(plan.runs)
-    outs = _run(source, merged, dtype, parts or ModelParts(source), log, len(sessions))
-    return plan.outputs([[{name: np.ascontiguousarray(value[row:row + rows] if name == "logits" else
-                                                      value[row:row + rows, :, :used_slots(steps)])
-                           for name, value in step.items()} for step in outs[g]]
-                         for (g, row, rows), steps in zip(where, plan.runs)])
-
-
-def _run(source, sessions, dtype, parts: ModelParts, log, labelled: int) -> list[list[dict[str, np.ndarray]]]:
+    The rows run packed in one sequence where they can (_Plan), the rest side by side (_batched), over caches
+    as long as the slots they write (attention over the slots past them, always masked, would cost as much as
+    the rest)."""
     cfg = source.cfg
-    short = replace(cfg, max_seq_len=max(used_slots(steps) for steps in sessions))    # masks and caches
+    rotaries = rotary_embeddings(cfg)       # the model's (longrope's switch reads its capacity); the skeleton's
+    plan = _Plan(sessions, long_switch(rotaries))
+    merged, where = _batched(plan.separate)
+    runs = merged + ([plan.packed] if plan.packed is not None else [])
+    short = replace(cfg, max_seq_len=max(used_slots(steps) for steps in runs))          # masks and caches
+    inputs = [[step_inputs(short, rotaries, torch.from_numpy(s.input_ids), torch.from_numpy(s.position))
+               for s in steps] for steps in merged]
+    if plan.packed is not None:
+        inputs.append([packed_inputs(short, rotaries, plan.rows)])
+    outs = _run(source, runs, inputs, short, dtype, parts or ModelParts(source), log, len(sessions))
+    cut = [[{name: np.ascontiguousarray(value[row:row + rows] if name == "logits" else
+                                        value[row:row + rows, :, :used_slots(steps)])
+             for name, value in step.items()} for step in outs[g]]
+           for (g, row, rows), steps in zip(where, plan.separate)]
+    return plan.outputs(cut, outs[-1] if plan.packed is not None else None)
+
+
+def _run(source, sessions, inputs, short, dtype, parts: ModelParts, log, labelled: int) -> list[list[dict]]:
+    """The forwards of `sessions` (lists of Steps, their StepInputs in `inputs`) block by block, over caches of
+    short.max_seq_len slots: per session, per step, its logits; the last step also its caches, cut to its slots."""
+    cfg = source.cfg
     layout = short.cache_layout()
     ids = [[torch.from_numpy(s.input_ids) for s in steps] for steps in sessions]
     pos = [[torch.from_numpy(s.position) for s in steps] for steps in sessions]
-    rotaries = rotary_embeddings(cfg)       # the model's (longrope's switch reads its capacity); the skeleton's
-    inputs = [[step_inputs(short, rotaries, i, p) for i, p in zip(ii, pp)] for ii, pp in zip(ids, pos)]
     table = parts.embedding()                                                # [V, d]
     xs = [[embed_tokens(cfg, F.embedding(i, table).to(dtype)) for i in ii] for ii in ids]   # [B, T, d] per step
     del table

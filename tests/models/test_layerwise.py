@@ -9,8 +9,9 @@ from models.layerwise import layerwise_run, one_forward
 from models.weights import model_weights
 from tests.helpers import random_model
 
-# a grouped-query, rope, sliding-window model: the masks and positions a merged forward must get right
+# a grouped-query, rope, sliding-window model: the masks and positions a merged or packed forward must get right
 MODEL = dict(pos_embedding="rope", n_kv_head=2, sliding_window=4, sliding_layers=[1], mlp="swiglu", max_seq_len=40)
+MODELS = {"rope-sliding-gqa": MODEL, "learned-positions-layernorm": dict(norm="layernorm", max_seq_len=40)}
 
 
 def stepwise(model, steps: list[Step]) -> list[dict[str, np.ndarray]]:
@@ -43,9 +44,10 @@ def sessions(vocab: int) -> list[list[Step]]:
             gap]
 
 
+@pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_layerwise_equals_the_model_step_by_step(dtype):
-    model = random_model(**MODEL).to(dtype)
+def test_layerwise_equals_the_model_step_by_step(dtype, name):
+    model = random_model(**MODELS[name]).to(dtype)
     runs = sessions(model.cfg.vocab_size)
     got = layerwise_run(model_weights(model), runs, dtype)
     for steps, outs in zip(runs, got):
