@@ -28,13 +28,15 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
+import torch.nn.functional as F
 
 from core.contract import INPUT_IDS
 from models.layerwise import ModelParts
 
 
-def initializer_array(folder: Path, t: onnx.TensorProto) -> np.ndarray:
-    """An initializer's values (4-bit types: their packed bytes), read from its external data file when it has one."""
+def initializer_array(folder: Path, t: onnx.TensorProto, copy: bool = True) -> np.ndarray:
+    """An initializer's values (4-bit types: their packed bytes), read from its external data file when it has one
+    (copy False: a read-only view of the memory-mapped file, for a caller that reads a few rows)."""
     from onnx import numpy_helper
     packed = t.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4)
     if t.data_location != onnx.TensorProto.EXTERNAL:
@@ -44,7 +46,10 @@ def initializer_array(folder: Path, t: onnx.TensorProto) -> np.ndarray:
     dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
     raw = np.memmap(folder / info["location"], dtype=np.uint8, mode="r", offset=int(info.get("offset", 0)),
                     shape=(int(info["length"]),))
-    return np.array(raw) if packed else np.frombuffer(raw, dtype=dtype).reshape(tuple(t.dims)).copy()
+    if packed:
+        return np.array(raw) if copy else raw
+    values = np.frombuffer(raw, dtype=dtype).reshape(tuple(t.dims))
+    return values.copy() if copy else values
 
 
 def _writable(a: np.ndarray) -> np.ndarray:
@@ -168,6 +173,29 @@ class GraphWeights(ModelParts):
                                                                            (v, d), block)))
         # MatMulNBits blocks [V, d/block, blob] of E^T (a tied table): their rows are the table [V, d]
         return dequantized_rows(self._array(data), self._array(scales), self.cfg.d_model, bits, block)
+
+    def embedded(self, ids: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The graph's dequantized embedding rows of the tokens asked for, those rows alone read and dequantized
+        (the whole table is ~1 GB in fp32 on a real model, for a few dozen tokens); a table whose rows do not
+        start on a byte (an int4 table of odd width) is dequantized whole."""
+        from export.rtn import dequantize_gather
+        if self.table is None:
+            return super().embedded(ids)
+        data, scales, bits, block = self.table
+        t = self.inits[data]
+        if t.data_type == onnx.TensorProto.INT4 and t.dims[1] % 2:
+            return super().embedded(ids)
+        wanted = torch.unique(torch.cat([i.reshape(-1) for i in ids]))              # sorted
+        rows = wanted.numpy()
+        codes = initializer_array(self.folder, t, copy=False)
+        row_scales = initializer_array(self.folder, self.inits[scales], copy=False)[rows]
+        if t.data_type == onnx.TensorProto.INT4:                                     # int4 codes [V, d], 2 a byte
+            d = t.dims[1]
+            table = torch.from_numpy(dequantize_gather(codes.reshape(t.dims[0], d // 2)[rows], row_scales,
+                                                       (len(rows), d), block))
+        else:                                  # MatMulNBits blocks of E^T (a tied table): row v's are B[v]
+            table = dequantized_rows(np.ascontiguousarray(codes[rows]), row_scales, self.cfg.d_model, bits, block)
+        return [F.embedding(torch.searchsorted(wanted, i), table) for i in ids]
 
     def final(self):
         top = self._top()

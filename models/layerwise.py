@@ -44,6 +44,11 @@ class ModelParts:
     def embedding(self) -> torch.Tensor:
         return self.source.tensor("wte.weight")                                  # [V, d]
 
+    def embedded(self, ids: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The embedding rows of each token-id tensor ([B, T] -> [B, T, d]); a subclass may read only those rows."""
+        table = self.embedding()
+        return [F.embedding(i, table) for i in ids]
+
     def positions(self) -> torch.Tensor:
         return self.source.tensor("wpe.weight")                                  # [S, d]
 
@@ -245,9 +250,8 @@ def _run(source, sessions, inputs, short, dtype, parts: ModelParts, log, labelle
     layout = short.cache_layout()
     ids = [[torch.from_numpy(s.input_ids) for s in steps] for steps in sessions]
     pos = [[torch.from_numpy(s.position) for s in steps] for steps in sessions]
-    table = parts.embedding()                                                # [V, d]
-    xs = [[embed_tokens(cfg, F.embedding(i, table).to(dtype)) for i in ii] for ii in ids]   # [B, T, d] per step
-    del table
+    looked_up = iter(parts.embedded([i for ii in ids for i in ii]))
+    xs = [[embed_tokens(cfg, next(looked_up).to(dtype)) for _ in ii] for ii in ids]      # [B, T, d] per step
     if cfg.pos_embedding == "learned":
         wpe = parts.positions().to(dtype)
         xs = [[x + wpe[inp.pos_ids] for x, inp in zip(xx, ii)] for xx, ii in zip(xs, inputs)]

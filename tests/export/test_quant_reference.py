@@ -140,3 +140,22 @@ def test_a_4_bit_initializer_is_read_as_its_packed_bytes(tmp_path, external):
     np.testing.assert_array_equal(data, q.data)
     np.testing.assert_array_equal(dequantize_gather(data, q.scales, q.shape, 16),
                                   dequantize_gather(q.data, q.scales, q.shape, 16))
+
+
+@pytest.mark.parametrize("source", ["zoo:dyt", "zoo:internal-taper"])
+def test_the_embedding_rows_asked_for_are_the_whole_tables_rows(tmp_path, source):
+    """GraphWeights.embedded dequantizes only the rows of the tokens asked for: the same values, bit for bit, as
+    the whole dequantized table's rows; DyT's own int4 table (GatherBlockQuantized) and the TaperNorm model's
+    tied table (the head's MatMulNBits blocks)."""
+    from export.options import BuildOptions
+    from export.pipeline import build
+    from models.weights import open_weights
+    folder = _folder(source, tmp_path)
+    build(folder, tmp_path / "out", BuildOptions(True, quantize=QuantConfig("int4")), log=lambda *a: None)
+    parts = GraphWeights(open_weights(folder), tmp_path / "out" / "model.int4.onnx")
+    assert parts.table is not None
+    ids = [torch.tensor([[5, 3, 5, 0]]), torch.tensor([[parts.cfg.vocab_size - 1], [3]])]
+    table = parts.embedding()
+    for got, i in zip(parts.embedded(ids), ids):
+        assert got.shape == i.shape + (parts.cfg.d_model,)
+        assert torch.equal(got, table[i])
