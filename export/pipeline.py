@@ -32,10 +32,10 @@ from pathlib import Path
 import numpy as np
 
 from core.build_files import REPORT
-from core.inputs import check_memory
+from core.inputs import check_memory, human_bytes
 from core.outputs import BUILD, MARKER, check_output_dir, output_dir, sign_onnx
 from export.graph_stages import make_graph
-from export.memory import build_memory, cheaper_option
+from export.memory import build_memory, cheaper_option, transformers_check_bytes
 from export.options import BuildOptions, check_dtype, check_gate, tolerance_key
 from export.reference_check import eps_approximation, real_tokens, verify_graph
 from export.report import BuildReport, ModelSummary, Stages, Verification, summary
@@ -77,7 +77,9 @@ def build(checkpoint: Path, out: Path, options: BuildOptions, log=print, source=
     stages = Stages(report, 5 + (1 if o.genai else 0) + (1 if o.kv_cache == "int8" else 0), log)
     t0 = stages.start(f"open {checkpoint} ({_source_line(source.source)}): weights read as they are written")
     stages.done("open", t0, f": {cfg.norm}{' (' + cfg.taper_scope + ')' if cfg.taper_scope else ''}, {params:,} "
-                f"params, {cfg.n_layer} layers, gate {'-' if gate is None else gate}; estimated peak {estimate.line()}")
+                f"params, {cfg.n_layer} layers, gate {'-' if gate is None else gate}; estimated peak {estimate.line()}"
+                + (f"; then the transformers check, apart: up to ~{human_bytes(transformers_check_bytes(cfg))} "
+                   "(skipped where that does not fit)" if source.source.startswith("hf:") else ""))
     for note in source.notes:
         log(f"      note: {note}")
     tokenizer = source.where / TOKENIZER if (source.where / TOKENIZER).is_file() else None

@@ -75,6 +75,11 @@ def test_build_prints_the_check_and_a_mismatch_fails_it_in_one_line(folder, tmp_
     assert main(["--fuse", "--checkpoint", str(folder), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert any(line.startswith("  transformers_vs_ours max |d logits| ") for line in printed.splitlines()), printed
+    from core.inputs import human_bytes
+    from export.memory import transformers_check_bytes
+    from models.weights import open_weights
+    need = human_bytes(transformers_check_bytes(open_weights(folder).cfg))
+    assert f"; then the transformers check, apart: up to ~{need} (skipped where that does not fit)" in printed, printed
     assert json.loads((out / "report.json").read_text())["transformers_vs_ours"]["prefill_tokens"] == 8
 
     real = check._transformers_vs_ours
