@@ -1,7 +1,9 @@
 """Exports shared by the export tests: each kind is exported and fused once per test session."""
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -21,6 +23,7 @@ KINDS = {
     "dyt": dict(norm="dyt"),
 }
 _DIR = Path(tempfile.mkdtemp(prefix="export-tests-"))
+atexit.register(shutil.rmtree, _DIR, ignore_errors=True)     # each test process made one and left it behind
 
 
 @functools.lru_cache(maxsize=None)
