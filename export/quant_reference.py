@@ -162,40 +162,34 @@ class GraphWeights(ModelParts):
         return top
 
     def embedding(self) -> torch.Tensor:
-        from export.rtn import dequantize_gather
-        if self.table is None:
-            return super().embedding()
-        data, scales, bits, block = self.table
-        t = self.inits[data]
-        if t.data_type == onnx.TensorProto.INT4:                                     # int4 codes [V, d]
-            v, d = t.dims
-            return torch.from_numpy(np.ascontiguousarray(dequantize_gather(self._array(data), self._array(scales),
-                                                                           (v, d), block)))
-        # MatMulNBits blocks [V, d/block, blob] of E^T (a tied table): their rows are the table [V, d]
-        return dequantized_rows(self._array(data), self._array(scales), self.cfg.d_model, bits, block)
+        return super().embedding() if self.table is None else self._table_rows()
 
     def embedded(self, ids: list[torch.Tensor]) -> list[torch.Tensor]:
         """The graph's dequantized embedding rows of the tokens asked for, those rows alone read and dequantized
         (the whole table is ~1 GB in fp32 on a real model, for a few dozen tokens); a table whose rows do not
         start on a byte (an int4 table of odd width) is dequantized whole."""
-        from export.rtn import dequantize_gather
-        if self.table is None:
-            return super().embedded(ids)
-        data, scales, bits, block = self.table
-        t = self.inits[data]
-        if t.data_type == onnx.TensorProto.INT4 and t.dims[1] % 2:
+        if self.table is None or (self.inits[self.table[0]].data_type == onnx.TensorProto.INT4
+                                  and self.inits[self.table[0]].dims[1] % 2):
             return super().embedded(ids)
         wanted = torch.unique(torch.cat([i.reshape(-1) for i in ids]))              # sorted
-        rows = wanted.numpy()
-        codes = initializer_array(self.folder, t, copy=False)
-        row_scales = initializer_array(self.folder, self.inits[scales], copy=False)[rows]
-        if t.data_type == onnx.TensorProto.INT4:                                     # int4 codes [V, d], 2 a byte
-            d = t.dims[1]
-            table = torch.from_numpy(dequantize_gather(codes.reshape(t.dims[0], d // 2)[rows], row_scales,
-                                                       (len(rows), d), block))
-        else:                                  # MatMulNBits blocks of E^T (a tied table): row v's are B[v]
-            table = dequantized_rows(np.ascontiguousarray(codes[rows]), row_scales, self.cfg.d_model, bits, block)
+        table = self._table_rows(wanted.numpy())
         return [F.embedding(torch.searchsorted(wanted, i), table) for i in ids]
+
+    def _table_rows(self, rows: np.ndarray | None = None) -> torch.Tensor:
+        """The graph's dequantized embedding table [V, d], or only its `rows` (read and dequantized alone):
+        GatherBlockQuantized's int4 codes [V, d], two a byte, or the head's MatMulNBits blocks [V, d/block, blob]
+        of E^T (a tied table), whose row v's blocks are B[v]."""
+        from export.rtn import dequantize_gather
+        data, scales, bits, block = self.table
+        t = self.inits[data]
+        pick = slice(None) if rows is None else rows
+        codes = initializer_array(self.folder, t, copy=False)
+        row_scales = np.array(initializer_array(self.folder, self.inits[scales], copy=False)[pick])
+        if t.data_type == onnx.TensorProto.INT4:
+            v, d = t.dims
+            picked = codes if rows is None else codes.reshape(v, d // 2)[rows]
+            return torch.from_numpy(dequantize_gather(picked, row_scales, (v if rows is None else len(rows), d), block))
+        return dequantized_rows(np.array(codes[pick]), row_scales, self.cfg.d_model, bits, block)
 
     def final(self):
         top = self._top()

@@ -157,7 +157,7 @@ def _max_abs_diffs(r: dict, g: dict, names: list[str]) -> dict[str, float]:
         if a.size == 0:
             out[n] = 0.0
             continue
-        finite = True if a.dtype.kind in "iub" else bool(np.isfinite(a).all() and np.isfinite(b).all())
+        finite = a.dtype.kind in "iu" or bool(np.isfinite(a).all() and np.isfinite(b).all())
         out[n] = float(np.abs(a - b).max()) if finite else float("inf")
     return out
 

@@ -143,17 +143,12 @@ class _Plan:
         return out
 
     def _unpacked(self, packed: dict) -> list[dict]:
-        """Each host row's outputs out of the packed forward's: its tokens' logits, and caches [1, H, first slot +
-        tokens, D] holding its keys and values at its own slots."""
+        """Each packed row's outputs out of the packed forward's: its tokens' logits and cache slots (a row from
+        slot 0: its slots are its own tokens')."""
         hosts, offset = [], 0
-        for start, n in self.rows:
-            got = {"logits": packed["logits"][:, offset:offset + n]}
-            for name, cache in packed.items():
-                if name != "logits":
-                    mine = np.zeros(cache.shape[:2] + (start + n,) + cache.shape[3:], cache.dtype)
-                    mine[:, :, start:] = cache[:, :, offset:offset + n]
-                    got[name] = mine
-            hosts.append(got)
+        for _, n in self.rows:
+            hosts.append({name: value[:, offset:offset + n] if name == "logits" else value[:, :, offset:offset + n]
+                          for name, value in packed.items()})
             offset += n
         return hosts
 
