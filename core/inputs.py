@@ -19,11 +19,13 @@ MEMORY_SHARE = 0.8
 
 
 def available_memory() -> int | None:
-    """Bytes of memory available to a new allocation (Linux MemAvailable), or None when unknown."""
+    """Bytes of memory available to a new allocation (Linux MemAvailable, and what this process's heap holds
+    free for reuse: core/heap.py), or None when unknown."""
+    from core.heap import held_free_bytes
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                return int(line.split()[1]) * 1024 + held_free_bytes()
     except (OSError, ValueError, IndexError):
         pass
     try:

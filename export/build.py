@@ -237,5 +237,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from core.heap import keep_freed_memory
     from core.lifecycle import exit_after
+    keep_freed_memory()     # a command that ends with its build: reuse freed memory, not fault it in again (core/heap.py)
     exit_after(main)

@@ -92,15 +92,3 @@ def cheaper_option(cfg, dtype: str, quantize) -> str:
         if peak <= avail:
             return f"build with {label} (needs ~{human_bytes(peak)})"
     return "use a machine with more memory"
-
-
-def release_freed_memory() -> None:
-    """Hand the heap's freed pages back to the system (glibc's malloc_trim; nothing elsewhere). The
-    reference's blocks are gone by then, but glibc keeps their pages: the Llama-3.2-1B shape's build
-    still held ~1.3 GB of them when ONNX Runtime loaded the graph, its largest stage."""
-    import ctypes
-    import ctypes.util
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):    # not glibc (musl, macOS): their allocators differ
-        pass

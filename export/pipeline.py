@@ -40,7 +40,7 @@ from export.options import BuildOptions, check_dtype, check_gate, tolerance_key
 from export.reference_check import eps_approximation, real_tokens, verify_graph
 from export.report import BuildReport, ModelSummary, Stages, Verification, summary
 from export.target import target_of
-from export.transformers_check import transformers_check, transformers_steps
+from export.transformers_check import TransformersImports, transformers_check, transformers_steps
 
 
 def build(checkpoint: Path, out: Path, options: BuildOptions, log=print, source=None) -> BuildReport:
@@ -102,10 +102,11 @@ def build(checkpoint: Path, out: Path, options: BuildOptions, log=print, source=
             report.quantized.summary.weight_bytes_after = report.weight_bytes
         del proto, lazy
         stages.done("write", t0, f": {report.weight_bytes / 1e9:.2f} GB of weights")
-        ours = verify_graph(source, tmp / name, report, stages, o.dtype, quantize, tokens,
-                            same_start=o.attention == "gqa", also=transformers_steps(source, tokens))
+        imports = TransformersImports(source)
+        ours = verify_graph(source, tmp / name, report, stages, o.dtype, quantize, tokens, same_start=o.attention == "gqa",
+                            also=transformers_steps(source, tokens), meanwhile=imports.start)
         report.eps_approximation = eps_approximation(source, tmp / name, tokens, o.attention == "gqa")
-        transformers_check(source, report, stages.log, tokens, ours)
+        transformers_check(source, report, stages.log, tokens, ours, imports)
         if o.kv_cache == "int8":        # on the graph just verified with its fp32 cache (export/kv_int8.py)
             from export.kv_int8 import int8_cache
             t0 = stages.start(f"int8 KV cache: scales calibrated on {name} (fp32 cache), then checked against it"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from export.memory import release_freed_memory
+from core.heap import release_freed_memory
 from export.options import tolerance_key
 from export.report import BuildReport, QuantDrift, QuantTolerance, Stages
 
@@ -72,11 +72,13 @@ def quantized_drift(float_runs, runs, agree: float, n: int, prompt: str) -> Quan
 
 def verify_graph(source, path: Path, report: BuildReport, stages: Stages, dtype: str, quantize,
                  tokens: list[int] | None, same_start: bool, trained: bool = True,
-                 also: list | None = None) -> list[dict] | None:
+                 also: list | None = None, meanwhile=None) -> list[dict] | None:
     """The written graph against the torch reference, block by block (see the module doc); into
     report.verification.graph_vs_torch (and report.quantized's drift and tolerance for a quantized graph).
     `also`: a session (Steps) the fp32 reference runs beside its own (the transformers check's): its outputs,
-    or None when the reference computes in another dtype (an fp16 graph's) or there is none."""
+    or None when the reference computes in another dtype (an fp16 graph's) or there is none. `meanwhile`: called
+    as ONNX Runtime's check starts, for work beside it (the transformers check's imports: ONNX Runtime leaves
+    the GIL free while it computes)."""
     from core.contract import contract_of
     from export.conventions import run_onnx, verification_sessions
     from export.verify import VerificationError, compare_sessions, ort_session
@@ -107,6 +109,8 @@ def verify_graph(source, path: Path, report: BuildReport, stages: Stages, dtype:
     release_freed_memory()
     t0 = stages.start(f"verify {path.name} in ONNX Runtime vs the torch reference"
                       f"{' with its dequantized weights; drift and top-1 vs the float model' if quantize else ''}")
+    if meanwhile is not None:
+        meanwhile()
     sess = ort_session(checked, threads=0)        # every core: the 128-token agreement prompt is most of the stage
     runs = [run_onnx(sess, iface, s, trim=used_slots(s)) for s in steps]
     agreement_runs = [run_onnx(sess, iface, s, trim=used_slots(s)) for s in agreement]

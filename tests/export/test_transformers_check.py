@@ -100,3 +100,50 @@ def test_past_the_fixed_tolerance_transformers_own_rounding_is_measured(folder):
     diff, scale, prefill, steps, slack = _transformers_vs_ours(open_weights(folder), None, lambda scale: -1.0)
     assert 0 < slack < 1e-3 and diff < 1e-4 and (prefill, steps) == (8, 4)
     assert _transformers_vs_ours(open_weights(folder), None, lambda scale: 1.0)[4] == 0.0     # not run otherwise
+
+
+def test_the_checks_imports_run_beside_onnx_runtimes_check_and_are_done_before_it(folder, tmp_path, monkeypatch):
+    """The build imports transformers' model code in a background thread while ONNX Runtime verifies the graph
+    (export.transformers_check.TransformersImports), and the check waits for it before importing anything."""
+    import threading
+
+    import export.transformers_check as check
+    import export.verify
+    from export.build import main
+    seen = {}
+    real_session, real_check, real_import = export.verify.ort_session, check._transformers_vs_ours, \
+        check.TransformersImports._import
+
+    def session(*a, **k):
+        seen.setdefault("at ONNX Runtime", [t.name for t in threading.enumerate()])
+        return real_session(*a, **k)
+
+    def compared(*a, **k):
+        seen["at the check"] = [t.name for t in threading.enumerate()]
+        return real_check(*a, **k)
+    def slow_import(self):          # (a real import takes seconds; this process has transformers loaded already)
+        import time
+        time.sleep(2)
+        real_import(self)
+    monkeypatch.setattr(export.verify, "ort_session", session)
+    monkeypatch.setattr(check, "_transformers_vs_ours", compared)
+    monkeypatch.setattr(check.TransformersImports, "_import", slow_import)
+    assert main(["--fuse", "--checkpoint", str(folder), "--out", str(tmp_path / "build")]) == 0
+    assert "transformers-imports" in seen["at ONNX Runtime"]        # started as ONNX Runtime's check began
+    assert "transformers-imports" not in seen["at the check"]       # and joined before the check
+
+
+def test_imports_that_fail_are_left_to_the_check(tmp_path):
+    """A folder transformers cannot read: the background thread ends quietly (the check says why it skipped)."""
+    from types import SimpleNamespace
+
+    from export.transformers_check import TransformersImports
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-model"}')
+    imports = TransformersImports(SimpleNamespace(where=tmp_path, source="hf:no-such-model"))
+    imports.wait()                  # never started: returns at once
+    imports.start()
+    imports.wait()
+    assert not imports._thread.is_alive()
+    ours = TransformersImports(SimpleNamespace(where=tmp_path, source="checkpoint"))
+    ours.start()
+    assert ours._thread is None     # a checkpoint of ours: nothing to import
