@@ -10,8 +10,9 @@ memory) and no trimming, the next buffer reuses the last one's pages.
 
 The cost: the process keeps its high-water mark until it exits, so only a command that ends with its work
 calls `keep_freed_memory` (export.build's `python -m`), never a library caller or a long-lived server, and
-core.inputs.available_memory counts what the heap holds free (`held_free_bytes`) as available. Between two
-stages the build still hands the freed pages back (`release_freed_memory`), so that a stage's peak is its own.
+core.inputs.available_memory counts what the heap holds free (`held_free_bytes`) as available. After the
+torch reference the build still hands the freed pages back (`release_freed_memory`), so that ONNX Runtime's
+stage, the build's largest, starts from what is in use.
 Where the C library is not glibc, nothing changes.
 """
 from __future__ import annotations

@@ -87,16 +87,19 @@ class TransformersImports:
 
     def __init__(self, source):
         import importlib.util
-        self.where = source.where
+        self.model_type = source.source[3:]
         wanted = source.source.startswith("hf:") and importlib.util.find_spec("transformers") is not None
         self._thread = None if not wanted else __import__("threading").Thread(
             target=self._import, name="transformers-imports", daemon=True)     # daemon: an interrupt does not wait
 
     def _import(self) -> None:
+        # modules only: the folder's config is parsed by the check itself, where transformers' warnings are quieted
+        import importlib
         try:
-            from transformers import AutoConfig
-            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-            MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(self.where))]    # (imports the model's module)
+            from transformers import AutoModelForCausalLM  # noqa: F401
+            from transformers.models.auto.configuration_auto import model_type_to_module_name
+            module = model_type_to_module_name(self.model_type)
+            importlib.import_module(f"transformers.models.{module}.modeling_{module}")
         except Exception:       # noqa: BLE001 - reported by the check itself, which imports these again
             pass
 

@@ -134,11 +134,10 @@ def test_the_checks_imports_run_beside_onnx_runtimes_check_and_are_done_before_i
 
 
 def test_imports_that_fail_are_left_to_the_check(tmp_path):
-    """A folder transformers cannot read: the background thread ends quietly (the check says why it skipped)."""
+    """A model type transformers does not know: the background thread ends quietly (the check says why it skipped)."""
     from types import SimpleNamespace
 
     from export.transformers_check import TransformersImports
-    (tmp_path / "config.json").write_text('{"model_type": "no-such-model"}')
     imports = TransformersImports(SimpleNamespace(where=tmp_path, source="hf:no-such-model"))
     imports.wait()                  # never started: returns at once
     imports.start()
