@@ -58,6 +58,20 @@ def write_checkpoint(dirpath: Path, model: Decoder) -> Path:
     return save_checkpoint(model, dirpath, tok)
 
 
+def project_sources(root: Path) -> list[tuple[Path, str]]:
+    """(path, its posix path under root) of the project's own .py files outside tests/, sorted: none under a
+    hidden folder (.git, .venv) or a virtual environment (a folder holding pyvenv.cfg: the venv/ that .gitignore
+    expects beside the code), which hold other projects' code."""
+    import os
+    found = []
+    for dirpath, dirs, files in os.walk(root):
+        here = Path(dirpath)
+        dirs[:] = [d for d in dirs if not d.startswith(".") and not (here / d / "pyvenv.cfg").exists()
+                   and not (here == root and d == "tests")]
+        found += [(here / f, (here / f).relative_to(root).as_posix()) for f in files if f.endswith(".py")]
+    return sorted(found, key=lambda pair: pair[1])
+
+
 def snapshot(root: Path) -> dict[str, object]:
     """Every path under root (hidden ones too) -> file bytes, 'dir' or the link target: byte-for-byte comparisons."""
     import os

@@ -7,6 +7,8 @@ like a cache name counts; docstrings and comments, which describe, are whole tex
 import ast
 from pathlib import Path
 
+from tests.helpers import project_sources
+
 ROOT = Path(__file__).resolve().parents[2]
 HOME = "core/contract.py"
 NAMES = ("input_ids", "position", "logits_from")   # exact literals
@@ -40,9 +42,8 @@ def _hits(path: Path):
 def spellings(root: Path = ROOT) -> list[str]:
     """'path:line name' for every contract-name literal outside core/contract.py and the allow-list."""
     found = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if rel.startswith(("tests/", ".")) or "/." in rel or rel == HOME:
+    for path, rel in project_sources(root):
+        if rel == HOME:
             continue
         found += [f"{rel}:{line} {name!r}" for line, name in _hits(path) if (rel, name) not in ALLOWED]
     return found

@@ -4,6 +4,8 @@ core/outputs.py, so a change to either rule is one edit. A call found elsewhere 
 import ast
 from pathlib import Path
 
+from tests.helpers import project_sources
+
 ROOT = Path(__file__).resolve().parents[2]
 # (module, function) -> the one file allowed to call it
 HOMES = {("onnx", "save"): "core/onnx_writer.py", ("onnx", "save_model"): "core/onnx_writer.py",
@@ -12,10 +14,7 @@ HOMES = {("onnx", "save"): "core/onnx_writer.py", ("onnx", "save_model"): "core/
 
 def calls_outside_their_home(root: Path = ROOT) -> list[str]:
     found = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if rel.startswith(("tests/", ".")) or "/." in rel:
-            continue
+    for path, rel in project_sources(root):
         for node in ast.walk(ast.parse(path.read_text(), rel)):
             f = getattr(node, "func", None)
             if isinstance(node, ast.Call) and isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name):
