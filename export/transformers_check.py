@@ -87,10 +87,11 @@ class TransformersImports:
 
     def __init__(self, source):
         import importlib.util
-        self.model_type = source.source[3:]
+        import threading
+        self.model_type = source.source[3:]     # ("hf:<model_type>")
         wanted = source.source.startswith("hf:") and importlib.util.find_spec("transformers") is not None
-        self._thread = None if not wanted else __import__("threading").Thread(
-            target=self._import, name="transformers-imports", daemon=True)     # daemon: an interrupt does not wait
+        self._thread = threading.Thread(target=self._import, name="transformers-imports",
+                                        daemon=True) if wanted else None    # daemon: an interrupt does not wait
 
     def _import(self) -> None:
         # modules only: the folder's config is parsed by the check itself, where transformers' warnings are quieted
